@@ -1,0 +1,1 @@
+"""rloo-service: the HTTP API, settings and database layer. Never imports torch."""

@@ -1,0 +1,225 @@
+"""Data access: keyword-only functions shared by the API, the worker and the CLI.
+
+Functions take a session and never commit unless their name says a state change that must be
+atomic on its own (``claim_job``, ``finish_job`` …): those are single conditional UPDATEs, so two
+processes racing on the same row cannot both win.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from service.models import ApiKey, Checkpoint, File, Job, JobEvent, JobMetric, Project, now
+
+FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+KEY_PREFIX = "rloo-"
+
+
+# Projects and keys -------------------------------------------------------------------------------
+def get_or_create_project(*, session: Session, name: str) -> Project:
+    project = session.scalar(select(Project).where(Project.name == name))
+    if project is None:
+        project = Project(name=name)
+        session.add(project)
+        session.flush()
+    return project
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_api_key(*, session: Session, project: Project, name: str = "") -> tuple[ApiKey, str]:
+    """Create a key; returns the row and the secret, which is never stored and shown only now."""
+    secret = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(project_seq=project.seq, name=name, prefix=secret[:12], key_hash=hash_key(secret))
+    session.add(row)
+    session.flush()
+    return row, secret
+
+
+def authenticate(*, session: Session, secret: str) -> Project | None:
+    digest = hash_key(secret)
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
+    # The lookup is by digest (an index probe); compare again in constant time so that no timing
+    # difference tells an attacker how much of a digest matched.
+    if row is None or row.revoked_at is not None or not hmac.compare_digest(row.key_hash, digest):
+        return None
+    return row.project
+
+
+def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:
+    rows = session.scalars(
+        select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
+    ).all()
+    for row in rows:
+        row.revoked_at = row.revoked_at or now()
+    return len(rows)
+
+
+def list_api_keys(*, session: Session, project: Project | None = None) -> Sequence[ApiKey]:
+    stmt = select(ApiKey).order_by(ApiKey.seq)
+    if project is not None:
+        stmt = stmt.where(ApiKey.project_seq == project.seq)
+    return session.scalars(stmt).all()
+
+
+# Paging ------------------------------------------------------------------------------------------
+def page(
+    *, session: Session, stmt: Any, model: Any, after_seq: int | None, limit: int, newest_first: bool = True
+) -> tuple[list[Any], bool]:
+    """Apply ``?after=&limit=`` to a select over ``model``; returns (rows, has_more)."""
+    if after_seq is not None:
+        stmt = stmt.where(model.seq < after_seq if newest_first else model.seq > after_seq)
+    stmt = stmt.order_by(model.seq.desc() if newest_first else model.seq.asc()).limit(limit + 1)
+    rows = list(session.scalars(stmt).all())
+    return rows[:limit], len(rows) > limit
+
+
+# Files -------------------------------------------------------------------------------------------
+def get_file(*, session: Session, project: Project, file_id: str) -> File | None:
+    return session.scalar(select(File).where(File.id == file_id, File.project_seq == project.seq))
+
+
+def get_file_by_id(*, session: Session, project_seq: int, file_id: str) -> File | None:
+    return session.scalar(select(File).where(File.id == file_id, File.project_seq == project_seq))
+
+
+def files_in_use(*, session: Session, file_id: str) -> bool:
+    stmt = select(Job.seq).where(
+        (Job.training_file == file_id) | (Job.validation_file == file_id),
+        Job.status.in_(("validating_files", "queued", "running", "paused")),
+    )
+    return session.scalar(stmt.limit(1)) is not None
+
+
+# Jobs --------------------------------------------------------------------------------------------
+def get_job(*, session: Session, project: Project, job_id: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.id == job_id, Job.project_seq == project.seq))
+
+
+def get_job_by_id(*, session: Session, job_id: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.id == job_id))
+
+
+def add_event(
+    *,
+    session: Session,
+    job: Job,
+    message: str,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    event = JobEvent(job_seq=job.seq, message=message, level=level, type=type, data=data)
+    session.add(event)
+    return event
+
+
+def set_status(
+    *, session: Session, job: Job, to: str, from_: Sequence[str], **values: Any
+) -> bool:
+    """Move ``job`` to ``to`` only if it is in one of ``from_``; one conditional UPDATE, committed.
+
+    Returns False, changing nothing, when another process moved the job first.
+    """
+    if to in FINAL_STATUSES:
+        values.setdefault("finished_at", now())
+    result = session.execute(
+        update(Job)
+        .where(Job.seq == job.seq, Job.status.in_(tuple(from_)))
+        .values(status=to, **values)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    session.refresh(job)
+    return bool(result.rowcount)
+
+
+def claim_job(*, session: Session, job_id: str, worker: str) -> Job | None:
+    """Atomically take a queued job for this worker: UPDATE … WHERE status = 'queued'.
+
+    A task delivered twice finds the row already running and gets None: redelivery is harmless.
+    """
+    t = time.time()
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued")
+        .values(
+            status="running",
+            worker=worker,
+            heartbeat_at=t,
+            started_at=int(t),
+            attempts=Job.attempts + 1,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    if not result.rowcount:
+        return None
+    return get_job_by_id(session=session, job_id=job_id)
+
+
+def record_progress(*, session: Session, job: Job, step: int, trained_tokens: int) -> str:
+    """Heartbeat and progress in one UPDATE; returns the status the row has now.
+
+    The worker calls this between steps and stops when the answer is not ``running`` (a cancel).
+    """
+    session.execute(
+        update(Job)
+        .where(Job.seq == job.seq, Job.status == "running")
+        .values(step=step, trained_tokens=trained_tokens, heartbeat_at=time.time())
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return session.scalar(select(Job.status).where(Job.seq == job.seq)) or "missing"
+
+
+# Metrics and checkpoints ---------------------------------------------------------------------------
+def upsert_metrics(*, session: Session, job: Job, step: int, data: dict[str, Any]) -> None:
+    """Insert the step's metrics, or overwrite them if the step ran before (a replay after a crash)."""
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = insert(JobMetric).values(job_seq=job.seq, step=step, data=data, created_at=now())
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["job_seq", "step"], set_={"data": stmt.excluded.data, "created_at": stmt.excluded.created_at}
+    )
+    session.execute(stmt)
+
+
+def list_metrics(*, session: Session, job: Job) -> Sequence[JobMetric]:
+    return session.scalars(select(JobMetric).where(JobMetric.job_seq == job.seq).order_by(JobMetric.step)).all()
+
+
+def add_checkpoint(
+    *, session: Session, job: Job, step: int, path: str, name: str, metrics: dict[str, Any]
+) -> Checkpoint:
+    existing = session.scalar(
+        select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step)
+    )
+    if existing is not None:  # a replayed step rewrote the same directory
+        existing.path, existing.metrics, existing.fine_tuned_model_checkpoint = path, metrics, name
+        return existing
+    ckpt = Checkpoint(job_seq=job.seq, step_number=step, path=path, fine_tuned_model_checkpoint=name, metrics=metrics)
+    session.add(ckpt)
+    return ckpt
+
+
+def get_checkpoint(*, session: Session, job: Job, checkpoint_id: str) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.job_seq == job.seq))
+
+
+def latest_checkpoint(*, session: Session, job: Job) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint).where(Checkpoint.job_seq == job.seq).order_by(Checkpoint.step_number.desc()).limit(1)
+    )

@@ -1,0 +1,66 @@
+"""Engine and sessions. SQLite gets WAL and a busy timeout so the API and a worker share one file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.settings import get_settings
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+            cur.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes under WAL
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    # pool_pre_ping: a database that restarted must not cost the next request a 500.
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+@lru_cache
+def get_engine() -> Engine:
+    return make_engine(get_settings().database_url)
+
+
+@lru_cache
+def _sessionmaker() -> sessionmaker[Session]:
+    return sessionmaker(bind=get_engine(), expire_on_commit=False)
+
+
+def get_session() -> Iterator[Session]:
+    """FastAPI dependency: one session a request."""
+    with _sessionmaker()() as session:
+        yield session
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A session for the worker and the CLI; the caller commits."""
+    with _sessionmaker()() as session:
+        yield session
+
+
+def reset_caches() -> None:
+    """Forget engine and settings (tests that change the environment call this)."""
+    if get_engine.cache_info().currsize:
+        get_engine().dispose()
+    get_engine.cache_clear()
+    _sessionmaker.cache_clear()
+    get_settings.cache_clear()

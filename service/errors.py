@@ -1,0 +1,96 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("rloo.api")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(what: str, id_: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No {what} with id '{id_}' in this project.", param=param, code="not_found")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
+    # Pydantic adds the tag or the model name for unions; they mean nothing to a user.
+    parts = [p for p in parts if not p.startswith(("function-", "tagged-union", "lax-or-strict"))]
+    return ".".join(parts) or None
+
+
+def _validation_message(err: dict[str, Any], param: str | None) -> str:
+    msg = err.get("msg", "invalid value")
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return f"Unknown parameter '{param}'. Remove it, or check its spelling against the API reference."
+    if kind == "missing":
+        return f"Missing required parameter '{param}'."
+    if kind == "json_invalid":
+        return "The request body is not valid JSON."
+    return f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        return JSONResponse(error_body(400, _validation_message(first, param), param, "invalid_value"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        if exc.status_code == 404 and message == "Not Found":
+            message = "Unknown URL. See /docs for the API reference."
+        return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, "Internal server error.", code="internal_error"), 500)

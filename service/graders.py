@@ -1,0 +1,1134 @@
+"""Graders: the reward specs of a fine-tuning job, parsed, validated and run on batches.
+
+A grader scores one completion (``sample``) of one training-file line (``item``) as a float, with
+OpenAI's RFT grader shapes (``string_check``, ``text_similarity``, ``multi``, ``python``) plus
+``reward_model``, a Hugging Face sequence classifier that the worker runs.
+
+Why this module looks the way it does:
+
+* The API process imports it to validate a spec at job creation (and for ``/graders/validate`` and
+  ``/graders/run``), so it is pure Python: no torch, transformers or numpy.
+* Every mistake a user can make is a ``GraderError`` carrying the dotted path (``param``) of the
+  offending field and a message saying what to change.
+* ``calculate_output`` is user text, so it is parsed by a small hand-written tokenizer and
+  recursive-descent parser into our own expression nodes, which we interpret ourselves. Python's
+  ``eval``/``exec``/``compile`` never see it, and length and nesting are bounded so hostile input
+  cannot exhaust the stack.
+* A completion that cannot be scored (missing template key, non-finite value, division by zero) gets
+  a NaN reward, never an exception: RLOO leaves NaN out of its group's baseline (see RLOO.md), and
+  one bad sample must not kill a training step.
+* Scoring is batched so that reward-model leaves cost one forward pass per batch, not per sample.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import ClassVar
+
+from rapidfuzz import fuzz
+
+__all__ = [
+    "GradeResult",
+    "Grader",
+    "GraderError",
+    "ModelScorer",
+    "MultiGrader",
+    "PythonGrader",
+    "RewardModelGrader",
+    "Sample",
+    "StringCheckGrader",
+    "TemplateKeyError",
+    "TextSimilarityGrader",
+    "TEXT_SIMILARITY_METRICS",
+    "grade_batch",
+    "grade_one",
+    "grader_to_dict",
+    "is_model_grader",
+    "parse_grader",
+    "referenced_item_keys",
+    "render",
+    "render_reward_model_inputs",
+    "template_item_keys",
+]
+
+NAN = float("nan")
+
+MAX_FORMULA_LENGTH = 1000
+"""Longest ``calculate_output`` accepted, in characters: a reward formula is one line, not a program."""
+
+MAX_FORMULA_DEPTH = 50
+"""Deepest nesting of parentheses, calls and unary signs in ``calculate_output``; bounds recursion."""
+
+MAX_GRADER_DEPTH = 8
+"""Deepest nesting of ``multi`` graders; bounds recursion on a hostile JSON spec."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+class GraderError(ValueError):
+    """A grader spec the user must fix (or a grader that cannot run here).
+
+    ``param`` is the dotted path of the offending field, as the API reports it in its error body
+    (``method.reinforcement.grader.graders.correct.operation``), so a user can find the field.
+    """
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class TemplateKeyError(KeyError):
+    """A template referenced a key that this sample's item or completion lacks.
+
+    Raised at grading time, not parse time: the key may exist on most lines and be missing on one.
+    Grading turns it into a NaN reward for that sample. Subclasses ``KeyError`` because that is what
+    it is; ``__str__`` is overridden since ``KeyError`` would quote the whole message.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _describe(value: object) -> str:
+    """A short, JSON-flavoured name of a value's type for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    return type(value).__name__
+
+
+# --------------------------------------------------------------------------------------------------
+# Samples and templates
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One completion to grade, as templates see it (``{{ sample.output_text }}``)."""
+
+    output_text: str
+
+    @cached_property
+    def output_json(self) -> object | None:
+        """The completion parsed as JSON, or None when it is not JSON.
+
+        Cached because every template of every grader in a ``multi`` tree may ask for it.
+        """
+        try:
+            return json.loads(self.output_text)
+        except (ValueError, TypeError):
+            return None
+
+
+_TEMPLATE_OPEN = "{{"
+_TEMPLATE_CLOSE = "}}"
+_SAMPLE_FIELDS = ("output_text", "output_json")
+
+
+def _template_refs(template: str) -> list[tuple[int, int, str]]:
+    """``(start, end, path)`` for each ``{{ path }}`` in ``template``, whitespace stripped.
+
+    Raises ``ValueError`` with a message saying what to change for an unclosed ``{{`` or an empty
+    ``{{ }}``: either would otherwise be compared literally and silently earn a reward of zero on
+    every sample.
+    """
+    refs: list[tuple[int, int, str]] = []
+    pos = 0
+    while True:
+        start = template.find(_TEMPLATE_OPEN, pos)
+        if start < 0:
+            return refs
+        end = template.find(_TEMPLATE_CLOSE, start + len(_TEMPLATE_OPEN))
+        if end < 0:
+            raise ValueError(
+                f"unclosed '{{{{' at position {start}; close it with '}}}}' as in '{{{{ item.answer }}}}'"
+            )
+        path = template[start + len(_TEMPLATE_OPEN) : end].strip()
+        if not path:
+            raise ValueError(
+                f"empty '{{{{ }}}}' at position {start}; write a reference such as "
+                "'{{ item.answer }}' or '{{ sample.output_text }}'"
+            )
+        refs.append((start, end + len(_TEMPLATE_CLOSE), path))
+        pos = end + len(_TEMPLATE_CLOSE)
+
+
+def _check_path(path: str) -> list[str]:
+    """Split a template reference into segments and check its root; ``ValueError`` if malformed."""
+    parts = path.split(".")
+    if any(not p or any(ch.isspace() for ch in p) for p in parts):
+        raise ValueError(
+            f"'{{{{ {path} }}}}' is not a valid reference; use dotted keys without spaces, "
+            "such as 'item.answer' or 'sample.output_json.score'"
+        )
+    root = parts[0]
+    if root == "item":
+        return parts
+    if root == "sample":
+        if len(parts) < 2 or parts[1] not in _SAMPLE_FIELDS:
+            raise ValueError(
+                f"'{{{{ {path} }}}}' is not a sample field; use sample.output_text or "
+                "sample.output_json (optionally followed by .key)"
+            )
+        if parts[1] == "output_text" and len(parts) > 2:
+            raise ValueError(
+                f"'{{{{ {path} }}}}': sample.output_text is a string and has no keys; "
+                "use sample.output_json.KEY to read a field of a JSON completion"
+            )
+        return parts
+    raise ValueError(
+        f"'{{{{ {path} }}}}' must start with 'item.' (a field of the training-file line) or "
+        "'sample.' (the completion)"
+    )
+
+
+def _validate_template(template: str, *, param: str) -> None:
+    """Parse-time check of a template, so a typo fails job creation instead of training."""
+    try:
+        for _, _, path in _template_refs(template):
+            _check_path(path)
+    except ValueError as exc:
+        raise GraderError(str(exc), param=param) from None
+
+
+def template_item_keys(template: str) -> set[str]:
+    """The top-level ``item`` keys that ``template`` references (``{{ item.a.b }}`` gives ``a``).
+
+    Used at job creation to check every training-file line has them. Malformed references are
+    skipped here; ``parse_grader`` reports them.
+    """
+    keys: set[str] = set()
+    try:
+        refs = _template_refs(template)
+    except ValueError:
+        return keys
+    for _, _, path in refs:
+        parts = path.split(".")
+        if len(parts) >= 2 and parts[0] == "item" and parts[1]:
+            keys.add(parts[1])
+    return keys
+
+
+def _lookup(value: object, parts: list[str], *, path: str) -> object:
+    """Walk ``parts`` into ``value``; integer segments index arrays (``item.choices.0``)."""
+    walked = parts[0]
+    for part in parts[1:]:
+        if isinstance(value, Mapping):
+            if part not in value:
+                raise TemplateKeyError(
+                    f"template references {{{{ {path} }}}}, but {walked} has no key '{part}'",
+                    path=path,
+                )
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and part.isascii() and part.isdigit():
+            index = int(part)
+            if index >= len(value):
+                raise TemplateKeyError(
+                    f"template references {{{{ {path} }}}}, but {walked} has only {len(value)} elements",
+                    path=path,
+                )
+            value = value[index]
+        else:
+            raise TemplateKeyError(
+                f"template references {{{{ {path} }}}}, but {walked} is {_describe(value)}, "
+                f"which has no key '{part}'",
+                path=path,
+            )
+        walked = f"{walked}.{part}"
+    return value
+
+
+def _resolve(path: str, *, sample: Sample, item: Mapping[str, object]) -> object:
+    try:
+        parts = _check_path(path)
+    except ValueError as exc:
+        # Only reachable for templates that bypassed parse_grader; still a per-sample failure.
+        raise TemplateKeyError(str(exc), path=path) from None
+    if parts[0] == "item":
+        return _lookup(item, parts, path=path)
+    if parts[1] == "output_text":
+        return sample.output_text
+    parsed = sample.output_json
+    if parsed is None:
+        raise TemplateKeyError(
+            f"template references {{{{ {path} }}}}, but the completion is not valid JSON",
+            path=path,
+        )
+    return _lookup(parsed, ["sample.output_json", *parts[2:]], path=path)
+
+
+def _to_text(value: object) -> str:
+    """Strings as-is (no quotes), anything else as JSON, so ``{{ item.n }}`` of 42 gives ``42``."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render(template: str, *, sample: Sample, item: Mapping[str, object]) -> str:
+    """Fill ``{{ item.key }}``, ``{{ sample.output_text }}`` and ``{{ sample.output_json.key }}``.
+
+    Text outside the braces is kept literally. Raises ``TemplateKeyError`` when a referenced key is
+    missing (or the completion is not JSON for ``output_json``).
+    """
+    try:
+        refs = _template_refs(template)
+    except ValueError as exc:
+        raise TemplateKeyError(str(exc), path="") from None
+    if not refs:
+        return template
+    pieces: list[str] = []
+    pos = 0
+    for start, end, path in refs:
+        pieces.append(template[pos:start])
+        pieces.append(_to_text(_resolve(path, sample=sample, item=item)))
+        pos = end
+    pieces.append(template[pos:])
+    return "".join(pieces)
+
+
+# --------------------------------------------------------------------------------------------------
+# calculate_output: a tiny arithmetic language, parsed by hand
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Num:
+    value: float
+
+
+@dataclass(frozen=True)
+class _Name:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Unary:
+    op: str  # "-" or "+"
+    operand: _Expr
+
+
+@dataclass(frozen=True)
+class _Binary:
+    op: str  # "+", "-", "*", "/"
+    left: _Expr
+    right: _Expr
+
+
+@dataclass(frozen=True)
+class _Call:
+    func: str
+    args: tuple[_Expr, ...]
+
+
+_Expr = _Num | _Name | _Unary | _Binary | _Call
+
+# name -> (min args, max args or None for unbounded)
+_FUNCTION_ARITY: dict[str, tuple[int, int | None]] = {
+    "abs": (1, 1),
+    "clip": (3, 3),
+    "max": (1, None),
+    "min": (1, None),
+}
+_FUNCTION_USAGE = "abs(x), clip(x, lo, hi), max(a, b, ...), min(a, b, ...)"
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NUMBER = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_PUNCT = "+-*/(),"
+
+# Characters that mean the user is writing Python, with the reason it is refused.
+_REFUSED_CHARS = {
+    ".": "attribute access ('.') is not allowed",
+    "[": "subscripts ('[...]') are not allowed",
+    "]": "subscripts ('[...]') are not allowed",
+    "'": "strings are not allowed",
+    '"': "strings are not allowed",
+    ":": "':' is not allowed (no lambdas, slices or dicts)",
+    "=": "'=' is not allowed (no assignments or comparisons)",
+    "%": "'%' is not supported",
+    "{": "braces are not allowed; write sub-grader names bare, not as templates",
+    "}": "braces are not allowed; write sub-grader names bare, not as templates",
+}
+
+
+@dataclass(frozen=True)
+class _Token:
+    kind: str  # "num", "name", "op", "end"
+    text: str
+    pos: int
+
+
+def _tokenize(text: str, fail: Callable[[str], GraderError]) -> list[_Token]:
+    tokens: list[_Token] = []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch.isspace():
+            i += 1
+            continue
+        number = _NUMBER.match(text, i)
+        if number:
+            tokens.append(_Token("num", number.group(), i))
+            i = number.end()
+            continue
+        ident = _IDENTIFIER.match(text, i)
+        if ident:
+            tokens.append(_Token("name", ident.group(), i))
+            i = ident.end()
+            continue
+        if text.startswith("**", i):
+            raise fail(f"'**' (power) at position {i} is not supported; multiply instead (x * x)")
+        if text.startswith("//", i):
+            raise fail(f"'//' at position {i} is not supported; use '/'")
+        if ch in _PUNCT:
+            tokens.append(_Token("op", ch, i))
+            i += 1
+            continue
+        reason = _REFUSED_CHARS.get(ch, f"unexpected character {ch!r}")
+        raise fail(
+            f"{reason} (position {i}); use numbers, sub-grader names, + - * /, parentheses "
+            f"and {_FUNCTION_USAGE}"
+        )
+    tokens.append(_Token("end", "", len(text)))
+    return tokens
+
+
+class _FormulaParser:
+    """Recursive descent over the grammar below; every recursion step counts toward the depth cap.
+
+    ``expr  := term (('+' | '-') term)*``
+    ``term  := unary (('*' | '/') unary)*``
+    ``unary := ('-' | '+') unary | atom``
+    ``atom  := NUMBER | NAME | FUNC '(' expr (',' expr)* ')' | '(' expr ')'``
+    """
+
+    def __init__(self, text: str, names: Sequence[str], *, param: str) -> None:
+        self.text = text
+        self.names = frozenset(names)
+        self.known = ", ".join(sorted(names)) or "(none)"
+        self.param = param
+        self.tokens = _tokenize(text, self.fail)
+        self.index = 0
+        self.depth = 0
+
+    def fail(self, message: str) -> GraderError:
+        return GraderError(f"calculate_output: {message}", param=self.param)
+
+    def parse(self) -> _Expr:
+        if self.peek().kind == "end":
+            raise self.fail("the formula is empty; write e.g. '0.7 * correct + 0.3 * fluent'")
+        expr = self.expr()
+        token = self.peek()
+        if token.kind != "end":
+            raise self.fail(
+                f"unexpected {token.text!r} at position {token.pos}; expected an operator "
+                "(+ - * /) or the end of the formula"
+            )
+        return expr
+
+    def peek(self) -> _Token:
+        return self.tokens[self.index]
+
+    def advance(self) -> _Token:
+        token = self.tokens[self.index]
+        self.index += 1
+        return token
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_FORMULA_DEPTH:
+            raise self.fail(
+                f"nesting is deeper than {MAX_FORMULA_DEPTH} (parentheses, calls and signs); "
+                "simplify the formula"
+            )
+
+    def expect(self, text: str, what: str) -> None:
+        token = self.peek()
+        if token.kind != "op" or token.text != text:
+            found = "the end of the formula" if token.kind == "end" else repr(token.text)
+            raise self.fail(f"expected {what} at position {token.pos}, found {found}")
+        self.advance()
+
+    def expr(self) -> _Expr:
+        left = self.term()
+        while self.peek().kind == "op" and self.peek().text in "+-":
+            op = self.advance().text
+            left = _Binary(op, left, self.term())
+        return left
+
+    def term(self) -> _Expr:
+        left = self.unary()
+        while self.peek().kind == "op" and self.peek().text in "*/":
+            op = self.advance().text
+            left = _Binary(op, left, self.unary())
+        return left
+
+    def unary(self) -> _Expr:
+        token = self.peek()
+        if token.kind == "op" and token.text in "+-":
+            self.advance()
+            self.enter()
+            operand = self.unary()
+            self.depth -= 1
+            return _Unary(token.text, operand)
+        return self.atom()
+
+    def atom(self) -> _Expr:
+        token = self.advance()
+        if token.kind == "num":
+            value = float(token.text)
+            if not math.isfinite(value):
+                raise self.fail(f"number {token.text!r} at position {token.pos} is too large")
+            return _Num(value)
+        if token.kind == "name":
+            if self.peek().kind == "op" and self.peek().text == "(":
+                return self.call(token)
+            if token.text in _FUNCTION_ARITY:
+                raise self.fail(
+                    f"'{token.text}' at position {token.pos} is a function; call it as {token.text}(...)"
+                )
+            if token.text not in self.names:
+                raise self.fail(
+                    f"unknown name '{token.text}' at position {token.pos}; known sub-graders: {self.known}"
+                )
+            return _Name(token.text)
+        if token.kind == "op" and token.text == "(":
+            self.enter()
+            inner = self.expr()
+            self.expect(")", "')'")
+            self.depth -= 1
+            return inner
+        found = "the end of the formula" if token.kind == "end" else repr(token.text)
+        raise self.fail(f"expected a number, a sub-grader name or '(' at position {token.pos}, found {found}")
+
+    def call(self, name: _Token) -> _Expr:
+        if name.text not in _FUNCTION_ARITY:
+            what = "a sub-grader, not a function" if name.text in self.names else "not a function"
+            raise self.fail(
+                f"'{name.text}' at position {name.pos} is {what}; the functions are {_FUNCTION_USAGE}"
+            )
+        self.advance()  # "("
+        self.enter()
+        args: list[_Expr] = []
+        if not (self.peek().kind == "op" and self.peek().text == ")"):
+            args.append(self.expr())
+            while self.peek().kind == "op" and self.peek().text == ",":
+                self.advance()
+                args.append(self.expr())
+        self.expect(")", "')' or ','")
+        self.depth -= 1
+        lo, hi = _FUNCTION_ARITY[name.text]
+        if len(args) < lo or (hi is not None and len(args) > hi):
+            expected = f"exactly {lo}" if lo == hi else f"at least {lo}"
+            raise self.fail(
+                f"{name.text}() at position {name.pos} takes {expected} argument"
+                f"{'' if lo == 1 else 's'}, got {len(args)}"
+            )
+        return _Call(name.text, tuple(args))
+
+
+def _parse_formula(text: str, names: Sequence[str], *, param: str) -> _Expr:
+    if len(text) > MAX_FORMULA_LENGTH:
+        raise GraderError(
+            f"calculate_output is {len(text)} characters; the limit is {MAX_FORMULA_LENGTH}",
+            param=param,
+        )
+    return _FormulaParser(text, names, param=param).parse()
+
+
+def _evaluate(expr: _Expr, env: Mapping[str, float]) -> float:
+    """Interpret a parsed formula for one sample. NaN in, NaN out; x / 0 is NaN, not an exception."""
+    if isinstance(expr, _Num):
+        return expr.value
+    if isinstance(expr, _Name):
+        return env[expr.name]
+    if isinstance(expr, _Unary):
+        value = _evaluate(expr.operand, env)
+        return -value if expr.op == "-" else value
+    if isinstance(expr, _Binary):
+        left = _evaluate(expr.left, env)
+        right = _evaluate(expr.right, env)
+        if expr.op == "+":
+            return left + right
+        if expr.op == "-":
+            return left - right
+        if expr.op == "*":
+            return left * right
+        return NAN if right == 0 else left / right
+    args = [_evaluate(a, env) for a in expr.args]
+    # Python's min/max answer depends on argument order when one is NaN; make NaN win always.
+    if any(math.isnan(a) for a in args):
+        return NAN
+    if expr.func == "abs":
+        return abs(args[0])
+    if expr.func == "min":
+        return min(args)
+    if expr.func == "max":
+        return max(args)
+    x, lo, hi = args  # clip; with lo > hi this gives hi, as numpy.clip does
+    return min(max(x, lo), hi)
+
+
+# --------------------------------------------------------------------------------------------------
+# Text similarity metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def _fuzzy_match(text: str, reference: str) -> float:
+    """rapidfuzz ``fuzz.WRatio`` scaled to 0..1.
+
+    Why WRatio and not ``fuzz.ratio``: OpenAI documents fuzzy_match as rapidfuzz-based, and WRatio
+    is rapidfuzz's general-purpose scorer. It takes the best of the plain Indel ratio, a
+    word-order-insensitive token ratio (x0.95) and, when one string is 1.5x+ longer, a substring
+    (partial) ratio (x0.9, or x0.6 at 8x+). So "The answer is Paris" against "Paris" scores 0.9
+    instead of ratio's 0.42, which is the behaviour a reward for "says the right thing" wants.
+    No processor is applied (rapidfuzz's default), so case matters, as in ``string_check`` ``like``.
+    Identical strings score 1.0 even when both are empty (WRatio returns 0 for empty input).
+    """
+    if text == reference:
+        return 1.0
+    return fuzz.WRatio(text, reference) / 100.0
+
+
+TEXT_SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {
+    "fuzzy_match": _fuzzy_match,
+    # bleu, gleu, meteor, rouge_1..5, rouge_l, cosine: OpenAI's other metrics slot in here.
+}
+"""``evaluation_metric`` name -> ``f(input, reference) -> score``; the API lists the keys."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Grader types
+# --------------------------------------------------------------------------------------------------
+
+_STRING_CHECK_OPERATIONS = ("eq", "ne", "like", "ilike")
+
+
+@dataclass(frozen=True)
+class Grader:
+    """Base of the parsed, immutable graders. ``name`` labels its scores in metrics and errors."""
+
+    type: ClassVar[str] = ""
+    name: str
+
+    def item_keys(self) -> set[str]:
+        """Top-level ``item`` keys referenced anywhere in this grader (see ``referenced_item_keys``)."""
+        return referenced_item_keys(self)
+
+    def to_dict(self) -> dict[str, object]:
+        return grader_to_dict(self)
+
+
+@dataclass(frozen=True)
+class StringCheckGrader(Grader):
+    """1.0 if ``input`` compares true to ``reference`` under ``operation``, else 0.0.
+
+    ``eq``/``ne``: exact equality / inequality. ``like``: reference is a substring of input;
+    ``ilike``: the same, case-insensitive (OpenAI's semantics).
+    """
+
+    type: ClassVar[str] = "string_check"
+    input: str
+    reference: str
+    operation: str
+
+
+@dataclass(frozen=True)
+class TextSimilarityGrader(Grader):
+    """``TEXT_SIMILARITY_METRICS[evaluation_metric](input, reference)``, a score in 0..1."""
+
+    type: ClassVar[str] = "text_similarity"
+    input: str
+    reference: str
+    evaluation_metric: str
+
+
+@dataclass(frozen=True)
+class RewardModelGrader(Grader):
+    """A Hugging Face sequence classifier (one label) scored on the worker; only parsed here.
+
+    ``input`` is an optional template for the text the model scores; None means the completion
+    text. The worker renders it with ``render_reward_model_inputs``.
+    """
+
+    type: ClassVar[str] = "reward_model"
+    model: str
+    input: str | None = None
+
+
+@dataclass(frozen=True)
+class PythonGrader(Grader):
+    """User Python code; parsed and stored only when the operator allows it. Not run yet."""
+
+    type: ClassVar[str] = "python"
+    source: str
+
+
+@dataclass(frozen=True)
+class MultiGrader(Grader):
+    """Sub-graders combined by ``calculate_output``, a formula over their names.
+
+    ``graders`` is a tuple of ``(name, grader)`` pairs rather than a dict so the dataclass stays
+    immutable and hashable; ``graders_by_name`` gives the mapping. ``formula`` is the parsed form of
+    ``calculate_output`` and is not part of equality (it is derived from it).
+    """
+
+    type: ClassVar[str] = "multi"
+    graders: tuple[tuple[str, Grader], ...]
+    calculate_output: str
+    formula: _Expr = field(compare=False, repr=False)
+
+    @property
+    def graders_by_name(self) -> dict[str, Grader]:
+        return dict(self.graders)
+
+
+ModelScorer = Callable[[RewardModelGrader, list[Sample], list[Mapping[str, object]]], list[float]]
+"""Scores every sample of a batch with one reward model; the worker's batched forward pass."""
+
+_GRADER_CLASSES: dict[str, type[Grader]] = {
+    cls.type: cls
+    for cls in (StringCheckGrader, TextSimilarityGrader, RewardModelGrader, MultiGrader, PythonGrader)
+}
+
+# type -> (required keys, optional keys); "type" and "name" are common to all.
+_GRADER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "string_check": (("input", "reference", "operation"), ()),
+    "text_similarity": (("input", "reference", "evaluation_metric"), ()),
+    "reward_model": (("model",), ("input",)),
+    "multi": (("graders", "calculate_output"), ()),
+    "python": (("source",), ()),
+}
+
+PYTHON_GRADER_DISABLED = (
+    "the python grader is disabled on this server; the operator enables it with RLOO_ALLOW_PYTHON_GRADER=1"
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------
+
+
+def _require_str(spec: Mapping[str, object], key: str, *, param: str, kind: str) -> str:
+    value = spec[key]
+    if not isinstance(value, str):
+        raise GraderError(
+            f"{key} of a {kind} grader must be a string; got {_describe(value)}",
+            param=f"{param}.{key}",
+        )
+    return value
+
+
+def _require_nonempty(spec: Mapping[str, object], key: str, *, param: str, kind: str) -> str:
+    value = _require_str(spec, key, param=param, kind=kind)
+    if not value.strip():
+        raise GraderError(f"{key} of a {kind} grader must not be empty", param=f"{param}.{key}")
+    return value
+
+
+def _require_template(spec: Mapping[str, object], key: str, *, param: str, kind: str) -> str:
+    value = _require_str(spec, key, param=param, kind=kind)
+    _validate_template(value, param=f"{param}.{key}")
+    return value
+
+
+def parse_grader(spec: object, *, param: str = "grader", allow_python: bool = False) -> Grader:
+    """Validate a JSON-like grader spec and return its immutable parsed form.
+
+    ``param`` is the dotted path of ``spec`` in the request body; errors extend it to the exact
+    field. ``allow_python`` is the operator's ``RLOO_ALLOW_PYTHON_GRADER`` setting.
+    """
+    return _parse(spec, param=param, allow_python=allow_python, depth=0)
+
+
+def _parse(spec: object, *, param: str, allow_python: bool, depth: int) -> Grader:
+    if not isinstance(spec, Mapping):
+        raise GraderError(f"a grader must be a JSON object with a 'type'; got {_describe(spec)}", param=param)
+    types = ", ".join(sorted(_GRADER_CLASSES))
+    if "type" not in spec:
+        raise GraderError(f"type is required; use one of {types}", param=f"{param}.type")
+    kind = spec["type"]
+    if not isinstance(kind, str) or kind not in _GRADER_CLASSES:
+        got = repr(kind) if isinstance(kind, str) else _describe(kind)
+        raise GraderError(f"unknown grader type {got}; use one of {types}", param=f"{param}.type")
+    if kind == "python" and not allow_python:
+        raise GraderError(PYTHON_GRADER_DISABLED, param=f"{param}.type")
+
+    required, optional = _GRADER_KEYS[kind]
+    allowed = ("type", "name", *required, *optional)
+    unknown = [str(k) for k in spec if k not in allowed]
+    if unknown:
+        listed = ", ".join(repr(k) for k in unknown)
+        raise GraderError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {listed} in a {kind} grader; "
+            f"allowed keys: {', '.join(allowed)}",
+            param=f"{param}.{unknown[0]}",
+        )
+    for key in ("name", *required):
+        if key not in spec:
+            raise GraderError(f"{key} is required in a {kind} grader", param=f"{param}.{key}")
+
+    name = _require_nonempty(spec, "name", param=param, kind=kind)
+
+    if kind == "string_check":
+        operation = _require_str(spec, "operation", param=param, kind=kind)
+        if operation not in _STRING_CHECK_OPERATIONS:
+            raise GraderError(
+                f"operation must be one of {', '.join(_STRING_CHECK_OPERATIONS)}; got {operation!r}",
+                param=f"{param}.operation",
+            )
+        return StringCheckGrader(
+            name=name,
+            input=_require_template(spec, "input", param=param, kind=kind),
+            reference=_require_template(spec, "reference", param=param, kind=kind),
+            operation=operation,
+        )
+
+    if kind == "text_similarity":
+        metric = _require_str(spec, "evaluation_metric", param=param, kind=kind)
+        if metric not in TEXT_SIMILARITY_METRICS:
+            raise GraderError(
+                "evaluation_metric must be one of "
+                f"{', '.join(sorted(TEXT_SIMILARITY_METRICS))} on this server; got {metric!r}",
+                param=f"{param}.evaluation_metric",
+            )
+        return TextSimilarityGrader(
+            name=name,
+            input=_require_template(spec, "input", param=param, kind=kind),
+            reference=_require_template(spec, "reference", param=param, kind=kind),
+            evaluation_metric=metric,
+        )
+
+    if kind == "reward_model":
+        model = _require_nonempty(spec, "model", param=param, kind=kind)
+        template = spec.get("input")
+        if template is not None:
+            template = _require_template(spec, "input", param=param, kind=kind)
+        return RewardModelGrader(name=name, model=model, input=template)
+
+    if kind == "python":
+        return PythonGrader(name=name, source=_require_nonempty(spec, "source", param=param, kind=kind))
+
+    return _parse_multi(spec, name=name, param=param, allow_python=allow_python, depth=depth)
+
+
+def _parse_multi(
+    spec: Mapping[str, object], *, name: str, param: str, allow_python: bool, depth: int
+) -> MultiGrader:
+    if depth >= MAX_GRADER_DEPTH:
+        raise GraderError(
+            f"multi graders nest at most {MAX_GRADER_DEPTH} deep; flatten this one",
+            param=param,
+        )
+    raw = spec["graders"]
+    graders_param = f"{param}.graders"
+    # (formula name, param of the spec, spec)
+    entries: list[tuple[str, str, object]] = []
+    if isinstance(raw, Mapping):
+        for key, sub in raw.items():
+            entries.append((str(key), f"{graders_param}.{key}", sub))
+    elif isinstance(raw, (list, tuple)):
+        for i, sub in enumerate(raw):
+            sub_param = f"{graders_param}.{i}"
+            sub_name = sub.get("name") if isinstance(sub, Mapping) else None
+            if not isinstance(sub_name, str) or not sub_name.strip():
+                # Let the sub-grader's own validation produce the precise message.
+                _parse(sub, param=sub_param, allow_python=allow_python, depth=depth + 1)
+                raise GraderError("name is required", param=f"{sub_param}.name")
+            entries.append((sub_name, sub_param, sub))
+    else:
+        raise GraderError(
+            f"graders must be an object of name -> grader or an array of graders; got {_describe(raw)}",
+            param=graders_param,
+        )
+    if not entries:
+        raise GraderError("graders must contain at least one grader", param=graders_param)
+
+    graders: list[tuple[str, Grader]] = []
+    seen: set[str] = set()
+    for sub_name, sub_param, sub in entries:
+        where = f"{sub_param}.name" if isinstance(raw, (list, tuple)) else sub_param
+        if sub_name in seen:
+            raise GraderError(f"two sub-graders are named '{sub_name}'; names must be unique", param=where)
+        if not _IDENTIFIER.fullmatch(sub_name):
+            raise GraderError(
+                f"sub-grader name '{sub_name}' cannot be used in calculate_output; use letters, "
+                "digits and '_', not starting with a digit",
+                param=where,
+            )
+        if sub_name in _FUNCTION_ARITY:
+            raise GraderError(
+                f"sub-grader name '{sub_name}' is a function of calculate_output; rename it",
+                param=where,
+            )
+        if sub_name == name:
+            raise GraderError(
+                f"sub-grader name '{sub_name}' is also the multi grader's own name; rename one "
+                "(both label scores in the job's metrics)",
+                param=where,
+            )
+        seen.add(sub_name)
+        graders.append((sub_name, _parse(sub, param=sub_param, allow_python=allow_python, depth=depth + 1)))
+
+    text = _require_str(spec, "calculate_output", param=param, kind="multi")
+    formula = _parse_formula(text, [n for n, _ in graders], param=f"{param}.calculate_output")
+    return MultiGrader(name=name, graders=tuple(graders), calculate_output=text, formula=formula)
+
+
+# --------------------------------------------------------------------------------------------------
+# Introspection and serialisation
+# --------------------------------------------------------------------------------------------------
+
+
+def _leaves(grader: Grader) -> list[Grader]:
+    if isinstance(grader, MultiGrader):
+        return [leaf for _, sub in grader.graders for leaf in _leaves(sub)]
+    return [grader]
+
+
+def model_leaves(grader: Grader, param: str = "grader") -> list[tuple[RewardModelGrader, str]]:
+    """Reward-model leaves with the dotted ``param`` path of each (job creation checks their models)."""
+    if isinstance(grader, MultiGrader):
+        return [pair for name, sub in grader.graders for pair in model_leaves(sub, f"{param}.graders.{name}")]
+    return [(grader, param)] if isinstance(grader, RewardModelGrader) else []
+
+
+def referenced_item_keys(grader: Grader) -> set[str]:
+    """Top-level ``item`` keys that any template in the grader tree references.
+
+    Job creation checks each training-file line has them ("the grader references item.answer, which
+    line 3 lacks"). A python grader's references cannot be known statically and add nothing.
+    """
+    keys: set[str] = set()
+    for leaf in _leaves(grader):
+        if isinstance(leaf, (StringCheckGrader, TextSimilarityGrader)):
+            keys |= template_item_keys(leaf.input) | template_item_keys(leaf.reference)
+        elif isinstance(leaf, RewardModelGrader) and leaf.input is not None:
+            keys |= template_item_keys(leaf.input)
+    return keys
+
+
+def is_model_grader(grader: Grader) -> bool:
+    """True if any leaf is a reward model, i.e. the spec needs the worker's GPU to score."""
+    return any(isinstance(leaf, RewardModelGrader) for leaf in _leaves(grader))
+
+
+def grader_to_dict(grader: Grader) -> dict[str, object]:
+    """The JSON form of a parsed grader; ``parse_grader(grader_to_dict(g)) == g``.
+
+    ``multi`` sub-graders always come out as an object keyed by name, whichever form came in.
+    """
+    out: dict[str, object] = {"type": grader.type, "name": grader.name}
+    if isinstance(grader, StringCheckGrader):
+        out.update(input=grader.input, reference=grader.reference, operation=grader.operation)
+    elif isinstance(grader, TextSimilarityGrader):
+        out.update(
+            input=grader.input,
+            reference=grader.reference,
+            evaluation_metric=grader.evaluation_metric,
+        )
+    elif isinstance(grader, RewardModelGrader):
+        out["model"] = grader.model
+        if grader.input is not None:
+            out["input"] = grader.input
+    elif isinstance(grader, PythonGrader):
+        out["source"] = grader.source
+    elif isinstance(grader, MultiGrader):
+        out["graders"] = {name: grader_to_dict(sub) for name, sub in grader.graders}
+        out["calculate_output"] = grader.calculate_output
+    else:
+        raise TypeError(f"not a parsed grader: {grader!r}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Grading
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GradeResult:
+    """Scores of one batch, index-aligned with its samples.
+
+    ``rewards``: the reward per sample, NaN where it could not be scored.
+    ``sub_rewards``: scores per grader: for a ``multi``, each sub-grader by name (nested ones as
+    ``outer.inner``); for a single grader, ``{its name: rewards}``.
+    ``errors``: how many NaN each grader produced (root by its name, sub-graders as in
+    ``sub_rewards``); graders without NaN are left out, so a clean batch gives ``{}``.
+    """
+
+    rewards: list[float]
+    sub_rewards: dict[str, list[float]]
+    errors: dict[str, int]
+
+
+def _finite_or_nan(value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return NAN
+    return number if math.isfinite(number) else NAN
+
+
+def _render_pairs(
+    grader: StringCheckGrader | TextSimilarityGrader,
+    samples: Sequence[Sample],
+    items: Sequence[Mapping[str, object]],
+) -> list[tuple[str, str] | None]:
+    pairs: list[tuple[str, str] | None] = []
+    for sample, item in zip(samples, items, strict=True):
+        try:
+            pairs.append(
+                (
+                    render(grader.input, sample=sample, item=item),
+                    render(grader.reference, sample=sample, item=item),
+                )
+            )
+        except TemplateKeyError:
+            pairs.append(None)
+    return pairs
+
+
+def _string_check(operation: str, text: str, reference: str) -> float:
+    if operation == "eq":
+        return float(text == reference)
+    if operation == "ne":
+        return float(text != reference)
+    if operation == "like":
+        return float(reference in text)
+    return float(reference.casefold() in text.casefold())  # ilike
+
+
+def render_reward_model_inputs(
+    grader: RewardModelGrader,
+    samples: Sequence[Sample],
+    items: Sequence[Mapping[str, object]],
+) -> list[str | None]:
+    """The text a reward model scores per sample; None where the template misses a key.
+
+    For the worker's ``ModelScorer``: it should return NaN for the None entries.
+    """
+    if grader.input is None:
+        return [s.output_text for s in samples]
+    texts: list[str | None] = []
+    for sample, item in zip(samples, items, strict=True):
+        try:
+            texts.append(render(grader.input, sample=sample, item=item))
+        except TemplateKeyError:
+            texts.append(None)
+    return texts
+
+
+def _grade(
+    grader: Grader,
+    samples: Sequence[Sample],
+    items: Sequence[Mapping[str, object]],
+    model_scorer: ModelScorer | None,
+    prefix: str,
+    sub_rewards: dict[str, list[float]],
+) -> list[float]:
+    """Scores of ``grader`` on the batch; records each descendant of a multi in ``sub_rewards``."""
+    if isinstance(grader, StringCheckGrader):
+        return [
+            NAN if pair is None else _string_check(grader.operation, *pair)
+            for pair in _render_pairs(grader, samples, items)
+        ]
+    if isinstance(grader, TextSimilarityGrader):
+        metric = TEXT_SIMILARITY_METRICS[grader.evaluation_metric]
+        return [
+            NAN if pair is None else _finite_or_nan(metric(*pair))
+            for pair in _render_pairs(grader, samples, items)
+        ]
+    if isinstance(grader, RewardModelGrader):
+        if model_scorer is None:
+            raise GraderError(
+                f"reward_model grader '{grader.name}' needs its model loaded; model graders run "
+                "on the worker",
+                param=f"{prefix or grader.name}.model",
+            )
+        if not samples:
+            return []
+        scores = list(model_scorer(grader, list(samples), list(items)))
+        if len(scores) != len(samples):
+            raise ValueError(f"model_scorer returned {len(scores)} scores for {len(samples)} samples")
+        return [_finite_or_nan(s) for s in scores]
+    if isinstance(grader, PythonGrader):
+        # TODO(python grader): run `source` in a sandbox; until then it is parse-only.
+        raise GraderError(
+            f"python grader '{grader.name}' is accepted but running python graders is not "
+            "implemented yet on this server",
+            param=f"{prefix or grader.name}.source",
+        )
+    if isinstance(grader, MultiGrader):
+        columns: dict[str, list[float]] = {}
+        for name, sub in grader.graders:
+            path = f"{prefix}.{name}" if prefix else name
+            columns[name] = _grade(sub, samples, items, model_scorer, path, sub_rewards)
+            sub_rewards[path] = columns[name]
+        rewards = []
+        for i in range(len(samples)):
+            value = _evaluate(grader.formula, {name: column[i] for name, column in columns.items()})
+            rewards.append(value if math.isfinite(value) else NAN)
+        return rewards
+    raise TypeError(f"not a parsed grader: {grader!r}")
+
+
+def grade_batch(
+    grader: Grader,
+    samples: Sequence[Sample],
+    items: Sequence[Mapping[str, object]],
+    *,
+    model_scorer: ModelScorer | None = None,
+) -> GradeResult:
+    """Score a batch: ``samples[i]`` is a completion of the training line ``items[i]``.
+
+    Never raises for one bad sample (it gets NaN); raises ``GraderError`` when the grader cannot run
+    here at all (a reward model without ``model_scorer``, a python grader). Each reward-model leaf
+    calls ``model_scorer`` once with the whole batch.
+    """
+    if len(samples) != len(items):
+        raise ValueError(f"got {len(samples)} samples but {len(items)} items; pass one item each")
+    sub_rewards: dict[str, list[float]] = {}
+    rewards = _grade(grader, samples, items, model_scorer, "", sub_rewards)
+    if not isinstance(grader, MultiGrader):
+        sub_rewards = {grader.name: rewards}
+    errors: dict[str, int] = {}
+    for name, column in ((grader.name, rewards), *sub_rewards.items()):
+        count = sum(1 for r in column if math.isnan(r))
+        if count:
+            errors[name] = count
+    return GradeResult(rewards=rewards, sub_rewards=sub_rewards, errors=errors)
+
+
+def grade_one(
+    grader: Grader,
+    sample: Sample,
+    item: Mapping[str, object],
+    model_scorer: ModelScorer | None = None,
+) -> tuple[float, dict[str, float]]:
+    """Score one completion, as ``POST /graders/run`` does: ``(reward, {grader name: score})``."""
+    result = grade_batch(grader, [sample], [item], model_scorer=model_scorer)
+    return result.rewards[0], {name: column[0] for name, column in result.sub_rewards.items()}

@@ -1,0 +1,66 @@
+"""Request body limits, enforced while the body streams in (pure ASGI, so nothing is buffered first)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import error_body
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive``; an HTTPException so FastAPI's body parsing passes it through as a 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body is larger than the limit of {limit} bytes.")
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, *, max_upload_bytes: int, max_json_bytes: int) -> None:
+        self.app, self.max_upload, self.max_json = app, max_upload_bytes, max_json_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_upload if scope["path"].rstrip("/") == "/v1/files" else self.max_json
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _too_large(send, limit)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await _too_large(send, limit)
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = json.dumps(
+        error_body(413, f"The request body is larger than the limit of {limit} bytes.", None, "request_too_large")
+    ).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,86 @@
+"""The ASGI app: ``uvicorn service.main:app``. Validates, stores, answers; never imports torch."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy import func, select, text
+
+from service import errors
+from service.db import get_engine, session_scope
+from service.limits import BodyLimitMiddleware
+from service.models import Job
+from service.routes import files, graders, jobs
+from service.settings import get_settings
+
+log = logging.getLogger("rloo.api")
+
+
+@asynccontextmanager
+async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+    settings = get_settings()
+    settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    yield
+
+
+def create_app() -> FastAPI:
+    settings = get_settings()
+    app = FastAPI(
+        title="rloo-service",
+        version="0.1.0",
+        description="RLOO reinforcement fine-tuning as a service, in the shape of OpenAI's fine-tuning API.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    # Uploads are bounded while they stream, not after: a 50 GB body is refused at the first byte over.
+    app.add_middleware(BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024,
+                       max_json_bytes=8 * 1024 * 1024)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.include_router(files.router)
+    app.include_router(jobs.router)
+    app.include_router(graders.router)
+
+    @app.get("/healthz", tags=["ops"], summary="The process is alive")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"], summary="Database and broker are reachable")
+    def readyz() -> JSONResponse:
+        checks: dict[str, Any] = {}
+        try:
+            with get_engine().connect() as conn:
+                conn.execute(text("SELECT 1"))
+            checks["database"] = "ok"
+        except Exception as exc:
+            checks["database"] = f"unreachable: {type(exc).__name__}"
+        try:
+            client = redis.Redis.from_url(settings.redis_client_url, socket_timeout=1, socket_connect_timeout=1)
+            client.ping()
+            client.close()
+            checks["broker"] = "ok"
+        except Exception as exc:
+            checks["broker"] = f"unreachable: {type(exc).__name__}"
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks}, 200 if ok else 503)
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        lines = ["# HELP rloo_jobs Jobs by status.", "# TYPE rloo_jobs gauge"]
+        with session_scope() as session:
+            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+        for status in ("validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"):
+            lines.append(f'rloo_jobs{{status="{status}"}} {counts.get(status, 0)}')
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+app = create_app()

@@ -1,0 +1,150 @@
+"""The database schema: SQLAlchemy 2.0 typed models.
+
+Every table has an integer ``seq`` primary key (insertion order, used for stable paging with
+``?after=``) and, where the API shows one, a public string ``id`` such as ``ftjob-…``.
+Times are unix seconds, as the OpenAI API returns them.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# BigInteger on PostgreSQL, but INTEGER on SQLite so that the column is the rowid alias and autoincrements.
+SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Project(Base):
+    __tablename__ = "projects"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("proj"))
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class ApiKey(Base):
+    """An API key, stored as its SHA-256 digest: keys are 256-bit random, so a fast hash is safe."""
+
+    __tablename__ = "api_keys"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("key"))
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    last_used_at: Mapped[int | None] = mapped_column(BigInteger)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    project: Mapped[Project] = relationship(lazy="joined")
+
+
+class File(Base):
+    __tablename__ = "files"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("file"))
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(32), default="processed")
+    # Relative to the artifacts root, never absolute: the root can move.
+    path: Mapped[str] = mapped_column(String(1024))
+    line_count: Mapped[int] = mapped_column(Integer)
+    # {"keys": {key: lines having it}, "first_missing": {key: first line number lacking it}}
+    keys_summary: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftjob"))
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(512))
+    training_file: Mapped[str] = mapped_column(String(64), index=True)
+    validation_file: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(BigInteger)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    method: Mapped[dict[str, Any]] = mapped_column()
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column()
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int] = mapped_column(Integer)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(1024))
+    worker: Mapped[str | None] = mapped_column(String(256))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    heartbeat_at: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    started_at: Mapped[int | None] = mapped_column(BigInteger)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_jobs_project_seq_seq", "project_seq", "seq"),)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftevent"))
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    level: Mapped[str] = mapped_column(String(8), default="info")
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_job_events_job_seq_seq", "job_seq", "seq"),)
+
+
+class JobMetric(Base):
+    """One row a step. Unique on (job, step): a step replayed after a crash overwrites its row."""
+
+    __tablename__ = "job_metrics"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    data: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+    __table_args__ = (UniqueConstraint("job_seq", "step", name="uq_job_metrics_job_step"),)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftckpt"))
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"))
+    step_number: Mapped[int] = mapped_column(Integer)
+    # Relative to the artifacts root.
+    path: Mapped[str] = mapped_column(String(1024))
+    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(1024))
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+    __table_args__ = (UniqueConstraint("job_seq", "step_number", name="uq_checkpoints_job_step"),)

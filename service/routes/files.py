@@ -1,0 +1,120 @@
+"""Files: JSONL prompt datasets, streamed to disk, validated line by line."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, UploadFile
+from fastapi.responses import FileResponse
+from sqlalchemy import select
+
+from service import crud
+from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.errors import APIError, bad_request, not_found
+from service.models import File, new_id
+from service.storage import confined, store_jsonl
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+PURPOSES = ("fine-tune",)
+
+
+def file_object(f: File) -> dict[str, Any]:
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": f.created_at,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": f.status,
+        "status_details": None,
+        "expires_at": None,
+        "line_count": f.line_count,
+    }
+
+
+@router.post("", summary="Upload a JSONL prompt dataset")
+def create_file(
+    session: SessionDep,
+    project: ProjectDep,
+    settings: SettingsDep,
+    file: UploadFile,
+    purpose: Annotated[str, Form()] = "fine-tune",
+) -> dict[str, Any]:
+    if purpose not in PURPOSES:
+        raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")
+    filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_")[:255]
+    file_id = new_id("file")
+    rel = f"files/{project.id}/{file_id}.jsonl"
+    dest = confined(settings.artifacts_dir, rel)
+    summary = store_jsonl(
+        file.file, dest=dest, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+    )
+    row = File(
+        id=file_id,
+        project_seq=project.seq,
+        filename=filename,
+        purpose=purpose,
+        bytes=summary.bytes,
+        path=rel,
+        line_count=summary.lines,
+        keys_summary=summary.as_dict(),
+    )
+    try:
+        session.add(row)
+        session.commit()
+    except BaseException:
+        dest.unlink(missing_ok=True)  # no file on disk without its row
+        raise
+    return file_object(row)
+
+
+@router.get("", summary="List files")
+def list_files(session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None) -> dict[str, Any]:
+    stmt = select(File).where(File.project_seq == project.seq)
+    if purpose:
+        stmt = stmt.where(File.purpose == purpose)
+    after_seq = None
+    if paging.after:
+        anchor = crud.get_file(session=session, project=project, file_id=paging.after)
+        if anchor is None:
+            raise not_found("file", paging.after, "after")
+        after_seq = anchor.seq
+    rows, has_more = crud.page(session=session, stmt=stmt, model=File, after_seq=after_seq, limit=paging.limit)
+    return {"object": "list", "data": [file_object(f) for f in rows], "has_more": has_more,
+            "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None}
+
+
+def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:
+    f = crud.get_file(session=session, project=project, file_id=file_id)
+    if f is None:
+        raise not_found("file", file_id)
+    return f
+
+
+@router.get("/{file_id}", summary="Retrieve a file")
+def read_file(session: SessionDep, project: ProjectDep, file_id: str) -> dict[str, Any]:
+    return file_object(_get(session, project, file_id))
+
+
+@router.get("/{file_id}/content", summary="Download a file's content", response_class=FileResponse)
+def read_file_content(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> FileResponse:
+    f = _get(session, project, file_id)
+    path = confined(settings.artifacts_dir, f.path)
+    if not path.is_file():
+        raise APIError(410, f"The content of file '{file_id}' is gone from storage.", code="file_gone")
+    return FileResponse(path, media_type="application/jsonl", filename=f.filename)
+
+
+@router.delete("/{file_id}", summary="Delete a file")
+def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> dict[str, Any]:
+    f = _get(session, project, file_id)
+    if crud.files_in_use(session=session, file_id=f.id):
+        raise APIError(409, f"File '{file_id}' is used by a job that has not finished; cancel the job first.",
+                       param="file_id", code="file_in_use")
+    path = confined(settings.artifacts_dir, f.path)
+    session.delete(f)
+    session.commit()
+    path.unlink(missing_ok=True)  # after the commit: a row never points at a missing file
+    return {"id": file_id, "object": "file", "deleted": True}

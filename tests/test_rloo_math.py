@@ -1,0 +1,267 @@
+"""Hand-worked checks of the RLOO math in worker/rloo.py (spec: docs/RLOO.md). Arithmetic in comments."""
+
+import math
+
+import pytest
+import torch
+
+from worker import rloo
+
+NAN, INF = float("nan"), float("inf")
+
+
+def t(x, **kw):
+    return torch.tensor(x, dtype=torch.float64, **kw)
+
+
+def close(got, want, atol=1e-6):
+    torch.testing.assert_close(got, t(want) if not isinstance(want, torch.Tensor) else want,
+                               atol=atol, rtol=0.0)
+
+
+# ---------------------------------------------------------------- rloo_advantages
+def test_worked_example_of_the_spec():
+    # sum = 0.8 + 0.5 + 0.6 + 0.7 = 2.6; A_i = r_i - (2.6 - r_i) / 3
+    # A0 = 0.8 - 1.8/3 = 0.8 - 0.6    =  0.2
+    # A1 = 0.5 - 2.1/3 = 0.5 - 0.7    = -0.2
+    # A2 = 0.6 - 2.0/3 = 0.6 - 0.6667 = -1/15
+    # A3 = 0.7 - 1.9/3 = 0.7 - 0.6333 = +1/15
+    adv = rloo.rloo_advantages(t([[0.8, 0.5, 0.6, 0.7]]))
+    close(adv, [[0.2, -0.2, -1 / 15, 1 / 15]])
+    close(adv.sum(), 0.0)
+
+
+def test_group_sums_to_zero_and_equals_scaled_centering():
+    # sum_i A_i = S - (k*S - S)/(k-1) = 0, and A_i = k/(k-1) * (r_i - mean)
+    r = torch.rand(5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    adv = rloo.rloo_advantages(r)
+    close(adv.sum(dim=1), torch.zeros(5, dtype=torch.float64))
+    close(adv, 4 / 3 * (r - r.mean(dim=1, keepdim=True)))
+
+
+def test_layout_is_rows_prompts_columns_rollouts():
+    # B=2 prompts, k=3 rollouts. Row 0: S=6,  A = r - (6 - r)/2  -> 1-2.5, 2-2, 3-1.5 = -1.5, 0, 1.5
+    #                            Row 1: S=70, A = r - (70 - r)/2 -> 10-30, 20-25, 40-15 = -20, -5, 25
+    # Read as (k, B) the groups would be the columns {1,10}, {2,20}, {3,40}: A = -9, 9, ... instead.
+    r = t([[1.0, 2.0, 3.0], [10.0, 20.0, 40.0]])
+    adv = rloo.rloo_advantages(r)
+    close(adv, [[-1.5, 0.0, 1.5], [-20.0, -5.0, 25.0]])
+    # prompt-major flattening: completion b*k + i is row b, column i
+    close(adv.view(-1)[1 * 3 + 2], 25.0)
+
+
+def test_two_rollouts():
+    # k=2: A0 = 1 - 3 = -2, A1 = 3 - 1 = 2
+    close(rloo.rloo_advantages(t([[1.0, 3.0]])), [[-2.0, 2.0]])
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_non_finite_reward_left_out_of_baseline(bad):
+    # finite {1, 3, 5}: n=3, S=9. A = r - (9 - r)/2 -> 1-4 = -3, 3-3 = 0, 5-2 = 3; the bad one gets 0.
+    adv = rloo.rloo_advantages(t([[1.0, bad, 3.0, 5.0]]))
+    close(adv, [[-3.0, 0.0, 0.0, 3.0]])
+    close(rloo.rloo_advantages(t([[1.0, 3.0, 5.0]])), [[-3.0, 0.0, 3.0]])  # same as without it
+
+
+def test_groups_with_fewer_than_two_finite_rewards_get_zero():
+    r = t([[NAN, 2.0, NAN, NAN],     # one finite -> all 0
+           [NAN, NAN, NAN, NAN],     # none finite -> all 0
+           [INF, 7.0, -INF, NAN],    # one finite (infs count as NaN) -> all 0
+           [4.0, NAN, 2.0, INF]])    # finite {4, 2}: A = 4-2 = 2, 2-4 = -2
+    adv = rloo.rloo_advantages(r)
+    close(adv, [[0.0] * 4, [0.0] * 4, [0.0] * 4, [2.0, 0.0, -2.0, 0.0]])
+    assert torch.isfinite(adv).all()
+    close(adv.sum(dim=1), torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2, 2), ()])
+def test_rejects_non_2d(shape):
+    with pytest.raises(ValueError):
+        rloo.rloo_advantages(torch.zeros(shape))
+
+
+# ---------------------------------------------------------------- KL
+def test_kl_estimators_by_hand():
+    # d = logp - ref = [-1 - -1.5, -2 - -2, -0.5 - -0.2] = [0.5, 0, -0.3]
+    logp, ref = t([-1.0, -2.0, -0.5]), t([-1.5, -2.0, -0.2])
+    close(rloo.kl_per_token(logp, ref, "k1"), [0.5, 0.0, -0.3])
+    # k3 = exp(-d) - 1 + d: exp(-0.5) - 0.5 = 0.60653066 - 0.5 = 0.10653066; 0; exp(0.3) - 1.3 = 0.04985881
+    close(rloo.kl_per_token(logp, ref, "k3"), [0.10653066, 0.0, 0.04985881])
+    close(rloo.kl_per_token(logp, ref), [0.5, 0.0, -0.3])
+
+
+def test_k3_nonnegative_and_zero_at_zero():
+    d = torch.linspace(-5, 5, 101, dtype=torch.float64)
+    k3 = rloo.kl_per_token(d, torch.zeros_like(d), "k3")
+    assert (k3 >= 0).all()
+    assert k3[50].item() == 0.0 and d[50].item() == 0.0
+    close(k3, torch.exp(-d) - 1 + d)
+
+
+def test_sequence_kl_sums_only_masked_tokens():
+    # masked-out tokens carry huge d (100, -7) that must not show up
+    logp = t([[0.5, 0.0, 100.0], [-7.0, 0.2, -0.3]])
+    ref = torch.zeros_like(logp)
+    mask = t([[1, 1, 0], [0, 1, 1]])
+    close(rloo.sequence_kl(logp, ref, mask, "k1"), [0.5, -0.1])  # 0.5+0 ; 0.2-0.3
+    # k3: row0 0.10653066 + 0; row1 (exp(-0.2)-0.8) + (exp(0.3)-1.3) = 0.01873075 + 0.04985881
+    close(rloo.sequence_kl(logp, ref, mask, "k3"), [0.10653066, 0.06858956])
+
+
+def test_unknown_estimator_raises():
+    x = t([0.1])
+    with pytest.raises(ValueError):
+        rloo.kl_per_token(x, x, "k2")
+    with pytest.raises(ValueError):
+        rloo.sequence_kl(x[None], x[None], x[None], "kl")
+
+
+def test_kl_loss_aggregations_by_hand():
+    # k1 d = [[0.5, -0.1, (9)], [0.3, (9), (9)]], parentheses = masked out
+    logp = t([[0.5, -0.1, 9.0], [0.3, 9.0, 9.0]])
+    ref, mask = torch.zeros_like(logp), t([[1, 1, 0], [1, 0, 0]])
+    kl = lambda agg, est="k1": rloo.kl_loss(logp, ref, mask, estimator=est, aggregation=agg)  # noqa: E731
+    close(kl("token_mean"), 0.7 / 3)        # (0.5 - 0.1 + 0.3) / 3 tokens
+    close(kl("sequence_sum"), 0.35)         # mean(0.4, 0.3)
+    close(kl("sequence_mean"), 0.25)        # mean(0.4/2, 0.3/1)
+    # k3 (the default): 0.10653066 + (exp(0.1) - 1.1 = 0.00517092) ; exp(-0.3) - 0.7 = 0.04081822
+    close(rloo.kl_loss(logp, ref, mask), (0.11170158 + 0.04081822) / 2)
+
+
+# ---------------------------------------------------------------- policy_loss
+# N=3 completions, T=4: row 0 has a prompt token then 3 completion tokens; row 1 one completion token
+# between prompt and padding; row 2 two completion tokens then padding. lengths 3, 1, 2; total 6.
+MASK = [[0, 1, 1, 1], [0, 0, 1, 0], [1, 1, 0, 0]]
+ADV = [0.5, -1.0, 2.0]
+AGGS = ["sequence_sum", "token_mean", "sequence_mean"]
+
+
+def logps():
+    g = torch.Generator().manual_seed(1)
+    return (-3 * torch.rand(3, 4, generator=g, dtype=torch.float64)).requires_grad_()
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_first_pass_ratio_is_one(agg):
+    logp = logps()
+    loss, stats = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg)
+    assert stats["ratio_mean"].item() == 1.0
+    assert stats["clip_frac"].item() == 0.0
+    # sequence_*: -mean(A) = -(0.5 - 1 + 2)/3 = -0.5; token_mean: -(0.5*3 - 1*1 + 2*2)/6 = -0.75
+    close(loss.detach(), -0.75 if agg == "token_mean" else -0.5)
+
+
+@pytest.mark.parametrize("agg,denom", [
+    ("sequence_sum", [[3.0], [3.0], [3.0]]),     # N
+    ("token_mean", [[6.0], [6.0], [6.0]]),       # total mask
+    ("sequence_mean", [[9.0], [3.0], [6.0]]),    # N * len_n = 3*3, 3*1, 3*2
+])
+def test_first_pass_gradient_is_reinforce(agg, denom):
+    # d loss / d logp[n, t] = -A[n] * mask[n, t] / denom[n]
+    logp = logps()
+    loss, _ = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg)
+    loss.backward()
+    want = -t(ADV)[:, None] * t(MASK) / t(denom)
+    close(logp.grad, want)
+    # e.g. sequence_mean row 0: -0.5/9 = -0.0556; row 1: +1/3; row 2: -2/6
+    assert logp.grad[t(MASK) == 0].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_prompt_and_padding_positions_carry_no_loss(agg):
+    mask = t(MASK)
+    logp = logps()
+    old = (logp - 0.1 * torch.arange(4, dtype=torch.float64)).detach()  # ratio != 1 on purpose
+    loss1, _ = rloo.policy_loss(logp, old, t(ADV), mask, aggregation=agg)
+    loss1.backward()
+    assert logp.grad[mask == 0].abs().max().item() == 0.0
+    assert logp.grad[mask == 1].abs().min().item() > 0.0
+    moved = torch.where(mask.bool(), logp.detach(), t(5.0))  # garbage on prompt/padding positions
+    loss2, _ = rloo.policy_loss(moved, old, t(ADV), mask, aggregation=agg)
+    close(loss2, loss1.detach(), atol=1e-12)
+
+
+def one_seq(ratio, adv, agg="sequence_sum", **kw):
+    # one completion of 2 tokens; all the log-ratio on token 0
+    logp = t([[math.log(ratio), 0.0]], requires_grad=True)
+    loss, stats = rloo.policy_loss(logp, torch.zeros_like(logp), t([adv]), t([[1, 1]]),
+                                   aggregation=agg, **kw)
+    loss.backward()
+    return loss.detach(), logp.grad[0], stats
+
+
+def test_clip_high_side_kills_gradient():
+    # ratio 1.5, A=1, eps=0.2: -min(1.5*1, 1.2*1) = -1.2, clamp is flat there -> no gradient
+    loss, grad, stats = one_seq(1.5, 1.0)
+    close(loss, -1.2)
+    close(grad, [0.0, 0.0], atol=0.0)
+    assert stats["clip_frac"].item() == 1.0
+    close(stats["ratio_mean"], 1.5)
+
+
+def test_low_ratio_positive_advantage_is_unclipped():
+    # ratio 0.5, A=1: -min(0.5, 0.8) = -0.5 (min picks the unclipped); d/dlogp_t = -A * ratio = -0.5
+    loss, grad, stats = one_seq(0.5, 1.0)
+    close(loss, -0.5)
+    close(grad, [-0.5, -0.5])
+    assert stats["clip_frac"].item() == 0.0
+
+
+def test_low_ratio_negative_advantage_is_clipped():
+    # ratio 0.5, A=-1: -min(-0.5, -0.8) = 0.8, no gradient
+    loss, grad, stats = one_seq(0.5, -1.0)
+    close(loss, 0.8)
+    close(grad, [0.0, 0.0], atol=0.0)
+    assert stats["clip_frac"].item() == 1.0
+
+
+def test_asymmetric_clip_epsilon_high():
+    # ratio 1.25, A=1: eps=0.2 clips to 1.2; with clip_epsilon_high=0.28 the bound is 1.28 -> unclipped
+    close(one_seq(1.25, 1.0)[0], -1.2)
+    loss, grad, stats = one_seq(1.25, 1.0, clip_epsilon_high=0.28)
+    close(loss, -1.25)
+    close(grad, [-1.25, -1.25])  # d(-A * exp(sum_t delta_t))/d logp_t = -A * ratio = -1.25, each token
+    # the low side still uses clip_epsilon: ratio 0.75, A=-1 -> -min(-0.75, -0.8) = 0.8 (not 1-0.28=0.72)
+    close(one_seq(0.75, -1.0, clip_epsilon_high=0.28)[0], 0.8)
+
+
+def test_ratio_follows_the_aggregation():
+    # token log-ratios [0.1, 0.2], A=1, eps=0.2
+    logp = t([[0.1, 0.2]])
+    args = (torch.zeros_like(logp), t([1.0]), t([[1, 1]]))
+    # sequence_sum: exp(0.3) = 1.34986 > 1.2 -> clipped, loss -1.2
+    close(rloo.policy_loss(logp, *args, aggregation="sequence_sum")[0], -1.2)
+    # sequence_mean: exp(0.15) = 1.16183 -> unclipped, loss -1.16183
+    close(rloo.policy_loss(logp, *args, aggregation="sequence_mean")[0], -math.exp(0.15))
+    # token_mean: per-token ratios exp(0.1)=1.10517, exp(0.2)=1.22140 -> 1.2; loss -(1.10517+1.2)/2
+    loss, stats = rloo.policy_loss(logp, *args, aggregation="token_mean")
+    close(loss, -(math.exp(0.1) + 1.2) / 2)
+    close(stats["clip_frac"], 0.5)
+    close(stats["ratio_mean"], (math.exp(0.1) + math.exp(0.2)) / 2)
+
+
+def test_unknown_aggregation_raises():
+    x = t([[0.0]])
+    with pytest.raises(ValueError):
+        rloo.policy_loss(x, x, t([1.0]), x, aggregation="sum")
+
+
+# ---------------------------------------------------------------- whiten, masked_mean
+def test_whiten_masked():
+    # masked {1, 2, 3}: mean 2, unbiased std sqrt((1+0+1)/2) = 1 -> [-1, 0, 1]; unmasked 100 -> 0
+    mask = torch.tensor([True, True, True, False])
+    close(rloo.whiten(t([1.0, 2.0, 3.0, 100.0]), mask), [-1.0, 0.0, 1.0, 0.0])
+    # masked {0, 4}: mean 2, std sqrt((4+4)/1) = 2*sqrt(2) -> -+1/sqrt(2); unmasked 7 -> 0
+    out = rloo.whiten(t([0.0, 7.0, 4.0]), torch.tensor([True, False, True]))
+    close(out, [-2 ** -0.5, 0.0, 2 ** -0.5])
+    v = torch.rand(10, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 5 + 3
+    m = torch.arange(10) % 3 != 0
+    w = rloo.whiten(v, m)
+    close(w[m].mean(), 0.0)
+    close(w[m].std(), 1.0)
+    assert (w[~m] == 0).all()
+
+
+def test_masked_mean():
+    # (1 + 3) / 2; the 100 is masked out
+    close(rloo.masked_mean(t([1.0, 100.0, 3.0]), t([1, 0, 1])), 2.0)

@@ -1,0 +1,1 @@
+"""Worker package: training/inference side of the RLOO service."""

@@ -1,0 +1,281 @@
+"""The ``rloo`` command: run the stack, its parts, keys, migrations, a foreground training run, the demo.
+
+Lives in ``worker`` because ``rloo worker`` and ``rloo train`` need the worker; the API commands
+import nothing heavy (torch loads only in the processes that train).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from service.settings import get_settings
+
+app = typer.Typer(help="rloo-service: RLOO fine-tuning as a service.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+
+LOCAL_PROJECT = "local"
+
+
+# Parts ---------------------------------------------------------------------------------------------
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head") -> None:
+    """Create or migrate the schema of DATABASE_URL (default: the SQLite file under RLOO_HOME)."""
+    from service.migrate import upgrade
+
+    upgrade(revision=revision)
+    typer.echo(f"database at revision {revision}: {_redact(get_settings().database_url)}")
+
+
+@keys_app.command("create")
+def keys_create(project: Annotated[str, typer.Option(help="Project name; created if new.")],
+                name: Annotated[str, typer.Option(help="A label for the key.")] = "") -> None:
+    """Create an API key. It is shown once, on the last line; only its hash is stored."""
+    from service import crud
+    from service.db import session_scope
+
+    with session_scope() as session:
+        proj = crud.get_or_create_project(session=session, name=project)
+        row, secret = crud.create_api_key(session=session, project=proj, name=name)
+        session.commit()
+        typer.echo(f"project {proj.name} ({proj.id}), key {row.id} (prefix {row.prefix}); store it now:", err=True)
+    typer.echo(secret)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key: Annotated[str, typer.Argument(help="Key id (key-…) or its prefix.")]) -> None:
+    """Revoke a key: requests with it get 401 from now on."""
+    from service import crud
+    from service.db import session_scope
+
+    with session_scope() as session:
+        n = crud.revoke_api_key(session=session, key_id_or_prefix=key)
+        session.commit()
+    if not n:
+        typer.echo(f"no key matches '{key}'", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {n} key(s)")
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (ids and prefixes; secrets are never stored)."""
+    from service import crud
+    from service.db import session_scope
+
+    with session_scope() as session:
+        for row in crud.list_api_keys(session=session):
+            state = "revoked" if row.revoked_at else "active"
+            typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{state}")
+
+
+@app.command("api")
+def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
+    """Serve the HTTP API (service.main:app) with uvicorn."""
+    import uvicorn
+
+    settings = get_settings()
+    if settings.embedded_redis:
+        from service import embedded
+
+        embedded.start(settings, daemonize=True)
+    uvicorn.run("service.main:app", host=host, port=port, workers=workers, log_level="info",
+                proxy_headers=True, access_log=False)
+
+
+@app.command("worker")
+def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None,
+           loglevel: str = "INFO") -> None:
+    """Run a Celery worker: one job at a time, in a child process that is replaced after each job."""
+    settings = get_settings()
+    if settings.embedded_redis:
+        from service import embedded
+
+        embedded.start(settings, daemonize=True)
+    from worker.celery_app import app as celery_app
+
+    celery_app.worker_main([
+        "worker", "--pool=prefork", "--concurrency=1", f"--queues={queue or settings.queue}",
+        f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
+        "--max-tasks-per-child=1",
+        f"--hostname=rloo-worker-{os.getpid()}@%h",
+    ])
+
+
+# The whole stack -------------------------------------------------------------------------------
+def ensure_local_key() -> str:
+    """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600)."""
+    from service import crud
+    from service.db import session_scope
+
+    settings = get_settings()
+    key_file = settings.home_dir / "api_key"
+    if key_file.is_file():
+        secret = key_file.read_text().strip()
+        with session_scope() as session:
+            if crud.authenticate(session=session, secret=secret) is not None:
+                return secret
+    with session_scope() as session:
+        proj = crud.get_or_create_project(session=session, name=LOCAL_PROJECT)
+        _, secret = crud.create_api_key(session=session, project=proj, name="rloo up")
+        session.commit()
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
+class Stack:
+    """The local stack as child processes: embedded Redis (if no REDIS_URL), the API, one worker."""
+
+    def __init__(self, host: str, port: int, *, quiet: bool = False) -> None:
+        self.host, self.port, self.quiet = host, port, quiet
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> str:
+        from service import embedded
+        from service.migrate import upgrade
+
+        settings = get_settings()
+        settings.home_dir.mkdir(parents=True, exist_ok=True)
+        upgrade()
+        key = ensure_local_key()
+        if settings.embedded_redis:
+            proc = embedded.start(settings, daemonize=False)
+            if proc is not None:
+                self.children.append(proc)
+        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1"}
+        log_dir = settings.home_dir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        exe = [sys.executable, "-m", "worker.cli"]
+        for name, args in (("api", ["api", "--host", self.host, "--port", str(self.port)]), ("worker", ["worker"])):
+            out = open(log_dir / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
+            self.children.append(subprocess.Popen(exe + args, env=env, stdout=out, stderr=subprocess.STDOUT if out
+                                                  else None, start_new_session=True))
+        self._wait_ready()
+        return key
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.poll() is not None:
+                    raise RuntimeError(f"a stack process exited early ({child.args}); see {get_settings().home_dir}/logs")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the API did not become ready at {self.url} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for child in reversed(self.children):
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+
+
+@app.command("up")
+def up(host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the whole stack in the foreground until Ctrl-C: migrations, Redis, the API and one worker."""
+    stack = Stack(host, port)
+    try:
+        key = stack.start()
+        settings = get_settings()
+        typer.echo(f"\nrloo-service is up at {stack.url}  (docs: {stack.url}/docs)")
+        typer.echo(f"  database:  {_redact(settings.database_url)}")
+        typer.echo(f"  broker:    {_redact(settings.redis_url)}")
+        typer.echo(f"  models:    {settings.models_dir}")
+        typer.echo(f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):")
+        typer.echo(f"    export RLOO_BASE_URL={stack.url}/v1 RLOO_API_KEY={key}")
+        typer.echo("Ctrl-C stops everything.")
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(child.poll() is None for child in stack.children):
+            time.sleep(0.5)
+        typer.echo("a stack process exited; stopping the rest", err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        typer.echo("\nstopping…")
+    finally:
+        stack.stop()
+
+
+# Foreground training -----------------------------------------------------------------------------
+def _parse_set(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set takes key=value; got '{pair}'")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+@app.command("train")
+def train_cmd(
+    spec: Annotated[Path, typer.Argument(help="Job-creation body (API.md) with local JSONL paths.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a hyperparameter: key=value.")] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="Checkpoints go here.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda when present.")] = None,
+) -> None:
+    """Run one job in this process, no API or broker: one JSON line per step, then a JSON summary."""
+    from worker.local import run_spec
+
+    summary = run_spec(spec, overrides=_parse_set(set_ or []), output_dir=output_dir, device=device)
+    typer.echo(json.dumps(summary))
+    if summary.get("status") != "succeeded":
+        raise typer.Exit(1)
+
+
+@app.command("demo")
+def demo(port: int = 8000) -> None:
+    """Build tiny models offline, start the stack, run a real RLOO job over HTTP and show it."""
+    from worker.demo import run_demo
+
+    raise typer.Exit(run_demo(port=port))
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else url
+    return url
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The RLOO math: pure tensor functions, no I/O, no models.
+
+RLOO (Ahmadian et al. 2024) is REINFORCE with a leave-one-out baseline: each of the k completions
+of a prompt is compared with the mean reward of the *other* k-1. How this module differs from
+its cousins:
+
+* GRPO subtracts the mean of *all* k rewards (the completion leaks into its own baseline) and
+  divides by their std; RLOO's baseline excludes the completion and is unbiased.
+* PPO learns a critic; RLOO has none: the group is the critic.
+* KL to the reference is folded into the reward before the baseline, as in the paper and TRL
+  (``kl_in_reward``), or added to the loss as a separate term.
+
+Layout: rewards are ``(B, k)``: row ``b`` is a prompt, column ``i`` one of its k completions.
+Completions are flattened prompt-major, so completion ``b * k + i`` is row ``b``, column ``i``.
+(TRL's first RLOO trainer used ``(k, B)``; the layouts disagree, so the tests pin this one.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rloo_advantages(rewards: Tensor) -> Tensor:
+    """Leave-one-out advantages. ``(B, k)`` float in, ``(B, k)`` out.
+
+    ``A[b, i] = r[b, i] - (sum_j r[b, j] - r[b, i]) / (n_b - 1)`` with ``n_b`` the finite rewards of
+    row ``b``. NaN rewards (a completion that could not be scored) take no part in any baseline and
+    get advantage 0; a row with fewer than two finite rewards gives 0 to all its members.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (B, k); got shape {tuple(rewards.shape)}")
+    finite = torch.isfinite(rewards)
+    r = torch.where(finite, rewards, torch.zeros_like(rewards))
+    n = finite.sum(dim=1, keepdim=True)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (n - 1).clamp(min=1)
+    return torch.where(finite & (n >= 2), r - baseline, torch.zeros_like(r))
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """Zero mean, unit std over the entries where ``mask`` is true; others stay 0."""
+    if mask.sum() < 2:
+        return torch.where(mask, values, torch.zeros_like(values))
+    selected = values[mask]
+    out = (values - selected.mean()) / (selected.std() + eps)
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def kl_per_token(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token KL estimate of the policy to the reference, from log-probs of the sampled tokens.
+
+    ``d = logp - ref_logp``; ``k1 = d`` (unbiased, can be negative); ``k3 = exp(-d) - 1 + d``
+    (Schulman's estimator: unbiased, always >= 0, lower variance). Shapes: any, equal.
+    """
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator '{estimator}'; use 'k1' or 'k3'")
+
+
+def sequence_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "k1") -> Tensor:
+    """KL of each completion: per-token KL summed over its completion tokens. ``(N, T) -> (N,)``."""
+    return (kl_per_token(logp, ref_logp, estimator) * mask).sum(dim=-1)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_epsilon: float = 0.2,
+    clip_epsilon_high: float | None = None,
+    aggregation: str = "sequence_sum",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy-gradient loss over completion tokens.
+
+    Shapes: ``logp``, ``old_logp``, ``mask`` are ``(N, T)`` (token log-probs of the sampled
+    completion; ``mask`` is 1 on completion tokens up to and including EOS, 0 on padding);
+    ``advantages`` is ``(N,)``, held constant.
+
+    The importance ratio matches the aggregation, so that each gives its own token weighting and
+    the plain REINFORCE gradient when the ratio is 1 (the first, or only, pass):
+
+    * ``sequence_sum`` (TRL): one ratio per completion, ``exp(sum_t (logp - old_logp))``;
+      loss = mean over completions of ``-min(ratio * A, clip(ratio) * A)``; gradient
+      ``A * sum_t grad logp_t``.
+    * ``sequence_mean`` (length-normalised, as GSPO): ratio ``exp(mean_t (logp - old_logp))``;
+      gradient ``A * mean_t grad logp_t``.
+    * ``token_mean`` (verl, OpenRLHF): a ratio per token, clipped per token, averaged over all
+      completion tokens of the batch.
+
+    Returns the scalar loss and detached statistics (``clip_frac``, ``ratio_mean``).
+    """
+    low = clip_epsilon
+    high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
+    mask = mask.to(logp.dtype)
+    delta = (logp - old_logp) * mask
+    lengths = mask.sum(dim=-1)
+    if aggregation == "token_mean":
+        ratio = torch.exp(delta)
+        adv = advantages.unsqueeze(-1)
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
+        per_token = -torch.minimum(unclipped, clipped)
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        clip_frac = ((clipped < unclipped).to(logp.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
+        ratio_mean = (ratio * mask).sum() / mask.sum().clamp(min=1.0)
+    elif aggregation in ("sequence_sum", "sequence_mean"):
+        log_ratio = delta.sum(dim=-1)
+        if aggregation == "sequence_mean":
+            log_ratio = log_ratio / lengths.clamp(min=1.0)
+        ratio = torch.exp(log_ratio)
+        unclipped = ratio * advantages
+        clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
+        loss = -torch.minimum(unclipped, clipped).mean()
+        clip_frac = (clipped < unclipped).to(logp.dtype).mean()
+        ratio_mean = ratio.mean()
+    else:
+        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
+    return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str = "k3", aggregation: str = "sequence_sum") -> Tensor:
+    """KL as a loss term (``kl_in_reward`` false), aggregated like the policy loss. ``(N, T) -> ()``."""
+    kl = kl_per_token(logp, ref_logp, estimator) * mask
+    if aggregation == "token_mean":
+        return kl.sum() / mask.sum().clamp(min=1.0)
+    per_seq = kl.sum(dim=-1)
+    if aggregation == "sequence_mean":
+        per_seq = per_seq / mask.sum(dim=-1).clamp(min=1.0)
+    return per_seq.mean()
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)

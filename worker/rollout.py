@@ -1,0 +1,135 @@
+"""Rollouts: k sampled completions per prompt, and the token log-probs of completions.
+
+Layout is prompt-major: completion ``b * k + i`` is completion ``i`` of prompt ``b``, so a
+``(B * k,)`` vector reshapes to RLOO's ``(B, k)``.
+Sequences are ``[left-padded prompt | completion, right-padded]``: the completion always starts
+at column ``P`` (the padded prompt width), which keeps log-prob slicing a plain slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor
+    """(N, P) left-padded prompt tokens, each prompt repeated k times (prompt-major)."""
+    prompt_mask: Tensor
+    """(N, P) 1 on real prompt tokens."""
+    completion_ids: Tensor
+    """(N, T) sampled tokens, right-padded."""
+    completion_mask: Tensor
+    """(N, T) 1 on completion tokens up to and including the first EOS."""
+    truncated: Tensor
+    """(N,) bool: no EOS within max_new_tokens."""
+    texts: list[str]
+    """(N,) decoded completions, special tokens dropped."""
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+
+class RolloutBackend(Protocol):
+    """Generates completions; ``transformers`` here, vLLM where it is installed (later)."""
+
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout: ...
+
+
+class TransformersBackend:
+    def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
+                 max_prompt_length: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_prompt_length = max_prompt_length
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    # no_grad, not inference_mode: the sampled ids feed the (autograd-tracked) update.
+    @torch.no_grad()
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:
+        tok = self.tokenizer
+        device = next(self.model.parameters()).device
+        enc = tok(prompts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_prompt_length,
+                  add_special_tokens=False)
+        prompt_ids = enc["input_ids"].to(device).repeat_interleave(k, dim=0)
+        prompt_mask = enc["attention_mask"].to(device).repeat_interleave(k, dim=0)
+        # Sampling draws from torch's global generator; seeding it per step makes a run (and a
+        # resumed run) reproducible on the CPU.
+        torch.manual_seed(generator_seed)
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=0,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=tok.pad_token_id,
+        )
+        self.model.train(was_training)
+        completion_ids = out[:, prompt_ids.shape[1]:]
+        completion_mask, truncated = completion_mask_from(completion_ids, self.eos_ids)
+        completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids,
+                                                                                          tok.pad_token_id))
+        texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int))
+    if not ids:
+        raise ValueError("the model has no EOS token; set eos_token_id in its generation_config.json")
+    return sorted(set(ids))
+
+
+def completion_mask_from(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """(N, T) mask of tokens up to and including the first EOS, and (N,) truncated flags."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    # Tokens strictly after the first EOS: cumulative count of EOS before this position > 0.
+    seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    mask = (~seen_before).long()
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated
+
+
+def completion_logprobs(
+    model: Any, rollout: Rollout, *, temperature: float, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs ``(N, T)`` of the sampled completion tokens under ``model`` (temperature-scaled,
+    the distribution they were sampled from), and optionally the per-token entropy ``(N, T)``.
+
+    Only the last ``T + 1`` positions go through the LM head (``logits_to_keep``): prompt
+    positions never cost a vocabulary-sized matmul.
+    """
+    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+    # Left padding: positions count real tokens only, as generate() numbered them.
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    t = rollout.completion_ids.shape[1]
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=t + 1, use_cache=False)
+    logits = out.logits[:, :-1, :].float() / temperature  # position j predicts token j + 1
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

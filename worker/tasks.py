@@ -1,0 +1,171 @@
+"""Celery tasks. A task carries a job id only, re-reads the row and claims it atomically."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from service import crud
+from service.db import session_scope
+from service.models import Job
+from service.queue import RUN_JOB_TASK
+from service.settings import get_settings
+from worker.celery_app import app
+
+log = logging.getLogger("rloo.worker")
+
+WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class DatabaseRecorder:
+    """Writes a run's metrics, events, progress and checkpoints to the job's rows."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.artifacts = get_settings().artifacts_dir
+
+    def event(self, message: str, level: str = "info") -> None:
+        with session_scope() as session:
+            crud.add_event(session=session, job=self.job, message=message, level=level)
+            session.commit()
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        clean = _json_safe(metrics)
+        with session_scope() as session:
+            crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
+            crud.add_event(session=session, job=self.job, type="metrics", data=clean,
+                           message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}")
+            status = crud.record_progress(session=session, job=self.job, step=step,
+                                          trained_tokens=int(metrics.get("trained_tokens", 0)))
+        return None if status == "running" else status
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+        rel = str(path.resolve().relative_to(self.artifacts))
+        name = f"{self.job.model}:{self.job.suffix or 'ft'}:{self.job.id}:step-{step}"
+        with session_scope() as session:
+            crud.add_checkpoint(session=session, job=self.job, step=step, path=rel, name=name,
+                                metrics=_json_safe(metrics))
+            crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
+            if final:
+                session.query(Job).filter(Job.seq == self.job.seq).update({"fine_tuned_model": name})
+            session.commit()
+
+
+def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf are not JSON; store them as null."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+            value = None
+        out[key] = value
+    return out
+
+
+class Heartbeat(threading.Thread):
+    """Touches the job row's heartbeat while a long step runs, so the reconciler sees a live job."""
+
+    def __init__(self, job: Job, period: float) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{job.id}")
+        self.job, self.period, self.stopped = job, period, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period):
+            try:
+                with session_scope() as session:
+                    session.query(Job).filter(Job.seq == self.job.seq, Job.status == "running").update(
+                        {"heartbeat_at": time.time()})
+                    session.commit()
+            except Exception as exc:  # a blip in the database must not kill the job
+                log.warning("heartbeat for %s failed: %s", self.job.id, exc)
+
+
+@app.task(name=RUN_JOB_TASK, bind=True, acks_late=True)
+def run_job(self: Any, job_id: str) -> str:
+    """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains."""
+    with session_scope() as session:
+        job = crud.claim_job(session=session, job_id=job_id, worker=WORKER_NAME)
+        if job is None:
+            current = crud.get_job_by_id(session=session, job_id=job_id)
+            log.info("job %s not claimed (status %s); nothing to do", job_id, current.status if current else "gone")
+            return "skipped"
+        crud.add_event(session=session, job=job, message=f"Job started on worker {WORKER_NAME}")
+        session.commit()
+
+    heartbeat = Heartbeat(job, get_settings().heartbeat_seconds)
+    heartbeat.start()
+    try:
+        result = _train(job)
+    except Exception as exc:
+        code, message = _classify(exc)
+        log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
+        with session_scope() as session:
+            crud.set_status(session=session, job=job, to="failed", from_=("running",),
+                            error={"code": code, "message": message, "param": None})
+            crud.add_event(session=session, job=job, level="error", message=f"Job failed: {message}")
+            session.commit()
+        return "failed"
+    finally:
+        heartbeat.stopped.set()
+
+    with session_scope() as session:
+        if result.stopped is None:
+            crud.set_status(session=session, job=job, to="succeeded", from_=("running",))
+            crud.add_event(session=session, job=job, message=f"The job has successfully completed ({result.steps} "
+                                                             "steps)")
+        else:
+            crud.add_event(session=session, job=job, message=f"Training stopped at step {result.steps}: job "
+                                                             f"{result.stopped}")
+        session.commit()
+    return result.stopped or "succeeded"
+
+
+def _train(job: Job) -> Any:
+    # Imported here: the Celery parent process stays free of torch; only the process that trains loads it.
+    from worker.config import TrainConfig
+    from worker.train import train
+
+    settings = get_settings()
+    with session_scope() as session:
+        project = job.project_seq
+        files = {f: crud.get_file_by_id(session=session, project_seq=project, file_id=f)
+                 for f in (job.training_file, job.validation_file) if f}
+    for file_id, f in files.items():
+        if f is None:
+            raise _UserError("file_not_found", f"file {file_id} was deleted before the job started")
+    kind = job.method["type"]
+    cfg = TrainConfig(
+        model=job.model,
+        training_file=settings.artifacts_dir / files[job.training_file].path,
+        validation_file=settings.artifacts_dir / files[job.validation_file].path if job.validation_file else None,
+        grader=job.method[kind]["grader"],
+        hyperparameters=job.hyperparameters,
+        output_dir=settings.artifacts_dir / "checkpoints" / job.id,
+        models_dir=settings.models_dir,
+        seed=job.seed,
+        job_name=job.id,
+        extra={"allow_python_grader": settings.allow_python_grader},
+    )
+    return train(cfg, DatabaseRecorder(job))
+
+
+class _UserError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _classify(exc: Exception) -> tuple[str, str]:
+    from worker.train import JobError
+
+    if isinstance(exc, (JobError, _UserError)):
+        return exc.code, exc.message
+    name = type(exc).__name__
+    if "OutOfMemory" in name or isinstance(exc, MemoryError):
+        return "out_of_memory", f"the job ran out of memory ({name}); lower batch_size, rloo_k or max_new_tokens"
+    return "internal_error", f"{name}: {exc}"
