@@ -91,10 +91,11 @@ def test_kl_estimators_by_hand():
 
 
 def test_k3_nonnegative_and_zero_at_zero():
-    d = torch.linspace(-5, 5, 101, dtype=torch.float64)
+    d = torch.arange(-50, 51, dtype=torch.float64) / 10  # -5.0 .. 5.0, d[50] is exactly 0
     k3 = rloo.kl_per_token(d, torch.zeros_like(d), "k3")
     assert (k3 >= 0).all()
-    assert k3[50].item() == 0.0 and d[50].item() == 0.0
+    assert d[50].item() == 0.0 and k3[50].item() == 0.0
+    assert rloo.kl_per_token(t([-1.3]), t([-1.3]), "k3").item() == 0.0
     close(k3, torch.exp(-d) - 1 + d)
 
 
@@ -171,7 +172,8 @@ def test_first_pass_gradient_is_reinforce(agg, denom):
 def test_prompt_and_padding_positions_carry_no_loss(agg):
     mask = t(MASK)
     logp = logps()
-    old = (logp - 0.1 * torch.arange(4, dtype=torch.float64)).detach()  # ratio != 1 on purpose
+    # ratio != 1 on purpose, but inside [0.8, 1.2] so nothing is clipped (row 0: exp(.01+.02+.03))
+    old = (logp - 0.01 * torch.arange(4, dtype=torch.float64)).detach()
     loss1, _ = rloo.policy_loss(logp, old, t(ADV), mask, aggregation=agg)
     loss1.backward()
     assert logp.grad[mask == 0].abs().max().item() == 0.0

@@ -249,9 +249,13 @@ def train_cmd(
     device: Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda when present.")] = None,
 ) -> None:
     """Run one job in this process, no API or broker: one JSON line per step, then a JSON summary."""
-    from worker.local import run_spec
+    from worker.local import SpecError, run_spec
 
-    summary = run_spec(spec, overrides=_parse_set(set_ or []), output_dir=output_dir, device=device)
+    try:
+        summary = run_spec(spec, overrides=_parse_set(set_ or []), output_dir=output_dir, device=device)
+    except SpecError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(json.dumps(summary))
     if summary.get("status") != "succeeded":
         raise typer.Exit(1)

@@ -62,8 +62,11 @@ def pick_device(requested: str | None) -> torch.device:
 
 def load_policy(name: str, models_dir: Path, device: torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from service.storage import confined
+
+    hf_logging.disable_progress_bar()
 
     path: Path | str = name
     try:
