@@ -127,9 +127,11 @@ def add_event(
 
 
 def set_status(
-    *, session: Session, job: Job, to: str, from_: Sequence[str], **values: Any
+    *, session: Session, job: Job, to: str, from_: Sequence[str], event: str | None = None,
+    level: str = "info", **values: Any
 ) -> bool:
-    """Move ``job`` to ``to`` only if it is in one of ``from_``; one conditional UPDATE, committed.
+    """Move ``job`` to ``to`` only if it is in one of ``from_``; one conditional UPDATE, committed
+    together with ``event`` (so a reader never sees the new status without its event).
 
     Returns False, changing nothing, when another process moved the job first.
     """
@@ -141,6 +143,8 @@ def set_status(
         .values(status=to, **values)
         .execution_options(synchronize_session=False)
     )
+    if result.rowcount and event:
+        add_event(session=session, job=job, message=event, level=level)
     session.commit()
     session.refresh(job)
     return bool(result.rowcount)

@@ -39,8 +39,9 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """Zero mean, unit std over the entries where ``mask`` is true; others stay 0."""
+    mask = mask.bool()
     if mask.sum() < 2:
-        return torch.where(mask, values, torch.zeros_like(values))
+        return torch.zeros_like(values)
     selected = values[mask]
     out = (values - selected.mean()) / (selected.std() + eps)
     return torch.where(mask, out, torch.zeros_like(out))
@@ -97,7 +98,8 @@ def policy_loss(
     low = clip_epsilon
     high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
     mask = mask.to(logp.dtype)
-    delta = (logp - old_logp) * mask
+    # where, not multiply: a -inf log-prob on a padding position must not turn into NaN.
+    delta = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
     lengths = mask.sum(dim=-1)
     if aggregation == "token_mean":
         ratio = torch.exp(delta)
@@ -125,7 +127,9 @@ def policy_loss(
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str = "k3", aggregation: str = "sequence_sum") -> Tensor:
     """KL as a loss term (``kl_in_reward`` false), aggregated like the policy loss. ``(N, T) -> ()``."""
-    kl = kl_per_token(logp, ref_logp, estimator) * mask
+    if aggregation not in ("token_mean", "sequence_sum", "sequence_mean"):
+        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
+    kl = torch.where(mask.bool(), kl_per_token(logp, ref_logp, estimator), torch.zeros_like(logp))
     if aggregation == "token_mean":
         return kl.sum() / mask.sum().clamp(min=1.0)
     per_seq = kl.sum(dim=-1)

@@ -106,18 +106,16 @@ def run_job(self: Any, job_id: str) -> str:
         log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
         with session_scope() as session:
             crud.set_status(session=session, job=job, to="failed", from_=("running",),
-                            error={"code": code, "message": message, "param": None})
-            crud.add_event(session=session, job=job, level="error", message=f"Job failed: {message}")
-            session.commit()
+                            error={"code": code, "message": message, "param": None},
+                            event=f"Job failed: {message}", level="error")
         return "failed"
     finally:
         heartbeat.stopped.set()
 
     with session_scope() as session:
         if result.stopped is None:
-            crud.set_status(session=session, job=job, to="succeeded", from_=("running",))
-            crud.add_event(session=session, job=job, message=f"The job has successfully completed ({result.steps} "
-                                                             "steps)")
+            crud.set_status(session=session, job=job, to="succeeded", from_=("running",),
+                            event=f"The job has successfully completed ({result.steps} steps)")
         else:
             crud.add_event(session=session, job=job, message=f"Training stopped at step {result.steps}: job "
                                                              f"{result.stopped}")

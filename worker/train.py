@@ -156,7 +156,8 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
         shaped = rewards - hp("kl_coef") * kl_seq.view(batch_size, k) if hp("kl_in_reward") else rewards
         advantages = rloo.rloo_advantages(shaped)
         if hp("normalize_advantages"):
-            advantages = rloo.whiten(advantages, finite)
+            # Whiten only advantages that carry signal: groups with < 2 finite rewards stay at 0.
+            advantages = rloo.whiten(advantages, finite & (finite.sum(dim=1, keepdim=True) >= 2))
         adv = advantages.view(-1).to(device)
 
         # 5. Update: clipped policy gradient over completion tokens, ppo_epochs passes ----------------

@@ -170,12 +170,11 @@ def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[str,
 def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[str, Any]:
     job = _job(session, project, job_id)
     was = job.status
-    if not crud.set_status(session=session, job=job, to="cancelled", from_=CANCELLABLE):
+    note = " The worker stops after the current step; checkpoints are kept." if was == "running" else ""
+    if not crud.set_status(session=session, job=job, to="cancelled", from_=CANCELLABLE,
+                           event=f"Job cancelled (was {was}).{note}"):
         raise APIError(409, f"Job {job_id} is {job.status}; only a job that has not finished can be cancelled.",
                        code="invalid_state")
-    note = " The worker stops after the current step; checkpoints are kept." if was == "running" else ""
-    crud.add_event(session=session, job=job, message=f"Job cancelled (was {was}).{note}")
-    session.commit()
     return job_object(job, project)
 
 

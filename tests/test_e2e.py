@@ -1,0 +1,221 @@
+"""End to end through real processes: HTTP -> API -> Redis -> a Celery worker process -> training ->
+metrics and checkpoint rows -> succeeded, and a checkpoint that loads with from_pretrained.
+
+Runs on the embedded defaults (SQLite + embedded Redis), and on PostgreSQL + Redis when
+TEST_DATABASE_URL and TEST_REDIS_URL are set (the CI sets both).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import EXAMPLES, ROOT, _drop_postgres_database, _fresh_postgres_database
+
+pytestmark = pytest.mark.e2e
+
+RLOO_METRICS = [
+    "step", "total_steps", "train_reward_mean", "train_reward_std", "frac_reward_zero_std", "advantage_std", "kl",
+    "loss", "entropy", "grad_norm", "learning_rate", "completion_length_mean", "clipped_ratio", "nan_rewards",
+    "time_generate", "time_score", "time_update", "time_step", "completions_per_s", "tokens_per_s",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveStack:
+    def __init__(self, env: dict[str, str], port: int, logs: Path) -> None:
+        self.env, self.port, self.logs = env, port, logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.url = f"http://127.0.0.1:{port}"
+        self.key = ""
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
+                             env=self.env, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=self.env, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"API not ready; log:\n{(self.logs / 'api.log').read_text()[-3000:]}")
+
+    @property
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url + "/v1", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
+
+    def log_tail(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.logs.glob("*.log")))
+
+
+@pytest.fixture(params=["embedded", "production"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1",
+                "RLOO_HEARTBEAT_SECONDS": "1"})
+    pg_name = None
+    if request.param == "production":
+        server, broker = os.environ.get("TEST_DATABASE_URL"), os.environ.get("TEST_REDIS_URL")
+        if not (server and broker):
+            pytest.skip("TEST_DATABASE_URL and TEST_REDIS_URL not set (the CI sets them)")
+        url, pg_name = _fresh_postgres_database(server)
+        env.update({"DATABASE_URL": url, "REDIS_URL": broker, "RLOO_QUEUE": f"e2e-{secrets.token_hex(4)}"})
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    s = LiveStack(env, free_port(), logs)
+    s.cli("db", "upgrade")
+    s.key = s.cli("keys", "create", "--project", "e2e").stdout.strip().splitlines()[-1]
+    s.start("api", "api", "--port", str(s.port))
+    s.start("worker", "worker", "--loglevel", "INFO")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        for name in list(s.procs):
+            s.stop(name)
+        if request.param == "embedded":
+            from service import embedded
+            from service.settings import Settings
+
+            embedded.stop_daemon(Settings(home=tmp_path / "var"))
+        if pg_name:
+            _drop_postgres_database(os.environ["TEST_DATABASE_URL"], pg_name)
+
+
+def upload(http: httpx.Client, path: Path) -> str:
+    r = http.post("/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "fine-tune"})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def job_body(file_id: str, **hp: Any) -> dict[str, Any]:
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = file_id
+    body["method"]["reinforcement"]["hyperparameters"].update(hp)
+    return body
+
+
+def wait_for(http: httpx.Client, job_id: str, statuses: set[str], timeout: float, stack: LiveStack,
+             min_step: int = 0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = http.get(f"/fine_tuning/jobs/{job_id}").json()
+        if job["status"] in statuses and job["progress"]["step"] >= min_step:
+            return job
+        time.sleep(0.25)
+    raise AssertionError(f"job {job_id} is {job.get('status')} after {timeout}s\n{stack.log_tail()}")
+
+
+def test_job_runs_end_to_end(stack: LiveStack) -> None:
+    http = stack.http
+    file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+    r = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=4, checkpoint_interval=2))
+    assert r.status_code == 200, r.text
+    job_id = r.json()["id"]
+
+    job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+    assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+    assert job["progress"] == {"step": 4, "total_steps": 4}
+    assert job["finished_at"] and job["trained_tokens"] > 0 and job["fine_tuned_model"]
+
+    metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        missing = [name for name in RLOO_METRICS if name not in m]
+        assert not missing, missing
+        assert 0.0 <= m["train_reward_mean"] <= 1.0
+
+    events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+    metric_events = [e for e in events if e["type"] == "metrics"]
+    assert sorted(e["data"]["step"] for e in metric_events) == [1, 2, 3, 4]
+    assert events[0]["message"].startswith("The job has successfully completed")  # newest first
+
+    ckpts = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert [c["step_number"] for c in ckpts] == [4, 2]  # interval 2 and the final one, newest first
+    assert ckpts[0]["fine_tuned_model_checkpoint"] == job["fine_tuned_model"]
+    assert "train_reward_mean" in ckpts[0]["metrics"]
+
+    archive = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints/{ckpts[0]['id']}/content")
+    assert archive.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+        names = tar.getnames()
+        assert any(n.endswith("config.json") for n in names) and any(n.endswith(".safetensors") for n in names)
+        out = Path(stack.logs.parent / "download")
+        tar.extractall(out, filter="data")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = out / ckpts[0]["id"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("What color is the sky?", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] > ids.shape[1]
+
+
+def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
+    http = stack.http
+    file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+    long_job = http.post("/fine_tuning/jobs", json=job_body(file_id, n_epochs=100)).json()
+    wait_for(http, long_job["id"], {"running"}, 120, stack, min_step=1)
+
+    r = http.post(f"/fine_tuning/jobs/{long_job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        events = http.get(f"/fine_tuning/jobs/{long_job['id']}/events", params={"limit": 100}).json()["data"]
+        if any(e["message"].startswith("Training stopped") for e in events):
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError("the worker did not stop the cancelled job\n" + stack.log_tail())
+    job = http.get(f"/fine_tuning/jobs/{long_job['id']}").json()
+    assert job["status"] == "cancelled" and job["progress"]["step"] < job["progress"]["total_steps"]
+    # Checkpoints are kept on cancel: the model at the step where it stopped.
+    assert http.get(f"/fine_tuning/jobs/{long_job['id']}/checkpoints").json()["data"]
+
+    # The worker survives and takes the next job.
+    short = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()
+    assert wait_for(http, short["id"], {"succeeded", "failed"}, 180, stack)["status"] == "succeeded"
