@@ -1,0 +1,41 @@
+# rloo-service. `make demo` and `make test` install what they need into .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch on machines without a GPU; GPU hosts: `make install CONSTRAINTS=`.
+CONSTRAINTS ?= .ci/constraints.txt
+PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+STAMP := $(VENV)/.installed
+PORT ?= 8000
+
+.PHONY: install demo up test test-fast bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e '.[worker,dev]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/rloo demo --port $(PORT)
+
+up: install
+	$(BIN)/rloo up --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m benchmarks.run
+
+lint: install
+	$(BIN)/ruff check service worker tests benchmarks
+	$(BIN)/mypy service worker
+
+clean:
+	rm -rf var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,137 @@
+"""``rloo demo``: the whole product in one command, on the embedded defaults.
+
+Builds a tiny policy and reward model offline (if absent), starts the local stack, uploads the
+example prompts over HTTP, creates an RLOO job, follows it with a live progress bar, and prints the
+reward curve, the first-vs-last reward and where the final checkpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from service.settings import get_settings
+
+EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "demo"
+POLICY, REWARD = "tiny-policy", "tiny-reward"
+
+
+def build_models(models_dir: Path, console: Console) -> None:
+    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
+
+    if not (models_dir / POLICY / "config.json").is_file():
+        with console.status("building a tiny policy offline (Llama-style, byte-level BPE trained on the spot)"):
+            build_tiny_causal_lm(models_dir / POLICY, seed=0)
+    if not (models_dir / REWARD / "config.json").is_file():
+        with console.status("building a tiny reward model offline"):
+            build_tiny_reward_model(models_dir / REWARD, tokenizer_from=models_dir / POLICY, seed=1)
+    console.print(f"models: [bold]{models_dir / POLICY}[/], [bold]{models_dir / REWARD}[/]")
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """A one-line reward curve (each column a bucket of steps, the mean of its rewards)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return ""
+    bars = "▁▂▃▄▅▆▇█"
+    buckets = max(1, math.ceil(len(values) / width))
+    means = [sum(chunk) / len(chunk) for i in range(0, len(finite), buckets) if (chunk := finite[i : i + buckets])]
+    lo, hi = min(means), max(means)
+    span = (hi - lo) or 1.0
+    return "".join(bars[min(len(bars) - 1, int((m - lo) / span * (len(bars) - 1) + 0.5))] for m in means)
+
+
+def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    job_id = job["id"]
+    series: list[dict[str, Any]] = []
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, refresh_per_second=4) as progress:
+        task = progress.add_task("queued", total=job["progress"]["total_steps"], info="")
+        while True:
+            job = http.get(f"/fine_tuning/jobs/{job_id}").json()
+            after = series[-1]["step"] if series else 0
+            series += http.get(f"/fine_tuning/jobs/{job_id}/metrics", params={"after_step": after}).json()["data"]
+            info = ""
+            if series:
+                last = series[-1]
+                recent = [m["train_reward_mean"] for m in series[-5:] if m["train_reward_mean"] is not None]
+                info = (f"reward {last['train_reward_mean']:.3f} (last 5: {sum(recent) / max(1, len(recent)):.3f})  "
+                        f"kl {last['kl']:.3f}  {last['completions_per_s']:.0f} completions/s")
+            progress.update(task, description=job["status"], completed=job["progress"]["step"], info=info)
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                return job, series
+            time.sleep(0.5)
+
+
+def run_demo(port: int = 8000) -> int:
+    from worker.cli import Stack
+
+    console = Console()
+    settings = get_settings()
+    console.rule("[bold]rloo-service demo")
+    console.print(f"home: {settings.home_dir}  (SQLite + embedded Redis; nothing to install or start)")
+    build_models(settings.models_dir, console)
+
+    stack = Stack("127.0.0.1", port, quiet=True)
+    try:
+        with console.status("starting the stack: migrations, embedded Redis, API, one Celery worker"):
+            key = stack.start()
+        console.print(f"API at [bold]{stack.url}[/] (docs at {stack.url}/docs), logs in {settings.home_dir / 'logs'}")
+        http = httpx.Client(base_url=stack.url + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+        train = EXAMPLE_DIR / "train.jsonl"
+        r = http.post("/files", files={"file": (train.name, train.read_bytes())}, data={"purpose": "fine-tune"})
+        r.raise_for_status()
+        file = r.json()
+        console.print(f"uploaded {train.name}: {file['id']} ({file['line_count']} prompts)")
+
+        body = json.loads((EXAMPLE_DIR / "job.json").read_text())
+        body["training_file"] = file["id"]
+        r = http.post("/fine_tuning/jobs", json=body)
+        if r.status_code != 200:
+            console.print(f"[red]job creation failed: {r.json()['error']['message']}")
+            return 1
+        job = r.json()
+        hp = job["hyperparameters"]
+        console.print(f"job {job['id']}: RLOO, k={hp['rloo_k']}, {hp['batch_size']} prompts a step, "
+                      f"{job['progress']['total_steps']} steps, grader '{body['method']['reinforcement']['grader']['name']}'")
+
+        job, series = follow(http, job, console)
+        return report(http, job, series, console)
+    finally:
+        with console.status("stopping the stack"):
+            stack.stop()
+
+
+def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]], console: Console) -> int:
+    if job["status"] != "succeeded":
+        console.print(f"[red]job {job['status']}: {job['error']}")
+        return 1
+    rewards = [m["train_reward_mean"] for m in series]
+    n = max(1, min(5, len(rewards) // 4))
+    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+    ckpt = http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
+    settings = get_settings()
+    path = settings.artifacts_dir / "checkpoints" / job["id"] / f"step-{ckpt['step_number']}"
+
+    console.print()
+    console.print(f"reward per step  {sparkline(rewards)}")
+    table = Table(show_header=False, box=None)
+    table.add_row("steps", str(len(series)))
+    table.add_row(f"reward, first {n} steps", f"{first:.3f}")
+    table.add_row(f"reward, last {n} steps", f"{last:.3f}  ({last - first:+.3f})")
+    table.add_row("final checkpoint", f"{ckpt['id']} at step {ckpt['step_number']}")
+    table.add_row("on disk", str(path))
+    table.add_row("download", f"GET /v1/fine_tuning/jobs/{job['id']}/checkpoints/{ckpt['id']}/content")
+    table.add_row("load it", f"AutoModelForCausalLM.from_pretrained('{path}')")
+    console.print(table)
+    return 0
