@@ -146,7 +146,11 @@ def set_status(
     if result.rowcount and event:
         add_event(session=session, job=job, message=event, level=level)
     session.commit()
-    session.refresh(job)
+    if job in session:
+        session.refresh(job)
+    else:  # a row loaded by another (closed) session: bring the caller's copy up to date
+        row = session.execute(select(Job.status, Job.error, Job.finished_at).where(Job.seq == job.seq)).one()
+        job.status, job.error, job.finished_at = row.status, row.error, row.finished_at
     return bool(result.rowcount)
 
 

@@ -221,8 +221,13 @@ def test_train_reward_model_learns_keyword(tmp_path: Path) -> None:
     texts, labels = tm.make_keyword_reward_data("happy", n=192, seed=0)
     assert 0.3 < sum(labels) / len(labels) < 0.7
     assert all(("happy" in t) == bool(y) for t, y in zip(texts, labels, strict=True))
-    fit = tm.train_tiny_reward_model(path, texts, labels, steps=120, seed=0)
+    tokenizer_json = (path / "tokenizer.json").read_bytes()
+    threads = torch.get_num_threads()
+    fit = tm.train_tiny_reward_model(path, texts, labels, steps=80, seed=0)
+    assert torch.get_num_threads() == threads
     assert fit.path == path
+    # tokenizer files are carried over untouched (no padding/truncation state baked in)
+    assert (path / "tokenizer.json").read_bytes() == tokenizer_json
     assert fit.final_loss < 0.05 < fit.initial_loss
     assert (path / tm.FIT_RECORD).is_file()
     assert _leftovers(tmp_path) == []
@@ -241,6 +246,8 @@ def test_train_reward_model_rejects_bad_input(models: dict[str, Path]) -> None:
         tm.train_tiny_reward_model(models["reward"], ["a", "b"], [1.0])
     with pytest.raises(ValueError):
         tm.train_tiny_reward_model(models["reward"], [], [])
+    with pytest.raises(ValueError):
+        tm.train_tiny_reward_model(models["reward"], ["a"], [1.0], steps=0)
 
 
 # ---------------------------------------------------------------- idempotence / atomicity

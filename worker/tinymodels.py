@@ -22,7 +22,8 @@ Token conventions (shared by policy and reward model):
 * the chat template renders ``<|role|>content<|eos|>`` per message, and the
   generation prompt is ``<|assistant|>``, so an assistant turn ends with the
   ordinary EOS token and generation stops on ``eos_token_id``;
-* padding is on the left (needed for batched generation).
+* padding and truncation are on the left (batched generation needs left
+  padding; left truncation keeps the end of a prompt or completion).
 
 Run ``python -m worker.tinymodels DIR`` to build ``DIR/policy`` and
 ``DIR/reward`` (the reward model fitted to prefer texts containing a keyword).

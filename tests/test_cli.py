@@ -1,0 +1,92 @@
+"""The CLI as users run it: `rloo up` until Ctrl-C, and `rloo train` in the foreground."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import EXAMPLES, ROOT
+from tests.test_e2e import free_port
+
+
+def _env(tmp_path: Path, models_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+@pytest.mark.e2e
+def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port)], cwd=ROOT,
+                            env=_env(tmp_path, models_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "RLOO_API_KEY=" in line:
+                break
+        out = "".join(lines)
+        match = re.search(r"RLOO_BASE_URL=(\S+) RLOO_API_KEY=(\S+)", out)
+        assert match, out
+        base, key = match.groups()
+        assert base == f"http://127.0.0.1:{port}/v1"
+        r = httpx.get(base + "/files", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert r.status_code == 200 and r.json()["object"] == "list"
+        # The key is stored hashed: its text appears nowhere in the database file.
+        assert key.encode() not in (tmp_path / "var" / "rloo.db").read_bytes()
+
+        children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert alive == [], alive
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    assert not (tmp_path / "var" / "redis.sock").exists()
+
+
+def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
+    spec = tmp_path / "job.json"
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
+    spec.write_text(json.dumps(body))
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "max_steps=3",
+                          "--set", "rloo_k=2", "--output-dir", str(tmp_path / "run")], cwd=ROOT,
+                         env=_env(tmp_path, models_dir), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    steps, summary = lines[:-1], lines[-1]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["total_steps"] == 3 and "train_reward_mean" in s for s in steps)
+    assert summary["status"] == "succeeded" and summary["steps"] == 3
+    assert Path(summary["final_checkpoint"], "config.json").is_file()
+
+
+def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_dir: Path) -> None:
+    spec = tmp_path / "job.json"
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
+    spec.write_text(json.dumps(body))
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "rloo_k=1"], cwd=ROOT,
+                         env=_env(tmp_path, models_dir), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "rloo_k" in out.stderr and "Traceback" not in out.stderr
