@@ -402,6 +402,21 @@ def test_line_over_line_limit_is_400(monkeypatch, env, auth) -> None:
         assert upload(client, auth, b'{"prompt": "' + b"x" * 80 + b'"}\n').status_code == 200  # 94 bytes: fine
 
 
+def test_json_body_over_limit_is_413(client, auth) -> None:
+    body = {"model": "tiny-policy", "training_file": "file-x", "metadata": {"pad": "x" * (9 * 1024 * 1024)}}
+    assert_error(client.post("/v1/fine_tuning/jobs", headers=auth, json=body), 413, code="request_too_large")
+
+
+def test_content_gone_from_storage_is_an_error_not_a_crash(client, auth, env) -> None:
+    f = upload_ok(client, auth)
+    (path,) = stored_files(env)
+    path.unlink()
+    resp = client.get(f"/v1/files/{f['id']}/content", headers=auth)
+    assert resp.status_code == 410, resp.text
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.delete(f"/v1/files/{f['id']}", headers=auth).status_code == 200
+
+
 def test_delete_file_used_by_a_job_is_409_until_cancelled(client, auth, env) -> None:
     train = upload_ok(client, auth)
     valid = upload_ok(client, auth)
@@ -781,17 +796,6 @@ def test_model_directory_without_config_is_400(client, auth, unique_model_path) 
     f = upload_ok(client, auth)
     assert_error(client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(f["id"], model=bare.name)), 400,
                  param="model", contains="config.json")
-
-
-def test_other_projects_file_cannot_be_used(client, auth, other_auth) -> None:
-    theirs = upload_ok(client, other_auth)
-    mine = upload_ok(client, auth)
-    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(theirs["id"]))
-    assert_error(resp, 400, param="training_file", contains=theirs["id"])
-    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(mine["id"], validation_file=theirs["id"]))
-    assert_error(resp, 400, param="validation_file")
-    assert list_ids(client, auth, "/v1/fine_tuning/jobs") == []
-    assert list_ids(client, other_auth, "/v1/fine_tuning/jobs") == []
 
 
 # Pagination ----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from service.settings import get_settings
 
@@ -52,8 +52,8 @@ def sparkline(values: list[float], width: int = 60) -> str:
 def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     job_id = job["id"]
     series: list[dict[str, Any]] = []
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn())
+    columns = (TextColumn("[bold]{task.description:>9}"), BarColumn(bar_width=30), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, refresh_per_second=4) as progress:
         task = progress.add_task("queued", total=job["progress"]["total_steps"], info="")
         while True:
@@ -64,8 +64,8 @@ def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[d
             if series:
                 last = series[-1]
                 recent = [m["train_reward_mean"] for m in series[-5:] if m["train_reward_mean"] is not None]
-                info = (f"reward {last['train_reward_mean']:.3f} (last 5: {sum(recent) / max(1, len(recent)):.3f})  "
-                        f"kl {last['kl']:.3f}  {last['completions_per_s']:.0f} completions/s")
+                info = (f"reward {last['train_reward_mean']:.3f} (mean of last 5: "
+                        f"{sum(recent) / max(1, len(recent)):.3f})  kl {last['kl']:.2f}")
             progress.update(task, description=job["status"], completed=job["progress"]["step"], info=info)
             if job["status"] in ("succeeded", "failed", "cancelled"):
                 return job, series
@@ -75,7 +75,7 @@ def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[d
 def run_demo(port: int = 8000) -> int:
     from worker.cli import Stack
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 110)
     settings = get_settings()
     console.rule("[bold]rloo-service demo")
     console.print(f"home: {settings.home_dir}  (SQLite + embedded Redis; nothing to install or start)")
@@ -124,14 +124,13 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
     path = settings.artifacts_dir / "checkpoints" / job["id"] / f"step-{ckpt['step_number']}"
 
     console.print()
-    console.print(f"reward per step  {sparkline(rewards)}")
-    table = Table(show_header=False, box=None)
-    table.add_row("steps", str(len(series)))
-    table.add_row(f"reward, first {n} steps", f"{first:.3f}")
-    table.add_row(f"reward, last {n} steps", f"{last:.3f}  ({last - first:+.3f})")
-    table.add_row("final checkpoint", f"{ckpt['id']} at step {ckpt['step_number']}")
-    table.add_row("on disk", str(path))
-    table.add_row("download", f"GET /v1/fine_tuning/jobs/{job['id']}/checkpoints/{ckpt['id']}/content")
-    table.add_row("load it", f"AutoModelForCausalLM.from_pretrained('{path}')")
-    console.print(table)
+    console.print(f"[bold]reward per step[/]  {sparkline(rewards)}")
+    console.print(f"  steps:                  {len(series)}")
+    console.print(f"  reward, first {n} steps:  {first:.3f}")
+    console.print(f"  reward, last {n} steps:   {last:.3f}  ({last - first:+.3f})")
+    console.print(f"  final checkpoint:       {ckpt['id']} (step {ckpt['step_number']})", soft_wrap=True)
+    console.print(f"  on disk:                {path}", soft_wrap=True)
+    console.print(f"  download:               GET /v1/fine_tuning/jobs/{job['id']}/checkpoints/{ckpt['id']}/content",
+                  soft_wrap=True)
+    console.print(f"  load it:                AutoModelForCausalLM.from_pretrained('{path}')", soft_wrap=True)
     return 0
