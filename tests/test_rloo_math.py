@@ -267,3 +267,15 @@ def test_whiten_masked():
 def test_masked_mean():
     # (1 + 3) / 2; the 100 is masked out
     close(rloo.masked_mean(t([1.0, 100.0, 3.0]), t([1, 0, 1])), 2.0)
+
+
+def test_whiten_with_one_masked_entry_gives_zero() -> None:
+    # One value has no spread to whiten against: (5 - mean 5) / ... = 0, and masked-out stay 0.
+    out = rloo.whiten(torch.tensor([5.0, 2.0, 3.0]), torch.tensor([True, False, False]))
+    assert out.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_kl_loss_rejects_unknown_aggregation() -> None:
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="loss_aggregation"):
+        rloo.kl_loss(lp, lp, torch.ones(1, 2), aggregation="bogus")
