@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -127,8 +127,14 @@ def add_event(
 
 
 def set_status(
-    *, session: Session, job: Job, to: str, from_: Sequence[str], event: str | None = None,
-    level: str = "info", **values: Any
+    *,
+    session: Session,
+    job: Job,
+    to: str,
+    from_: Sequence[str],
+    event: str | None = None,
+    level: str = "info",
+    **values: Any,
 ) -> bool:
     """Move ``job`` to ``to`` only if it is in one of ``from_``; one conditional UPDATE, committed
     together with ``event`` (so a reader never sees the new status without its event).
@@ -137,7 +143,7 @@ def set_status(
     """
     if to in FINAL_STATUSES:
         values.setdefault("finished_at", now())
-    result = session.execute(
+    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
         update(Job)
         .where(Job.seq == job.seq, Job.status.in_(tuple(from_)))
         .values(status=to, **values)
@@ -160,7 +166,7 @@ def claim_job(*, session: Session, job_id: str, worker: str) -> Job | None:
     A task delivered twice finds the row already running and gets None: redelivery is harmless.
     """
     t = time.time()
-    result = session.execute(
+    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
         update(Job)
         .where(Job.id == job_id, Job.status == "queued")
         .values(
@@ -212,9 +218,7 @@ def list_metrics(*, session: Session, job: Job) -> Sequence[JobMetric]:
 def add_checkpoint(
     *, session: Session, job: Job, step: int, path: str, name: str, metrics: dict[str, Any]
 ) -> Checkpoint:
-    existing = session.scalar(
-        select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step)
-    )
+    existing = session.scalar(select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))
     if existing is not None:  # a replayed step rewrote the same directory
         existing.path, existing.metrics, existing.fine_tuned_model_checkpoint = path, metrics, name
         return existing

@@ -28,7 +28,9 @@ def current_project(session: SessionDep, authorization: Annotated[str | None, He
     scheme, _, secret = authorization.partition(" ")
     project = crud.authenticate(session=session, secret=secret.strip()) if scheme.lower() == "bearer" else None
     if project is None:
-        raise APIError(401, "Invalid or revoked API key.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401, "Invalid or revoked API key.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
     return project
 
 

@@ -25,8 +25,7 @@ def redis_executable() -> str:
 
 def ping(settings: Settings, timeout: float = 0.5) -> bool:
     try:
-        client = redis.Redis.from_url(settings.redis_client_url, socket_timeout=timeout,
-                                      socket_connect_timeout=timeout)
+        client = redis.Redis.from_url(settings.redis_client_url, socket_timeout=timeout, socket_connect_timeout=timeout)
         ok = bool(client.ping())
         client.close()
         return ok
@@ -44,19 +43,30 @@ def start(settings: Settings, *, daemonize: bool) -> subprocess.Popen[bytes] | N
     sock.unlink(missing_ok=True)  # a stale socket from a killed server
     args = [
         redis_executable(),
-        "--port", "0",  # no TCP: only the unix socket, which file permissions guard
-        "--unixsocket", str(sock),
-        "--unixsocketperm", "700",
-        "--dir", str(data_dir),
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--save", "",
-        "--pidfile", str(data_dir / "redis.pid"),
-        "--logfile", str(data_dir / "redis.log"),
-        "--daemonize", "yes" if daemonize else "no",
+        "--port",
+        "0",  # no TCP: only the unix socket, which file permissions guard
+        "--unixsocket",
+        str(sock),
+        "--unixsocketperm",
+        "700",
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--pidfile",
+        str(data_dir / "redis.pid"),
+        "--logfile",
+        str(data_dir / "redis.log"),
+        "--daemonize",
+        "yes" if daemonize else "no",
     ]
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if ping(settings):

@@ -163,9 +163,7 @@ def _template_refs(template: str) -> list[tuple[int, int, str]]:
             return refs
         end = template.find(_TEMPLATE_CLOSE, start + len(_TEMPLATE_OPEN))
         if end < 0:
-            raise ValueError(
-                f"unclosed '{{{{' at position {start}; close it with '}}}}' as in '{{{{ item.answer }}}}'"
-            )
+            raise ValueError(f"unclosed '{{{{' at position {start}; close it with '}}}}' as in '{{{{ item.answer }}}}'")
         path = template[start + len(_TEMPLATE_OPEN) : end].strip()
         if not path:
             raise ValueError(
@@ -200,8 +198,7 @@ def _check_path(path: str) -> list[str]:
             )
         return parts
     raise ValueError(
-        f"'{{{{ {path} }}}}' must start with 'item.' (a field of the training-file line) or "
-        "'sample.' (the completion)"
+        f"'{{{{ {path} }}}}' must start with 'item.' (a field of the training-file line) or 'sample.' (the completion)"
     )
 
 
@@ -253,8 +250,7 @@ def _lookup(value: object, parts: list[str], *, path: str) -> object:
             value = value[index]
         else:
             raise TemplateKeyError(
-                f"template references {{{{ {path} }}}}, but {walked} is {_describe(value)}, "
-                f"which has no key '{part}'",
+                f"template references {{{{ {path} }}}}, but {walked} is {_describe(value)}, which has no key '{part}'",
                 path=path,
             )
         walked = f"{walked}.{part}"
@@ -408,8 +404,7 @@ def _tokenize(text: str, fail: Callable[[str], GraderError]) -> list[_Token]:
             continue
         reason = _REFUSED_CHARS.get(ch, f"unexpected character {ch!r}")
         raise fail(
-            f"{reason} (position {i}); use numbers, sub-grader names, + - * /, parentheses "
-            f"and {_FUNCTION_USAGE}"
+            f"{reason} (position {i}); use numbers, sub-grader names, + - * /, parentheses and {_FUNCTION_USAGE}"
         )
     tokens.append(_Token("end", "", len(text)))
     return tokens
@@ -460,8 +455,7 @@ class _FormulaParser:
         self.depth += 1
         if self.depth > MAX_FORMULA_DEPTH:
             raise self.fail(
-                f"nesting is deeper than {MAX_FORMULA_DEPTH} (parentheses, calls and signs); "
-                "simplify the formula"
+                f"nesting is deeper than {MAX_FORMULA_DEPTH} (parentheses, calls and signs); simplify the formula"
             )
 
     def expect(self, text: str, what: str) -> None:
@@ -506,13 +500,9 @@ class _FormulaParser:
             if self.peek().kind == "op" and self.peek().text == "(":
                 return self.call(token)
             if token.text in _FUNCTION_ARITY:
-                raise self.fail(
-                    f"'{token.text}' at position {token.pos} is a function; call it as {token.text}(...)"
-                )
+                raise self.fail(f"'{token.text}' at position {token.pos} is a function; call it as {token.text}(...)")
             if token.text not in self.names:
-                raise self.fail(
-                    f"unknown name '{token.text}' at position {token.pos}; known sub-graders: {self.known}"
-                )
+                raise self.fail(f"unknown name '{token.text}' at position {token.pos}; known sub-graders: {self.known}")
             return _Name(token.text)
         if token.kind == "op" and token.text == "(":
             self.enter()
@@ -526,9 +516,7 @@ class _FormulaParser:
     def call(self, name: _Token) -> _Expr:
         if name.text not in _FUNCTION_ARITY:
             what = "a sub-grader, not a function" if name.text in self.names else "not a function"
-            raise self.fail(
-                f"'{name.text}' at position {name.pos} is {what}; the functions are {_FUNCTION_USAGE}"
-            )
+            raise self.fail(f"'{name.text}' at position {name.pos} is {what}; the functions are {_FUNCTION_USAGE}")
         self.advance()  # "("
         self.enter()
         args: list[_Expr] = []
@@ -709,8 +697,7 @@ ModelScorer = Callable[[RewardModelGrader, list[Sample], list[Mapping[str, objec
 """Scores every sample of a batch with one reward model; the worker's batched forward pass."""
 
 _GRADER_CLASSES: dict[str, type[Grader]] = {
-    cls.type: cls
-    for cls in (StringCheckGrader, TextSimilarityGrader, RewardModelGrader, MultiGrader, PythonGrader)
+    cls.type: cls for cls in (StringCheckGrader, TextSimilarityGrader, RewardModelGrader, MultiGrader, PythonGrader)
 }
 
 # type -> (required keys, optional keys); "type" and "name" are common to all.
@@ -835,9 +822,7 @@ def _parse(spec: object, *, param: str, allow_python: bool, depth: int) -> Grade
     return _parse_multi(spec, name=name, param=param, allow_python=allow_python, depth=depth)
 
 
-def _parse_multi(
-    spec: Mapping[str, object], *, name: str, param: str, allow_python: bool, depth: int
-) -> MultiGrader:
+def _parse_multi(spec: Mapping[str, object], *, name: str, param: str, allow_python: bool, depth: int) -> MultiGrader:
     if depth >= MAX_GRADER_DEPTH:
         raise GraderError(
             f"multi graders nest at most {MAX_GRADER_DEPTH} deep; flatten this one",
@@ -1059,14 +1044,12 @@ def _grade(
     if isinstance(grader, TextSimilarityGrader):
         metric = TEXT_SIMILARITY_METRICS[grader.evaluation_metric]
         return [
-            NAN if pair is None else _finite_or_nan(metric(*pair))
-            for pair in _render_pairs(grader, samples, items)
+            NAN if pair is None else _finite_or_nan(metric(*pair)) for pair in _render_pairs(grader, samples, items)
         ]
     if isinstance(grader, RewardModelGrader):
         if model_scorer is None:
             raise GraderError(
-                f"reward_model grader '{grader.name}' needs its model loaded; model graders run "
-                "on the worker",
+                f"reward_model grader '{grader.name}' needs its model loaded; model graders run on the worker",
                 param=f"{prefix or grader.name}.model",
             )
         if not samples:

@@ -60,7 +60,15 @@ async def _too_large(send: Send, limit: int) -> None:
     body = json.dumps(
         error_body(413, f"The request body is larger than the limit of {limit} bytes.", None, "request_too_large")
     ).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -39,11 +39,13 @@ def create_app() -> FastAPI:
     )
     errors.install(app)
     # Uploads are bounded while they stream, not after: a 50 GB body is refused at the first byte over.
-    app.add_middleware(BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024,
-                       max_json_bytes=8 * 1024 * 1024)
+    app.add_middleware(
+        BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024
+    )
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
+        )
     app.include_router(files.router)
     app.include_router(jobs.router)
     app.include_router(graders.router)

@@ -76,7 +76,7 @@ class Hyperparameters(Strict):
 
 class RLConfig(Strict):
     grader: dict[str, Any] = Field(description="The reward spec: a grader (see API.md).")
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    hyperparameters: Hyperparameters = Hyperparameters()
 
 
 class Method(Strict):

@@ -10,8 +10,8 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
 from service.errors import APIError, bad_request
@@ -83,16 +83,18 @@ def check_line(obj: Any, lineno: int) -> set[str]:
     return set(obj) - {"messages", "prompt"}
 
 
-def _read_lines(source: IO[bytes], out: IO[bytes], summary: UploadSummary, *, max_bytes: int,
-                max_line_bytes: int, chunk: int) -> Iterator[tuple[int, bytes]]:
+def _read_lines(
+    source: IO[bytes], out: IO[bytes], summary: UploadSummary, *, max_bytes: int, max_line_bytes: int, chunk: int
+) -> Iterator[tuple[int, bytes]]:
     """Yield ``(line number, raw line)`` from ``source``, copying every byte to ``out``."""
     pending = b""
     lineno = 0
     while block := source.read(chunk):
         summary.bytes += len(block)
         if summary.bytes > max_bytes:
-            raise APIError(413, f"The file is larger than the limit of {max_bytes} bytes.", param="file",
-                           code="file_too_large")
+            raise APIError(
+                413, f"The file is larger than the limit of {max_bytes} bytes.", param="file", code="file_too_large"
+            )
         out.write(block)
         *complete, pending = (pending + block).split(b"\n")
         for raw in complete:
@@ -119,11 +121,15 @@ def store_jsonl(
     try:
         with os.fdopen(fd, "wb") as out:
             blank_at: int | None = None
-            for lineno, raw in _read_lines(source, out, summary, max_bytes=max_bytes,
-                                           max_line_bytes=max_line_bytes, chunk=chunk):
+            for lineno, raw in _read_lines(
+                source, out, summary, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk
+            ):
                 if len(raw) > max_line_bytes:
-                    raise bad_request(f"Line {lineno} is {len(raw)} bytes, over the limit of {max_line_bytes}.",
-                                      "file", "invalid_file")
+                    raise bad_request(
+                        f"Line {lineno} is {len(raw)} bytes, over the limit of {max_line_bytes}.",
+                        "file",
+                        "invalid_file",
+                    )
                 if not raw.strip():
                     blank_at = blank_at or lineno
                     continue
@@ -132,8 +138,9 @@ def store_jsonl(
                 try:
                     obj = json.loads(raw.decode("utf-8"))
                 except UnicodeDecodeError:
-                    raise bad_request(f"Line {lineno} is not valid UTF-8; save the file as UTF-8.", "file",
-                                      "invalid_file") from None
+                    raise bad_request(
+                        f"Line {lineno} is not valid UTF-8; save the file as UTF-8.", "file", "invalid_file"
+                    ) from None
                 except json.JSONDecodeError as exc:
                     raise bad_request(f"Line {lineno} is not valid JSON: {exc.msg}.", "file", "invalid_file") from None
                 summary.add(summary.lines + 1, check_line(obj, lineno))
@@ -164,15 +171,21 @@ def resolve_model(models_dir: Path, name: str, *, hub_offline: bool, param: str)
     try:
         path = confined(models_dir, name)
     except ValueError:
-        raise bad_request(f"Model '{name}' points outside the models root; name a directory inside it.", param) from None
+        raise bad_request(
+            f"Model '{name}' points outside the models root; name a directory inside it.", param
+        ) from None
     if path.is_dir():
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise bad_request(f"Model directory '{name}' has no config.json; it is not a Hugging Face model.", param)
         return path
     if not hub_offline and name.count("/") == 1 and ".." not in name:
         return name  # a hub id, loaded by the worker
-    raise bad_request(f"No model directory '{name}' under the models root. Models available: "
-                      f"{', '.join(list_models(models_dir)) or 'none'}.", param, "model_not_found")
+    raise bad_request(
+        f"No model directory '{name}' under the models root. Models available: "
+        f"{', '.join(list_models(models_dir)) or 'none'}.",
+        param,
+        "model_not_found",
+    )
 
 
 def list_models(models_dir: Path) -> list[str]:

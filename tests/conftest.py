@@ -110,8 +110,9 @@ def embedded_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, database_url: str, models_dir: Path,
-        embedded_redis: str) -> Iterator[dict[str, str]]:
+def env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, database_url: str, models_dir: Path, embedded_redis: str
+) -> Iterator[dict[str, str]]:
     """Point the settings at a migrated database, a real Redis and the tiny models; returns the env."""
     from service.db import reset_caches
     from service.migrate import upgrade
@@ -174,5 +175,11 @@ def other_auth(env: dict[str, str]) -> dict[str, str]:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+        cwd=ROOT,
+    )

@@ -27,9 +27,15 @@ def _env(tmp_path: Path, models_dir: Path) -> dict[str, str]:
 @pytest.mark.e2e
 def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port)], cwd=ROOT,
-                            env=_env(tmp_path, models_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "up", "--port", str(port)],
+        cwd=ROOT,
+        env=_env(tmp_path, models_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 90
@@ -56,8 +62,11 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     time.sleep(0.5)
-    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
-             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    alive = [
+        pid
+        for pid in children
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
     assert alive == [], alive
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
@@ -69,9 +78,26 @@ def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
     body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
     body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
     spec.write_text(json.dumps(body))
-    out = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "max_steps=3",
-                          "--set", "rloo_k=2", "--output-dir", str(tmp_path / "run")], cwd=ROOT,
-                         env=_env(tmp_path, models_dir), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.cli",
+            "train",
+            str(spec),
+            "--set",
+            "max_steps=3",
+            "--set",
+            "rloo_k=2",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env=_env(tmp_path, models_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     steps, summary = lines[:-1], lines[-1]
@@ -86,7 +112,13 @@ def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_di
     body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
     body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
     spec.write_text(json.dumps(body))
-    out = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "rloo_k=1"], cwd=ROOT,
-                         env=_env(tmp_path, models_dir), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "rloo_k=1"],
+        cwd=ROOT,
+        env=_env(tmp_path, models_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "rloo_k" in out.stderr and "Traceback" not in out.stderr

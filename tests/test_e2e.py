@@ -29,9 +29,26 @@ from tests.conftest import EXAMPLES, ROOT, _drop_postgres_database, _fresh_postg
 pytestmark = pytest.mark.e2e
 
 RLOO_METRICS = [
-    "step", "total_steps", "train_reward_mean", "train_reward_std", "frac_reward_zero_std", "advantage_std", "kl",
-    "loss", "entropy", "grad_norm", "learning_rate", "completion_length_mean", "clipped_ratio", "nan_rewards",
-    "time_generate", "time_score", "time_update", "time_step", "completions_per_s", "tokens_per_s",
+    "step",
+    "total_steps",
+    "train_reward_mean",
+    "train_reward_std",
+    "frac_reward_zero_std",
+    "advantage_std",
+    "kl",
+    "loss",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+    "completion_length_mean",
+    "clipped_ratio",
+    "nan_rewards",
+    "time_generate",
+    "time_score",
+    "time_update",
+    "time_step",
+    "completions_per_s",
+    "tokens_per_s",
 ]
 
 
@@ -49,15 +66,27 @@ class LiveStack:
         self.key = ""
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run([sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True,
-                             env=self.env, cwd=ROOT, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         return out
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=self.env, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", *args],
+            env=self.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
@@ -93,8 +122,14 @@ class LiveStack:
 @pytest.fixture(params=["embedded", "production"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1",
-                "RLOO_HEARTBEAT_SECONDS": "1"})
+    env.update(
+        {
+            "RLOO_HOME": str(tmp_path / "var"),
+            "RLOO_MODELS_DIR": str(models_dir),
+            "PYTHONUNBUFFERED": "1",
+            "RLOO_HEARTBEAT_SECONDS": "1",
+        }
+    )
     pg_name = None
     if request.param == "production":
         server, broker = os.environ.get("TEST_DATABASE_URL"), os.environ.get("TEST_REDIS_URL")
@@ -137,8 +172,9 @@ def job_body(file_id: str, **hp: Any) -> dict[str, Any]:
     return body
 
 
-def wait_for(http: httpx.Client, job_id: str, statuses: set[str], timeout: float, stack: LiveStack,
-             min_step: int = 0) -> dict[str, Any]:
+def wait_for(
+    http: httpx.Client, job_id: str, statuses: set[str], timeout: float, stack: LiveStack, min_step: int = 0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     job: dict[str, Any] = {}
     while time.monotonic() < deadline:

@@ -44,8 +44,16 @@ def test_metrics_unique_on_job_and_step(database_url: str) -> None:
     try:
         with Session(engine) as session:
             project = crud.get_or_create_project(session=session, name="p")
-            job = Job(project_seq=project.seq, model="m", training_file="file-x", seed=0, method={},
-                      hyperparameters={}, status="running", total_steps=3)
+            job = Job(
+                project_seq=project.seq,
+                model="m",
+                training_file="file-x",
+                seed=0,
+                method={},
+                hyperparameters={},
+                status="running",
+                total_steps=3,
+            )
             session.add(job)
             session.commit()
             crud.upsert_metrics(session=session, job=job, step=1, data={"train_reward_mean": 0.1})
@@ -70,8 +78,16 @@ def test_claim_is_atomic(database_url: str) -> None:
     try:
         with Session(engine) as a, Session(engine) as b:
             project = crud.get_or_create_project(session=a, name="p")
-            job = Job(project_seq=project.seq, model="m", training_file="file-x", seed=0, method={},
-                      hyperparameters={}, status="queued", total_steps=3)
+            job = Job(
+                project_seq=project.seq,
+                model="m",
+                training_file="file-x",
+                seed=0,
+                method={},
+                hyperparameters={},
+                status="queued",
+                total_steps=3,
+            )
             a.add(job)
             a.commit()
             first = crud.claim_job(session=a, job_id=job.id, worker="w1")

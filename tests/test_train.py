@@ -14,8 +14,13 @@ from tests.conftest import EXAMPLES
 from worker.config import TrainConfig
 from worker.train import JobError, train
 
-ANSWER = {"type": "text_similarity", "name": "answer", "input": "{{ sample.output_text }}",
-          "reference": "{{ item.answer }}", "evaluation_metric": "fuzzy_match"}
+ANSWER = {
+    "type": "text_similarity",
+    "name": "answer",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "evaluation_metric": "fuzzy_match",
+}
 
 
 class ListRecorder:
@@ -38,9 +43,16 @@ class ListRecorder:
 
 def config(tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, **hp: Any) -> TrainConfig:
     demo = json.loads((EXAMPLES / "demo" / "job.json").read_text())["method"]["reinforcement"]["hyperparameters"]
-    return TrainConfig(model="tiny-policy", training_file=EXAMPLES / "demo" / "train.jsonl", grader=grader,
-                       hyperparameters=Hyperparameters(**{**demo, **hp}).resolved(), output_dir=tmp_path / "out",
-                       models_dir=models_dir, seed=0, device="cpu")
+    return TrainConfig(
+        model="tiny-policy",
+        training_file=EXAMPLES / "demo" / "train.jsonl",
+        grader=grader,
+        hyperparameters=Hyperparameters(**{**demo, **hp}).resolved(),
+        output_dir=tmp_path / "out",
+        models_dir=models_dir,
+        seed=0,
+        device="cpu",
+    )
 
 
 def test_reward_rises_on_the_demo_task(tmp_path: Path, models_dir: Path) -> None:
@@ -64,16 +76,21 @@ def test_same_seed_same_metrics(tmp_path: Path, models_dir: Path) -> None:
 
 
 def test_reward_model_grader_scores_in_batches(tmp_path: Path, models_dir: Path) -> None:
-    grader = {"type": "multi", "name": "reward", "calculate_output": "answer + 0.1 * clip(rm, -1, 1)",
-              "graders": {"answer": ANSWER, "rm": {"type": "reward_model", "name": "rm", "model": "tiny-reward"}}}
+    grader = {
+        "type": "multi",
+        "name": "reward",
+        "calculate_output": "answer + 0.1 * clip(rm, -1, 1)",
+        "graders": {"answer": ANSWER, "rm": {"type": "reward_model", "name": "rm", "model": "tiny-reward"}},
+    }
     rec = ListRecorder()
     train(config(tmp_path, models_dir, grader=grader, max_steps=2), rec)
     for m in rec.steps:
         assert math.isfinite(m["graders.rm.mean"]) and m["graders.rm.errors"] == 0
         assert math.isfinite(m["graders.answer.mean"])
         # The formula combines them: reward = answer + 0.1 * clip(rm) (means are linear).
-        assert m["train_reward_mean"] == pytest.approx(m["graders.answer.mean"] + 0.1 * max(-1, min(1, m[
-            "graders.rm.mean"])), abs=1e-4)
+        assert m["train_reward_mean"] == pytest.approx(
+            m["graders.answer.mean"] + 0.1 * max(-1, min(1, m["graders.rm.mean"])), abs=1e-4
+        )
 
 
 def test_no_reference_model_without_kl(tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,8 +19,12 @@ import typer
 
 from service.settings import get_settings
 
-app = typer.Typer(help="rloo-service: RLOO fine-tuning as a service.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+app = typer.Typer(
+    help="rloo-service: RLOO fine-tuning as a service.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -40,8 +44,10 @@ def db_upgrade(revision: str = "head") -> None:
 
 
 @keys_app.command("create")
-def keys_create(project: Annotated[str, typer.Option(help="Project name; created if new.")],
-                name: Annotated[str, typer.Option(help="A label for the key.")] = "") -> None:
+def keys_create(
+    project: Annotated[str, typer.Option(help="Project name; created if new.")],
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+) -> None:
     """Create an API key. It is shown once, on the last line; only its hash is stored."""
     from service import crud
     from service.db import session_scope
@@ -91,13 +97,19 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
         from service import embedded
 
         embedded.start(settings, daemonize=True)
-    uvicorn.run("service.main:app", host=host, port=port, workers=workers, log_level="info",
-                proxy_headers=True, access_log=False)
+    uvicorn.run(
+        "service.main:app",
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="info",
+        proxy_headers=True,
+        access_log=False,
+    )
 
 
 @app.command("worker")
-def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None,
-           loglevel: str = "INFO") -> None:
+def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None, loglevel: str = "INFO") -> None:
     """Run a Celery worker: one job at a time, in a child process that is replaced after each job."""
     settings = get_settings()
     if settings.embedded_redis:
@@ -106,13 +118,21 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
         embedded.start(settings, daemonize=True)
     from worker.celery_app import app as celery_app
 
-    celery_app.worker_main([
-        "worker", "--pool=prefork", "--concurrency=1", f"--queues={queue or settings.queue}",
-        f"--loglevel={loglevel}", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
-        "--max-tasks-per-child=1",
-        f"--hostname=rloo-worker-{os.getpid()}@%h",
-    ])
+    celery_app.worker_main(
+        [
+            "worker",
+            "--pool=prefork",
+            "--concurrency=1",
+            f"--queues={queue or settings.queue}",
+            f"--loglevel={loglevel}",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
+            "--max-tasks-per-child=1",
+            f"--hostname=rloo-worker-{os.getpid()}@%h",
+        ]
+    )
 
 
 # The whole stack -------------------------------------------------------------------------------
@@ -168,8 +188,11 @@ class Stack:
         exe = [sys.executable, "-m", "worker.cli"]
         for name, args in (("api", ["api", "--host", self.host, "--port", str(self.port)]), ("worker", ["worker"])):
             out = open(log_dir / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
-            self.children.append(subprocess.Popen(exe + args, env=env, stdout=out, stderr=subprocess.STDOUT if out
-                                                  else None, start_new_session=True))
+            self.children.append(
+                subprocess.Popen(
+                    exe + args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+                )
+            )
         self._wait_ready()
         return key
 
@@ -180,7 +203,9 @@ class Stack:
         while time.monotonic() < deadline:
             for child in self.children:
                 if child.poll() is not None:
-                    raise RuntimeError(f"a stack process exited early ({child.args}); see {get_settings().home_dir}/logs")
+                    raise RuntimeError(
+                        f"a stack process exited early ({child.args!r}); see {get_settings().home_dir}/logs"
+                    )
             try:
                 if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
                     return

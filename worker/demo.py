@@ -52,8 +52,13 @@ def sparkline(values: list[float], width: int = 60) -> str:
 def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     job_id = job["id"]
     series: list[dict[str, Any]] = []
-    columns = (TextColumn("[bold]{task.description:>9}"), BarColumn(bar_width=30), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]{task.description:>9}"),
+        BarColumn(bar_width=30),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, refresh_per_second=4) as progress:
         task = progress.add_task("queued", total=job["progress"]["total_steps"], info="")
         while True:
@@ -64,8 +69,10 @@ def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[d
             if series:
                 last = series[-1]
                 recent = [m["train_reward_mean"] for m in series[-5:] if m["train_reward_mean"] is not None]
-                info = (f"reward {last['train_reward_mean']:.3f} (mean of last 5: "
-                        f"{sum(recent) / max(1, len(recent)):.3f})  kl {last['kl']:.2f}")
+                info = (
+                    f"reward {last['train_reward_mean']:.3f} (mean of last 5: "
+                    f"{sum(recent) / max(1, len(recent)):.3f})  kl {last['kl']:.2f}"
+                )
             progress.update(task, description=job["status"], completed=job["progress"]["step"], info=info)
             if job["status"] in ("succeeded", "failed", "cancelled"):
                 return job, series
@@ -102,8 +109,10 @@ def run_demo(port: int = 8000) -> int:
             return 1
         job = r.json()
         hp = job["hyperparameters"]
-        console.print(f"job {job['id']}: RLOO, k={hp['rloo_k']}, {hp['batch_size']} prompts a step, "
-                      f"{job['progress']['total_steps']} steps, grader '{body['method']['reinforcement']['grader']['name']}'")
+        console.print(
+            f"job {job['id']}: RLOO, k={hp['rloo_k']}, {hp['batch_size']} prompts a step, "
+            f"{job['progress']['total_steps']} steps, grader '{body['method']['reinforcement']['grader']['name']}'"
+        )
 
         job, series = follow(http, job, console)
         return report(http, job, series, console)
@@ -130,7 +139,9 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
     console.print(f"  reward, last {n} steps:   {last:.3f}  ({last - first:+.3f})")
     console.print(f"  final checkpoint:       {ckpt['id']} (step {ckpt['step_number']})", soft_wrap=True)
     console.print(f"  on disk:                {path}", soft_wrap=True)
-    console.print(f"  download:               GET /v1/fine_tuning/jobs/{job['id']}/checkpoints/{ckpt['id']}/content",
-                  soft_wrap=True)
+    console.print(
+        f"  download:               GET /v1/fine_tuning/jobs/{job['id']}/checkpoints/{ckpt['id']}/content",
+        soft_wrap=True,
+    )
     console.print(f"  load it:                AutoModelForCausalLM.from_pretrained('{path}')", soft_wrap=True)
     return 0

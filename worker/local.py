@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from service import graders
-from service.settings import get_settings
 from service.schemas import JobCreate
+from service.settings import get_settings
 from service.storage import resolve_model, store_jsonl
 
 
@@ -64,16 +64,23 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> tuple[JobCreate, di
     return body, body.method.config.hyperparameters.resolved()
 
 
-def run_spec(spec_path: Path, *, overrides: dict[str, Any], output_dir: Path | None = None,
-             device: str | None = None, recorder: StdoutRecorder | None = None) -> dict[str, Any]:
+def run_spec(
+    spec_path: Path,
+    *,
+    overrides: dict[str, Any],
+    output_dir: Path | None = None,
+    device: str | None = None,
+    recorder: StdoutRecorder | None = None,
+) -> dict[str, Any]:
     from worker.config import TrainConfig
     from worker.train import JobError, train
 
     settings = get_settings()
     body, hp = load_spec(spec_path, overrides)
     base = spec_path.resolve().parent
-    grader = graders.parse_grader(body.method.config.grader, param=f"method.{body.method.type}.grader",
-                                  allow_python=settings.allow_python_grader)
+    grader = graders.parse_grader(
+        body.method.config.grader, param=f"method.{body.method.type}.grader", allow_python=settings.allow_python_grader
+    )
     models_dir = settings.models_dir
     resolve_model(models_dir, body.model, hub_offline=settings.hub_offline, param="model")
     files = {}
@@ -83,15 +90,26 @@ def run_spec(spec_path: Path, *, overrides: dict[str, Any], output_dir: Path | N
             path = (base / name).resolve()
             # The same line checks as an upload, into a scratch copy: a bad line fails here, not at step 40.
             with open(path, "rb") as src:
-                store_jsonl(src, dest=Path(output_dir or base / "runs") / ".validated" / path.name,
-                            max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes)
+                store_jsonl(
+                    src,
+                    dest=Path(output_dir or base / "runs") / ".validated" / path.name,
+                    max_bytes=settings.max_upload_bytes,
+                    max_line_bytes=settings.max_line_bytes,
+                )
             files[which] = path
     out = output_dir or (base / "runs" / time.strftime("run-%Y%m%d-%H%M%S"))
-    cfg = TrainConfig(model=body.model, training_file=files["training_file"],
-                      validation_file=files.get("validation_file"), grader=graders.grader_to_dict(grader),
-                      hyperparameters=hp, output_dir=Path(out), models_dir=models_dir,
-                      seed=body.seed if body.seed is not None else 0, device=device,
-                      extra={"allow_python_grader": settings.allow_python_grader})
+    cfg = TrainConfig(
+        model=body.model,
+        training_file=files["training_file"],
+        validation_file=files.get("validation_file"),
+        grader=graders.grader_to_dict(grader),
+        hyperparameters=hp,
+        output_dir=Path(out),
+        models_dir=models_dir,
+        seed=body.seed if body.seed is not None else 0,
+        device=device,
+        extra={"allow_python_grader": settings.allow_python_grader},
+    )
     rec = recorder or StdoutRecorder()
     t0 = time.perf_counter()
     try:

@@ -37,8 +37,9 @@ class RewardModels:
         return self._loaded[name]
 
     @torch.inference_mode()
-    def score(self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]],
-              prompts: Sequence[str]) -> list[float]:
+    def score(
+        self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]], prompts: Sequence[str]
+    ) -> list[float]:
         """One score per sample: the model's single logit on ``prompt + completion`` (or ``leaf.input``)."""
         model, tok = self._load(leaf.model)
         rendered = graders.render_reward_model_inputs(leaf, samples, items)
@@ -48,8 +49,13 @@ class RewardModels:
         texts = [rendered[i] for i in todo]
         scores: list[float] = []
         for i in range(0, len(texts), self.batch_size):
-            enc = tok(texts[i : i + self.batch_size], return_tensors="pt", padding=True, truncation=True,
-                      max_length=getattr(tok, "model_max_length", 2048) if tok.model_max_length < 1e6 else 2048)
+            enc = tok(
+                texts[i : i + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=getattr(tok, "model_max_length", 2048) if tok.model_max_length < 1e6 else 2048,
+            )
             logits = model(**{k: v.to(self.device) for k, v in enc.items()}).logits
             scores.extend(logits[:, 0].float().cpu().tolist())
         out = [float("nan")] * len(rendered)  # NaN where the input template missed a key
@@ -59,13 +65,19 @@ class RewardModels:
 
 
 def score_batch(
-    grader: Any, *, prompts: list[str], texts: list[str], items: list[dict[str, Any]],
+    grader: Any,
+    *,
+    prompts: list[str],
+    texts: list[str],
+    items: list[dict[str, Any]],
     reward_models: RewardModels | None,
 ) -> graders.GradeResult:
     """Rewards ``(N,)`` (NaN where a completion could not be scored) and per-grader details."""
     samples = [graders.Sample(output_text=t) for t in texts]
     scorer = None
     if reward_models is not None:
+
         def scorer(leaf: Any, s: Sequence[graders.Sample], i: Sequence[Mapping[str, Any]]) -> list[float]:
             return reward_models.score(leaf, s, i, prompts)
+
     return graders.grade_batch(grader, samples, items, model_scorer=scorer)

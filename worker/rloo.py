@@ -125,7 +125,9 @@ def policy_loss(
     return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 
-def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str = "k3", aggregation: str = "sequence_sum") -> Tensor:
+def kl_loss(
+    logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str = "k3", aggregation: str = "sequence_sum"
+) -> Tensor:
     """KL as a loss term (``kl_in_reward`` false), aggregated like the policy loss. ``(N, T) -> ()``."""
     if aggregation not in ("token_mean", "sequence_sum", "sequence_mean"):
         raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")

@@ -46,8 +46,16 @@ class RolloutBackend(Protocol):
 
 
 class TransformersBackend:
-    def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
-                 max_prompt_length: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        max_prompt_length: int,
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.max_prompt_length = max_prompt_length
@@ -58,8 +66,14 @@ class TransformersBackend:
     def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:
         tok = self.tokenizer
         device = next(self.model.parameters()).device
-        enc = tok(prompts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_prompt_length,
-                  add_special_tokens=False)
+        enc = tok(
+            prompts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.max_prompt_length,
+            add_special_tokens=False,
+        )
         prompt_ids = enc["input_ids"].to(device).repeat_interleave(k, dim=0)
         prompt_mask = enc["attention_mask"].to(device).repeat_interleave(k, dim=0)
         # Sampling draws from torch's global generator; seeding it per step makes a run (and a
@@ -79,10 +93,11 @@ class TransformersBackend:
             pad_token_id=tok.pad_token_id,
         )
         self.model.train(was_training)
-        completion_ids = out[:, prompt_ids.shape[1]:]
+        completion_ids = out[:, prompt_ids.shape[1] :]
         completion_mask, truncated = completion_mask_from(completion_ids, self.eos_ids)
-        completion_ids = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids,
-                                                                                          tok.pad_token_id))
+        completion_ids = torch.where(
+            completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id)
+        )
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
 
@@ -123,8 +138,13 @@ def completion_logprobs(
     # Left padding: positions count real tokens only, as generate() numbered them.
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     t = rollout.completion_ids.shape[1]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=t + 1, use_cache=False)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=t + 1,
+        use_cache=False,
+    )
     logits = out.logits[:, :-1, :].float() / temperature  # position j predicts token j + 1
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)

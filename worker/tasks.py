@@ -39,18 +39,25 @@ class DatabaseRecorder:
         clean = _json_safe(metrics)
         with session_scope() as session:
             crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
-            crud.add_event(session=session, job=self.job, type="metrics", data=clean,
-                           message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}")
-            status = crud.record_progress(session=session, job=self.job, step=step,
-                                          trained_tokens=int(metrics.get("trained_tokens", 0)))
+            crud.add_event(
+                session=session,
+                job=self.job,
+                type="metrics",
+                data=clean,
+                message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}",
+            )
+            status = crud.record_progress(
+                session=session, job=self.job, step=step, trained_tokens=int(metrics.get("trained_tokens", 0))
+            )
         return None if status == "running" else status
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         rel = str(path.resolve().relative_to(self.artifacts))
         name = f"{self.job.model}:{self.job.suffix or 'ft'}:{self.job.id}:step-{step}"
         with session_scope() as session:
-            crud.add_checkpoint(session=session, job=self.job, step=step, path=rel, name=name,
-                                metrics=_json_safe(metrics))
+            crud.add_checkpoint(
+                session=session, job=self.job, step=step, path=rel, name=name, metrics=_json_safe(metrics)
+            )
             crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             if final:
                 session.query(Job).filter(Job.seq == self.job.seq).update({"fine_tuned_model": name})
@@ -79,7 +86,8 @@ class Heartbeat(threading.Thread):
             try:
                 with session_scope() as session:
                     session.query(Job).filter(Job.seq == self.job.seq, Job.status == "running").update(
-                        {"heartbeat_at": time.time()})
+                        {"heartbeat_at": time.time()}
+                    )
                     session.commit()
             except Exception as exc:  # a blip in the database must not kill the job
                 log.warning("heartbeat for %s failed: %s", self.job.id, exc)
@@ -105,20 +113,32 @@ def run_job(self: Any, job_id: str) -> str:
         code, message = _classify(exc)
         log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
         with session_scope() as session:
-            crud.set_status(session=session, job=job, to="failed", from_=("running",),
-                            error={"code": code, "message": message, "param": None},
-                            event=f"Job failed: {message}", level="error")
+            crud.set_status(
+                session=session,
+                job=job,
+                to="failed",
+                from_=("running",),
+                error={"code": code, "message": message, "param": None},
+                event=f"Job failed: {message}",
+                level="error",
+            )
         return "failed"
     finally:
         heartbeat.stopped.set()
 
     with session_scope() as session:
         if result.stopped is None:
-            crud.set_status(session=session, job=job, to="succeeded", from_=("running",),
-                            event=f"The job has successfully completed ({result.steps} steps)")
+            crud.set_status(
+                session=session,
+                job=job,
+                to="succeeded",
+                from_=("running",),
+                event=f"The job has successfully completed ({result.steps} steps)",
+            )
         else:
-            crud.add_event(session=session, job=job, message=f"Training stopped at step {result.steps}: job "
-                                                             f"{result.stopped}")
+            crud.add_event(
+                session=session, job=job, message=f"Training stopped at step {result.steps}: job {result.stopped}"
+            )
         session.commit()
     return result.stopped or "succeeded"
 
@@ -131,16 +151,21 @@ def _train(job: Job) -> Any:
     settings = get_settings()
     with session_scope() as session:
         project = job.project_seq
-        files = {f: crud.get_file_by_id(session=session, project_seq=project, file_id=f)
-                 for f in (job.training_file, job.validation_file) if f}
+        files = {
+            f: crud.get_file_by_id(session=session, project_seq=project, file_id=f)
+            for f in (job.training_file, job.validation_file)
+            if f
+        }
+    paths = {}
     for file_id, f in files.items():
         if f is None:
             raise _UserError("file_not_found", f"file {file_id} was deleted before the job started")
+        paths[file_id] = settings.artifacts_dir / f.path
     kind = job.method["type"]
     cfg = TrainConfig(
         model=job.model,
-        training_file=settings.artifacts_dir / files[job.training_file].path,
-        validation_file=settings.artifacts_dir / files[job.validation_file].path if job.validation_file else None,
+        training_file=paths[job.training_file],
+        validation_file=paths[job.validation_file] if job.validation_file else None,
         grader=job.method[kind]["grader"],
         hyperparameters=job.hyperparameters,
         output_dir=settings.artifacts_dir / "checkpoints" / job.id,

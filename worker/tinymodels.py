@@ -111,8 +111,7 @@ _ADJECTIVES = _split(
     "big small red blue green happy sad quick slow old young warm cold bright quiet loud kind brave good tiny"
 )
 _NOUNS = _split(
-    "cat dog bird fish horse tree house river garden apple book ball car boat cake flower hill cloud friend"
-    " teacher"
+    "cat dog bird fish horse tree house river garden apple book ball car boat cake flower hill cloud friend teacher"
 )
 _VERBS = _split("sees likes finds helps watches follows paints reads carries wants loves visits")
 _PLACES = _split(
@@ -132,19 +131,14 @@ def _demo_corpus(n: int = 400, seed: int = 1234) -> list[str]:
     templates: list[Callable[[], str]] = [
         lambda: f"{np_().capitalize()} {rng.choice(_VERBS)} {np_()} {rng.choice(_PLACES)}.",
         lambda: f"{rng.choice(_NAMES)} {rng.choice(_VERBS)} {np_()} {rng.choice(_TIMES)}.",
-        lambda: (
-            f"{rng.choice(_NAMES)} is {rng.choice(_FEELINGS)} because {np_()} is {rng.choice(_ADJECTIVES)}."
-        ),
+        lambda: f"{rng.choice(_NAMES)} is {rng.choice(_FEELINGS)} because {np_()} is {rng.choice(_ADJECTIVES)}.",
         lambda: f"Where is {np_()}? It is {rng.choice(_PLACES)}.",
         lambda: f"What does {rng.choice(_NAMES)} like? {rng.choice(_NAMES)} likes {np_()}.",
         lambda: (
             f"{rng.choice(_NAMES)} and {rng.choice(_NAMES)} go {rng.choice(_PLACES)} "
             f"{rng.choice(_TIMES)}, and they feel {rng.choice(_FEELINGS)}."
         ),
-        lambda: (
-            f"I have {rng.randint(2, 12)} {rng.choice(_NOUNS)}s "
-            f"and {rng.randint(2, 12)} {rng.choice(_NOUNS)}s."
-        ),
+        lambda: f"I have {rng.randint(2, 12)} {rng.choice(_NOUNS)}s and {rng.randint(2, 12)} {rng.choice(_NOUNS)}s.",
         lambda: f"Please tell me a story about {np_()}.",
     ]
     return [rng.choice(templates)() for _ in range(n)]

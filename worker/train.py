@@ -83,7 +83,7 @@ def load_policy(name: str, models_dir: Path, device: torch.device) -> tuple[Any,
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    return model.to(device), tokenizer  # type: ignore[arg-type]
 
 
 def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str | None] | None = None) -> TrainResult:
@@ -105,13 +105,20 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=hp("learning_rate") * hp("learning_rate_multiplier"), weight_decay=hp("weight_decay")
     )
-    backend = TransformersBackend(model, tokenizer, max_new_tokens=hp("max_new_tokens"), temperature=hp("temperature"),
-                                  top_p=hp("top_p"), max_prompt_length=hp("max_prompt_length"))
+    backend = TransformersBackend(
+        model,
+        tokenizer,
+        max_new_tokens=hp("max_new_tokens"),
+        temperature=hp("temperature"),
+        top_p=hp("top_p"),
+        max_prompt_length=hp("max_prompt_length"),
+    )
     k, batch_size, temperature = hp("rloo_k"), hp("batch_size"), hp("temperature")
     steps = math.ceil(len(items) * hp("n_epochs") / batch_size)
     total_steps = min(steps, hp("max_steps")) if hp("max_steps") else steps
-    recorder.event(f"Training started: {total_steps} steps, {batch_size} prompts x {k} completions a step, "
-                   f"on {device.type}")
+    recorder.event(
+        f"Training started: {total_steps} steps, {batch_size} prompts x {k} completions a step, on {device.type}"
+    )
 
     first_reward = last_reward = None
     trained_tokens = 0
@@ -123,8 +130,9 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
         t_step = time.perf_counter()
 
         # 1. Rollout: k completions for each of B prompts, prompt-major ----------------------------
-        batch = [items[i] for i in batch_indices(n_items=len(items), batch_size=batch_size, step=step - 1,
-                                                  seed=cfg.seed)]
+        batch = [
+            items[i] for i in batch_indices(n_items=len(items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
+        ]
         prompts = [prompt_text(item, tokenizer) for item in batch]
         with autocast:
             ro = backend.generate(prompts, k=k, generator_seed=cfg.seed * 1_000_003 + step)
@@ -133,8 +141,13 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
 
         # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
         t0 = time.perf_counter()
-        graded = score_batch(grader, prompts=[p for p in prompts for _ in range(k)], texts=ro.texts,
-                             items=[item for item in batch for _ in range(k)], reward_models=reward_models)
+        graded = score_batch(
+            grader,
+            prompts=[p for p in prompts for _ in range(k)],
+            texts=ro.texts,
+            items=[item for item in batch for _ in range(k)],
+            reward_models=reward_models,
+        )
         rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
         finite = torch.isfinite(rewards)
         t_score = time.perf_counter() - t0
@@ -165,12 +178,19 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
             if epoch > 0:
                 with autocast:
                     logp, _ = completion_logprobs(model, ro, temperature=temperature)
-            loss, stats = rloo.policy_loss(logp, old_logp, adv, mask, clip_epsilon=hp("clip_epsilon"),
-                                           clip_epsilon_high=hp("clip_epsilon_high"),
-                                           aggregation=hp("loss_aggregation"))
+            loss, stats = rloo.policy_loss(
+                logp,
+                old_logp,
+                adv,
+                mask,
+                clip_epsilon=hp("clip_epsilon"),
+                clip_epsilon_high=hp("clip_epsilon_high"),
+                aggregation=hp("loss_aggregation"),
+            )
             if ref_logp is not None and not hp("kl_in_reward"):
-                loss = loss + hp("kl_coef") * rloo.kl_loss(logp, ref_logp, mask, estimator=hp("kl_estimator"),
-                                                            aggregation=hp("loss_aggregation"))
+                loss = loss + hp("kl_coef") * rloo.kl_loss(
+                    logp, ref_logp, mask, estimator=hp("kl_estimator"), aggregation=hp("loss_aggregation")
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), hp("max_grad_norm"))
@@ -183,8 +203,12 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
         trained_tokens += gen_tokens + int(ro.prompt_mask.sum().item())
         finite_rewards = rewards[finite]
         reward_mean = float(finite_rewards.mean()) if finite_rewards.numel() else float("nan")
-        group_std = torch.tensor([rewards[b][finite[b]].std(unbiased=False).item() if finite[b].sum() > 1 else 0.0
-                                  for b in range(batch_size)])
+        group_std = torch.tensor(
+            [
+                rewards[b][finite[b]].std(unbiased=False).item() if finite[b].sum() > 1 else 0.0
+                for b in range(batch_size)
+            ]
+        )
         time_step = time.perf_counter() - t_step
         metrics = {
             "step": step,
@@ -220,8 +244,11 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
             first_reward = reward_mean
         last_reward = reward_mean
         if finite.sum() == 0:
-            raise JobError("reward_not_finite", f"step {step}: no completion could be scored (all rewards NaN); "
-                           "check the grader with POST /v1/fine_tuning/alpha/graders/run")
+            raise JobError(
+                "reward_not_finite",
+                f"step {step}: no completion could be scored (all rewards NaN); "
+                "check the grader with POST /v1/fine_tuning/alpha/graders/run",
+            )
         stopped = recorder.step(step, metrics)
 
         # 7. Checkpoint -------------------------------------------------------------------------
@@ -243,8 +270,14 @@ def _ckpt_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, backend: TransformersBackend, tokenizer: Any, grader: Any,
-             items: list[dict[str, Any]], reward_models: RewardModels | None) -> float:
+def evaluate(
+    cfg: TrainConfig,
+    backend: TransformersBackend,
+    tokenizer: Any,
+    grader: Any,
+    items: list[dict[str, Any]],
+    reward_models: RewardModels | None,
+) -> float:
     """Mean reward of one sample on each of the first ``eval_samples`` validation prompts.
 
     Sampling is seeded the same way at every pass, so passes differ only by the model.
@@ -255,8 +288,9 @@ def evaluate(cfg: TrainConfig, backend: TransformersBackend, tokenizer: Any, gra
     state = torch.get_rng_state()
     for i in range(0, len(batch), 64):
         ro = backend.generate(prompts[i : i + 64], k=1, generator_seed=cfg.seed + 7919 + i)
-        graded = score_batch(grader, prompts=prompts[i : i + 64], texts=ro.texts, items=batch[i : i + 64],
-                             reward_models=reward_models)
+        graded = score_batch(
+            grader, prompts=prompts[i : i + 64], texts=ro.texts, items=batch[i : i + 64], reward_models=reward_models
+        )
         rewards.extend(r for r in graded.rewards if math.isfinite(r))
     torch.set_rng_state(state)
     return sum(rewards) / len(rewards) if rewards else float("nan")

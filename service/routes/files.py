@@ -71,7 +71,9 @@ def create_file(
 
 
 @router.get("", summary="List files")
-def list_files(session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None) -> dict[str, Any]:
+def list_files(
+    session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None
+) -> dict[str, Any]:
     stmt = select(File).where(File.project_seq == project.seq)
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
@@ -82,8 +84,13 @@ def list_files(session: SessionDep, project: ProjectDep, paging: PagingDep, purp
             raise not_found("file", paging.after, "after")
         after_seq = anchor.seq
     rows, has_more = crud.page(session=session, stmt=stmt, model=File, after_seq=after_seq, limit=paging.limit)
-    return {"object": "list", "data": [file_object(f) for f in rows], "has_more": has_more,
-            "first_id": rows[0].id if rows else None, "last_id": rows[-1].id if rows else None}
+    return {
+        "object": "list",
+        "data": [file_object(f) for f in rows],
+        "has_more": has_more,
+        "first_id": rows[0].id if rows else None,
+        "last_id": rows[-1].id if rows else None,
+    }
 
 
 def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:
@@ -111,8 +118,12 @@ def read_file_content(session: SessionDep, project: ProjectDep, settings: Settin
 def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> dict[str, Any]:
     f = _get(session, project, file_id)
     if crud.files_in_use(session=session, file_id=f.id):
-        raise APIError(409, f"File '{file_id}' is used by a job that has not finished; cancel the job first.",
-                       param="file_id", code="file_in_use")
+        raise APIError(
+            409,
+            f"File '{file_id}' is used by a job that has not finished; cancel the job first.",
+            param="file_id",
+            code="file_in_use",
+        )
     path = confined(settings.artifacts_dir, f.path)
     session.delete(f)
     session.commit()

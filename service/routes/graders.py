@@ -30,8 +30,12 @@ def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) 
 def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> dict[str, Any]:
     grader = _parse(body.grader, settings)
     if graders.is_model_grader(grader):
-        raise bad_request("This grader uses a model, which runs on a worker; dry runs of model graders are not "
-                          "available yet. Try the rule graders here.", "grader", "model_grader_unsupported")
+        raise bad_request(
+            "This grader uses a model, which runs on a worker; dry runs of model graders are not "
+            "available yet. Try the rule graders here.",
+            "grader",
+            "model_grader_unsupported",
+        )
     item = dict(body.item)
     if body.reference_answer is not None:
         item.setdefault("reference_answer", body.reference_answer)

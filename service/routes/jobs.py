@@ -62,17 +62,16 @@ def job_object(job: Job, project: Project) -> dict[str, Any]:
 def _file(session: SessionDep, project: Project, file_id: str, param: str) -> File:
     f = crud.get_file(session=session, project=project, file_id=file_id)
     if f is None:
-        raise bad_request(f"No file with id '{file_id}' in this project; upload it with POST /v1/files.", param,
-                          "file_not_found")
+        raise bad_request(
+            f"No file with id '{file_id}' in this project; upload it with POST /v1/files.", param, "file_not_found"
+        )
     return f
 
 
 @router.post("", summary="Create a fine-tuning job")
 def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> dict[str, Any]:
     if body.hyperparameters:
-        raise bad_request(
-            f"Put hyperparameters under method.{body.method.type}.hyperparameters.", "hyperparameters"
-        )
+        raise bad_request(f"Put hyperparameters under method.{body.method.type}.hyperparameters.", "hyperparameters")
     if body.integrations:
         raise bad_request("Integrations are not supported by this server; remove them.", "integrations")
     kind = body.method.type
@@ -83,8 +82,7 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
     try:
-        grader = graders.parse_grader(cfg.grader, param=f"{prefix}.grader",
-                                      allow_python=settings.allow_python_grader)
+        grader = graders.parse_grader(cfg.grader, param=f"{prefix}.grader", allow_python=settings.allow_python_grader)
     except graders.GraderError as exc:
         raise bad_request(exc.message, exc.param) from None
     _check_grader_models(grader, settings, f"{prefix}.grader")
@@ -115,12 +113,19 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
     session.add(job)
     session.flush()
     crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
-    crud.add_event(session=session, job=job, message=f"Validated training file: {training.id} "
-                                                     f"({training.line_count} prompts, {total_steps} steps)")
+    crud.add_event(
+        session=session,
+        job=job,
+        message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
+    )
     session.commit()  # the row exists before the task does: a worker always finds it
     if not queue.enqueue_job(job.id):
-        crud.add_event(session=session, job=job, level="warn",
-                       message="The queue is unreachable; the job will be queued when it is back.")
+        crud.add_event(
+            session=session,
+            job=job,
+            level="warn",
+            message="The queue is unreachable; the job will be queued when it is back.",
+        )
         session.commit()
     return job_object(job, project)
 
@@ -171,10 +176,14 @@ def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[st
     job = _job(session, project, job_id)
     was = job.status
     note = " The worker stops after the current step; checkpoints are kept." if was == "running" else ""
-    if not crud.set_status(session=session, job=job, to="cancelled", from_=CANCELLABLE,
-                           event=f"Job cancelled (was {was}).{note}"):
-        raise APIError(409, f"Job {job_id} is {job.status}; only a job that has not finished can be cancelled.",
-                       code="invalid_state")
+    if not crud.set_status(
+        session=session, job=job, to="cancelled", from_=CANCELLABLE, event=f"Job cancelled (was {was}).{note}"
+    ):
+        raise APIError(
+            409,
+            f"Job {job_id} is {job.status}; only a job that has not finished can be cancelled.",
+            code="invalid_state",
+        )
     return job_object(job, project)
 
 
@@ -190,8 +199,15 @@ def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job
         after_seq = anchor.seq
     rows, has_more = crud.page(session=session, stmt=stmt, model=JobEvent, after_seq=after_seq, limit=paging.limit)
     data = [
-        {"id": e.id, "object": "fine_tuning.job.event", "created_at": e.created_at, "level": e.level,
-         "message": e.message, "type": e.type, "data": e.data or {}}
+        {
+            "id": e.id,
+            "object": "fine_tuning.job.event",
+            "created_at": e.created_at,
+            "level": e.level,
+            "message": e.message,
+            "type": e.type,
+            "data": e.data or {},
+        }
         for e in rows
     ]
     return {"object": "list", "data": data, "has_more": has_more}
@@ -230,8 +246,11 @@ def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep
     return {"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": has_more}
 
 
-@router.get("/{job_id}/checkpoints/{checkpoint_id}/content", summary="Download a checkpoint (tar archive)",
-            response_class=FileResponse)
+@router.get(
+    "/{job_id}/checkpoints/{checkpoint_id}/content",
+    summary="Download a checkpoint (tar archive)",
+    response_class=FileResponse,
+)
 def read_checkpoint_content(
     session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, checkpoint_id: str
 ) -> FileResponse:
@@ -249,5 +268,6 @@ def read_checkpoint_content(
             if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX):
                 tar.add(item, arcname=f"{checkpoint_id}/{item.name}")
     name = f"{job.id}-step-{ckpt.step_number}.tar"
-    return FileResponse(tmp, media_type="application/x-tar", filename=name,
-                        background=BackgroundTask(Path(tmp).unlink, missing_ok=True))
+    return FileResponse(
+        tmp, media_type="application/x-tar", filename=name, background=BackgroundTask(Path(tmp).unlink, missing_ok=True)
+    )
