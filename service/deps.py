@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Query
+from fastapi import Depends, Header, Query, Request
 from sqlalchemy.orm import Session
 
 from service import crud
@@ -17,7 +17,20 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def current_project(session: SessionDep, authorization: Annotated[str | None, Header()] = None) -> Project:
+def current_project(
+    request: Request, session: SessionDep, authorization: Annotated[str | None, Header()] = None
+) -> Project:
+    """The project of the request's key. The AuthMiddleware has checked the key before the body was
+    read; this loads the project in the request's session."""
+    seq = getattr(request.state, "project_seq", None)
+    if seq is not None:
+        project = session.get(Project, seq)
+        if project is not None:
+            return project
+    return authenticate_header(session, authorization)
+
+
+def authenticate_header(session: Session, authorization: str | None) -> Project:
     if not authorization:
         raise APIError(
             401,

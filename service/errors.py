@@ -67,7 +67,9 @@ def _validation_message(err: dict[str, Any], param: str | None) -> str:
     if kind == "missing":
         return f"Missing required parameter '{param}'."
     if kind == "json_invalid":
-        return "The request body is not valid JSON."
+        ctx = err.get("ctx") or {}
+        where = f" ({ctx['error']})" if ctx.get("error") else ""
+        return f"The request body is not valid JSON{where}."
     return f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
 
 
@@ -80,7 +82,8 @@ def install(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
-        param = _loc_to_param(tuple(first.get("loc", ())))
+        # A JSON syntax error's loc is a character offset, not a field.
+        param = None if first.get("type") == "json_invalid" else _loc_to_param(tuple(first.get("loc", ())))
         return JSONResponse(error_body(400, _validation_message(first, param), param, "invalid_value"), 400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -72,3 +72,41 @@ async def _too_large(send: Send, limit: int) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class AuthMiddleware:
+    """Checks the bearer key of every /v1 request before its body is read, so that a caller without
+    a valid key learns only that (401), never how its body would have been parsed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        from anyio import to_thread
+
+        from service.db import session_scope
+        from service.deps import authenticate_header
+        from service.errors import APIError
+
+        headers = dict(scope.get("headers") or [])
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+
+        def check() -> int:
+            with session_scope() as session:
+                return authenticate_header(session, authorization).seq
+
+        try:
+            seq = await to_thread.run_sync(check)
+        except APIError as exc:
+            body = json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)).encode()
+            extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+            await send({"type": "http.response.start", "status": exc.status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), *extra]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        scope.setdefault("state", {})["project_seq"] = seq
+        await self.app(scope, receive, send)

@@ -14,7 +14,7 @@ from sqlalchemy import func, select, text
 
 from service import errors
 from service.db import get_engine, session_scope
-from service.limits import BodyLimitMiddleware
+from service.limits import AuthMiddleware, BodyLimitMiddleware
 from service.models import Job
 from service.routes import files, graders, jobs
 from service.settings import get_settings
@@ -42,6 +42,7 @@ def create_app() -> FastAPI:
     app.add_middleware(
         BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024
     )
+    app.add_middleware(AuthMiddleware)  # added after, so it runs before the body limit (outermost)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]

@@ -40,6 +40,9 @@ class Hyperparameters(Strict):
     normalize_advantages: bool = Field(False, description="Whiten advantages over the batch.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
+    lora: None = Field(
+        None, description="LoRA adapters {r, alpha, dropout, target_modules}; null = full fine-tuning (LoRA: coming)."
+    )
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only the final one.")
     eval_interval: int = Field(0, ge=0, description="Steps between validation passes; 0 = none.")
     eval_samples: int = Field(32, ge=1, le=100_000, description="Validation prompts scored per pass.")

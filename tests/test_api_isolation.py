@@ -33,9 +33,7 @@ def test_other_project_cannot_see_or_touch_files(client, auth, other_auth, env) 
     f = upload_ok(client, auth)
     fake = "file-" + "0" * 24
     for method, suffix in FOREIGN_FILE_REQUESTS:
-        _same_error_as_for_a_missing_id(
-            client, other_auth, method, f"/v1/files/{f['id']}{suffix}", f["id"], fake
-        )
+        _same_error_as_for_a_missing_id(client, other_auth, method, f"/v1/files/{f['id']}{suffix}", f["id"], fake)
     assert list_ids(client, other_auth, "/v1/files") == []
     assert_error(client.get(f"/v1/files?after={f['id']}", headers=other_auth), 404, param="after")
     # Nothing beta did changed alpha's file.
@@ -53,9 +51,7 @@ def test_other_project_cannot_see_or_touch_jobs(client, auth, other_auth) -> Non
         url = f"/v1/fine_tuning/jobs/{job['id']}{suffix}"
         _same_error_as_for_a_missing_id(client, other_auth, method, url, job["id"], fake)
     assert list_ids(client, other_auth, "/v1/fine_tuning/jobs") == []
-    assert_error(
-        client.get(f"/v1/fine_tuning/jobs?after={job['id']}", headers=other_auth), 404, param="after"
-    )
+    assert_error(client.get(f"/v1/fine_tuning/jobs?after={job['id']}", headers=other_auth), 404, param="after")
     # beta's cancel did nothing: alpha's job is still queued, with the same events.
     assert client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth).json() == job
     assert list_ids(client, auth, f"/v1/fine_tuning/jobs/{job['id']}/events") == events
@@ -73,9 +69,7 @@ def test_projects_see_only_their_own_lists(client, auth, other_auth) -> None:
     assert my_job["organization_id"] != their_job["organization_id"]
     # Each cancels only its own.
     assert_error(client.post(f"/v1/fine_tuning/jobs/{their_job['id']}/cancel", headers=auth), 404)
-    assert (
-        client.post(f"/v1/fine_tuning/jobs/{their_job['id']}/cancel", headers=other_auth).status_code == 200
-    )
+    assert client.post(f"/v1/fine_tuning/jobs/{their_job['id']}/cancel", headers=other_auth).status_code == 200
     assert client.get(f"/v1/fine_tuning/jobs/{my_job['id']}", headers=auth).json()["status"] == "queued"
 
 
@@ -88,9 +82,7 @@ def test_other_projects_file_cannot_train_a_job(client, auth, other_auth) -> Non
         param="training_file",
     )
     assert_error(
-        client.post(
-            "/v1/fine_tuning/jobs", headers=auth, json=job_body(mine["id"], validation_file=theirs["id"])
-        ),
+        client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(mine["id"], validation_file=theirs["id"])),
         400,
         param="validation_file",
     )

@@ -1,0 +1,87 @@
+"""``make bench``: the engine on the tiny model, through the same ``train`` as a job, in JSON figures.
+
+Prints one JSON object: completions/s, generated tokens/s, the split of a step, peak RSS and the
+reward's first-5 and last-5 step means. (The TRL comparison, the service overhead and the API
+load benchmarks are the next additions.)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.schemas import Hyperparameters
+from worker.config import TrainConfig
+from worker.tinymodels import build_tiny_causal_lm
+from worker.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def event(self, message: str, level: str = "info") -> None:
+        pass
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.steps.append(metrics)
+        print(f"step {step}: reward {metrics['train_reward_mean']:.3f}", file=sys.stderr, flush=True)
+
+    def checkpoint(self, *args: Any) -> None:
+        pass
+
+
+def engine(steps: int = 40) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        models = Path(tmp) / "models"
+        build_tiny_causal_lm(models / "tiny", seed=0)
+        hp = Hyperparameters(rloo_k=4, batch_size=8, max_new_tokens=32, learning_rate=1e-3, kl_coef=0.05,
+                             max_steps=steps, n_epochs=100).resolved()
+        grader = {"type": "text_similarity", "name": "answer", "input": "{{ sample.output_text }}",
+                  "reference": "{{ item.answer }}", "evaluation_metric": "fuzzy_match"}
+        cfg = TrainConfig(model="tiny", training_file=ROOT / "examples" / "demo" / "train.jsonl", grader=grader,
+                          hyperparameters=hp, output_dir=Path(tmp) / "out", models_dir=models, seed=0, device="cpu")
+        rec = Collect()
+        t0 = time.perf_counter()
+        train(cfg, rec)  # type: ignore[arg-type]
+        wall = time.perf_counter() - t0
+    s = rec.steps[2:]  # the first steps include warm-up (allocator, kernels)
+    step_time = sum(m["time_step"] for m in s)
+    rewards = [m["train_reward_mean"] for m in rec.steps]
+    return {
+        "config": "tiny (Llama-style, 2 layers, hidden 64, vocab 512), k=4, 8 prompts, 32 new tokens, fp32 CPU",
+        "steps": len(rec.steps),
+        "wall_s": round(wall, 2),
+        "completions_per_s": round(sum(32 for _ in s) / step_time, 1),
+        "generated_tokens_per_s": round(sum(m["tokens_per_s"] * m["time_step"] for m in s) / step_time, 1),
+        "step_split_s_median": {k: round(statistics.median(m[k] for m in s), 4)
+                                for k in ("time_generate", "time_score", "time_update", "time_step")},
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "reward_first5": round(sum(rewards[:5]) / 5, 4),
+        "reward_last5": round(sum(rewards[-5:]) / 5, 4),
+    }
+
+
+def main() -> None:
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",
+        "torch": torch.__version__,
+        "engine_tiny": engine(),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
