@@ -106,7 +106,7 @@ class Method(Strict):
 class JobCreate(Strict):
     model: str = Field(min_length=1, max_length=512, description="Model directory under the models root.")
     training_file: str = Field(min_length=1, max_length=64)
-    validation_file: str | None = Field(None, max_length=64)
+    validation_file: str | None = Field(None, min_length=1, max_length=64)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, max_length=64)
     metadata: dict[str, str] | None = None

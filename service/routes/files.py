@@ -40,7 +40,7 @@ def create_file(
     project: ProjectDep,
     settings: SettingsDep,
     file: UploadFile,
-    purpose: Annotated[str, Form()] = "fine-tune",
+    purpose: Annotated[str, Form(description="fine-tune")],
 ) -> dict[str, Any]:
     if purpose not in PURPOSES:
         raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")

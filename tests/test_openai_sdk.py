@@ -1,0 +1,68 @@
+"""The unmodified openai SDK drives the API: its calls succeed and its models parse our objects."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.conftest import EXAMPLES
+
+
+@pytest.fixture
+def sdk(client, auth) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    key = auth["Authorization"].removeprefix("Bearer ")
+    # TestClient is an httpx.Client: the SDK's own request building and parsing, the app in-process.
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0)
+
+
+def test_sdk_files_and_jobs_round_trip(sdk: openai.OpenAI) -> None:
+    data = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
+    f = sdk.files.create(file=("train.jsonl", data), purpose="fine-tune")
+    assert f.id.startswith("file-") and f.bytes == len(data) and f.purpose == "fine-tune"
+    assert [x.id for x in sdk.files.list()] == [f.id]
+    assert sdk.files.retrieve(f.id).filename == "train.jsonl"
+    assert sdk.files.content(f.id).read() == data
+
+    spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    job = sdk.fine_tuning.jobs.create(model=spec["model"], training_file=f.id, method=spec["method"], seed=3,
+                                      suffix="demo", metadata={"team": "rl"})
+    assert job.id.startswith("ftjob-") and job.status == "queued" and job.seed == 3
+    assert job.method.type == "reinforcement"
+    assert job.method.reinforcement.grader.type == "text_similarity"
+    assert job.metadata == {"team": "rl"}
+
+    assert sdk.fine_tuning.jobs.retrieve(job.id).id == job.id
+    assert [j.id for j in sdk.fine_tuning.jobs.list()] == [job.id]
+    events = list(sdk.fine_tuning.jobs.list_events(job.id))
+    assert events and all(e.object == "fine_tuning.job.event" for e in events)
+    assert list(sdk.fine_tuning.jobs.checkpoints.list(job.id)) == []
+
+    assert sdk.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    with pytest.raises(openai.ConflictError):
+        sdk.fine_tuning.jobs.cancel(job.id)
+    assert sdk.files.delete(f.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(f.id)
+
+
+def test_sdk_sees_openai_shaped_errors(sdk: openai.OpenAI) -> None:
+    f = sdk.files.create(file=("train.jsonl", (EXAMPLES / "demo" / "train.jsonl").read_bytes()), purpose="fine-tune")
+    spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    spec["method"]["reinforcement"]["hyperparameters"]["rloo_k"] = 1
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.fine_tuning.jobs.create(model=spec["model"], training_file=f.id, method=spec["method"])
+    assert err.value.param == "method.reinforcement.hyperparameters.rloo_k"
+    assert err.value.code == "invalid_value"
+    # RLOO-only keys pass through the SDK's extra_body.
+    spec["method"]["reinforcement"]["hyperparameters"]["rloo_k"] = 4
+    job = sdk.fine_tuning.jobs.create(model=spec["model"], training_file=f.id, method=spec["method"],
+                                      extra_body={"validation_file": f.id})
+    assert job.validation_file == f.id
+
+
+def test_sdk_with_a_bad_key_gets_authentication_error(client) -> None:  # type: ignore[no-untyped-def]
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="rloo-nope", http_client=client, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.files.list()
