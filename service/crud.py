@@ -76,13 +76,20 @@ def list_api_keys(*, session: Session, project: Project | None = None) -> Sequen
 
 # Paging ------------------------------------------------------------------------------------------
 def page(
-    *, session: Session, stmt: Any, model: Any, after_seq: int | None, limit: int, newest_first: bool = True
-) -> tuple[list[Any], bool]:
-    """Apply ``?after=&limit=`` to a select over ``model``; returns (rows, has_more)."""
-    if after_seq is not None:
-        stmt = stmt.where(model.seq < after_seq if newest_first else model.seq > after_seq)
-    stmt = stmt.order_by(model.seq.desc() if newest_first else model.seq.asc()).limit(limit + 1)
-    rows = list(session.scalars(stmt).all())
+    *, session: Session, model: Any, scope: Sequence[Any], after_id: str | None, limit: int
+) -> tuple[list[Any], bool] | None:
+    """Rows of ``model`` matching ``scope``, newest first, after the row with id ``after_id``.
+
+    ``after_id`` is looked up within the same scope, so another project's id is as unknown as one
+    that never existed. Returns (rows, has_more), or None when ``after_id`` is unknown.
+    """
+    stmt = select(model).where(*scope)
+    if after_id is not None:
+        after_seq = session.scalar(select(model.seq).where(model.id == after_id, *scope))
+        if after_seq is None:
+            return None
+        stmt = stmt.where(model.seq < after_seq)
+    rows = list(session.scalars(stmt.order_by(model.seq.desc()).limit(limit + 1)).all())
     return rows[:limit], len(rows) > limit
 
 

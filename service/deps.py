@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Query, Request
 from sqlalchemy.orm import Session
 
 from service import crud
 from service.db import get_session
-from service.errors import APIError, bad_request
+from service.errors import APIError, bad_request, not_found
 from service.models import Project
 from service.settings import Settings, get_settings
 
@@ -59,6 +59,13 @@ class Paging:
         if not 1 <= limit <= 100:
             raise bad_request("limit must be between 1 and 100.", "limit")
         self.after, self.limit = after, limit
+
+    def apply(self, session: Session, model: Any, scope: list[Any], what: str) -> tuple[list[Any], bool]:
+        """This page of ``model`` rows within ``scope``; an unknown ``after`` id is a 404."""
+        result = crud.page(session=session, model=model, scope=scope, after_id=self.after, limit=self.limit)
+        if result is None:
+            raise not_found(what, self.after or "", "after")
+        return result
 
 
 PagingDep = Annotated[Paging, Depends()]

@@ -103,9 +103,17 @@ class AuthMiddleware:
         except APIError as exc:
             body = json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)).encode()
             extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
-            await send({"type": "http.response.start", "status": exc.status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()), *extra]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": exc.status,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        *extra,
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         scope.setdefault("state", {})["project_seq"] = seq

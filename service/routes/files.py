@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, UploadFile
 from fastapi.responses import FileResponse
-from sqlalchemy import select
 
 from service import crud
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -74,16 +73,8 @@ def create_file(
 def list_files(
     session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None
 ) -> dict[str, Any]:
-    stmt = select(File).where(File.project_seq == project.seq)
-    if purpose:
-        stmt = stmt.where(File.purpose == purpose)
-    after_seq = None
-    if paging.after:
-        anchor = crud.get_file(session=session, project=project, file_id=paging.after)
-        if anchor is None:
-            raise not_found("file", paging.after, "after")
-        after_seq = anchor.seq
-    rows, has_more = crud.page(session=session, stmt=stmt, model=File, after_seq=after_seq, limit=paging.limit)
+    scope = [File.project_seq == project.seq] + ([File.purpose == purpose] if purpose else [])
+    rows, has_more = paging.apply(session, File, scope, "file")
     return {
         "object": "list",
         "data": [file_object(f) for f in rows],

@@ -13,7 +13,6 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
-from sqlalchemy import select
 from starlette.background import BackgroundTask
 
 from service import crud, graders, queue
@@ -151,11 +150,7 @@ def _check_item_keys(grader: Any, f: File, which: str, param: str) -> None:
 
 @router.get("", summary="List fine-tuning jobs")
 def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> dict[str, Any]:
-    stmt = select(Job).where(Job.project_seq == project.seq)
-    after_seq = None
-    if paging.after:
-        after_seq = _job(session, project, paging.after, "after").seq
-    rows, has_more = crud.page(session=session, stmt=stmt, model=Job, after_seq=after_seq, limit=paging.limit)
+    rows, has_more = paging.apply(session, Job, [Job.project_seq == project.seq], "fine-tuning job")
     return {"object": "list", "data": [job_object(j, project) for j in rows], "has_more": has_more}
 
 
@@ -190,14 +185,7 @@ def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[st
 @router.get("/{job_id}/events", summary="List a job's events, newest first")
 def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> dict[str, Any]:
     job = _job(session, project, job_id)
-    stmt = select(JobEvent).where(JobEvent.job_seq == job.seq)
-    after_seq = None
-    if paging.after:
-        anchor = session.scalar(select(JobEvent).where(JobEvent.id == paging.after, JobEvent.job_seq == job.seq))
-        if anchor is None:
-            raise not_found("event", paging.after, "after")
-        after_seq = anchor.seq
-    rows, has_more = crud.page(session=session, stmt=stmt, model=JobEvent, after_seq=after_seq, limit=paging.limit)
+    rows, has_more = paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq], "event")
     data = [
         {
             "id": e.id,
@@ -235,14 +223,7 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
 @router.get("/{job_id}/checkpoints", summary="List a job's checkpoints, newest first")
 def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> dict[str, Any]:
     job = _job(session, project, job_id)
-    stmt = select(Checkpoint).where(Checkpoint.job_seq == job.seq)
-    after_seq = None
-    if paging.after:
-        anchor = crud.get_checkpoint(session=session, job=job, checkpoint_id=paging.after)
-        if anchor is None:
-            raise not_found("checkpoint", paging.after, "after")
-        after_seq = anchor.seq
-    rows, has_more = crud.page(session=session, stmt=stmt, model=Checkpoint, after_seq=after_seq, limit=paging.limit)
+    rows, has_more = paging.apply(session, Checkpoint, [Checkpoint.job_seq == job.seq], "checkpoint")
     return {"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": has_more}
 
 
