@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy.orm import Session
 
+from service import crud
 from service.migrate import upgrade
-from service.models import Base
+from service.models import Base, Job, JobMetric
 
 
 def test_migrations_match_models(database_url: str) -> None:
@@ -31,72 +36,53 @@ def test_upgrade_is_idempotent(database_url: str) -> None:
     upgrade(database_url)  # a second `rloo db upgrade` on a current schema changes nothing
 
 
-def test_metrics_unique_on_job_and_step(database_url: str) -> None:
+@pytest.fixture
+def engine(database_url: str) -> Iterator[sa.Engine]:
+    from service.db import make_engine
+
+    upgrade(database_url)
+    eng = make_engine(database_url)
+    yield eng
+    eng.dispose()
+
+
+def _job(session: Session, status: str) -> Job:
+    project = crud.get_or_create_project(session=session, name="p")
+    job = Job(
+        project_seq=project.seq,
+        model="m",
+        training_file="file-x",
+        seed=0,
+        method={},
+        hyperparameters={},
+        status=status,
+        total_steps=3,
+    )
+    session.add(job)
+    session.commit()
+    return job
+
+
+def test_metrics_unique_on_job_and_step(engine: sa.Engine) -> None:
     """A replayed step overwrites its row (upsert), never duplicates it."""
-    from sqlalchemy.orm import Session
-
-    from service import crud
-    from service.db import make_engine
-    from service.models import Job, JobMetric
-
-    upgrade(database_url)
-    engine = make_engine(database_url)
-    try:
-        with Session(engine) as session:
-            project = crud.get_or_create_project(session=session, name="p")
-            job = Job(
-                project_seq=project.seq,
-                model="m",
-                training_file="file-x",
-                seed=0,
-                method={},
-                hyperparameters={},
-                status="running",
-                total_steps=3,
-            )
-            session.add(job)
-            session.commit()
-            crud.upsert_metrics(session=session, job=job, step=1, data={"train_reward_mean": 0.1})
-            crud.upsert_metrics(session=session, job=job, step=1, data={"train_reward_mean": 0.7})
-            session.commit()
-            rows = session.scalars(sa.select(JobMetric).where(JobMetric.job_seq == job.seq)).all()
-            assert [(r.step, r.data["train_reward_mean"]) for r in rows] == [(1, 0.7)]
-    finally:
-        engine.dispose()
+    with Session(engine) as session:
+        job = _job(session, "running")
+        crud.upsert_metrics(session=session, job=job, step=1, data={"train_reward_mean": 0.1})
+        crud.upsert_metrics(session=session, job=job, step=1, data={"train_reward_mean": 0.7})
+        session.commit()
+        rows = session.scalars(sa.select(JobMetric).where(JobMetric.job_seq == job.seq)).all()
+        assert [(r.step, r.data["train_reward_mean"]) for r in rows] == [(1, 0.7)]
 
 
-def test_claim_is_atomic(database_url: str) -> None:
+def test_claim_is_atomic(engine: sa.Engine) -> None:
     """A task delivered twice: only the first claim gets the job; the second is a no-op."""
-    from sqlalchemy.orm import Session
-
-    from service import crud
-    from service.db import make_engine
-    from service.models import Job
-
-    upgrade(database_url)
-    engine = make_engine(database_url)
-    try:
-        with Session(engine) as a, Session(engine) as b:
-            project = crud.get_or_create_project(session=a, name="p")
-            job = Job(
-                project_seq=project.seq,
-                model="m",
-                training_file="file-x",
-                seed=0,
-                method={},
-                hyperparameters={},
-                status="queued",
-                total_steps=3,
-            )
-            a.add(job)
-            a.commit()
-            first = crud.claim_job(session=a, job_id=job.id, worker="w1")
-            second = crud.claim_job(session=b, job_id=job.id, worker="w2")
-            assert first is not None and first.status == "running" and first.worker == "w1"
-            assert second is None
-            # Final states are final: a late "succeeded" cannot overwrite a cancel.
-            assert crud.set_status(session=a, job=job, to="cancelled", from_=("running",))
-            assert not crud.set_status(session=b, job=job, to="succeeded", from_=("running",))
-            assert job.status == "cancelled"
-    finally:
-        engine.dispose()
+    with Session(engine) as a, Session(engine) as b:
+        job = _job(a, "queued")
+        first = crud.claim_job(session=a, job_id=job.id, worker="w1")
+        second = crud.claim_job(session=b, job_id=job.id, worker="w2")
+        assert first is not None and first.status == "running" and first.worker == "w1"
+        assert second is None
+        # Final states are final: a late "succeeded" cannot overwrite a cancel.
+        assert crud.set_status(session=a, job=job, to="cancelled", from_=("running",))
+        assert not crud.set_status(session=b, job=job, to="succeeded", from_=("running",))
+        assert job.status == "cancelled"
