@@ -196,9 +196,10 @@ def record_progress(*, session: Session, job: Job, step: int, trained_tokens: in
 
     The worker calls this between steps and stops when the answer is not ``running`` (a cancel).
     """
+    # Progress is recorded for a job cancelled mid-step too: the step it reached is true either way.
     session.execute(
         update(Job)
-        .where(Job.seq == job.seq, Job.status == "running")
+        .where(Job.seq == job.seq, Job.status.in_(("running", "cancelled")))
         .values(step=step, trained_tokens=trained_tokens, heartbeat_at=time.time())
         .execution_options(synchronize_session=False)
     )

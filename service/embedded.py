@@ -6,6 +6,7 @@ though nothing depends on that: the database, not the broker, is the source of t
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -34,11 +35,23 @@ def ping(settings: Settings, timeout: float = 0.5) -> bool:
 
 
 def start(settings: Settings, *, daemonize: bool) -> subprocess.Popen[bytes] | None:
-    """Start the embedded server unless one answers already. Returns the child when we own it."""
+    """Start the embedded server unless one answers already. Returns the child when we own it.
+
+    ``rloo api`` and ``rloo worker`` may start at the same moment: a file lock makes the second wait
+    for the first one's server instead of starting another on the same socket and data directory.
+    """
     if ping(settings):
         return None
     data_dir = settings.home_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ping(settings):
+            return None
+        return _start_locked(settings, data_dir, daemonize=daemonize)
+
+
+def _start_locked(settings: Settings, data_dir: Path, *, daemonize: bool) -> subprocess.Popen[bytes] | None:
     sock = settings.redis_socket
     sock.unlink(missing_ok=True)  # a stale socket from a killed server
     args = [

@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rapidfuzz import fuzz
 
@@ -914,6 +914,19 @@ def referenced_item_keys(grader: Grader) -> set[str]:
         elif isinstance(leaf, RewardModelGrader) and leaf.input is not None:
             keys |= template_item_keys(leaf.input)
     return keys
+
+
+def first_missing_item_key(grader: Grader, keys_summary: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The first ``item.`` key the grader uses that some dataset line lacks, with that line's number.
+
+    ``keys_summary`` is an upload's summary: ``{"keys": {key: count}, "first_missing": {key: line}}``.
+    """
+    keys, first_missing = keys_summary.get("keys", {}), keys_summary.get("first_missing", {})
+    for key in sorted(referenced_item_keys(grader)):
+        line = 1 if key not in keys else first_missing.get(key)
+        if line is not None:
+            return key, int(line)
+    return None
 
 
 def is_model_grader(grader: Grader) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service import graders
+from service.errors import APIError
 from service.schemas import JobCreate
 from service.settings import get_settings
 from service.storage import resolve_model, store_jsonl
@@ -64,6 +65,50 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> tuple[JobCreate, di
     return body, body.method.config.hyperparameters.resolved()
 
 
+def _validate(body: JobCreate, base: Path, out: Path, settings: Any) -> tuple[Any, dict[str, Path]]:
+    """What the API checks at job creation, with the spec's local files: errors become SpecError."""
+    param = f"method.{body.method.type}.grader"
+    try:
+        grader = graders.parse_grader(body.method.config.grader, param=param, allow_python=settings.allow_python_grader)
+        resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
+        for leaf, leaf_param in graders.model_leaves(grader, param):
+            resolve_model(
+                settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model"
+            )
+    except graders.GraderError as exc:
+        raise SpecError(f"{exc.param}: {exc.message}") from None
+    except APIError as exc:
+        raise SpecError(
+            f"{exc.param}: {exc.message} (models root: {settings.models_dir}; set RLOO_MODELS_DIR)"
+        ) from None
+    files = {}
+    for which in ("training_file", "validation_file"):
+        name = getattr(body, which)
+        if not name:
+            continue
+        path = (base / name).resolve()
+        # The same line checks as an upload, into a scratch copy: a bad line fails here, not at step 40.
+        try:
+            with open(path, "rb") as src:
+                summary = store_jsonl(
+                    src,
+                    dest=out / ".validated" / path.name,
+                    max_bytes=settings.max_upload_bytes,
+                    max_line_bytes=settings.max_line_bytes,
+                )
+        except OSError as exc:
+            raise SpecError(f"{which}: cannot read {path}: {exc.strerror}") from None
+        except APIError as exc:
+            raise SpecError(f"{which} ({path}): {exc.message}") from None
+        missing = graders.first_missing_item_key(grader, summary.as_dict())
+        if missing:
+            raise SpecError(
+                f"{param}: the grader uses item.{missing[0]}, but line {missing[1]} of {path} has no '{missing[0]}' key"
+            )
+        files[which] = path
+    return grader, files
+
+
 def run_spec(
     spec_path: Path,
     *,
@@ -77,27 +122,9 @@ def run_spec(
 
     settings = get_settings()
     body, hp = load_spec(spec_path, overrides)
-    base = spec_path.resolve().parent
-    grader = graders.parse_grader(
-        body.method.config.grader, param=f"method.{body.method.type}.grader", allow_python=settings.allow_python_grader
-    )
+    out = Path(output_dir or settings.home_dir / "runs" / time.strftime("run-%Y%m%d-%H%M%S"))
+    grader, files = _validate(body, spec_path.resolve().parent, out, settings)
     models_dir = settings.models_dir
-    resolve_model(models_dir, body.model, hub_offline=settings.hub_offline, param="model")
-    files = {}
-    for which in ("training_file", "validation_file"):
-        name = getattr(body, which)
-        if name:
-            path = (base / name).resolve()
-            # The same line checks as an upload, into a scratch copy: a bad line fails here, not at step 40.
-            with open(path, "rb") as src:
-                store_jsonl(
-                    src,
-                    dest=Path(output_dir or base / "runs") / ".validated" / path.name,
-                    max_bytes=settings.max_upload_bytes,
-                    max_line_bytes=settings.max_line_bytes,
-                )
-            files[which] = path
-    out = output_dir or (base / "runs" / time.strftime("run-%Y%m%d-%H%M%S"))
     cfg = TrainConfig(
         model=body.model,
         training_file=files["training_file"],

@@ -135,17 +135,15 @@ def _check_grader_models(grader: Any, settings: SettingsDep, param: str) -> None
 
 
 def _check_item_keys(grader: Any, f: File, which: str, param: str) -> None:
-    summary = f.keys_summary or {}
-    keys, first_missing = summary.get("keys", {}), summary.get("first_missing", {})
-    for key in sorted(graders.referenced_item_keys(grader)):
-        line = 1 if key not in keys else first_missing.get(key)
-        if line is not None:
-            raise bad_request(
-                f"The grader uses item.{key}, but line {line} of the {which.replace('_', ' ')} ({f.id}) has no "
-                f"'{key}' key. Add it to every line, or change the grader.",
-                param,
-                "missing_item_key",
-            )
+    missing = graders.first_missing_item_key(grader, f.keys_summary or {})
+    if missing is not None:
+        key, line = missing
+        raise bad_request(
+            f"The grader uses item.{key}, but line {line} of the {which.replace('_', ' ')} ({f.id}) has no "
+            f"'{key}' key. Add it to every line, or change the grader.",
+            param,
+            "missing_item_key",
+        )
 
 
 @router.get("", summary="List fine-tuning jobs")
