@@ -24,6 +24,15 @@ def _env(tmp_path: Path, models_dir: Path) -> dict[str, str]:
     return env
 
 
+def _demo_spec(tmp_path: Path) -> Path:
+    """The demo's job spec with an absolute training_file, written under tmp_path."""
+    spec = tmp_path / "job.json"
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
+    spec.write_text(json.dumps(body))
+    return spec
+
+
 @pytest.mark.e2e
 def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path) -> None:
     port = free_port()
@@ -74,10 +83,7 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
 
 
 def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
-    spec = tmp_path / "job.json"
-    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
-    spec.write_text(json.dumps(body))
+    spec = _demo_spec(tmp_path)
     out = subprocess.run(
         [
             sys.executable,
@@ -108,10 +114,7 @@ def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
 
 
 def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_dir: Path) -> None:
-    spec = tmp_path / "job.json"
-    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
-    spec.write_text(json.dumps(body))
+    spec = _demo_spec(tmp_path)
     out = subprocess.run(
         [sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "rloo_k=1"],
         cwd=ROOT,

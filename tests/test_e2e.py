@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tests.conftest import EXAMPLES, ROOT, _drop_postgres_database, _fresh_postgres_database
+from worker.cli import wait_until_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -101,15 +102,10 @@ class LiveStack:
                 proc.wait()
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"API not ready; log:\n{(self.logs / 'api.log').read_text()[-3000:]}")
+        try:
+            wait_until_ready(self.url, timeout=timeout)
+        except TimeoutError:
+            raise AssertionError(f"API not ready; log:\n{(self.logs / 'api.log').read_text()[-3000:]}") from None
 
     @property
     def http(self) -> httpx.Client:

@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Any
 
 
+def job_checkpoints_dir(artifacts_dir: Path, job_id: str) -> Path:
+    """Where a job's checkpoints live under the artifacts root."""
+    return artifacts_dir / "checkpoints" / job_id
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / f"step-{step}"
 

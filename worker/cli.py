@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -92,11 +93,7 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     """Serve the HTTP API (service.main:app) with uvicorn."""
     import uvicorn
 
-    settings = get_settings()
-    if settings.embedded_redis:
-        from service import embedded
-
-        embedded.start(settings, daemonize=True)
+    _ensure_embedded_broker()
     uvicorn.run(
         "service.main:app",
         host=host,
@@ -112,10 +109,7 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
 def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] = None, loglevel: str = "INFO") -> None:
     """Run a Celery worker: one job at a time, in a child process that is replaced after each job."""
     settings = get_settings()
-    if settings.embedded_redis:
-        from service import embedded
-
-        embedded.start(settings, daemonize=True)
+    _ensure_embedded_broker()
     from worker.celery_app import app as celery_app
 
     celery_app.worker_main(
@@ -135,7 +129,36 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     )
 
 
+def _ensure_embedded_broker() -> None:
+    """Without REDIS_URL, `rloo api` and `rloo worker` share one embedded Redis, started by whichever comes first."""
+    settings = get_settings()
+    if settings.embedded_redis:
+        from service import embedded
+
+        embedded.start(settings, daemonize=True)
+
+
 # The whole stack -------------------------------------------------------------------------------
+def wait_until_ready(url: str, *, timeout: float = 60, alive: Callable[[], None] = lambda: None) -> None:
+    """Poll ``url/readyz`` until it answers 200; ``alive`` raises if a process it depends on has died."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive()
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the API did not become ready at {url} within {timeout:.0f} s")
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def ensure_local_key() -> str:
     """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600)."""
     from service import crud
@@ -193,26 +216,13 @@ class Stack:
                     exe + args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
                 )
             )
-        self._wait_ready()
+        wait_until_ready(self.url, alive=self._check_children)
         return key
 
-    def _wait_ready(self, timeout: float = 60) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for child in self.children:
-                if child.poll() is not None:
-                    raise RuntimeError(
-                        f"a stack process exited early ({child.args!r}); see {get_settings().home_dir}/logs"
-                    )
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the API did not become ready at {self.url} within {timeout:.0f} s")
+    def _check_children(self) -> None:
+        for child in self.children:
+            if child.poll() is not None:
+                raise RuntimeError(f"a stack process exited early ({child.args!r}); see {get_settings().home_dir}/logs")
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -241,7 +251,7 @@ def up(host: str = "127.0.0.1", port: int = 8000) -> None:
         typer.echo(f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):")
         typer.echo(f"    export RLOO_BASE_URL={stack.url}/v1 RLOO_API_KEY={key}")
         typer.echo("Ctrl-C stops everything.")
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as Ctrl-C does
         while all(child.poll() is None for child in stack.children):
             time.sleep(0.5)
         typer.echo("a stack process exited; stopping the rest", err=True)
@@ -295,11 +305,9 @@ def demo(port: int = 8000) -> None:
 
 
 def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else url
-    return url
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def main() -> None:

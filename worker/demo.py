@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from service.settings import get_settings
+from worker.checkpoints import checkpoint_dir, job_checkpoints_dir
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "demo"
 POLICY, REWARD = "tiny-policy", "tiny-reward"
@@ -130,7 +131,7 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
     first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
     ckpt = http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
     settings = get_settings()
-    path = settings.artifacts_dir / "checkpoints" / job["id"] / f"step-{ckpt['step_number']}"
+    path = checkpoint_dir(job_checkpoints_dir(settings.artifacts_dir, job["id"]), ckpt["step_number"])
 
     console.print()
     console.print(f"[bold]reward per step[/]  {sparkline(rewards)}")

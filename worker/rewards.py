@@ -54,7 +54,8 @@ class RewardModels:
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
-                max_length=getattr(tok, "model_max_length", 2048) if tok.model_max_length < 1e6 else 2048,
+                # Tokenizers without a limit report a huge sentinel for model_max_length.
+                max_length=tok.model_max_length if tok.model_max_length < 1e6 else 2048,
             )
             logits = model(**{k: v.to(self.device) for k, v in enc.items()}).logits
             scores.extend(logits[:, 0].float().cpu().tolist())

@@ -17,6 +17,8 @@ from service.models import Job
 from service.queue import RUN_JOB_TASK
 from service.settings import get_settings
 from worker.celery_app import app
+from worker.checkpoints import job_checkpoints_dir
+from worker.records import JobError, json_safe
 
 log = logging.getLogger("rloo.worker")
 
@@ -36,7 +38,7 @@ class DatabaseRecorder:
             session.commit()
 
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
-        clean = _json_safe(metrics)
+        clean = json_safe(metrics)
         with session_scope() as session:
             crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
             crud.add_event(
@@ -56,22 +58,12 @@ class DatabaseRecorder:
         name = f"{self.job.model}:{self.job.suffix or 'ft'}:{self.job.id}:step-{step}"
         with session_scope() as session:
             crud.add_checkpoint(
-                session=session, job=self.job, step=step, path=rel, name=name, metrics=_json_safe(metrics)
+                session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
             )
             crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             if final:
                 session.query(Job).filter(Job.seq == self.job.seq).update({"fine_tuned_model": name})
             session.commit()
-
-
-def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
-    """NaN and inf are not JSON; store them as null."""
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
-            value = None
-        out[key] = value
-    return out
 
 
 class Heartbeat(threading.Thread):
@@ -93,8 +85,8 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat for %s failed: %s", self.job.id, exc)
 
 
-@app.task(name=RUN_JOB_TASK, bind=True, acks_late=True)
-def run_job(self: Any, job_id: str) -> str:
+@app.task(name=RUN_JOB_TASK)  # acks_late and the rest: worker.celery_app
+def run_job(job_id: str) -> str:
     """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains."""
     with session_scope() as session:
         job = crud.claim_job(session=session, job_id=job_id, worker=WORKER_NAME)
@@ -159,7 +151,7 @@ def _train(job: Job) -> Any:
     paths = {}
     for file_id, f in files.items():
         if f is None:
-            raise _UserError("file_not_found", f"file {file_id} was deleted before the job started")
+            raise JobError("file_not_found", f"file {file_id} was deleted before the job started")
         paths[file_id] = settings.artifacts_dir / f.path
     kind = job.method["type"]
     cfg = TrainConfig(
@@ -168,7 +160,7 @@ def _train(job: Job) -> Any:
         validation_file=paths[job.validation_file] if job.validation_file else None,
         grader=job.method[kind]["grader"],
         hyperparameters=job.hyperparameters,
-        output_dir=settings.artifacts_dir / "checkpoints" / job.id,
+        output_dir=job_checkpoints_dir(settings.artifacts_dir, job.id),
         models_dir=settings.models_dir,
         seed=job.seed,
         job_name=job.id,
@@ -177,16 +169,8 @@ def _train(job: Job) -> Any:
     return train(cfg, DatabaseRecorder(job))
 
 
-class _UserError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 def _classify(exc: Exception) -> tuple[str, str]:
-    from worker.train import JobError
-
-    if isinstance(exc, (JobError, _UserError)):
+    if isinstance(exc, JobError):
         return exc.code, exc.message
     name = type(exc).__name__
     if "OutOfMemory" in name or isinstance(exc, MemoryError):

@@ -9,31 +9,21 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from service import graders
+from service import graders, jobspec
 from worker import rloo
 from worker.checkpoints import save_checkpoint
 from worker.config import TrainConfig
 from worker.data import batch_indices, load_items, prompt_text
+from worker.records import JobError, Recorder
 from worker.rewards import RewardModels, score_batch
 from worker.rollout import TransformersBackend, completion_logprobs
-
-
-class Recorder(Protocol):
-    """Where a run's progress goes. ``step`` returns a reason to stop (e.g. ``"cancelled"``) or None."""
-
-    def event(self, message: str, level: str = "info") -> None: ...
-
-    def step(self, step: int, metrics: dict[str, Any]) -> str | None: ...
-
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None: ...
 
 
 @dataclass
@@ -44,14 +34,6 @@ class TrainResult:
     first_reward: float | None
     last_reward: float | None
     trained_tokens: int
-
-
-class JobError(Exception):
-    """A failure with a code users can act on (``error.code`` on the job)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -86,7 +68,7 @@ def load_policy(name: str, models_dir: Path, device: torch.device) -> tuple[Any,
     return model.to(device), tokenizer  # type: ignore[arg-type]
 
 
-def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str | None] | None = None) -> TrainResult:
+def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     hp = cfg.hp
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -114,8 +96,7 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
         max_prompt_length=hp("max_prompt_length"),
     )
     k, batch_size, temperature = hp("rloo_k"), hp("batch_size"), hp("temperature")
-    steps = math.ceil(len(items) * hp("n_epochs") / batch_size)
-    total_steps = min(steps, hp("max_steps")) if hp("max_steps") else steps
+    total_steps = jobspec.total_steps(len(items), cfg.hyperparameters)
     recorder.event(
         f"Training started: {total_steps} steps, {batch_size} prompts x {k} completions a step, on {device.type}"
     )
@@ -150,6 +131,12 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
         )
         rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
         finite = torch.isfinite(rewards)
+        if not finite.any():
+            raise JobError(
+                "reward_not_finite",
+                f"step {step}: no completion could be scored (all rewards NaN); "
+                "check the grader with POST /v1/fine_tuning/alpha/graders/run",
+            )
         t_score = time.perf_counter() - t0
 
         # 3. Policy log-probs (with grad) and the KL to the reference --------------------------------
@@ -202,20 +189,18 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
         gen_tokens = int(mask.sum().item())
         trained_tokens += gen_tokens + int(ro.prompt_mask.sum().item())
         finite_rewards = rewards[finite]
-        reward_mean = float(finite_rewards.mean()) if finite_rewards.numel() else float("nan")
-        group_std = torch.tensor(
-            [
-                rewards[b][finite[b]].std(unbiased=False).item() if finite[b].sum() > 1 else 0.0
-                for b in range(batch_size)
-            ]
-        )
+        reward_mean = float(finite_rewards.mean())  # at least one is finite (checked above)
+        # A group gives no signal when its finite rewards are all equal (or fewer than two).
+        group_max = torch.where(finite, rewards, -math.inf).amax(dim=1)
+        group_min = torch.where(finite, rewards, math.inf).amin(dim=1)
+        zero_std = (finite.sum(dim=1) < 2) | (group_max == group_min)
         time_step = time.perf_counter() - t_step
         metrics = {
             "step": step,
             "total_steps": total_steps,
             "train_reward_mean": reward_mean,
             "train_reward_std": float(finite_rewards.std(unbiased=False)) if finite_rewards.numel() > 1 else 0.0,
-            "frac_reward_zero_std": float((group_std == 0).float().mean()),
+            "frac_reward_zero_std": float(zero_std.float().mean()),
             "advantage_std": float(advantages[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
             "kl": float(kl_seq.mean()),
             "loss": float(loss.detach()),
@@ -240,15 +225,9 @@ def train(cfg: TrainConfig, recorder: Recorder, *, should_stop: Callable[[], str
             metrics[f"graders.{name}.errors"] = graded.errors.get(name, 0)
         if hp("eval_interval") and valid_items and step % hp("eval_interval") == 0:
             metrics["valid_reward_mean"] = evaluate(cfg, backend, tokenizer, grader, valid_items, reward_models)
-        if first_reward is None and math.isfinite(reward_mean):
+        if first_reward is None:
             first_reward = reward_mean
         last_reward = reward_mean
-        if finite.sum() == 0:
-            raise JobError(
-                "reward_not_finite",
-                f"step {step}: no completion could be scored (all rewards NaN); "
-                "check the grader with POST /v1/fine_tuning/alpha/graders/run",
-            )
         stopped = recorder.step(step, metrics)
 
         # 7. Checkpoint -------------------------------------------------------------------------

@@ -3,7 +3,6 @@ their events, metrics and checkpoints."""
 
 from __future__ import annotations
 
-import math
 import secrets
 import tarfile
 import tempfile
@@ -15,12 +14,12 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from service import crud, graders, queue
+from service import crud, graders, jobspec, queue
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import Checkpoint, File, Job, JobEvent, Project
 from service.schemas import JobCreate
-from service.storage import confined, resolve_model
+from service.storage import confined
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -69,31 +68,16 @@ def _file(session: SessionDep, project: Project, file_id: str, param: str) -> Fi
 
 @router.post("", summary="Create a fine-tuning job")
 def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> dict[str, Any]:
-    if body.hyperparameters:
-        raise bad_request(f"Put hyperparameters under method.{body.method.type}.hyperparameters.", "hyperparameters")
-    if body.integrations:
-        raise bad_request("Integrations are not supported by this server; remove them.", "integrations")
-    kind = body.method.type
-    cfg = body.method.config
-    prefix = f"method.{kind}"
-
-    resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
+    grader, hp = jobspec.check_spec(body, settings=settings)
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
-    try:
-        grader = graders.parse_grader(cfg.grader, param=f"{prefix}.grader", allow_python=settings.allow_python_grader)
-    except graders.GraderError as exc:
-        raise bad_request(exc.message, exc.param) from None
-    _check_grader_models(grader, settings, f"{prefix}.grader")
-    for f, which in ((training, "training_file"), (validation, "validation_file")):
+    kind = body.method.type
+    for f, which in ((training, "training file"), (validation, "validation file")):
         if f is not None:
-            _check_item_keys(grader, f, which, f"{prefix}.grader")
-
-    hp = cfg.hyperparameters.resolved()
-    if hp["eval_interval"] and validation is None:
-        raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
-    steps = math.ceil(training.line_count * hp["n_epochs"] / hp["batch_size"])
-    total_steps = min(steps, hp["max_steps"]) if hp["max_steps"] else steps
+            jobspec.check_item_keys(
+                grader, f.keys_summary or {}, source=f"the {which} ({f.id})", param=f"method.{kind}.grader"
+            )
+    total_steps = jobspec.total_steps(training.line_count, hp)
 
     method = {"type": kind, kind: {"grader": graders.grader_to_dict(grader), "hyperparameters": hp}}
     job = Job(
@@ -127,23 +111,6 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
         )
         session.commit()
     return job_object(job, project)
-
-
-def _check_grader_models(grader: Any, settings: SettingsDep, param: str) -> None:
-    for leaf, leaf_param in graders.model_leaves(grader, param):
-        resolve_model(settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model")
-
-
-def _check_item_keys(grader: Any, f: File, which: str, param: str) -> None:
-    missing = graders.first_missing_item_key(grader, f.keys_summary or {})
-    if missing is not None:
-        key, line = missing
-        raise bad_request(
-            f"The grader uses item.{key}, but line {line} of the {which.replace('_', ' ')} ({f.id}) has no "
-            f"'{key}' key. Add it to every line, or change the grader.",
-            param,
-            "missing_item_key",
-        )
 
 
 @router.get("", summary="List fine-tuning jobs")

@@ -1,0 +1,55 @@
+"""What a run reports, and the failures it can end with. Torch-free: the Celery parent imports it.
+
+``train`` reports to a ``Recorder``: the Celery task's writes the job's rows, ``rloo train``'s
+prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Recorder(Protocol):
+    """Where a run's progress goes. ``step`` returns a reason to stop (e.g. ``"cancelled"``) or None."""
+
+    def event(self, message: str, level: str = "info") -> None: ...
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None: ...
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None: ...
+
+
+class JobError(Exception):
+    """A failure with a code users can act on (``error.code`` on the job)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
+    """NaN and inf are not JSON; they become null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
+class StdoutRecorder:
+    """``rloo train``'s recorder: one JSON object a line per step on stdout; events on stderr."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stdout
+        self.checkpoints: list[dict[str, Any]] = []
+
+    def event(self, message: str, level: str = "info") -> None:
+        print(f"[{level}] {message}", file=sys.stderr, flush=True)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        print(json.dumps(json_safe(metrics)), file=self.stream, flush=True)
+        return None
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+        self.checkpoints.append({"step": step, "path": str(path), "final": final})
+        self.event(f"checkpoint at step {step}: {path}")
