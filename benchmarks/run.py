@@ -41,6 +41,9 @@ class Collect:
     def checkpoint(self, *args: Any) -> None:
         pass
 
+    def checkpoint_removed(self, step: int) -> None:
+        pass
+
 
 def engine(steps: int = 40) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:

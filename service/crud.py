@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -196,10 +196,10 @@ def record_progress(*, session: Session, job: Job, step: int, trained_tokens: in
 
     The worker calls this between steps and stops when the answer is not ``running`` (a cancel).
     """
-    # Progress is recorded for a job cancelled mid-step too: the step it reached is true either way.
+    # Progress is recorded for a job paused or cancelled mid-step too: the step it reached is true either way.
     session.execute(
         update(Job)
-        .where(Job.seq == job.seq, Job.status.in_(("running", "cancelled")))
+        .where(Job.seq == job.seq, Job.status.in_(("running", "paused", "cancelled")))
         .values(step=step, trained_tokens=trained_tokens, heartbeat_at=time.time())
         .execution_options(synchronize_session=False)
     )
@@ -243,3 +243,8 @@ def latest_checkpoint(*, session: Session, job: Job) -> Checkpoint | None:
     return session.scalar(
         select(Checkpoint).where(Checkpoint.job_seq == job.seq).order_by(Checkpoint.step_number.desc()).limit(1)
     )
+
+
+def remove_checkpoint(*, session: Session, job: Job, step: int) -> None:
+    """Forget the checkpoint of ``step`` (its directory was pruned by ``keep_checkpoints``)."""
+    session.execute(delete(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))

@@ -37,6 +37,12 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, 
     hp = body.method.config.hyperparameters.resolved()
     if hp["eval_interval"] and not body.validation_file:
         raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
+    if hp["batch_size"] % hp["gradient_accumulation_steps"]:
+        raise bad_request(
+            f"gradient_accumulation_steps ({hp['gradient_accumulation_steps']}) must divide batch_size "
+            f"({hp['batch_size']}): each micro-batch holds whole groups of rloo_k completions.",
+            f"{prefix}.hyperparameters.gradient_accumulation_steps",
+        )
     return grader, hp
 
 

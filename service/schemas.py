@@ -6,6 +6,7 @@ Every field a user can set is here with its range; unknown keys are refused (a m
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,6 +16,30 @@ Auto = Literal["auto"]
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LoraSpec(Strict):
+    """LoRA adapters through ``peft``; the reference model is the base with the adapter disabled."""
+
+    r: int = Field(16, ge=1, le=1024, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, le=65536, description="Scale: the update is (alpha / r) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt (e.g. ['q_proj', 'v_proj']), or 'all-linear' (every linear layer "
+        "but the output head). Name 'embed_tokens' to adapt the input embeddings too.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list):
+            if not 1 <= len(v) <= 64:
+                raise ValueError("give between 1 and 64 module names, or 'all-linear'")
+            for name in v:
+                if not re.fullmatch(r"[A-Za-z0-9_.]{1,128}", name):
+                    raise ValueError(f"'{name}' is not a module name (letters, digits, '_' and '.')")
+        return v
 
 
 class Hyperparameters(Strict):
@@ -40,12 +65,36 @@ class Hyperparameters(Strict):
     normalize_advantages: bool = Field(False, description="Whiten advantages over the batch.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
-    lora: None = Field(
-        None, description="LoRA adapters {r, alpha, dropout, target_modules}; null = full fine-tuning (LoRA: coming)."
+    reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-reward_clip, reward_clip].")
+    mask_truncated_completions: bool = Field(
+        False, description="Completions cut at max_new_tokens give no gradient (they still count in baselines)."
     )
+    stop: list[str] | None = Field(
+        None, description="Up to 4 strings that end a completion (kept in its tokens, cut from the graded text)."
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, le=4096, description="Micro-batches per update; must divide batch_size (a group stays whole)."
+    )
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1.0, description="Fraction of the steps with a linear warmup.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on CUDA, fp32 on the CPU. Weights stay fp32 either way."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
+    lora: LoraSpec | None = Field(None, description="LoRA adapters {r, alpha, dropout, target_modules}; null = full.")
     checkpoint_interval: int = Field(0, ge=0, description="Steps between checkpoints; 0 = only the final one.")
+    keep_checkpoints: int | None = Field(
+        None, ge=1, le=100_000, description="Keep only the newest N checkpoints (the final one always stays)."
+    )
     eval_interval: int = Field(0, ge=0, description="Steps between validation passes; 0 = none.")
     eval_samples: int = Field(32, ge=1, le=100_000, description="Validation prompts scored per pass.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not (1 <= len(v) <= 4 and all(1 <= len(x) <= 256 for x in v)):
+            raise ValueError("give 1 to 4 stop strings of 1 to 256 characters each")
+        return v
 
     @field_validator("batch_size")
     @classmethod

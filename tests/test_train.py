@@ -29,6 +29,7 @@ class ListRecorder:
         self.checkpoints: list[tuple[int, Path, bool]] = []
         self.events: list[str] = []
         self.stop_at = stop_at
+        self.removed: list[int] = []
 
     def event(self, message: str, level: str = "info") -> None:
         self.events.append(message)
@@ -39,6 +40,9 @@ class ListRecorder:
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         self.checkpoints.append((step, path, final))
+
+    def checkpoint_removed(self, step: int) -> None:
+        self.removed.append(step)
 
 
 def config(tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, **hp: Any) -> TrainConfig:

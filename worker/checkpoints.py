@@ -1,10 +1,30 @@
-"""Checkpoints in Hugging Face format, written under a temporary name and renamed into place."""
+"""Checkpoints: a Hugging Face directory (the full model, or a LoRA adapter) plus the training state.
+
+Layout of ``<output_dir>/step-N/``:
+
+* ``config.json`` + ``model.safetensors`` (full fine-tuning) or ``adapter_config.json`` +
+  ``adapter_model.safetensors`` (LoRA), and the tokenizer files: what a user downloads and loads
+  with ``from_pretrained``.
+* ``training_state.pt``: optimizer, scheduler and RNG states, the step and the run's counters, so
+  that a restarted job continues exactly where it stopped. ``training_state.json``: the same
+  position in words (step, data epoch and offset, hyperparameters), for people and for resume
+  checks. Files named ``training_state*`` stay server-side (the download leaves them out).
+
+A checkpoint is written under a temporary name and renamed into place: a crash leaves either the
+whole directory or none of it.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+TRAINING_STATE = "training_state.pt"
+TRAINING_INFO = "training_state.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def job_checkpoints_dir(artifacts_dir: Path, job_id: str) -> Path:
@@ -16,8 +36,18 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / f"step-{step}"
 
 
-def save_checkpoint(*, model: Any, tokenizer: Any, output_dir: Path, step: int) -> Path:
-    """Save ``model`` and ``tokenizer`` to ``output_dir/step-N``; a crash leaves no half directory."""
+def save_checkpoint(
+    *,
+    model: Any,
+    tokenizer: Any,
+    output_dir: Path,
+    step: int,
+    training_state: dict[str, Any] | None = None,
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Save ``model`` (or its adapter), ``tokenizer`` and the training state to ``output_dir/step-N``."""
+    import torch
+
     final = checkpoint_dir(output_dir, step)
     tmp = output_dir / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -25,6 +55,10 @@ def save_checkpoint(*, model: Any, tokenizer: Any, output_dir: Path, step: int) 
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if training_state is not None:
+            torch.save(training_state, tmp / TRAINING_STATE)
+        if info is not None:
+            (tmp / TRAINING_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
         if final.exists():  # a replayed step (after a crash) rewrites its checkpoint
             shutil.rmtree(final)
         tmp.rename(final)
@@ -32,3 +66,46 @@ def save_checkpoint(*, model: Any, tokenizer: Any, output_dir: Path, step: int) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def has_training_state(path: Path) -> bool:
+    return (path / TRAINING_STATE).is_file() and (path / TRAINING_INFO).is_file()
+
+
+def read_training_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors (loaded with ``weights_only``: no pickled code runs) and the JSON description."""
+    import torch
+
+    state = torch.load(path / TRAINING_STATE, map_location="cpu", weights_only=True)
+    info = json.loads((path / TRAINING_INFO).read_text())
+    return state, info
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint directories under ``output_dir``, oldest first."""
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for child in output_dir.iterdir():
+        m = _STEP_DIR.fullmatch(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_resumable(output_dir: Path) -> Path | None:
+    """The newest checkpoint a run can continue from, or None."""
+    for _, path in reversed(list_checkpoints(output_dir)):
+        if has_training_state(path):
+            return path
+    return None
+
+
+def prune_checkpoints(output_dir: Path, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` checkpoints; returns the steps removed, oldest first."""
+    existing = list_checkpoints(output_dir)
+    removed = []
+    for step, path in existing[: max(len(existing) - keep, 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(step)
+    return removed

@@ -31,6 +31,8 @@ class TrainConfig:
     """Names checkpoints (``<model>:<job_name>:step-N``)."""
     device: str | None = None
     """``cuda``/``cpu``; None picks CUDA when there is one."""
+    resume_from: Path | None = None
+    """A checkpoint directory with a training state: continue the run after its step."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def hp(self, name: str) -> Any:

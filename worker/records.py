@@ -22,6 +22,9 @@ class Recorder(Protocol):
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None: ...
 
+    def checkpoint_removed(self, step: int) -> None:
+        """``keep_checkpoints`` deleted the checkpoint of ``step`` from disk."""
+
 
 class JobError(Exception):
     """A failure with a code users can act on (``error.code`` on the job)."""
@@ -53,3 +56,7 @@ class StdoutRecorder:
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         self.checkpoints.append({"step": step, "path": str(path), "final": final})
         self.event(f"checkpoint at step {step}: {path}")
+
+    def checkpoint_removed(self, step: int) -> None:
+        self.checkpoints = [c for c in self.checkpoints if c["step"] != step]
+        self.event(f"checkpoint at step {step} removed (keep_checkpoints)")

@@ -66,6 +66,33 @@ def sequence_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "
     return (kl_per_token(logp, ref_logp, estimator) * mask).sum(dim=-1)
 
 
+def shape_rewards(
+    rewards: Tensor,
+    kl: Tensor | None = None,
+    *,
+    kl_coef: float = 0.0,
+    reward_clip: float | None = None,
+) -> Tensor:
+    """The reward the baseline sees: ``clip(r, -c, c) - kl_coef * kl``. ``(B, k)`` in and out.
+
+    Clipping comes first, so the KL penalty is never clipped away; NaN (unscorable) stays NaN.
+    ``kl`` is the per-completion KL ``(B, k)``, or None when it is not folded into the reward.
+    """
+    out = rewards.clamp(-reward_clip, reward_clip) if reward_clip is not None else rewards
+    if kl is not None and kl_coef:
+        out = out - kl_coef * kl.to(out.dtype)
+    return out
+
+
+def loss_normalizer(mask: Tensor, aggregation: str) -> Tensor:
+    """What a batch's summed loss is divided by: its loss tokens (``token_mean``) or its completions
+    with at least one loss token (the sequence aggregations). Micro-batches are divided by the whole
+    batch's normalizer, so their losses and gradients add up to the full batch's exactly."""
+    if aggregation == "token_mean":
+        return mask.sum().clamp(min=1.0)
+    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype).clamp(min=1.0)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -75,12 +102,14 @@ def policy_loss(
     clip_epsilon: float = 0.2,
     clip_epsilon_high: float | None = None,
     aggregation: str = "sequence_sum",
+    normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss over completion tokens.
 
     Shapes: ``logp``, ``old_logp``, ``mask`` are ``(N, T)`` (token log-probs of the sampled
-    completion; ``mask`` is 1 on completion tokens up to and including EOS, 0 on padding);
-    ``advantages`` is ``(N,)``, held constant.
+    completion; ``mask`` is 1 on loss tokens: completion tokens up to and including EOS, never
+    padding); ``advantages`` is ``(N,)``, held constant. A completion whose mask is all 0 (e.g. a
+    truncated one under ``mask_truncated_completions``) carries no loss and is not counted.
 
     The importance ratio matches the aggregation, so that each gives its own token weighting and
     the plain REINFORCE gradient when the ratio is 1 (the first, or only, pass):
@@ -93,11 +122,14 @@ def policy_loss(
     * ``token_mean`` (verl, OpenRLHF): a ratio per token, clipped per token, averaged over all
       completion tokens of the batch.
 
-    Returns the scalar loss and detached statistics (``clip_frac``, ``ratio_mean``).
+    ``normalizer`` (default ``loss_normalizer(mask, aggregation)``) divides the summed loss; pass
+    the whole batch's to a micro-batch. Returns the scalar loss and detached statistics
+    (``clip_frac``, ``ratio_mean``), normalised the same way, so micro-batches' statistics add up too.
     """
     low = clip_epsilon
     high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
     mask = mask.to(logp.dtype)
+    norm = loss_normalizer(mask, aggregation) if normalizer is None else normalizer
     # where, not multiply: a -inf log-prob on a padding position must not turn into NaN.
     delta = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
     lengths = mask.sum(dim=-1)
@@ -106,10 +138,7 @@ def policy_loss(
         adv = advantages.unsqueeze(-1)
         unclipped = ratio * adv
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
-        per_token = -torch.minimum(unclipped, clipped)
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-        clip_frac = ((clipped < unclipped).to(logp.dtype) * mask).sum() / mask.sum().clamp(min=1.0)
-        ratio_mean = (ratio * mask).sum() / mask.sum().clamp(min=1.0)
+        weight = mask
     elif aggregation in ("sequence_sum", "sequence_mean"):
         log_ratio = delta.sum(dim=-1)
         if aggregation == "sequence_mean":
@@ -117,27 +146,37 @@ def policy_loss(
         ratio = torch.exp(log_ratio)
         unclipped = ratio * advantages
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
-        loss = -torch.minimum(unclipped, clipped).mean()
-        clip_frac = (clipped < unclipped).to(logp.dtype).mean()
-        ratio_mean = ratio.mean()
+        weight = (lengths > 0).to(logp.dtype)
     else:
         raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
+    loss = (-torch.minimum(unclipped, clipped) * weight).sum() / norm
+    clip_frac = ((clipped < unclipped).to(logp.dtype) * weight).sum() / norm
+    ratio_mean = (ratio * weight).sum() / norm
     return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 
 def kl_loss(
-    logp: Tensor, ref_logp: Tensor, mask: Tensor, *, estimator: str = "k3", aggregation: str = "sequence_sum"
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str = "k3",
+    aggregation: str = "sequence_sum",
+    normalizer: Tensor | float | None = None,
 ) -> Tensor:
-    """KL as a loss term (``kl_in_reward`` false), aggregated like the policy loss. ``(N, T) -> ()``."""
+    """KL as a loss term (``kl_in_reward`` false), aggregated and normalised like the policy loss.
+    ``(N, T) -> ()``."""
     if aggregation not in ("token_mean", "sequence_sum", "sequence_mean"):
         raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
+    mask = mask.to(logp.dtype)
+    norm = loss_normalizer(mask, aggregation) if normalizer is None else normalizer
     kl = torch.where(mask.bool(), kl_per_token(logp, ref_logp, estimator), torch.zeros_like(logp))
     if aggregation == "token_mean":
-        return kl.sum() / mask.sum().clamp(min=1.0)
+        return kl.sum() / norm
     per_seq = kl.sum(dim=-1)
     if aggregation == "sequence_mean":
         per_seq = per_seq / mask.sum(dim=-1).clamp(min=1.0)
-    return per_seq.mean()
+    return per_seq.sum() / norm
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:

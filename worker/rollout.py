@@ -38,6 +38,17 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
+    def rows(self, rows: slice) -> Rollout:
+        """The completions ``rows`` (a micro-batch)."""
+        return Rollout(
+            self.prompt_ids[rows],
+            self.prompt_mask[rows],
+            self.completion_ids[rows],
+            self.completion_mask[rows],
+            self.truncated[rows],
+            self.texts[rows],
+        )
+
 
 class RolloutBackend(Protocol):
     """Generates completions; ``transformers`` here, vLLM where it is installed (later)."""
@@ -55,8 +66,10 @@ class TransformersBackend:
         temperature: float,
         top_p: float,
         max_prompt_length: int,
+        stop: list[str] | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.stop = list(stop or [])
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.max_prompt_length = max_prompt_length
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -91,6 +104,7 @@ class TransformersBackend:
             max_new_tokens=self.max_new_tokens,
             eos_token_id=self.eos_ids,
             pad_token_id=tok.pad_token_id,
+            **({"stop_strings": self.stop, "tokenizer": tok} if self.stop else {}),
         )
         self.model.train(was_training)
         completion_ids = out[:, prompt_ids.shape[1] :]
@@ -99,6 +113,8 @@ class TransformersBackend:
             completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id)
         )
         texts = tok.batch_decode(completion_ids, skip_special_tokens=True)
+        if self.stop:
+            texts = cut_at_stop(completion_ids, completion_mask, truncated, texts, tok, self.stop)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
 
 
@@ -123,6 +139,38 @@ def completion_mask_from(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Te
     mask = (~seen_before).long()
     truncated = ~is_eos.any(dim=1)
     return mask, truncated
+
+
+def cut_at_stop(
+    completion_ids: Tensor, mask: Tensor, truncated: Tensor, texts: list[str], tokenizer: Any, stop: list[str]
+) -> list[str]:
+    """End each completion at its first stop string, as OpenAI's ``stop`` does: the graded text is
+    cut just before it; the tokens keep everything up to the token that completed it (they were
+    sampled, so they carry the loss), and the completion no longer counts as truncated.
+    ``mask`` and ``truncated`` are updated in place; returns the cut texts.
+    """
+    out = []
+    for i, text in enumerate(texts):
+        hits = [j for j in (text.find(s) for s in stop) if j >= 0]
+        if not hits:
+            out.append(text)
+            continue
+        cut = min(hits)
+        out.append(text[:cut])
+        # Fewest tokens whose text holds a stop string: decoding a prefix is monotone in its
+        # length, so a binary search costs log2(T) decodes.
+        n = int(mask[i].sum())
+        lo, hi = 1, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            prefix = tokenizer.decode(completion_ids[i, :mid], skip_special_tokens=True)
+            if any(s in prefix for s in stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        mask[i, lo:] = 0
+        truncated[i] = False
+    return out
 
 
 def completion_logprobs(

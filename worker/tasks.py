@@ -17,7 +17,7 @@ from service.models import Job
 from service.queue import RUN_JOB_TASK
 from service.settings import get_settings
 from worker.celery_app import app
-from worker.checkpoints import job_checkpoints_dir
+from worker.checkpoints import job_checkpoints_dir, latest_resumable
 from worker.records import JobError, json_safe
 
 log = logging.getLogger("rloo.worker")
@@ -63,6 +63,14 @@ class DatabaseRecorder:
             crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             if final:
                 session.query(Job).filter(Job.seq == self.job.seq).update({"fine_tuned_model": name})
+            session.commit()
+
+    def checkpoint_removed(self, step: int) -> None:
+        with session_scope() as session:
+            crud.remove_checkpoint(session=session, job=self.job, step=step)
+            crud.add_event(
+                session=session, job=self.job, message=f"Checkpoint of step {step} removed (keep_checkpoints)"
+            )
             session.commit()
 
 
@@ -154,16 +162,19 @@ def _train(job: Job) -> Any:
             raise JobError("file_not_found", f"file {file_id} was deleted before the job started")
         paths[file_id] = settings.artifacts_dir / f.path
     kind = job.method["type"]
+    output_dir = job_checkpoints_dir(settings.artifacts_dir, job.id)
     cfg = TrainConfig(
         model=job.model,
         training_file=paths[job.training_file],
         validation_file=paths[job.validation_file] if job.validation_file else None,
         grader=job.method[kind]["grader"],
         hyperparameters=job.hyperparameters,
-        output_dir=job_checkpoints_dir(settings.artifacts_dir, job.id),
+        output_dir=output_dir,
         models_dir=settings.models_dir,
         seed=job.seed,
         job_name=job.id,
+        # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
+        resume_from=latest_resumable(output_dir),
         extra={"allow_python_grader": settings.allow_python_grader},
     )
     return train(cfg, DatabaseRecorder(job))
