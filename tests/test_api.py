@@ -86,6 +86,15 @@ RLOO_DEFAULTS = {
     "clip_epsilon_high": None,
     "weight_decay": 0.0,
     "lora": None,  # in RLOO.md's table
+    "reward_clip": None,
+    "mask_truncated_completions": False,
+    "stop": None,
+    "gradient_accumulation_steps": 1,
+    "lr_scheduler": "constant",
+    "warmup_ratio": 0.0,
+    "precision": "auto",
+    "gradient_checkpointing": False,
+    "keep_checkpoints": None,
 }
 
 TRAIN_JSONL = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
@@ -568,20 +577,18 @@ def test_job_defaults_and_random_seed(client, auth) -> None:
 
 
 def test_lora_hyperparameter_of_rloo_md(client, auth) -> None:
-    """RLOO.md's `lora`: null (full fine-tune) is accepted; an adapter spec is either honoured or refused
-    with a 400 naming the field, never silently dropped."""
+    """RLOO.md's `lora`: null is full fine-tuning; an adapter spec is stored with its defaults filled in."""
     f = upload_ok(client, auth)
     body = job_body(f["id"])
     body["method"]["reinforcement"]["hyperparameters"]["lora"] = None
     job = create_job(client, auth, body)
     assert job["hyperparameters"]["lora"] is None
-    lora = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    body["method"]["reinforcement"]["hyperparameters"]["lora"] = lora
-    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
-    if resp.status_code == 200:
-        assert resp.json()["hyperparameters"]["lora"] == lora
-    else:
-        assert_error(resp, 400, param=f"{HP}.lora")
+    body["method"]["reinforcement"]["hyperparameters"]["lora"] = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    job = create_job(client, auth, body)
+    assert job["hyperparameters"]["lora"] == {"r": 8, "alpha": 32.0, "dropout": 0.0,
+                                              "target_modules": ["q_proj", "v_proj"]}
+    body["method"]["reinforcement"]["hyperparameters"]["lora"] = {}
+    assert create_job(client, auth, body)["hyperparameters"]["lora"]["target_modules"] == "all-linear"
 
 
 TOTAL_STEPS = [
@@ -766,6 +773,20 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "learning_rate_multiplier_0": (_hp(learning_rate_multiplier=0), f"{HP}.learning_rate_multiplier", None),
     "kl_estimator_unknown": (_hp(kl_estimator="k2"), f"{HP}.kl_estimator", None),
     "eval_interval_without_validation": (_hp(eval_interval=5), f"{HP}.eval_interval", "validation_file"),
+    "accumulation_not_dividing_batch": (
+        _hp(batch_size=8, gradient_accumulation_steps=3), f"{HP}.gradient_accumulation_steps", "divide"
+    ),
+    "lora_rank_0": (_hp(lora={"r": 0}), f"{HP}.lora.r", None),
+    "lora_unknown_key": (_hp(lora={"rank": 8}), f"{HP}.lora.rank", None),
+    "lora_bad_module_name": (_hp(lora={"target_modules": ["q_proj; rm -rf"]}), f"{HP}.lora.target_modules", None),
+    "lora_not_an_object": (_hp(lora=8), f"{HP}.lora", None),
+    "lr_scheduler_unknown": (_hp(lr_scheduler="step"), f"{HP}.lr_scheduler", None),
+    "warmup_ratio_1": (_hp(warmup_ratio=1.0), f"{HP}.warmup_ratio", None),
+    "precision_fp16": (_hp(precision="fp16"), f"{HP}.precision", None),
+    "stop_too_many": (_hp(stop=["a", "b", "c", "d", "e"]), f"{HP}.stop", None),
+    "stop_empty_string": (_hp(stop=[""]), f"{HP}.stop", None),
+    "reward_clip_0": (_hp(reward_clip=0), f"{HP}.reward_clip", None),
+    "keep_checkpoints_0": (_hp(keep_checkpoints=0), f"{HP}.keep_checkpoints", None),
     "unknown_top_level_key": (_set(frobnicate=True), "frobnicate", "frobnicate"),
     "top_level_hyperparameters": (_set(hyperparameters={"n_epochs": 2}), "hyperparameters", "method"),
     "integrations": (_set(integrations=[{"type": "wandb"}]), "integrations", None),

@@ -279,3 +279,61 @@ def test_kl_loss_rejects_unknown_aggregation() -> None:
     lp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="loss_aggregation"):
         rloo.kl_loss(lp, lp, torch.ones(1, 2), aggregation="bogus")
+
+
+# ---------------------------------------------------------------- reward shaping, normalisers, micro-batches
+def test_shape_rewards_clips_then_subtracts_kl_by_hand():
+    r = t([[3.0, -0.5], [NAN, -4.0]])
+    kl = t([[2.0, 1.0], [0.0, 10.0]])
+    # clip to [-1, 1]: [[1, -0.5], [nan, -1]]; minus 0.1 * kl: [[0.8, -0.6], [nan, -2.0]]
+    got = rloo.shape_rewards(r, kl, kl_coef=0.1, reward_clip=1.0)
+    close(got[0], [0.8, -0.6])
+    assert math.isnan(got[1, 0]) and got[1, 1].item() == pytest.approx(-2.0)
+    # Without a clip or a KL the rewards pass through untouched.
+    torch.testing.assert_close(rloo.shape_rewards(r), r, equal_nan=True)
+    close(rloo.shape_rewards(t([[3.0, 1.0]]), None, kl_coef=0.5)[0], [3.0, 1.0])
+
+
+def test_loss_normalizer_counts_tokens_or_completions_with_a_loss_token():
+    mask = t([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert rloo.loss_normalizer(mask, "token_mean").item() == 3.0
+    assert rloo.loss_normalizer(mask, "sequence_sum").item() == 2.0  # the all-zero row does not count
+    assert rloo.loss_normalizer(mask, "sequence_mean").item() == 2.0
+    assert rloo.loss_normalizer(torch.zeros(2, 2), "token_mean").item() == 1.0  # never a division by 0
+
+
+@pytest.mark.parametrize("agg", ["sequence_sum", "sequence_mean", "token_mean"])
+def test_micro_batches_add_up_to_the_full_batch(agg):
+    """Gradient accumulation: micro-batch losses divided by the whole batch's normaliser sum to the
+    full-batch loss, and so do their gradients, whatever the lengths in each micro-batch."""
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(6, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    old = logp.detach() + 0.1 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    mask = t([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
+    full, _ = rloo.policy_loss(logp, old, adv, mask, aggregation=agg)
+    (full_grad,) = torch.autograd.grad(full, logp)
+    norm = rloo.loss_normalizer(mask, agg)
+    parts = [rloo.policy_loss(logp[s], old[s], adv[s], mask[s], aggregation=agg, normalizer=norm)[0]
+             for s in (slice(0, 2), slice(2, 4), slice(4, 6))]
+    (acc_grad,) = torch.autograd.grad(sum(parts), logp)
+    torch.testing.assert_close(sum(parts), full)
+    torch.testing.assert_close(acc_grad, full_grad)
+    # The KL term too.
+    ref = old - 0.2
+    full_kl = rloo.kl_loss(logp, ref, mask, estimator="k3", aggregation=agg)
+    acc_kl = sum(rloo.kl_loss(logp[s], ref[s], mask[s], estimator="k3", aggregation=agg, normalizer=norm)
+                 for s in (slice(0, 3), slice(3, 6)))
+    torch.testing.assert_close(acc_kl, full_kl)
+
+
+@pytest.mark.parametrize("agg", ["sequence_sum", "sequence_mean", "token_mean"])
+def test_a_fully_masked_completion_gives_no_gradient_and_is_not_counted(agg):
+    """mask_truncated_completions zeroes a truncated completion's mask: it must drop out entirely."""
+    logp = t([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
+    mask = t([[1, 1], [0, 0]])
+    loss, _ = rloo.policy_loss(logp, logp.detach(), t([2.0, 5.0]), mask, aggregation=agg)
+    loss.backward()
+    close(logp.grad[1], [0.0, 0.0])
+    # Only the first completion counts: sequence_sum loss = -2 * 1 / 1; token_mean = -(2 + 2) / 2.
+    assert loss.item() == pytest.approx(-2.0)

@@ -24,11 +24,14 @@ ANSWER = {
 
 
 class ListRecorder:
-    def __init__(self, stop_at: int | None = None) -> None:
+    """Keeps what a run reports; answers ``stop_as`` ("cancelled" or "paused") after step ``stop_at``."""
+
+    def __init__(self, stop_at: int | None = None, stop_as: str = "cancelled") -> None:
         self.steps: list[dict[str, Any]] = []
         self.checkpoints: list[tuple[int, Path, bool]] = []
+        self.checkpoint_metrics: dict[int, dict[str, Any]] = {}
         self.events: list[str] = []
-        self.stop_at = stop_at
+        self.stop_at, self.stop_as = stop_at, stop_as
         self.removed: list[int] = []
 
     def event(self, message: str, level: str = "info") -> None:
@@ -36,16 +39,21 @@ class ListRecorder:
 
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
         self.steps.append(metrics)
-        return "cancelled" if self.stop_at == step else None
+        return self.stop_as if self.stop_at == step else None
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         self.checkpoints.append((step, path, final))
+        self.checkpoint_metrics[step] = metrics
 
     def checkpoint_removed(self, step: int) -> None:
         self.removed.append(step)
 
 
-def config(tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, **hp: Any) -> TrainConfig:
+def config(
+    tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, *, cfg: dict[str, Any] | None = None, **hp: Any
+) -> TrainConfig:
+    """The demo job on the tiny policy, with ``hp`` overriding its hyperparameters and ``cfg`` the
+    TrainConfig's other fields (``resume_from``, ``validation_file``)."""
     demo = json.loads((EXAMPLES / "demo" / "job.json").read_text())["method"]["reinforcement"]["hyperparameters"]
     return TrainConfig(
         model="tiny-policy",
@@ -56,6 +64,7 @@ def config(tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, **
         models_dir=models_dir,
         seed=0,
         device="cpu",
+        **(cfg or {}),
     )
 
 

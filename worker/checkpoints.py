@@ -53,7 +53,11 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if hasattr(model, "peft_config"):
+            # The adapter alone: adapting a (tied) output head must not copy the base's embeddings into it.
+            model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if training_state is not None:
             torch.save(training_state, tmp / TRAINING_STATE)

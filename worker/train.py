@@ -217,7 +217,12 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     tokenizer = load_tokenizer(base_path, name=cfg.model)
     base = load_causal_lm(base_path, device, name=cfg.model)
     if hp("gradient_checkpointing"):
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing: correct with frozen inputs (LoRA) and with no_grad passes.
+        enable = getattr(base, "activation_checkpointing_enable", None)  # transformers >= 5.x
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = None
     if lora:
         model = add_lora(base, lora, resume_from=cfg.resume_from)
