@@ -95,6 +95,8 @@ def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
             "max_steps=3",
             "--set",
             "rloo_k=2",
+            "--set",
+            "checkpoint_interval=2",
             "--output-dir",
             str(tmp_path / "run"),
         ],
@@ -111,6 +113,22 @@ def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
     assert all(s["total_steps"] == 3 and "train_reward_mean" in s for s in steps)
     assert summary["status"] == "succeeded" and summary["steps"] == 3
     assert Path(summary["final_checkpoint"], "config.json").is_file()
+
+    # --resume continues a run from one of its checkpoints (here with one more step allowed).
+    sets = ["--set", "max_steps=4", "--set", "rloo_k=2", "--set", "checkpoint_interval=2"]
+    again = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "train", str(spec), *sets, "--resume", str(tmp_path / "run" / "step-2")],
+        cwd=ROOT,
+        env=_env(tmp_path, models_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    lines = [json.loads(line) for line in again.stdout.splitlines()]
+    assert [s["step"] for s in lines[:-1]] == [3, 4]
+    assert lines[0]["train_reward_mean"] == steps[2]["train_reward_mean"]  # step 3 replays exactly
+    assert lines[-1]["resumed_from"] == 2 and lines[-1]["final_checkpoint"] == str(tmp_path / "run" / "step-4")
 
 
 def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_dir: Path) -> None:

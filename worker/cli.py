@@ -282,12 +282,18 @@ def train_cmd(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a hyperparameter: key=value.")] = None,
     output_dir: Annotated[Path | None, typer.Option(help="Checkpoints go here.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda when present.")] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(help="Continue from this checkpoint directory (a step-N of an earlier run of the same spec)."),
+    ] = None,
 ) -> None:
     """Run one job in this process, no API or broker: one JSON line per step, then a JSON summary."""
     from worker.local import SpecError, run_spec
 
     try:
-        summary = run_spec(spec, overrides=_parse_set(set_ or []), output_dir=output_dir, device=device)
+        summary = run_spec(
+            spec, overrides=_parse_set(set_ or []), output_dir=output_dir, device=device, resume_from=resume
+        )
     except SpecError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -82,12 +82,20 @@ def run_spec(
     output_dir: Path | None = None,
     device: str | None = None,
     recorder: Recorder | None = None,
+    resume_from: Path | None = None,
 ) -> dict[str, Any]:
     from worker.config import TrainConfig
     from worker.train import train
 
     settings = get_settings()
     body = load_spec(spec_path, overrides)
+    if resume_from is not None:
+        from worker.checkpoints import has_training_state
+
+        resume_from = resume_from.resolve()
+        if not has_training_state(resume_from):
+            raise SpecError(f"--resume {resume_from}: not a checkpoint with a training state (a step-N directory)")
+        output_dir = output_dir or resume_from.parent  # the run's checkpoints stay together
     out = Path(output_dir or settings.home_dir / "runs" / time.strftime("run-%Y%m%d-%H%M%S"))
     grader, hp, files = _validate(body, spec_path.resolve().parent, out, settings)
     cfg = TrainConfig(
@@ -100,6 +108,7 @@ def run_spec(
         models_dir=settings.models_dir,
         seed=body.seed if body.seed is not None else 0,
         device=device,
+        resume_from=resume_from,
         extra={"allow_python_grader": settings.allow_python_grader},
     )
     rec = recorder or StdoutRecorder()
@@ -111,6 +120,7 @@ def run_spec(
     return {
         "status": "succeeded" if result.stopped is None else result.stopped,
         "steps": result.steps,
+        "resumed_from": result.resumed_from,
         "first_reward": result.first_reward,
         "last_reward": result.last_reward,
         "trained_tokens": result.trained_tokens,

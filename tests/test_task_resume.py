@@ -1,0 +1,68 @@
+"""A job that stops and runs again continues from its newest checkpoint: the Celery task's path.
+
+The task runs in this process against a real database; the pause is made where the API's pause
+will make it (the job row's status), and the worker notices it between steps as it notices a cancel.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from service import crud
+from service.db import session_scope
+from tests.conftest import EXAMPLES
+from tests.test_api import upload_ok
+from tests.test_engine import TIMING
+
+
+def _job(client: Any, auth: dict[str, str], file_id: str) -> str:
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = file_id
+    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=6, checkpoint_interval=2, ppo_epochs=2)
+    r = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
+
+
+def _metrics(client: Any, auth: dict[str, str], job_id: str) -> list[dict[str, Any]]:
+    data = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", headers=auth).json()["data"]
+    return [{k: v for k, v in m.items() if k not in TIMING and k != "created_at"} for m in data]
+
+
+def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twin(client, auth, monkeypatch) -> None:
+    from worker.tasks import run_job
+
+    file_id = upload_ok(client, auth)["id"]
+    twin, job_id = _job(client, auth, file_id), _job(client, auth, file_id)
+    assert run_job(twin) == "succeeded"
+
+    real = crud.record_progress
+
+    def pause_after_step_3(*, session: Any, job: Any, step: int, trained_tokens: int) -> str:
+        if job.id == job_id and step == 3:
+            crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
+        return real(session=session, job=job, step=step, trained_tokens=trained_tokens)
+
+    monkeypatch.setattr(crud, "record_progress", pause_after_step_3)
+    assert run_job(job_id) == "paused"
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
+    assert job["status"] == "paused" and job["progress"]["step"] == 3
+    ckpts = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
+    assert sorted(c["step_number"] for c in ckpts) == [2, 3]
+
+    with session_scope() as session:
+        row = crud.get_job_by_id(session=session, job_id=job_id)
+        assert row is not None
+        assert crud.set_status(session=session, job=row, to="queued", from_=("paused",), event="Job resumed")
+    assert run_job(job_id) == "succeeded"
+
+    metrics = _metrics(client, auth, job_id)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # every step exactly once
+    assert metrics == _metrics(client, auth, twin)
+    events = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth)
+              .json()["data"]]
+    assert any("Resumed from the checkpoint at step 3" in m for m in events)
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
+    assert job["status"] == "succeeded" and job["fine_tuned_model"]
+    assert job["trained_tokens"] == client.get(f"/v1/fine_tuning/jobs/{twin}", headers=auth).json()["trained_tokens"]
