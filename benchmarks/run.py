@@ -76,12 +76,58 @@ def engine(steps: int = 40) -> dict[str, Any]:
     }
 
 
+# What the KL reference costs: a frozen copy (full fine-tuning), nothing extra (LoRA: the adapter is
+# switched off), or no reference at all (kl_coef 0). Each case runs in its own process, so its peak
+# resident memory is its own.
+MEMORY_CASES: dict[str, dict[str, Any]] = {
+    "full, kl_coef 0.05 (reference = frozen copy)": {"kl_coef": 0.05},
+    "full, kl_coef 0 (no reference)": {"kl_coef": 0.0},
+    "lora r=16, kl_coef 0.05 (reference = adapter disabled)": {"kl_coef": 0.05, "lora": {"r": 16}},
+}
+
+
+def _memory_case(models: str, case: str) -> None:
+    hp = Hyperparameters(rloo_k=4, batch_size=8, max_new_tokens=32, learning_rate=1e-4, max_steps=2,
+                         **MEMORY_CASES[case]).resolved()
+    grader = {"type": "string_check", "name": "a", "input": "{{ sample.output_text }}", "reference": "a",
+              "operation": "like"}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TrainConfig(model="small", training_file=ROOT / "examples" / "demo" / "train.jsonl", grader=grader,
+                          hyperparameters=hp, output_dir=Path(tmp), models_dir=Path(models), seed=0, device="cpu")
+        train(cfg, Collect())  # type: ignore[arg-type]
+    print(json.dumps({"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+
+
+def reference_memory() -> dict[str, Any]:
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_causal_lm(Path(tmp) / "small", seed=0, hidden_size=512, num_layers=8)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "small")
+        param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        out: dict[str, Any] = {
+            "config": "Llama-style, 8 layers, hidden 512, vocab 512, fp32 CPU, k=4, 8 prompts, 32 new tokens, 2 steps",
+            "model_parameters_mib": round(param_mib, 1),
+        }
+        for case in MEMORY_CASES:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--memory-case", tmp, case],
+                                  capture_output=True, text=True, cwd=ROOT, check=True)
+            out[case] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--memory-case"]:
+        _memory_case(sys.argv[2], sys.argv[3])
+        return
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",
         "torch": torch.__version__,
         "engine_tiny": engine(),
+        "reference_memory": reference_memory(),
     }
     print(json.dumps(result, indent=2))
 
