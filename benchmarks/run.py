@@ -82,7 +82,9 @@ def engine(steps: int = 40) -> dict[str, Any]:
 MEMORY_CASES: dict[str, dict[str, Any]] = {
     "full, kl_coef 0.05 (reference = frozen copy)": {"kl_coef": 0.05},
     "full, kl_coef 0 (no reference)": {"kl_coef": 0.0},
-    "lora r=16, kl_coef 0.05 (reference = adapter disabled)": {"kl_coef": 0.05, "lora": {"r": 16}},
+    "full, kl_coef 0.05, gradient_checkpointing": {"kl_coef": 0.05, "gradient_checkpointing": True},
+    "lora r=16 all-linear, kl_coef 0.05 (reference = adapter disabled)": {"kl_coef": 0.05, "lora": {"r": 16}},
+    "lora r=16 all-linear, kl_coef 0 (no reference)": {"kl_coef": 0.0, "lora": {"r": 16}},
 }
 
 
@@ -95,7 +97,24 @@ def _memory_case(models: str, case: str) -> None:
         cfg = TrainConfig(model="small", training_file=ROOT / "examples" / "demo" / "train.jsonl", grader=grader,
                           hyperparameters=hp, output_dir=Path(tmp), models_dir=Path(models), seed=0, device="cpu")
         train(cfg, Collect())  # type: ignore[arg-type]
-    print(json.dumps({"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    # The tensors each case holds for the whole run, counted on the same model: the reference's weights
+    # and AdamW's two moments per trainable parameter.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(models) / "small")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if hp["lora"]:
+        from worker.train import add_lora
+
+        model = add_lora(model, hp["lora"], resume_from=None)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    reference = weights if hp["kl_coef"] > 0 and not hp["lora"] else 0
+    print(json.dumps({
+        "peak_rss_mib": peak,
+        "reference_weights_mib": round(reference / 2**20, 1),
+        "optimizer_state_mib": round(2 * trainable / 2**20, 1),
+    }))
 
 
 def reference_memory() -> dict[str, Any]:
