@@ -66,3 +66,21 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "succeeded" and job["fine_tuned_model"]
     assert job["trained_tokens"] == client.get(f"/v1/fine_tuning/jobs/{twin}", headers=auth).json()["trained_tokens"]
+
+
+def test_keep_checkpoints_removes_pruned_checkpoints_from_the_api_too(client, auth) -> None:
+    from worker.tasks import run_job
+
+    file_id = upload_ok(client, auth)["id"]
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = file_id
+    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=4, checkpoint_interval=1, keep_checkpoints=2)
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    assert run_job(job_id) == "succeeded"
+    ckpts = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
+    assert [c["step_number"] for c in ckpts] == [4, 3]  # newest first; steps 1 and 2 pruned
+    for c in ckpts:  # every listed checkpoint still downloads
+        r = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{c['id']}/content", headers=auth)
+        assert r.status_code == 200 and b"training_state" not in r.content
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth).json()["data"]
+    assert sum("removed (keep_checkpoints)" in e["message"] for e in events) == 2

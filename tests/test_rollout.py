@@ -1,0 +1,98 @@
+"""Rollouts on the tiny policy: layout, padding, EOS, and log-probs on completion positions only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from worker.rollout import TransformersBackend, completion_logprobs, completion_mask_from
+from worker.train import load_policy
+
+PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
+
+
+@pytest.fixture(scope="module")
+def policy(models_dir: Path) -> tuple[Any, Any]:
+    return load_policy("tiny-policy", models_dir, torch.device("cpu"))
+
+
+def backend(policy: tuple[Any, Any], **kw: Any) -> TransformersBackend:
+    model, tok = policy
+    args = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "max_prompt_length": 64, **kw}
+    return TransformersBackend(model, tok, **args)
+
+
+def test_completion_mask_by_hand() -> None:
+    eos = 2
+    ids = torch.tensor([[5, eos, 7, 8], [5, 6, 7, 8], [eos, 9, 9, 9], [5, 6, 7, eos]])
+    mask, truncated = completion_mask_from(ids, [eos])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]  # EOS itself carries loss
+    assert truncated.tolist() == [False, True, False, False]
+    mask, _ = completion_mask_from(torch.tensor([[5, 3, 7, 2]]), [2, 3])  # any of several EOS ids ends it
+    assert mask.tolist() == [[1, 1, 0, 0]]
+
+
+def test_layout_is_prompt_major_left_padded_and_encoded_once(policy, monkeypatch) -> None:
+    model, tok = policy
+    calls = []
+    real_call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, *a, **kw: calls.append(1) or real_call(self, *a, **kw))
+    ro = backend(policy).generate(PROMPTS, k=4, generator_seed=1)
+    assert len(calls) == 1  # one encoding of the batch, shared by each prompt's k samples
+    n, width = ro.prompt_ids.shape
+    assert n == 12 and ro.completion_ids.shape[0] == 12 and len(ro.texts) == 12
+    for b, prompt in enumerate(PROMPTS):
+        rows = ro.prompt_ids[b * 4 : b * 4 + 4]
+        assert (rows == rows[0]).all()  # rows b*k .. b*k+k-1 are prompt b
+        real = ro.prompt_mask[b * 4].bool()
+        assert tok.decode(rows[0][real]) == prompt
+        # Left padding: the real tokens are the last ones of the row.
+        assert real[width - int(real.sum()) :].all() and not real[: width - int(real.sum())].any()
+    # Four samples of the same prompt are not all the same (sampling is on).
+    assert len({tuple(r.tolist()) for r in ro.completion_ids[:4]}) > 1
+
+
+def test_tokens_after_eos_are_padding_and_out_of_the_text(policy) -> None:
+    model, tok = policy
+    ro = backend(policy, max_new_tokens=24, temperature=3.0).generate(PROMPTS, k=8, generator_seed=3)
+    ended = (~ro.truncated).nonzero().flatten().tolist()
+    assert ended, "no completion ended with EOS; raise the temperature or the length"
+    for i in ended:
+        length = int(ro.completion_mask[i].sum())
+        assert ro.completion_ids[i, length - 1].item() in (tok.eos_token_id,)
+        assert (ro.completion_ids[i, length:] == tok.pad_token_id).all()
+        assert ro.texts[i] == tok.decode(ro.completion_ids[i, : length - 1], skip_special_tokens=True)
+
+
+def test_logprobs_only_on_completion_positions_equal_a_full_forward(policy) -> None:
+    model, tok = policy
+    ro = backend(policy).generate(PROMPTS, k=2, generator_seed=5)
+    with torch.no_grad():
+        logp, entropy = completion_logprobs(model, ro, temperature=0.7, with_entropy=True)
+        # Reference: every position through the LM head, then the completion's slice.
+        pos = (ro.attention_mask.cumsum(1) - 1).clamp(min=0)
+        full = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask, position_ids=pos).logits
+        p = ro.prompt_ids.shape[1]
+        want = torch.log_softmax(full[:, p - 1 : -1].float() / 0.7, -1)
+        want = want.gather(-1, ro.completion_ids.unsqueeze(-1)).squeeze(-1)
+    mask = ro.completion_mask.bool()
+    torch.testing.assert_close(logp[mask], want[mask], rtol=1e-5, atol=1e-5)
+    assert entropy is not None and (entropy[mask] > 0).all()
+
+
+def test_left_padding_does_not_change_a_prompts_logprobs(policy) -> None:
+    """A short prompt batched with a long one (so padded) scores its completion as it would alone."""
+    model, tok = policy
+    ro = backend(policy).generate(PROMPTS, k=1, generator_seed=7)
+    with torch.no_grad():
+        batched, _ = completion_logprobs(model, ro, temperature=1.0)
+        alone_ro = ro.rows(slice(1, 2))
+        # Strip the short prompt's padding: the same tokens, no pad columns.
+        keep = alone_ro.prompt_mask[0].bool()
+        alone_ro.prompt_ids, alone_ro.prompt_mask = alone_ro.prompt_ids[:, keep], alone_ro.prompt_mask[:, keep]
+        alone, _ = completion_logprobs(model, alone_ro, temperature=1.0)
+    mask = ro.completion_mask[1].bool()
+    torch.testing.assert_close(batched[1][mask], alone[0][mask], rtol=1e-4, atol=1e-4)
