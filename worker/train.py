@@ -353,7 +353,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if not fold_kl:
             # The advantages do not depend on the policy's log-probs: all of them now.
             advantages = _advantages(cfg, rewards, None, finite)
-        elif n_micro > 1 and hp("normalize_advantages"):
+        elif ref_logp is not None and n_micro > 1 and hp("normalize_advantages"):
             # Whitening needs every group's KL-shaped reward before the first micro-batch's backward:
             # one pass without grad gives the sampling policy's log-probs (the only case that costs one).
             with torch.no_grad(), autocast:
@@ -561,7 +561,11 @@ def evaluate(
         for i in range(0, len(batch), 64):
             ro = backend.generate(prompts[i : i + 64], k=1, generator_seed=cfg.seed + 7919 + i)
             graded = score_batch(
-                grader, prompts=prompts[i : i + 64], texts=ro.texts, items=batch[i : i + 64], reward_models=reward_models
+                grader,
+                prompts=prompts[i : i + 64],
+                texts=ro.texts,
+                items=batch[i : i + 64],
+                reward_models=reward_models,
             )
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
     return sum(rewards) / len(rewards) if rewards else float("nan")
