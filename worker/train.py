@@ -525,8 +525,9 @@ def _load_full_weights(model: Any, path: Path, device: torch.device) -> None:
     for f in files:
         state.update(load_file(f, device=str(device)))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [m for m in missing if m not in tied and not m.endswith("lm_head.weight")]
+    # save_pretrained leaves out an output head tied to the input embeddings; nothing else may be missing.
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [m for m in missing if not (tied and m.endswith("lm_head.weight"))]
     if missing or unexpected:
         raise JobError("resume_failed", f"{path} does not match the model: missing {missing}, unexpected {unexpected}")
 
