@@ -82,30 +82,22 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
     assert not (tmp_path / "var" / "redis.sock").exists()
 
 
-def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
-    spec = _demo_spec(tmp_path)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "train",
-            str(spec),
-            "--set",
-            "max_steps=3",
-            "--set",
-            "rloo_k=2",
-            "--set",
-            "checkpoint_interval=2",
-            "--output-dir",
-            str(tmp_path / "run"),
-        ],
+def _train(tmp_path: Path, models_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``rloo train`` in a subprocess, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "train", *args],
         cwd=ROOT,
         env=_env(tmp_path, models_dir),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
+    spec = str(_demo_spec(tmp_path))
+    sets = ["--set", "max_steps=3", "--set", "rloo_k=2", "--set", "checkpoint_interval=2"]
+    out = _train(tmp_path, models_dir, spec, *sets, "--output-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     steps, summary = lines[:-1], lines[-1]
@@ -115,31 +107,18 @@ def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
     assert Path(summary["final_checkpoint"], "config.json").is_file()
 
     # --resume continues a run from one of its checkpoints (here with one more step allowed).
-    sets = ["--set", "max_steps=4", "--set", "rloo_k=2", "--set", "checkpoint_interval=2"]
-    again = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "train", str(spec), *sets, "--resume", str(tmp_path / "run" / "step-2")],
-        cwd=ROOT,
-        env=_env(tmp_path, models_dir),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    sets[1] = "max_steps=4"
+    again = _train(tmp_path, models_dir, spec, *sets, "--resume", str(tmp_path / "run" / "step-2"))
     assert again.returncode == 0, again.stderr
     lines = [json.loads(line) for line in again.stdout.splitlines()]
     assert [s["step"] for s in lines[:-1]] == [3, 4]
     assert lines[0]["train_reward_mean"] == steps[2]["train_reward_mean"]  # step 3 replays exactly
     assert lines[-1]["resumed_from"] == 2 and lines[-1]["final_checkpoint"] == str(tmp_path / "run" / "step-4")
+    bad = _train(tmp_path, models_dir, spec, *sets, "--resume", str(tmp_path / "run"))
+    assert bad.returncode == 2 and "not a checkpoint" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_dir: Path) -> None:
-    spec = _demo_spec(tmp_path)
-    out = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "train", str(spec), "--set", "rloo_k=1"],
-        cwd=ROOT,
-        env=_env(tmp_path, models_dir),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _train(tmp_path, models_dir, str(_demo_spec(tmp_path)), "--set", "rloo_k=1")
     assert out.returncode == 2
     assert "rloo_k" in out.stderr and "Traceback" not in out.stderr
