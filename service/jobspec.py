@@ -37,6 +37,12 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, 
     hp = body.method.config.hyperparameters.resolved()
     if hp["eval_interval"] and not body.validation_file:
         raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
+    if hp["kl_coef"] > 0 and not hp["kl_in_reward"] and hp["kl_estimator"] == "k1":
+        raise bad_request(
+            "kl_in_reward false makes the KL a loss term, and k1's gradient there is zero in expectation (it "
+            "would add noise, not a pull to the reference). Set kl_estimator to 'k3', or keep kl_in_reward true.",
+            f"{prefix}.hyperparameters.kl_estimator",
+        )
     if hp["batch_size"] % hp["gradient_accumulation_steps"]:
         raise bad_request(
             f"gradient_accumulation_steps ({hp['gradient_accumulation_steps']}) must divide batch_size "

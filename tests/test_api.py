@@ -776,6 +776,7 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "accumulation_not_dividing_batch": (
         _hp(batch_size=8, gradient_accumulation_steps=3), f"{HP}.gradient_accumulation_steps", "divide"
     ),
+    "k1_as_a_loss_term": (_hp(kl_in_reward=False, kl_estimator="k1"), f"{HP}.kl_estimator", "k3"),
     "lora_rank_0": (_hp(lora={"r": 0}), f"{HP}.lora.r", None),
     "lora_unknown_key": (_hp(lora={"rank": 8}), f"{HP}.lora.rank", None),
     "lora_bad_module_name": (_hp(lora={"target_modules": ["q_proj; rm -rf"]}), f"{HP}.lora.target_modules", None),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ RESUME_CASES = {
     "full": {"ppo_epochs": 2, "gradient_accumulation_steps": 2, "lr_scheduler": "cosine", "warmup_ratio": 0.2,
              "kl_estimator": "k3", "normalize_advantages": True},
     "lora": {"lora": {**LORA, "dropout": 0.1}, "learning_rate": 0.02, "lr_scheduler": "linear", "warmup_ratio": 0.2,
-             "kl_in_reward": False},
+             "kl_in_reward": False, "kl_estimator": "k3"},
 }
 
 
@@ -83,6 +84,7 @@ def test_a_crashed_run_continues_from_an_interval_checkpoint(tmp_path, models_di
     _, whole = run(tmp_path / "whole", models_dir, **hp)
     run(tmp_path / "crash", models_dir, ListRecorder(stop_at=3, stop_as="paused"), **hp)
     out = tmp_path / "crash" / "out"
+    shutil.rmtree(out / "step-3")  # a crash after step 3 leaves no checkpoint of it
     _, replay = run(tmp_path / "crash", models_dir, cfg={"resume_from": out / "step-2"}, **hp)
     assert comparable(replay.steps) == comparable(whole.steps[2:])
 
@@ -90,11 +92,35 @@ def test_a_crashed_run_continues_from_an_interval_checkpoint(tmp_path, models_di
 def test_resume_refuses_a_changed_algorithm_but_allows_more_steps(tmp_path, models_dir):
     run(tmp_path, models_dir, ListRecorder(stop_at=2, stop_as="paused"), max_steps=4)
     ckpt = tmp_path / "out" / "step-2"
-    with pytest.raises(JobError) as err:
-        run(tmp_path, models_dir, cfg={"resume_from": ckpt}, max_steps=4, rloo_k=4)
-    assert err.value.code == "resume_failed" and "rloo_k" in err.value.message
+
+    def refused(*, cfg: dict[str, Any] | None = None, **hp: Any) -> str:
+        with pytest.raises(JobError) as err:
+            run(tmp_path, models_dir, cfg={"resume_from": ckpt, **(cfg or {})}, **hp)
+        assert err.value.code == "resume_failed"
+        return err.value.message
+
+    assert "rloo_k" in refused(max_steps=4, rloo_k=4)
+    assert "past this run's last step" in refused(max_steps=1)
+    # A schedule that moves would bend mid-run if the run got longer; a constant one may grow.
+    (tmp_path / "lin").mkdir()
+    run(tmp_path / "lin", models_dir, ListRecorder(stop_at=2, stop_as="paused"), max_steps=4, lr_scheduler="linear")
+    with pytest.raises(JobError, match="schedule"):
+        run(tmp_path / "lin", models_dir, cfg={"resume_from": tmp_path / "lin" / "out" / "step-2"}, max_steps=5,
+            lr_scheduler="linear")
     result, rec = run(tmp_path, models_dir, cfg={"resume_from": ckpt}, max_steps=5)
     assert [m["step"] for m in rec.steps] == [3, 4, 5] and result.stopped is None
+    # The run's directory now holds steps past 2: resuming from step 2 again would mix two futures.
+    assert "past step 2" in refused(max_steps=5)
+
+
+def test_the_base_models_dropout_is_off_so_the_update_sees_the_sampling_policy(tmp_path, models_dir):
+    noisy = tmp_path / "models" / "tiny-policy"
+    shutil.copytree(models_dir / "tiny-policy", noisy)
+    config_json = json.loads((noisy / "config.json").read_text())
+    (noisy / "config.json").write_text(json.dumps({**config_json, "attention_dropout": 0.5}))
+    _, rec = run(tmp_path, tmp_path / "models", max_steps=1, kl_estimator="k1")
+    # Policy and reference are the same weights at step 1: any dropout would make the KL non-zero.
+    assert rec.steps[0]["kl"] == 0.0
 
 
 def test_same_seed_same_metrics_with_lora_dropout_and_accumulation(tmp_path, models_dir):
@@ -234,9 +260,13 @@ def test_mask_truncated_completions_takes_their_gradient_away(tmp_path, models_d
     # One new token: nearly every completion is cut at max_new_tokens.
     _, kept = run(tmp_path / "kept", models_dir, max_steps=1, max_new_tokens=1, kl_coef=0.0)
     _, masked = run(tmp_path / "masked", models_dir, max_steps=1, max_new_tokens=1, kl_coef=0.0,
-                    mask_truncated_completions=True)
+                    mask_truncated_completions=True, weight_decay=0.1)
     assert masked.steps[0]["clipped_ratio"] == 1.0 == kept.steps[0]["clipped_ratio"]
     assert kept.steps[0]["grad_norm"] > 0 and masked.steps[0]["grad_norm"] == 0.0 and masked.steps[0]["loss"] == 0.0
+    # No token carried loss, so the optimizer did not step: not even weight decay moved the weights.
+    start = weights(models_dir / "tiny-policy")
+    after = weights(tmp_path / "masked" / "out" / "step-1")
+    assert all(torch.equal(start[k], after[k]) for k in start)
 
 
 def test_max_grad_norm_bounds_the_applied_gradient(tmp_path, models_dir, monkeypatch):

@@ -337,3 +337,12 @@ def test_a_fully_masked_completion_gives_no_gradient_and_is_not_counted(agg):
     close(logp.grad[1], [0.0, 0.0])
     # Only the first completion counts: sequence_sum loss = -2 * 1 / 1; token_mean = -(2 + 2) / 2.
     assert loss.item() == pytest.approx(-2.0)
+
+
+@pytest.mark.parametrize("agg", ["sequence_sum", "sequence_mean", "token_mean"])
+def test_a_huge_ratio_never_turns_a_zero_advantage_into_nan(agg):
+    logp = t([[0.0, 0.0]], requires_grad=True)
+    old = t([[-400.0, -400.0]])  # exp(800) overflows float64
+    loss, _ = rloo.policy_loss(logp, old, t([0.0]), t([[1, 1]]), aggregation=agg)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()

@@ -84,3 +84,24 @@ def test_keep_checkpoints_removes_pruned_checkpoints_from_the_api_too(client, au
         assert r.status_code == 200 and b"training_state" not in r.content
     events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth).json()["data"]
     assert sum("removed (keep_checkpoints)" in e["message"] for e in events) == 2
+
+
+def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) -> None:
+    from worker.tasks import run_job
+
+    file_id = upload_ok(client, auth)["id"]
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = file_id
+    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=2)
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    real = crud.record_progress
+
+    def pause_at_the_end(*, session: Any, job: Any, step: int, trained_tokens: int) -> str:
+        if step == 2:
+            crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
+        return real(session=session, job=job, step=step, trained_tokens=trained_tokens)
+
+    monkeypatch.setattr(crud, "record_progress", pause_at_the_end)
+    assert run_job(job_id) == "succeeded"
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
+    assert job["status"] == "succeeded" and job["fine_tuned_model"]

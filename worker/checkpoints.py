@@ -111,5 +111,6 @@ def prune_checkpoints(output_dir: Path, keep: int) -> list[int]:
     removed = []
     for step, path in existing[: max(len(existing) - keep, 0)]:
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(step)
+        if not path.exists():  # a directory that would not go is kept, and stays listed
+            removed.append(step)
     return removed

@@ -84,6 +84,10 @@ def shape_rewards(
     return out
 
 
+# exp(20) ~ 5e8: far past any clip range, and never inf (inf * an advantage of 0 would be NaN).
+MAX_LOG_RATIO = 20.0
+
+
 def loss_normalizer(mask: Tensor, aggregation: str) -> Tensor:
     """What a batch's summed loss is divided by: its loss tokens (``token_mean``) or its completions
     with at least one loss token (the sequence aggregations). Micro-batches are divided by the whole
@@ -134,7 +138,7 @@ def policy_loss(
     delta = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
     lengths = mask.sum(dim=-1)
     if aggregation == "token_mean":
-        ratio = torch.exp(delta)
+        ratio = torch.exp(delta.clamp(max=MAX_LOG_RATIO))
         adv = advantages.unsqueeze(-1)
         unclipped = ratio * adv
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
@@ -143,7 +147,7 @@ def policy_loss(
         log_ratio = delta.sum(dim=-1)
         if aggregation == "sequence_mean":
             log_ratio = log_ratio / lengths.clamp(min=1.0)
-        ratio = torch.exp(log_ratio)
+        ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
         unclipped = ratio * advantages
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
         weight = (lengths > 0).to(logp.dtype)

@@ -132,7 +132,8 @@ def run_job(job_id: str) -> str:
                 session=session,
                 job=job,
                 to="succeeded",
-                from_=("running",),
+                # A pause that came with the last step has nothing left to pause: the job is done.
+                from_=("running", "paused"),
                 event=f"The job has successfully completed ({result.steps} steps)",
             )
         else:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from service import graders, jobspec
 from worker import rloo
-from worker.checkpoints import prune_checkpoints, read_training_state, save_checkpoint
+from worker.checkpoints import list_checkpoints, prune_checkpoints, read_training_state, save_checkpoint
 from worker.config import TrainConfig
 from worker.data import batch_indices, load_items, prompt_text
 from worker.records import JobError, Recorder
@@ -211,11 +211,19 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     resume_state: dict[str, Any] = {}
     if cfg.resume_from is not None:
         resume_state, resume_info = read_training_state(cfg.resume_from)
-        _check_resumable(cfg, resume_info)
+        _check_resumable(cfg, resume_info, total_steps)
 
     base_path = model_path(cfg.model, cfg.models_dir)
     tokenizer = load_tokenizer(base_path, name=cfg.model)
     base = load_causal_lm(base_path, device, name=cfg.model)
+    # The base model's own dropout is switched off, as TRL does: with it, the log-probs of the update
+    # would not be those of the policy that sampled (generation runs in eval mode), and the KL would
+    # carry dropout noise. A LoRA adapter's dropout, asked for explicitly, is added afterwards and stays.
+    for module in base.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # functional dropout (Llama, Qwen)
+            module.attention_dropout = 0.0
     if hp("gradient_checkpointing"):
         # Non-reentrant checkpointing: correct with frozen inputs (LoRA) and with no_grad passes.
         enable = getattr(base, "activation_checkpointing_enable", None)  # transformers >= 5.x
@@ -362,6 +370,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             kl_seq = rloo.sequence_kl(torch.cat(old_logp), ref_logp, mask, hp("kl_estimator")).float().cpu()
             advantages = _advantages(cfg, rewards, kl_seq.view(batch_size, k), finite)
         norm = rloo.loss_normalizer(loss_mask, hp("loss_aggregation"))
+        has_loss = bool(loss_mask.any())
         entropy_sum = torch.zeros(())
         for epoch in range(hp("ppo_epochs")):
             optimizer.zero_grad(set_to_none=True)
@@ -409,7 +418,8 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
                 loss_sum += loss.detach().cpu()
                 clip_sum += stats["clip_frac"].cpu()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, hp("max_grad_norm"))
-            optimizer.step()
+            if has_loss:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
+                optimizer.step()
         learning_rate = scheduler.get_last_lr()[0]
         scheduler.step()
         t_update = time.perf_counter() - t0
@@ -492,13 +502,14 @@ def _advantages(cfg: TrainConfig, rewards: Tensor, kl: Tensor | None, finite: Te
     return advantages
 
 
-def _check_resumable(cfg: TrainConfig, info: dict[str, Any]) -> None:
+def _check_resumable(cfg: TrainConfig, info: dict[str, Any], total_steps: int) -> None:
+    where = cfg.resume_from
     if info.get("format_version") != 1:
-        raise JobError("resume_failed", f"{cfg.resume_from}: unknown checkpoint format {info.get('format_version')}")
+        raise JobError("resume_failed", f"{where}: unknown checkpoint format {info.get('format_version')}")
     if info["model"] != cfg.model or info["seed"] != cfg.seed:
         raise JobError(
             "resume_failed",
-            f"{cfg.resume_from} was trained from model '{info['model']}' with seed {info['seed']}, "
+            f"{where} was trained from model '{info['model']}' with seed {info['seed']}, "
             f"not '{cfg.model}' with seed {cfg.seed}",
         )
     changed = sorted(
@@ -509,8 +520,26 @@ def _check_resumable(cfg: TrainConfig, info: dict[str, Any]) -> None:
     if changed:
         raise JobError(
             "resume_failed",
-            f"{cfg.resume_from} was trained with other values of {', '.join(changed)}; a resumed run may change "
+            f"{where} was trained with other values of {', '.join(changed)}; a resumed run may change "
             f"only {', '.join(sorted(RESUMABLE_CHANGES))}",
+        )
+    step = int(info["step"])
+    if total_steps < step:
+        raise JobError("resume_failed", f"{where} is at step {step}, past this run's last step ({total_steps})")
+    schedule_moves = cfg.hp("lr_scheduler") != "constant" or cfg.hp("warmup_ratio") > 0
+    if total_steps != info["total_steps"] and schedule_moves:
+        raise JobError(
+            "resume_failed",
+            f"{where} was trained on a {cfg.hp('lr_scheduler')} schedule over {info['total_steps']} steps; "
+            f"this run has {total_steps}, which would bend the learning-rate curve mid-run. Keep max_steps and "
+            "n_epochs as they were (only a constant schedule without warmup can be extended)",
+        )
+    newer = [s for s, _ in list_checkpoints(cfg.output_dir) if s > step]
+    if newer:
+        raise JobError(
+            "resume_failed",
+            f"{cfg.output_dir} already holds checkpoints past step {step} (steps {newer}) from another run of "
+            "it; resume from the newest, or write this run elsewhere (--output-dir)",
         )
 
 
