@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,8 +107,14 @@ def test_train_runs_in_the_foreground(tmp_path: Path, models_dir: Path) -> None:
     assert summary["status"] == "succeeded" and summary["steps"] == 3
     assert Path(summary["final_checkpoint"], "config.json").is_file()
 
-    # --resume continues a run from one of its checkpoints (here with one more step allowed).
+    # --resume continues a run from one of its checkpoints (here with one more step allowed); not from
+    # step 2 while the run's directory holds step 3 (two futures would mix), but once step 3 is gone.
     sets[1] = "max_steps=4"
+    mixed = _train(tmp_path, models_dir, spec, *sets, "--resume", str(tmp_path / "run" / "step-2"))
+    failed = json.loads(mixed.stdout.splitlines()[-1])
+    assert mixed.returncode == 1 and failed["error"]["code"] == "resume_failed"
+    assert "past step 2" in failed["error"]["message"]
+    shutil.rmtree(tmp_path / "run" / "step-3")
     again = _train(tmp_path, models_dir, spec, *sets, "--resume", str(tmp_path / "run" / "step-2"))
     assert again.returncode == 0, again.stderr
     lines = [json.loads(line) for line in again.stdout.splitlines()]
