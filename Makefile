@@ -30,8 +30,16 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 
-bench: install
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e '.[worker,dev,bench]'
+	touch $(BENCH_STAMP)
+
+# Figures, not pass/fail: the engine alone, then against TRL's RLOOTrainer (benchmarks/RESULTS.md keeps them).
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.anchor
 
 lint: install
 	$(BIN)/ruff check service worker tests benchmarks

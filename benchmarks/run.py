@@ -1,8 +1,8 @@
 """``make bench``: the engine on the tiny model, through the same ``train`` as a job, in JSON figures.
 
 Prints one JSON object: completions/s, generated tokens/s, the split of a step, peak RSS and the
-reward's first-5 and last-5 step means. (The TRL comparison, the service overhead and the API
-load benchmarks are the next additions.)
+reward's first-5 and last-5 step means, and what the KL reference costs in memory. The comparison
+with TRL is ``benchmarks/anchor.py``; the service-overhead and API-load benchmarks are still to come.
 """
 
 from __future__ import annotations
