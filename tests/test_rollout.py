@@ -96,3 +96,27 @@ def test_left_padding_does_not_change_a_prompts_logprobs(policy) -> None:
         alone, _ = completion_logprobs(model, alone_ro, temperature=1.0)
     mask = ro.completion_mask[1].bool()
     torch.testing.assert_close(batched[1][mask], alone[0][mask], rtol=1e-4, atol=1e-4)
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
+    from worker.rollout import _nucleus
+
+    probs = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
+    # Ranked: 0.5, 0.25 (0.75 so far), 0.15 (0.90), 0.1. top_p 0.8 keeps 0.5, 0.25, 0.15.
+    torch.testing.assert_close(_nucleus(probs, 0.8), torch.tensor([[0.0, 0.5, 0.15, 0.25]]))
+    torch.testing.assert_close(_nucleus(probs, 0.5), torch.tensor([[0.0, 0.5, 0.0, 0.0]]))  # the top token alone
+    torch.testing.assert_close(_nucleus(probs, 1.0), probs)
+
+
+def test_top_p_sampling_never_draws_outside_the_nucleus(policy) -> None:
+    from worker.rollout import _nucleus
+
+    model, tok = policy
+    ro = backend(policy, top_p=0.05, max_new_tokens=1).generate(PROMPTS, k=16, generator_seed=11)
+    for b, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)
+        nucleus = set(_nucleus(probs.unsqueeze(0), 0.05)[0].nonzero().flatten().tolist())
+        assert len(nucleus) < 64  # a narrow set: the check below can fail
+        assert set(ro.completion_ids[b * 16 : b * 16 + 16, 0].tolist()) <= nucleus

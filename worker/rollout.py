@@ -87,27 +87,18 @@ class TransformersBackend:
             max_length=self.max_prompt_length,
             add_special_tokens=False,
         )
-        prompt_ids = enc["input_ids"].to(device).repeat_interleave(k, dim=0)
-        prompt_mask = enc["attention_mask"].to(device).repeat_interleave(k, dim=0)
+        unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        prompt_ids = unique_ids.repeat_interleave(k, dim=0)
+        prompt_mask = unique_mask.repeat_interleave(k, dim=0)
         # Sampling draws from torch's global generator; seeding it per step makes a run (and a
         # resumed run) reproducible on the CPU.
         torch.manual_seed(generator_seed)
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=0,
-            max_new_tokens=self.max_new_tokens,
-            eos_token_id=self.eos_ids,
-            pad_token_id=tok.pad_token_id,
-            **({"stop_strings": self.stop, "tokenizer": tok} if self.stop else {}),
-        )
-        self.model.train(was_training)
-        completion_ids = out[:, prompt_ids.shape[1] :]
+        try:
+            completion_ids = self._sample(unique_ids, unique_mask, k)
+        finally:
+            self.model.train(was_training)
         completion_mask, truncated = completion_mask_from(completion_ids, self.eos_ids)
         completion_ids = torch.where(
             completion_mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id)
@@ -116,6 +107,63 @@ class TransformersBackend:
         if self.stop:
             texts = cut_at_stop(completion_ids, completion_mask, truncated, texts, tok, self.stop)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+
+
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, k: int) -> Tensor:
+        """The sampling loop, lean: each prompt is prefilled once and its KV cache shared by its k
+        samples; then one token a step for all ``B * k`` rows, sampled from ``softmax(logits / T)``
+        (nucleus-filtered when ``top_p < 1``), until every row has an EOS or ``max_new_tokens``.
+        Stop strings are applied afterwards (``cut_at_stop``). Returns ``(B * k, T)`` token ids."""
+        from transformers import DynamicCache
+
+        model = self.model
+        cache = DynamicCache(config=model.config)
+        positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.batch_repeat_interleave(k)
+        logits = out.logits[:, -1, :].repeat_interleave(k, dim=0)
+        attention = prompt_mask.repeat_interleave(k, dim=0)
+        position = positions[:, -1:].repeat_interleave(k, dim=0) + 1
+        eos = torch.tensor(self.eos_ids, device=prompt_ids.device)
+        pad = self.tokenizer.pad_token_id
+        done = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
+        tokens = []
+        for t in range(self.max_new_tokens):
+            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+            if self.top_p < 1.0:
+                probs = _nucleus(probs, self.top_p)
+            token = torch.multinomial(probs, 1).squeeze(1)
+            token = torch.where(done, torch.full_like(token, pad), token)
+            tokens.append(token)
+            done = done | torch.isin(token, eos)
+            if t + 1 == self.max_new_tokens or bool(done.all()):
+                break
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = model(
+                input_ids=token.unsqueeze(1),
+                attention_mask=attention,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            position = position + 1
+        return torch.stack(tokens, dim=1)
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
+    sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
