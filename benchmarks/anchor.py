@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.run import Collect
 from service import graders
 from service.schemas import Hyperparameters
 from worker.config import TrainConfig
@@ -40,23 +41,6 @@ CONFIGS = {
 K, PROMPTS, NEW_TOKENS, LR, KL = 4, 8, 32, 1e-3, 0.05
 
 
-class _Collect:
-    def __init__(self) -> None:
-        self.steps: list[dict[str, Any]] = []
-
-    def event(self, message: str, level: str = "info") -> None:
-        pass
-
-    def step(self, step: int, metrics: dict[str, Any]) -> None:
-        self.steps.append(metrics)
-
-    def checkpoint(self, *args: Any) -> None:
-        pass
-
-    def checkpoint_removed(self, step: int) -> None:
-        pass
-
-
 def _plain_prompts(tmp: Path) -> Path:
     """The demo prompts as plain text (``prompt``), so both trainers see the same strings."""
     out = tmp / "prompts.jsonl"
@@ -72,7 +56,7 @@ def ours(models: Path, name: str, data: Path, steps: int, out: Path) -> dict[str
                          max_steps=steps, n_epochs=1000).resolved()
     cfg = TrainConfig(model=name, training_file=data, grader=GRADER, hyperparameters=hp, output_dir=out,
                       models_dir=models, seed=0, device="cpu")
-    rec = _Collect()
+    rec = Collect()
     t0 = time.perf_counter()
     train(cfg, rec)  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
