@@ -18,7 +18,12 @@ def make_engine(url: str) -> Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # An unbounded pool: a SQLite connection is a file handle. A request keeps its connection
+        # between the thread hops of its handler; a bounded pool let 128 concurrent requests hold every
+        # connection while all 40 threads waited for one, and the API stalled (benchmark, 2026-12-01).
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=-1
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]

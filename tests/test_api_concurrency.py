@@ -1,0 +1,61 @@
+"""The API under many concurrent connections answers every request (a real `rloo api` process).
+
+Regression: with a bounded SQLite pool, 128 concurrent job reads held every pooled connection
+between their handler's thread hops while all the server's threads waited for one: the server
+stalled until the pool timed out. Speed is `make bench`'s business; this checks only that every
+request is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import EXAMPLES, ROOT
+from tests.test_e2e import free_port
+from worker.cli import wait_until_ready
+
+
+def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir)})
+    cli = [sys.executable, "-m", "worker.cli"]
+    subprocess.run([*cli, "db", "upgrade"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    made = subprocess.run([*cli, "keys", "create", "--project", "load"], env=env, cwd=ROOT, check=True,
+                          capture_output=True, text=True, timeout=120)
+    headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "api.log", "wb") as log:
+        server = subprocess.Popen([*cli, "api", "--port", str(port)], env=env, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT)
+        try:
+            wait_until_ready(base)
+            with open(EXAMPLES / "demo" / "train.jsonl", "rb") as f:
+                file_id = httpx.post(f"{base}/v1/files", headers=headers, files={"file": f},
+                                     data={"purpose": "fine-tune"}, timeout=60).json()["id"]
+            body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+            body["training_file"] = file_id
+            job_id = httpx.post(f"{base}/v1/fine_tuning/jobs", headers=headers, json=body, timeout=60).json()["id"]
+
+            async def burst() -> list[int]:
+                limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+                async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=20) as client:
+
+                    async def reads(n: int) -> list[int]:
+                        return [(await client.get(f"/v1/fine_tuning/jobs/{job_id}")).status_code for _ in range(n)]
+
+                    per_connection = await asyncio.gather(*(reads(4) for _ in range(128)))
+                return [code for codes in per_connection for code in codes]
+
+            codes = asyncio.run(burst())  # a stalled server raises ReadTimeout here
+            assert codes == [200] * 512
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
