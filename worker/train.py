@@ -355,13 +355,15 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         t0 = time.perf_counter()
         model.train()
         fold_kl = ref_logp is not None and hp("kl_in_reward")
+        # Whitening a KL-shaped reward over several micro-batches needs every group's KL up front.
+        prepass = fold_kl and n_micro > 1 and hp("normalize_advantages")
         kl_seq = torch.zeros(batch_size * k)
         advantages = torch.zeros(batch_size, k)
         old_logp: list[Tensor] = []
         if not fold_kl:
             # The advantages do not depend on the policy's log-probs: all of them now.
             advantages = _advantages(cfg, rewards, None, finite)
-        elif ref_logp is not None and n_micro > 1 and hp("normalize_advantages"):
+        elif prepass and ref_logp is not None:
             # Whitening needs every group's KL-shaped reward before the first micro-batch's backward:
             # one pass without grad gives the sampling policy's log-probs (the only case that costs one).
             with torch.no_grad(), autocast:
@@ -371,24 +373,25 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             advantages = _advantages(cfg, rewards, kl_seq.view(batch_size, k), finite)
         norm = rloo.loss_normalizer(loss_mask, hp("loss_aggregation"))
         has_loss = bool(loss_mask.any())
-        entropy_sum = torch.zeros(())
+        # Statistics stay on the device until the step is recorded: no host sync per micro-batch.
+        entropy_sum = torch.zeros((), device=device)
         for epoch in range(hp("ppo_epochs")):
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros(())
-            clip_sum = torch.zeros(())
+            loss_sum = torch.zeros((), device=device)
+            clip_sum = torch.zeros((), device=device)
             for m, sl in enumerate(micro):
                 with autocast:
                     logp, entropy = completion_logprobs(
                         model, ro.rows(sl), temperature=temperature, with_entropy=epoch == 0
                     )
                 if epoch == 0:
-                    if len(old_logp) <= m:
+                    if not prepass:
                         old_logp.append(logp.detach())  # the sampling policy: no extra forward for it
                     if entropy is not None:
-                        entropy_sum += (entropy.float() * mask[sl]).sum().cpu()
+                        entropy_sum += (entropy.float() * mask[sl]).sum()
                     if ref_logp is not None:
                         kl_seq[sl] = rloo.sequence_kl(old_logp[m], ref_logp[sl], mask[sl], hp("kl_estimator")).cpu()
-                    if fold_kl and not (n_micro > 1 and hp("normalize_advantages")):
+                    if fold_kl and not prepass:
                         # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
                         rows = slice(m * rows_per_micro, (m + 1) * rows_per_micro)
                         advantages[rows] = _advantages(
@@ -415,8 +418,8 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
                         normalizer=norm,
                     )
                 loss.backward()
-                loss_sum += loss.detach().cpu()
-                clip_sum += stats["clip_frac"].cpu()
+                loss_sum += loss.detach()
+                clip_sum += stats["clip_frac"]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, hp("max_grad_norm"))
             if has_loss:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
                 optimizer.step()
