@@ -142,9 +142,9 @@ class Reference:
     """Log-probs of the frozen reference: a copy of the starting weights (full fine-tuning) or the
     policy with its adapter disabled (LoRA: no second copy in memory)."""
 
-    def __init__(self, policy: Any, *, lora: bool, copy_from: Any = None) -> None:
+    def __init__(self, policy: Any, *, lora: bool) -> None:
         self.policy, self.lora = policy, lora
-        self.model = None if lora else (copy_from if copy_from is not None else copy.deepcopy(policy))
+        self.model = None if lora else copy.deepcopy(policy)
         if self.model is not None:
             self.model.eval().requires_grad_(False)
 
