@@ -119,8 +119,9 @@ def test_the_base_models_dropout_is_off_so_the_update_sees_the_sampling_policy(t
     config_json = json.loads((noisy / "config.json").read_text())
     (noisy / "config.json").write_text(json.dumps({**config_json, "attention_dropout": 0.5}))
     _, rec = run(tmp_path, tmp_path / "models", max_steps=1, kl_estimator="k1")
-    # Policy and reference are the same weights at step 1: any dropout would make the KL non-zero.
-    assert rec.steps[0]["kl"] == 0.0
+    # Policy and reference are the same weights at step 1: dropout would make the KL ~0.1 here. Not
+    # bit-equal: the frozen copy and the trainable policy may take different CPU matmul kernels.
+    assert abs(rec.steps[0]["kl"]) < 1e-6
 
 
 def test_same_seed_same_metrics_with_lora_dropout_and_accumulation(tmp_path, models_dir):
@@ -322,17 +323,22 @@ def test_precision(tmp_path, models_dir):
 def test_gradient_checkpointing_recomputes_and_changes_no_number(tmp_path, models_dir, monkeypatch):
     from transformers.models.llama import modeling_llama
 
-    calls = []
-    # Counted inside the layer (the layer's own forward is what transformers wraps for checkpointing).
+    recomputed = []
+    # Counted inside the layer (the layer's own forward is what transformers wraps for checkpointing),
+    # when it runs during a backward pass: that is a recomputation.
     real = modeling_llama.LlamaMLP.forward
-    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward",
-                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+
+    def counting(self, *a, **kw):
+        if torch._C._current_graph_task_id() != -1:
+            recomputed.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", counting)
     _, plain = run(tmp_path / "plain", models_dir, max_steps=2)
-    n_plain = len(calls)
-    calls.clear()
+    assert recomputed == []
     _, gc = run(tmp_path / "gc", models_dir, max_steps=2, gradient_checkpointing=True)
     # The backward recomputes each of the 2 layers once for the 1 update forward of each of 2 steps.
-    assert len(calls) - n_plain == 2 * 2
+    assert len(recomputed) == 2 * 2
     for key in ("loss", "grad_norm", "kl", "train_reward_mean"):
         assert series(gc, key) == pytest.approx(series(plain, key), rel=1e-5, abs=1e-7)
 

@@ -120,3 +120,78 @@ def test_top_p_sampling_never_draws_outside_the_nucleus(policy) -> None:
         nucleus = set(_nucleus(probs.unsqueeze(0), 0.05)[0].nonzero().flatten().tolist())
         assert len(nucleus) < 64  # a narrow set: the check below can fail
         assert set(ro.completion_ids[b * 16 : b * 16 + 16, 0].tolist()) <= nucleus
+
+
+def test_sampling_draws_each_token_at_its_probability_and_never_a_zero() -> None:
+    from worker.rollout import sample
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.clamp(min=1e-45).log().expand(200_000, -1)  # -inf-like where the probability is 0
+    torch.manual_seed(0)
+    counts = torch.bincount(sample(logits, 1.0, 1.0), minlength=6).float()
+    freq = counts / counts.sum()
+    # Four standard errors of a frequency over 200k draws.
+    tolerance = 4 * (probs * (1 - probs) / 200_000).sqrt() + 1e-9
+    assert ((freq - probs).abs() <= tolerance).all(), freq
+    assert counts[1] == 0 and counts[5] == 0  # a zero-probability token is never drawn, even the last
+    # With the nucleus at 0.7: only tokens 0 and 2, in proportion 5:3.
+    torch.manual_seed(1)
+    counts = torch.bincount(sample(logits, 1.0, 0.7), minlength=6).float()
+    assert counts[[1, 3, 4, 5]].sum() == 0
+    assert abs(counts[0] / counts.sum() - 0.625) < 4 * (0.625 * 0.375 / 200_000) ** 0.5
+
+
+def test_sampling_at_a_low_temperature_is_greedy_decoding(policy) -> None:
+    """The lean loop (prompt prefilled once, its cache shared by the k rows, padded rows, the 4-D
+    decode mask) follows each prompt exactly as transformers' greedy generate() on it alone."""
+    model, tok = policy
+    ro = backend(policy, max_new_tokens=8, temperature=1e-4).generate(PROMPTS, k=2, generator_seed=13)
+    for b, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+        with torch.no_grad():
+            want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=8, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :]
+        for row in (2 * b, 2 * b + 1):
+            n = int(ro.completion_mask[row].sum())
+            assert ro.completion_ids[row, :n].tolist() == want[:n].tolist()
+
+
+def test_the_4d_decode_mask_draws_the_same_tokens_as_the_2d_one(policy, monkeypatch) -> None:
+    import worker.rollout as rollout
+
+    assert rollout._decode_mask_is_padding_only(policy[0].config)
+    fast = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS, k=4, generator_seed=17)
+    monkeypatch.setattr(rollout, "_decode_mask_is_padding_only", lambda config: False)
+    plain = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS, k=4, generator_seed=17)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    assert len(set(map(tuple, fast.completion_ids.tolist()))) > 4  # high temperature: the rows differ
+
+
+def test_a_shared_prompt_gives_the_full_forwards_logprobs_and_gradient(policy) -> None:
+    """k rows of one prompt: the prompt goes through the model once and its keys and values are
+    repeated; log-probs and the gradient equal a forward over every row whole."""
+    import dataclasses
+
+    model, tok = policy
+    ro = backend(policy, max_new_tokens=10, temperature=1.5).generate(PROMPTS, k=4, generator_seed=19)
+    assert ro.group == 4 and ro.rows(slice(4, 12)).group == 4 and ro.rows(slice(2, 6)).group == 1
+    whole = dataclasses.replace(ro, group=1)
+    mask = ro.completion_mask.float()
+    results = []
+    model.train()
+    try:
+        for r in (ro, whole):
+            model.zero_grad(set_to_none=True)
+            logp, _ = completion_logprobs(model, r, temperature=0.9)
+            (logp * mask * torch.linspace(-1, 1, logp.shape[0]).unsqueeze(1)).sum().backward()
+            results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    (shared, g_shared), (full, g_full) = results
+    m = ro.completion_mask.bool()
+    torch.testing.assert_close(shared[m], full[m], rtol=1e-5, atol=1e-5)
+    assert g_shared.keys() == g_full.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_shared[name], g_full[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert any(g.abs().sum() > 0 for g in g_full.values())

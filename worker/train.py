@@ -148,8 +148,14 @@ class Reference:
         if self.model is not None:
             self.model.eval().requires_grad_(False)
 
-    @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float) -> Tensor:
+        # Inference mode (no autograd bookkeeping at all); the result leaves it as a normal tensor,
+        # since a KL loss term may save it for backward.
+        with torch.inference_mode():
+            logp = self._logprobs(rollout, temperature)
+        return logp.clone()
+
+    def _logprobs(self, rollout: Rollout, temperature: float) -> Tensor:
         if self.model is not None:
             return completion_logprobs(self.model, rollout, temperature=temperature)[0]
         was_training = self.policy.training
@@ -244,8 +250,12 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if cfg.resume_from is not None:
             _load_full_weights(model, cfg.resume_from, device)
     params = [p for p in model.parameters() if p.requires_grad]
+    # The fused kernel (CPU and CUDA): one pass over all parameters instead of a Python loop of ops each.
     optimizer = torch.optim.AdamW(
-        params, lr=hp("learning_rate") * hp("learning_rate_multiplier"), weight_decay=hp("weight_decay")
+        params,
+        lr=hp("learning_rate") * hp("learning_rate_multiplier"),
+        weight_decay=hp("weight_decay"),
+        fused=device.type in ("cpu", "cuda"),
     )
     scheduler = make_scheduler(optimizer, hp("lr_scheduler"), hp("warmup_ratio"), total_steps)
     backend = TransformersBackend(
