@@ -1,0 +1,122 @@
+"""What the engine benchmarks share: the two model configs, the prompts, the reward and one run of ours.
+
+The issue's fixed settings: Llama-style models built offline (byte-level BPE, vocab 512), k = 4,
+8 prompts a step, 32 new tokens, fp32 on the CPU, 40 steps, KL 0.05 in the reward, one optimisation
+pass, and a count reward: the number of ``a`` characters in the completion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from service import graders
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_DATA = ROOT / "examples" / "demo" / "train.jsonl"
+CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_layers": 2},
+    "small": {"hidden_size": 256, "num_layers": 4},
+}
+K, PROMPTS, NEW_TOKENS, STEPS, LR, KL = 4, 8, 32, 40, 1e-3, 0.05
+SETTINGS = (
+    f"k={K}, {PROMPTS} prompts a step, {NEW_TOKENS} new tokens, lr {LR} constant, KL {KL} in the reward, "
+    "fp32 CPU, one pass, no dropout, reward = number of 'a' characters"
+)
+# Our engine needs a grader spec; the reward itself is replaced by count_reward (see counting_reward).
+PLACEHOLDER_GRADER = {"type": "string_check", "name": "count_a", "input": "{{ sample.output_text }}",
+                      "reference": "a", "operation": "like"}
+
+
+def count_reward(texts: list[str]) -> list[float]:
+    """The benchmark's reward, one Python function for both trainers."""
+    return [float(t.count("a")) for t in texts]
+
+
+@contextlib.contextmanager
+def counting_reward() -> Iterator[None]:
+    """Score our engine's completions with ``count_reward``: the grader family has no counting
+    grader, and a python grader would run in a sandboxed process TRL's reward function does not pay for."""
+    import worker.train as train_mod
+
+    real = train_mod.score_batch
+
+    def score(grader: Any, *, prompts: list[str], texts: list[str], items: Any, reward_models: Any) -> Any:
+        rewards = count_reward(texts)
+        return graders.GradeResult(rewards=rewards, sub_rewards={"count_a": rewards}, errors={})
+
+    train_mod.score_batch = score  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        train_mod.score_batch = real  # type: ignore[assignment]
+
+
+def build(models: Path, config: str) -> None:
+    from worker.tinymodels import build_tiny_causal_lm
+
+    build_tiny_causal_lm(models / config, seed=0, **CONFIGS[config])
+
+
+def plain_prompts(tmp: Path) -> Path:
+    """The demo prompts as plain text (``prompt``), so both trainers see the same strings."""
+    from worker.data import load_items
+
+    out = tmp / "prompts.jsonl"
+    with open(out, "w") as f:
+        for item in load_items(DEMO_DATA):
+            f.write(json.dumps({"prompt": f"Q: {item['messages'][-1]['content']}\nA:"}) + "\n")
+    return out
+
+
+class Collect:
+    """A recorder that keeps each step's metrics and when the loop handed them over."""
+
+    def __init__(self, *, quiet: bool = False) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.handed_at: list[float] = []
+        self.quiet = quiet
+
+    def event(self, message: str, level: str = "info") -> None:
+        pass
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.handed_at.append(time.perf_counter())
+        self.steps.append(metrics)
+        if not self.quiet:
+            print(f"step {step}: reward {metrics['train_reward_mean']:.3f}", file=__import__("sys").stderr, flush=True)
+
+    def checkpoint(self, *args: Any) -> None:
+        pass
+
+    def checkpoint_removed(self, step: int) -> None:
+        pass
+
+
+def ours(
+    models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS, seed: int = 0, **hp: Any
+) -> dict[str, Any]:
+    """One run of our engine (the same ``train`` a job runs); wall time and each step's metrics."""
+    from service.schemas import Hyperparameters
+    from worker.config import TrainConfig
+    from worker.train import train
+
+    hyper = Hyperparameters(rloo_k=K, batch_size=PROMPTS, max_new_tokens=NEW_TOKENS, learning_rate=LR, kl_coef=KL,
+                            max_steps=steps, n_epochs=1000, **hp).resolved()
+    cfg = TrainConfig(model=config, training_file=data, grader=PLACEHOLDER_GRADER, hyperparameters=hyper,
+                      output_dir=out, models_dir=models, seed=seed, device="cpu")
+    rec = Collect(quiet=True)
+    with counting_reward():
+        t0 = time.perf_counter()
+        train(cfg, rec)  # type: ignore[arg-type]
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "steps": rec.steps, "handed_at": rec.handed_at,
+            "rewards": [m["train_reward_mean"] for m in rec.steps]}
+
+
+def first_last(rewards: list[float], n: int = 5) -> tuple[float, float]:
+    return round(sum(rewards[:n]) / n, 3), round(sum(rewards[-n:]) / n, 3)
