@@ -13,7 +13,10 @@ Broker settings are chosen for tasks that run for hours:
 
 from __future__ import annotations
 
+import threading
+
 from celery import Celery
+from celery.signals import worker_process_init
 
 from service.queue import RUN_JOB_TASK
 from service.settings import get_settings
@@ -34,3 +37,25 @@ app.conf.update(
     broker_transport_options={"visibility_timeout": 24 * 3600},
     worker_send_task_events=False,
 )
+
+
+@worker_process_init.connect
+def _preload_training_stack(**_: object) -> None:
+    """In each pool child (a fresh one per job), import torch and transformers while it waits for a
+    job, so a job does not pay those seconds between "running" and its first step. A thread: the pool
+    gives a child's start only a few seconds. The parent never imports torch (forking after CUDA
+    initialisation is unsafe); a task that arrives first simply waits on the same import."""
+
+    def preload() -> None:
+        try:
+            import transformers
+
+            import worker.train  # noqa: F401
+
+            # transformers resolves these lazily, on first use, each importing a tree of modules.
+            for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast"):
+                getattr(transformers, name)
+        except Exception:  # the task's own import will report it
+            pass
+
+    threading.Thread(target=preload, name="preload-torch", daemon=True).start()

@@ -200,6 +200,7 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
 
 
 def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
+    t_setup = time.perf_counter()
     hp = cfg.hp
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -272,6 +273,11 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
 
     start = 0
     counters: dict[str, Any] = {"trained_tokens": 0, "first_reward": None, "valid_reward_mean": None}
+    n_params = sum(p.numel() for p in model.parameters())
+    recorder.event(
+        f"Model '{cfg.model}' ready on {device.type} in {time.perf_counter() - t_setup:.1f} s: "
+        f"{n_params / 1e6:.1f}M parameters, {sum(p.numel() for p in params) / 1e6:.2f}M trained"
+    )
     if resume_info is not None:
         optimizer.load_state_dict(resume_state["optimizer"])
         scheduler.load_state_dict(resume_state["scheduler"])
