@@ -23,7 +23,19 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
-    CONFIGS, K, KL, LR, NEW_TOKENS, PROMPTS, SETTINGS, STEPS, build, count_reward, first_last, ours, plain_prompts,
+    CONFIGS,
+    KL,
+    LR,
+    NEW_TOKENS,
+    PROMPTS,
+    SETTINGS,
+    STEPS,
+    K,
+    build,
+    count_reward,
+    first_last,
+    ours,
+    plain_prompts,
 )
 
 
@@ -90,8 +102,8 @@ def compare(config: str, *, rounds: int = 3) -> dict[str, Any]:
 
 
 def main() -> None:
-    import trl as trl_pkg
     import transformers
+    import trl as trl_pkg
 
     configs = sys.argv[1:] or list(CONFIGS)
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "settings": SETTINGS, "torch": torch.__version__,

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEMO_DATA, K, KL, LR, NEW_TOKENS, PROMPTS, STEPS, build
+from benchmarks.common import DEMO_DATA, KL, LR, NEW_TOKENS, PROMPTS, STEPS, K, build
 
 GRADER = {"type": "text_similarity", "name": "answer", "input": "{{ sample.output_text }}",
           "reference": "{{ item.answer }}", "evaluation_metric": "fuzzy_match"}
@@ -56,8 +56,8 @@ def foreground(spec: Path, home: Path) -> dict[str, Any]:
 
 
 def through_service(http: Any, file_id: str) -> dict[str, Any]:
-    body = {"model": "tiny", "training_file": file_id, "seed": 0,
-            "method": {"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": HYPERPARAMETERS}}}
+    method = {"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": HYPERPARAMETERS}}
+    body = {"model": "tiny", "training_file": file_id, "seed": 0, "method": method}
     r = http.post("/fine_tuning/jobs", json=body)
     r.raise_for_status()
     t0 = time.perf_counter()

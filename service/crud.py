@@ -12,9 +12,10 @@ import hmac
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import CursorResult, bindparam, delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -48,14 +49,27 @@ def create_api_key(*, session: Session, project: Project, name: str = "") -> tup
     return row, secret
 
 
-def authenticate(*, session: Session, secret: str) -> Project | None:
+@dataclass(frozen=True)
+class Caller:
+    """The project a request's key belongs to: what handlers need of it, read once per request by
+    the auth middleware (one query), no ORM object to keep attached to a session."""
+
+    seq: int
+    id: str
+
+
+def authenticate(*, session: Session, secret: str) -> Caller | None:
     digest = hash_key(secret)
-    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
+    row = session.execute(
+        select(ApiKey.key_hash, ApiKey.revoked_at, Project.seq, Project.id)
+        .join(Project, Project.seq == ApiKey.project_seq)
+        .where(ApiKey.key_hash == digest)
+    ).first()
     # The lookup is by digest (an index probe); compare again in constant time so that no timing
     # difference tells an attacker how much of a digest matched.
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.key_hash, digest):
         return None
-    return row.project
+    return Caller(seq=row.seq, id=row.id)
 
 
 def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:
@@ -94,7 +108,7 @@ def page(
 
 
 # Files -------------------------------------------------------------------------------------------
-def get_file(*, session: Session, project: Project, file_id: str) -> File | None:
+def get_file(*, session: Session, project: Project | Caller, file_id: str) -> File | None:
     return session.scalar(select(File).where(File.id == file_id, File.project_seq == project.seq))
 
 
@@ -111,8 +125,12 @@ def files_in_use(*, session: Session, file_id: str) -> bool:
 
 
 # Jobs --------------------------------------------------------------------------------------------
-def get_job(*, session: Session, project: Project, job_id: str) -> Job | None:
-    return session.scalar(select(Job).where(Job.id == job_id, Job.project_seq == project.seq))
+# Built once: the status poll is the hottest query, and building the expression cost more than running it.
+_JOB_IN_PROJECT = select(Job).where(Job.id == bindparam("job_id"), Job.project_seq == bindparam("project_seq"))
+
+
+def get_job(*, session: Session, project: Project | Caller, job_id: str) -> Job | None:
+    return session.scalar(_JOB_IN_PROJECT, {"job_id": job_id, "project_seq": project.seq})
 
 
 def get_job_by_id(*, session: Session, job_id: str) -> Job | None:

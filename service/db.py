@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -18,11 +18,10 @@ def make_engine(url: str) -> Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # An unbounded pool: a SQLite connection is a file handle. A request keeps its connection
-        # between the thread hops of its handler; a bounded pool let 128 concurrent requests hold every
-        # connection while all 40 threads waited for one, and the API stalled (benchmark, 2026-12-01).
+        # A SQLite connection is a file handle: keep one for each of the API's worker threads (40), so
+        # that no request pays a connect and its PRAGMAs; more are opened when needed and closed after.
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=-1
+            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=48, max_overflow=-1
         )
 
         @event.listens_for(engine, "connect")
@@ -49,10 +48,17 @@ def _sessionmaker() -> sessionmaker[Session]:
     return sessionmaker(bind=get_engine(), expire_on_commit=False)
 
 
-def get_session() -> Iterator[Session]:
-    """FastAPI dependency: one session a request."""
-    with _sessionmaker()() as session:
+async def get_session() -> AsyncIterator[Session]:
+    """FastAPI dependency: one session a request, used by its (sync) handler in one worker thread and
+    closed here on the event loop. Closing needs no thread: a request that holds a pooled connection
+    can always give it back, even when every worker thread is busy (with a thread hop for the close,
+    128 concurrent requests could hold every connection while waiting for a thread, and stall), and a
+    request costs one thread hop instead of three."""
+    session = _sessionmaker()()
+    try:
         yield session
+    finally:
+        session.close()
 
 
 @contextmanager

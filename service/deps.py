@@ -4,33 +4,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Query, Request
+from fastapi import Depends, Query, Request
 from sqlalchemy.orm import Session
 
 from service import crud
 from service.db import get_session
 from service.errors import APIError, bad_request, not_found
-from service.models import Project
 from service.settings import Settings, get_settings
 
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def current_project(
-    request: Request, session: SessionDep, authorization: Annotated[str | None, Header()] = None
-) -> Project:
-    """The project of the request's key. The AuthMiddleware has checked the key before the body was
-    read; this loads the project in the request's session."""
-    seq = getattr(request.state, "project_seq", None)
-    if seq is not None:
-        project = session.get(Project, seq)
-        if project is not None:
-            return project
-    return authenticate_header(session, authorization)
+async def current_project(request: Request) -> crud.Caller:
+    """The project of the request's key, as the AuthMiddleware found it before the body was read
+    (every /v1 route is behind it)."""
+    caller = getattr(request.state, "caller", None)
+    if caller is None:  # a route outside /v1 asking for a project: a programming error, not the user's
+        raise RuntimeError(f"{request.url.path} is not behind the AuthMiddleware")
+    return caller
 
 
-def authenticate_header(session: Session, authorization: str | None) -> Project:
+def authenticate_header(session: Session, authorization: str | None) -> crud.Caller:
     if not authorization:
         raise APIError(
             401,
@@ -39,15 +34,15 @@ def authenticate_header(session: Session, authorization: str | None) -> Project:
             headers={"WWW-Authenticate": "Bearer"},
         )
     scheme, _, secret = authorization.partition(" ")
-    project = crud.authenticate(session=session, secret=secret.strip()) if scheme.lower() == "bearer" else None
-    if project is None:
+    caller = crud.authenticate(session=session, secret=secret.strip()) if scheme.lower() == "bearer" else None
+    if caller is None:
         raise APIError(
             401, "Invalid or revoked API key.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
         )
-    return project
+    return caller
 
 
-ProjectDep = Annotated[Project, Depends(current_project)]
+ProjectDep = Annotated[crud.Caller, Depends(current_project)]
 
 
 class Paging:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
+from typing import Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -78,8 +81,14 @@ class AuthMiddleware:
     """Checks the bearer key of every /v1 request before its body is read, so that a caller without
     a valid key learns only that (401), never how its body would have been parsed."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    CACHE_LIMIT = 10_000
+
+    def __init__(self, app: ASGIApp, *, cache_seconds: float = 0.0) -> None:
         self.app = app
+        # Keys checked lately, by the SHA-256 digest of the header: a status poll costs no database
+        # query for its key. Only valid keys are kept, for ``cache_seconds`` (RLOO_AUTH_CACHE_SECONDS).
+        self.cache_seconds = cache_seconds
+        self.cache: dict[str, tuple[float, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -93,13 +102,19 @@ class AuthMiddleware:
 
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        digest = hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
+        cached = self.cache.get(digest)
+        if cached is not None and cached[0] > time.monotonic():
+            scope.setdefault("state", {})["caller"] = cached[1]
+            await self.app(scope, receive, send)
+            return
 
-        def check() -> int:
+        def check() -> Any:
             with session_scope() as session:
-                return authenticate_header(session, authorization).seq
+                return authenticate_header(session, authorization)
 
         try:
-            seq = await to_thread.run_sync(check)
+            caller = await to_thread.run_sync(check)
         except APIError as exc:
             body = json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)).encode()
             extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
@@ -116,5 +131,9 @@ class AuthMiddleware:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        scope.setdefault("state", {})["project_seq"] = seq
+        if self.cache_seconds > 0:
+            if len(self.cache) >= self.CACHE_LIMIT:
+                self.cache.clear()
+            self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
+        scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)

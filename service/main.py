@@ -42,7 +42,8 @@ def create_app() -> FastAPI:
     app.add_middleware(
         BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024
     )
-    app.add_middleware(AuthMiddleware)  # added after, so it runs before the body limit (outermost)
+    # Added after, so it runs before the body limit (outermost).
+    app.add_middleware(AuthMiddleware, cache_seconds=settings.auth_cache_seconds)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]

@@ -44,6 +44,13 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
     queue: str = Field(default="rloo", description="Celery queue that workers consume.")
     heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")
+    auth_cache_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        le=300,
+        description="How long an API process trusts a key it has checked; a revocation reaches every "
+        "API process within this time. 0 checks the database on every request.",
+    )
     hub_offline: bool = Field(
         default=True, description="Refuse hub model ids (no hub reachable); set false where one is."
     )

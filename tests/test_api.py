@@ -275,18 +275,35 @@ def test_bad_authorization_headers_are_401(client, auth) -> None:
     assert client.get("/v1/files", headers=auth).status_code == 200  # the key itself is fine
 
 
-def test_revoked_key_is_401(client, env) -> None:
-    from service import crud
-    from service.db import session_scope
+@pytest.mark.parametrize("cache_seconds", [0.0, 1.0])
+def test_revoked_key_is_401_within_the_auth_cache_time(env, monkeypatch, cache_seconds) -> None:
+    """A key checked lately is trusted for RLOO_AUTH_CACHE_SECONDS; a revocation takes effect on
+    the next request without the cache, and once that time has passed with it."""
+    import time
 
+    from fastapi.testclient import TestClient
+
+    from service import crud
+    from service.db import reset_caches, session_scope
+    from service.main import create_app
+
+    monkeypatch.setenv("RLOO_AUTH_CACHE_SECONDS", str(cache_seconds))
+    reset_caches()
     secret = make_key("alpha")
     headers = {"Authorization": f"Bearer {secret}"}
-    assert client.get("/v1/files", headers=headers).status_code == 200
-    with session_scope() as session:
-        assert crud.revoke_api_key(session=session, key_id_or_prefix=secret[:12]) == 1
-        session.commit()
-    assert_error(client.get("/v1/files", headers=headers), 401, param=None, code="invalid_api_key")
-    assert_error(client.get("/v1/fine_tuning/jobs", headers=headers), 401, param=None, code="invalid_api_key")
+    with TestClient(create_app()) as client:
+        checked_at = time.monotonic()
+        assert client.get("/v1/files", headers=headers).status_code == 200
+        with session_scope() as session:
+            assert crud.revoke_api_key(session=session, key_id_or_prefix=secret[:12]) == 1
+            session.commit()
+        if cache_seconds:
+            status = client.get("/v1/files", headers=headers).status_code
+            if time.monotonic() < checked_at + cache_seconds:  # (a slow machine may be past it already)
+                assert status == 200  # still trusted, for now: the cache is live
+            time.sleep(max(0.0, checked_at + cache_seconds + 0.05 - time.monotonic()))
+        assert_error(client.get("/v1/files", headers=headers), 401, param=None, code="invalid_api_key")
+        assert_error(client.get("/v1/fine_tuning/jobs", headers=headers), 401, param=None, code="invalid_api_key")
 
 
 def test_bearer_scheme_is_case_insensitive(client, auth) -> None:

@@ -63,7 +63,7 @@ def keys_create(
 
 @keys_app.command("revoke")
 def keys_revoke(key: Annotated[str, typer.Argument(help="Key id (key-…) or its prefix.")]) -> None:
-    """Revoke a key: requests with it get 401 from now on."""
+    """Revoke a key: requests with it get 401 within RLOO_AUTH_CACHE_SECONDS (5 s by default)."""
     from service import crud
     from service.db import session_scope
 
@@ -73,7 +73,8 @@ def keys_revoke(key: Annotated[str, typer.Argument(help="Key id (key-…) or its
     if not n:
         typer.echo(f"no key matches '{key}'", err=True)
         raise typer.Exit(1)
-    typer.echo(f"revoked {n} key(s)")
+    wait = get_settings().auth_cache_seconds
+    typer.echo(f"revoked {n} key(s); running API processes refuse them within {wait:g} s (RLOO_AUTH_CACHE_SECONDS)")
 
 
 @keys_app.command("list")

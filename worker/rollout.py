@@ -368,7 +368,7 @@ def _cache_arg(model: Any, cache: Any) -> dict[str, Any]:
 
 
 @functools.cache
-def _cache_keyword(cls: type) -> str:
+def _cache_keyword(cls: Any) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 

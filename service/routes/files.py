@@ -11,6 +11,7 @@ from service import crud
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
+from service.responses import JSON
 from service.storage import confined, store_jsonl
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -40,7 +41,7 @@ def create_file(
     settings: SettingsDep,
     file: UploadFile,
     purpose: Annotated[str, Form(description="fine-tune")],
-) -> dict[str, Any]:
+) -> JSON:
     if purpose not in PURPOSES:
         raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")
     filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_")[:255]
@@ -66,22 +67,22 @@ def create_file(
     except BaseException:
         dest.unlink(missing_ok=True)  # no file on disk without its row
         raise
-    return file_object(row)
+    return JSON(file_object(row))
 
 
 @router.get("", summary="List files")
 def list_files(
     session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None
-) -> dict[str, Any]:
+) -> JSON:
     scope = [File.project_seq == project.seq] + ([File.purpose == purpose] if purpose else [])
     rows, has_more = paging.apply(session, File, scope, "file")
-    return {
+    return JSON({
         "object": "list",
         "data": [file_object(f) for f in rows],
         "has_more": has_more,
         "first_id": rows[0].id if rows else None,
         "last_id": rows[-1].id if rows else None,
-    }
+    })
 
 
 def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:
@@ -92,8 +93,8 @@ def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:
 
 
 @router.get("/{file_id}", summary="Retrieve a file")
-def read_file(session: SessionDep, project: ProjectDep, file_id: str) -> dict[str, Any]:
-    return file_object(_get(session, project, file_id))
+def read_file(session: SessionDep, project: ProjectDep, file_id: str) -> JSON:
+    return JSON(file_object(_get(session, project, file_id)))
 
 
 @router.get("/{file_id}/content", summary="Download a file's content", response_class=FileResponse)
@@ -106,7 +107,7 @@ def read_file_content(session: SessionDep, project: ProjectDep, settings: Settin
 
 
 @router.delete("/{file_id}", summary="Delete a file")
-def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> dict[str, Any]:
+def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> JSON:
     f = _get(session, project, file_id)
     if crud.files_in_use(session=session, file_id=f.id):
         raise APIError(
@@ -119,4 +120,4 @@ def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep,
     session.delete(f)
     session.commit()
     path.unlink(missing_ok=True)  # after the commit: a row never points at a missing file
-    return {"id": file_id, "object": "file", "deleted": True}
+    return JSON({"id": file_id, "object": "file", "deleted": True})

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from service import graders
 from service.deps import ProjectDep, SettingsDep
 from service.errors import bad_request
+from service.responses import JSON
 from service.schemas import GraderRun, GraderValidate
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
@@ -22,12 +23,12 @@ def _parse(spec: dict[str, Any], settings: SettingsDep) -> Any:
 
 
 @router.post("/validate", summary="Validate a grader")
-def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) -> dict[str, Any]:
-    return {"grader": graders.grader_to_dict(_parse(body.grader, settings))}
+def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) -> JSON:
+    return JSON({"grader": graders.grader_to_dict(_parse(body.grader, settings))})
 
 
 @router.post("/run", summary="Run a grader on one sample")
-def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> dict[str, Any]:
+def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
     grader = _parse(body.grader, settings)
     if graders.is_model_grader(grader):
         raise bad_request(
@@ -43,8 +44,8 @@ def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> dict[st
     reward = result.rewards[0]
     sub = {name: values[0] for name, values in result.sub_rewards.items()}
     finite = reward == reward
-    return {
+    return JSON({
         "reward": reward if finite else None,
         "sub_rewards": {k: (v if v == v else None) for k, v in sub.items()},
         "metadata": {"errors": result.errors, "name": grader.name, "type": grader.type},
-    }
+    })

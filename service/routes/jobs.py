@@ -15,9 +15,11 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from service import crud, graders, jobspec, queue
+from service.crud import Caller
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
-from service.models import Checkpoint, File, Job, JobEvent, Project
+from service.models import Checkpoint, File, Job, JobEvent
+from service.responses import JSON
 from service.schemas import JobCreate
 from service.storage import confined
 
@@ -27,7 +29,7 @@ TRAINING_STATE_PREFIX = "training_state"
 CANCELLABLE = ("validating_files", "queued", "running", "paused")
 
 
-def job_object(job: Job, project: Project) -> dict[str, Any]:
+def job_object(job: Job, project: Caller) -> dict[str, Any]:
     estimated = None
     if job.status == "running" and job.started_at and job.step:
         elapsed = time.time() - job.started_at
@@ -57,7 +59,7 @@ def job_object(job: Job, project: Project) -> dict[str, Any]:
     }
 
 
-def _file(session: SessionDep, project: Project, file_id: str, param: str) -> File:
+def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> File:
     f = crud.get_file(session=session, project=project, file_id=file_id)
     if f is None:
         raise bad_request(
@@ -67,7 +69,7 @@ def _file(session: SessionDep, project: Project, file_id: str, param: str) -> Fi
 
 
 @router.post("", summary="Create a fine-tuning job")
-def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> dict[str, Any]:
+def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
     grader, hp = jobspec.check_spec(body, settings=settings)
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
@@ -110,16 +112,16 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
             message="The queue is unreachable; the job will be queued when it is back.",
         )
         session.commit()
-    return job_object(job, project)
+    return JSON(job_object(job, project))
 
 
 @router.get("", summary="List fine-tuning jobs")
-def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> dict[str, Any]:
+def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> JSON:
     rows, has_more = paging.apply(session, Job, [Job.project_seq == project.seq], "fine-tuning job")
-    return {"object": "list", "data": [job_object(j, project) for j in rows], "has_more": has_more}
+    return JSON({"object": "list", "data": [job_object(j, project) for j in rows], "has_more": has_more})
 
 
-def _job(session: SessionDep, project: Project, job_id: str, param: str | None = None) -> Job:
+def _job(session: SessionDep, project: Caller, job_id: str, param: str | None = None) -> Job:
     job = crud.get_job(session=session, project=project, job_id=job_id)
     if job is None:
         raise not_found("fine-tuning job", job_id, param)
@@ -127,12 +129,12 @@ def _job(session: SessionDep, project: Project, job_id: str, param: str | None =
 
 
 @router.get("/{job_id}", summary="Retrieve a fine-tuning job")
-def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[str, Any]:
-    return job_object(_job(session, project, job_id), project)
+def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
+    return JSON(job_object(_job(session, project, job_id), project))
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a fine-tuning job")
-def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[str, Any]:
+def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     was = job.status
     note = " The worker stops after the current step; checkpoints are kept." if was == "running" else ""
@@ -144,11 +146,11 @@ def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> dict[st
             f"Job {job_id} is {job.status}; only a job that has not finished can be cancelled.",
             code="invalid_state",
         )
-    return job_object(job, project)
+    return JSON(job_object(job, project))
 
 
 @router.get("/{job_id}/events", summary="List a job's events, newest first")
-def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> dict[str, Any]:
+def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     rows, has_more = paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq], "event")
     data = [
@@ -163,14 +165,14 @@ def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job
         }
         for e in rows
     ]
-    return {"object": "list", "data": data, "has_more": has_more}
+    return JSON({"object": "list", "data": data, "has_more": has_more})
 
 
 @router.get("/{job_id}/metrics", summary="The per-step metrics series, oldest first")
-def list_metrics(session: SessionDep, project: ProjectDep, job_id: str, after_step: int = 0) -> dict[str, Any]:
+def list_metrics(session: SessionDep, project: ProjectDep, job_id: str, after_step: int = 0) -> JSON:
     job = _job(session, project, job_id)
     rows = [m for m in crud.list_metrics(session=session, job=job) if m.step > after_step]
-    return {"object": "list", "data": [{"step": m.step, **m.data} for m in rows], "has_more": False}
+    return JSON({"object": "list", "data": [{"step": m.step, **m.data} for m in rows], "has_more": False})
 
 
 def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
@@ -186,10 +188,10 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
 
 
 @router.get("/{job_id}/checkpoints", summary="List a job's checkpoints, newest first")
-def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> dict[str, Any]:
+def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     rows, has_more = paging.apply(session, Checkpoint, [Checkpoint.job_seq == job.seq], "checkpoint")
-    return {"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": has_more}
+    return JSON({"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": has_more})
 
 
 @router.get(
