@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.settings import get_settings
+
+T = TypeVar("T")
 
 
 def make_engine(url: str) -> Engine:
@@ -75,3 +79,25 @@ def reset_caches() -> None:
     get_engine.cache_clear()
     _sessionmaker.cache_clear()
     get_settings.cache_clear()
+
+
+_SQLITE_WRITES = threading.Lock()
+
+
+def write_lock(session: Session) -> AbstractContextManager[object]:
+    """Hold around a request's writes, from the first INSERT to the commit. On SQLite, the API's
+    threads take turns here instead of in SQLite's busy handler, which sleeps in steps of up to
+    100 ms (job creation at 32 concurrent requests had a p99 of 1.4 s); elsewhere, nothing."""
+    bind = session.get_bind()
+    return _SQLITE_WRITES if bind.dialect.name == "sqlite" else nullcontext()
+
+
+async def run_db(session: Session, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a short database read, from an async handler: inline on SQLite (a local file,
+    read in WAL mode without waiting for writers: a thread hop would cost more than the read), in a
+    worker thread on a server database (a network round trip must not hold the event loop)."""
+    if session.get_bind().dialect.name == "sqlite":
+        return fn(*args)
+    from anyio import to_thread
+
+    return await to_thread.run_sync(fn, *args)

@@ -53,7 +53,7 @@ def create_app() -> FastAPI:
     app.include_router(graders.router)
 
     @app.get("/healthz", tags=["ops"], summary="The process is alive")
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["ops"], summary="Database and broker are reachable")

@@ -363,8 +363,9 @@ def completion_logprobs(
 
 def _cache_arg(model: Any, cache: Any) -> dict[str, Any]:
     """The KV cache keyword: ``cache`` in recent transformers, ``past_key_values`` before."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {_cache_keyword(type(base)): cache}
+    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cls: Any = type(base)
+    return {_cache_keyword(cls): cache}
 
 
 @functools.cache

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Form, UploadFile
 from fastapi.responses import FileResponse
 
 from service import crud
+from service.db import write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
@@ -62,8 +63,9 @@ def create_file(
         keys_summary=summary.as_dict(),
     )
     try:
-        session.add(row)
-        session.commit()
+        with write_lock(session):
+            session.add(row)
+            session.commit()
     except BaseException:
         dest.unlink(missing_ok=True)  # no file on disk without its row
         raise

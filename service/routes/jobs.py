@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 
 from service import crud, graders, jobspec, queue
 from service.crud import Caller
+from service.db import run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import Checkpoint, File, Job, JobEvent
@@ -95,15 +96,16 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
         status="queued",
         total_steps=total_steps,
     )
-    session.add(job)
-    session.flush()
-    crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
-    crud.add_event(
-        session=session,
-        job=job,
-        message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
-    )
-    session.commit()  # the row exists before the task does: a worker always finds it
+    with write_lock(session):
+        session.add(job)
+        session.flush()
+        crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
+        crud.add_event(
+            session=session,
+            job=job,
+            message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
+        )
+        session.commit()  # the row exists before the task does: a worker always finds it
     if not queue.enqueue_job(job.id):
         crud.add_event(
             session=session,
@@ -116,8 +118,10 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
 
 
 @router.get("", summary="List fine-tuning jobs")
-def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> JSON:
-    rows, has_more = paging.apply(session, Job, [Job.project_seq == project.seq], "fine-tuning job")
+async def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> JSON:
+    rows, has_more = await run_db(
+        session, paging.apply, session, Job, [Job.project_seq == project.seq], "fine-tuning job"
+    )
     return JSON({"object": "list", "data": [job_object(j, project) for j in rows], "has_more": has_more})
 
 
@@ -129,8 +133,8 @@ def _job(session: SessionDep, project: Caller, job_id: str, param: str | None = 
 
 
 @router.get("/{job_id}", summary="Retrieve a fine-tuning job")
-def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
-    return JSON(job_object(_job(session, project, job_id), project))
+async def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
+    return JSON(job_object(await run_db(session, _job, session, project, job_id), project))
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a fine-tuning job")
@@ -150,9 +154,12 @@ def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
 
 
 @router.get("/{job_id}/events", summary="List a job's events, newest first")
-def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
-    job = _job(session, project, job_id)
-    rows, has_more = paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq], "event")
+async def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
+    def read() -> tuple[list[JobEvent], bool]:
+        job = _job(session, project, job_id)
+        return paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq], "event")
+
+    rows, has_more = await run_db(session, read)
     data = [
         {
             "id": e.id,
