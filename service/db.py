@@ -38,8 +38,10 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    # pool_pre_ping: a database that restarted must not cost the next request a 500.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # pool_pre_ping: a database that restarted must not cost the next request a 500. The pool holds
+    # a connection for each of the API's worker threads (40) and then some: a request never waits
+    # for a connection while another waits for a thread, and none is opened and closed per request.
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=30)
 
 
 @lru_cache
@@ -53,11 +55,11 @@ def _sessionmaker() -> sessionmaker[Session]:
 
 
 async def get_session() -> AsyncIterator[Session]:
-    """FastAPI dependency: one session a request, used by its (sync) handler in one worker thread and
-    closed here on the event loop. Closing needs no thread: a request that holds a pooled connection
-    can always give it back, even when every worker thread is busy (with a thread hop for the close,
-    128 concurrent requests could hold every connection while waiting for a thread, and stall), and a
-    request costs one thread hop instead of three."""
+    """FastAPI dependency: one session a request, closed here, on the event loop: giving a pooled
+    connection back must never wait for a worker thread. (With the close in a thread, 128 concurrent
+    requests held every connection while waiting for a thread, while every thread waited for a
+    connection: the API stalled.) Async handlers end their session in ``run_db`` already, so this
+    close costs nothing; a sync handler that leaves a transaction open pays its ROLLBACK here."""
     session = _sessionmaker()()
     try:
         yield session
@@ -93,11 +95,20 @@ def write_lock(session: Session) -> AbstractContextManager[object]:
 
 
 async def run_db(session: Session, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``, a short database read, from an async handler: inline on SQLite (a local file,
-    read in WAL mode without waiting for writers: a thread hop would cost more than the read), in a
-    worker thread on a server database (a network round trip must not hold the event loop)."""
+    """An async handler's whole database work, ``fn(*args)`` (short reads), then the session is
+    closed (its objects stay loaded, detached): inline on SQLite (a local file, read in WAL mode
+    without waiting for writers: a thread hop would cost more than the read), in one worker thread
+    on a server database (round trips must not hold the event loop), where the connection is given
+    back before the thread is, so no request holds one while it waits for a thread."""
+
+    def work() -> T:
+        try:
+            return fn(*args)
+        finally:
+            session.close()
+
     if session.get_bind().dialect.name == "sqlite":
-        return fn(*args)
+        return work()
     from anyio import to_thread
 
-    return await to_thread.run_sync(fn, *args)
+    return await to_thread.run_sync(work)
