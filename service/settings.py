@@ -10,6 +10,7 @@ import hashlib
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +45,14 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
     queue: str = Field(default="rloo", description="Celery queue that workers consume.")
     heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")
+    rollout_backend: Literal["auto", "transformers", "vllm"] = Field(
+        default="auto",
+        description="Who samples the completions: transformers (the policy itself) or vLLM; auto: vLLM "
+        "where it is installed and the worker has a GPU.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        default=0.3, gt=0, lt=1, description="The share of the GPU the vLLM engine takes beside the policy."
+    )
     auth_cache_seconds: float = Field(
         default=5.0,
         ge=0,

@@ -109,7 +109,11 @@ def run_spec(
         seed=body.seed if body.seed is not None else 0,
         device=device,
         resume_from=resume_from,
-        extra={"allow_python_grader": settings.allow_python_grader},
+        extra={
+            "allow_python_grader": settings.allow_python_grader,
+            "rollout_backend": settings.rollout_backend,
+            "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
+        },
     )
     rec = recorder or StdoutRecorder()
     t0 = time.perf_counter()

@@ -58,12 +58,67 @@ class Rollout:
 
 
 class RolloutBackend(Protocol):
-    """Generates completions; ``transformers`` here, vLLM where it is installed (later)."""
+    """Generates completions for the policy. The update always scores them with the policy itself
+    (``completion_logprobs``), so a backend only has to sample from the current weights.
+
+    ``transformers`` (this module) samples with the policy object itself; ``vllm``
+    (``worker.rollout_vllm``) runs a vLLM engine beside it on the GPU and receives the weights after
+    each update (``sync``). ``make_backend`` picks one.
+    """
+
+    name: str
 
     def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout: ...
 
+    def sync(self) -> None:
+        """The policy's weights changed (an optimizer step): sample from the new ones from now on."""
+
+
+BACKENDS = ("auto", "transformers", "vllm")
+
+
+def make_backend(
+    choice: str,
+    model: Any,
+    tokenizer: Any,
+    *,
+    device: Any,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    max_prompt_length: int,
+    stop: list[str] | None = None,
+    vllm_options: dict[str, Any] | None = None,
+) -> RolloutBackend:
+    """``auto``: vLLM when it is installed and the policy is on a CUDA device, else transformers."""
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown rollout backend '{choice}'; choose one of {', '.join(BACKENDS)}")
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_prompt_length": max_prompt_length,
+        "stop": stop,
+    }
+    if choice == "vllm" or (choice == "auto" and getattr(device, "type", "") == "cuda" and vllm_installed()):
+        from worker.rollout_vllm import VLLMBackend
+
+        return VLLMBackend(model, tokenizer, **sampling, options=vllm_options or {})
+    return TransformersBackend(model, tokenizer, **sampling)
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
 
 class TransformersBackend:
+    """Samples with the policy object itself (so ``sync`` has nothing to do): each prompt is prefilled
+    once and its KV cache shared by its k samples."""
+
+    name = "transformers"
+
     def __init__(
         self,
         model: Any,
@@ -80,6 +135,9 @@ class TransformersBackend:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.max_prompt_length = max_prompt_length
         self.eos_ids = _eos_ids(model, tokenizer)
+
+    def sync(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:

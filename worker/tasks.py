@@ -176,7 +176,11 @@ def _train(job: Job) -> Any:
         job_name=job.id,
         # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
         resume_from=latest_resumable(output_dir),
-        extra={"allow_python_grader": settings.allow_python_grader},
+        extra={
+            "allow_python_grader": settings.allow_python_grader,
+            "rollout_backend": settings.rollout_backend,
+            "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
+        },
     )
     return train(cfg, DatabaseRecorder(job))
 

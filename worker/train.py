@@ -39,7 +39,7 @@ from worker.config import TrainConfig
 from worker.data import batch_indices, load_items, prompt_text
 from worker.records import JobError, Recorder
 from worker.rewards import RewardModels, score_batch
-from worker.rollout import Rollout, TransformersBackend, completion_logprobs
+from worker.rollout import Rollout, RolloutBackend, completion_logprobs, make_backend
 
 # Hyperparameters a resumed run may change (they do not alter what was learned so far).
 RESUMABLE_CHANGES = frozenset(
@@ -259,15 +259,21 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         fused=device.type in ("cpu", "cuda"),
     )
     scheduler = make_scheduler(optimizer, hp("lr_scheduler"), hp("warmup_ratio"), total_steps)
-    backend = TransformersBackend(
-        model,
-        tokenizer,
-        max_new_tokens=hp("max_new_tokens"),
-        temperature=hp("temperature"),
-        top_p=hp("top_p"),
-        max_prompt_length=hp("max_prompt_length"),
-        stop=hp("stop"),
-    )
+    try:
+        backend = make_backend(
+            cfg.extra.get("rollout_backend", "auto"),
+            model,
+            tokenizer,
+            device=device,
+            max_new_tokens=hp("max_new_tokens"),
+            temperature=hp("temperature"),
+            top_p=hp("top_p"),
+            max_prompt_length=hp("max_prompt_length"),
+            stop=hp("stop"),
+            vllm_options=cfg.extra.get("vllm_options"),
+        )
+    except ImportError as exc:
+        raise JobError("rollout_backend_failed", f"the rollout backend could not be loaded: {exc}") from None
     k, batch_size, temperature = hp("rloo_k"), hp("batch_size"), hp("temperature")
     n_micro = hp("gradient_accumulation_steps")
 
@@ -289,7 +295,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         what = f"LoRA r={lora['r']}" if lora else "full fine-tuning"
         recorder.event(
             f"Training started: {total_steps} steps, {batch_size} prompts x {k} completions a step, "
-            f"{what}, on {device.type}"
+            f"{what}, on {device.type}, rollouts by {backend.name}"
         )
 
     def save(step: int, metrics: dict[str, Any], final: bool) -> Path:
@@ -439,6 +445,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, hp("max_grad_norm"))
             if has_loss:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
                 optimizer.step()
+        backend.sync()  # the next rollouts come from the updated weights
         learning_rate = scheduler.get_last_lr()[0]
         scheduler.step()
         t_update = time.perf_counter() - t0
@@ -591,7 +598,7 @@ def _ckpt_metrics(metrics: dict[str, Any], counters: dict[str, Any]) -> dict[str
 @torch.no_grad()
 def evaluate(
     cfg: TrainConfig,
-    backend: TransformersBackend,
+    backend: RolloutBackend,
     tokenizer: Any,
     grader: Any,
     items: list[dict[str, Any]],

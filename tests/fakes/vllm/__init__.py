@@ -1,0 +1,99 @@
+"""A stand-in for vLLM's offline API, only the surface ``worker.rollout_vllm`` uses (``LLM``,
+``SamplingParams``, the engine's model ``load_weights``, ``reset_prefix_cache``), backed by a
+transformers model on the CPU. vLLM itself needs a GPU, which the CI does not have.
+
+Like vLLM, it stops at ``stop_token_ids`` without putting the EOS in ``token_ids`` (the backend
+must add it back) and at ``stop`` strings, which it leaves out of ``text``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+class SamplingParams:
+    def __init__(self, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, max_tokens: int = 16,
+                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None, seed: int | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.n, self.temperature, self.top_p, self.max_tokens = n, temperature, top_p, max_tokens
+        self.stop, self.stop_token_ids, self.seed = stop or [], stop_token_ids or [], seed
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: Any = None
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class _Runner:
+    """Where the engine keeps its model: ``load_weights`` takes (name, tensor) pairs."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.pushes: list[dict[str, Any]] = []
+
+    def load_weights(self, weights: Any) -> None:
+        state = {name: tensor.detach().clone() for name, tensor in weights}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        self.pushes.append({"names": sorted(state), "missing": list(missing), "unexpected": list(unexpected),
+                            "checksum": float(sum(t.double().sum() for t in state.values()))})
+
+
+class LLM:
+    instances: list[LLM] = []
+
+    def __init__(self, model: str, tokenizer: str, **options: Any) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.options = options
+        self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.tok = AutoTokenizer.from_pretrained(tokenizer)
+        self.runner = _Runner(self.hf)
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.runner))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
+        self.prefix_cache_resets = 0
+        LLM.instances.append(self)
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
+
+    @torch.no_grad()
+    def generate(self, prompts: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool = True
+                 ) -> list[RequestOutput]:
+        outputs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            gen = torch.Generator().manual_seed(p.seed or 0)
+            request = RequestOutput()
+            for i in range(p.n):
+                seq = torch.tensor([prompt["prompt_token_ids"]])
+                ids: list[int] = []
+                finish, stop_reason, text = "length", None, ""
+                for _ in range(p.max_tokens):
+                    logits = self.hf(input_ids=seq).logits[0, -1].float() / p.temperature
+                    token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+                    if token in p.stop_token_ids:
+                        finish = "stop"
+                        break
+                    ids.append(token)
+                    seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+                    text = self.tok.decode(ids, skip_special_tokens=True)
+                    hit = [s for s in p.stop if s in text]
+                    if hit:
+                        finish, stop_reason = "stop", hit[0]
+                        text = text[: text.find(hit[0])]
+                        break
+                request.outputs.append(CompletionOutput(i, text, ids, finish, stop_reason))
+            outputs.append(request)
+        return outputs

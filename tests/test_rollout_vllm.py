@@ -1,0 +1,105 @@
+"""The rollout backend choice and the vLLM backend's wiring, driven by a stand-in ``vllm`` module
+(tests/fakes/vllm: vLLM needs a GPU). What vLLM itself samples is vLLM's business; what is tested
+here is ours: the rollout layout, EOS and stop handling, the truncation flags, and that the engine
+gets the policy's weights after every update (LoRA merged)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from worker.rollout import TransformersBackend, make_backend
+from worker.train import load_policy, train
+
+FAKES = Path(__file__).parent / "fakes"
+PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
+SAMPLING = {"max_new_tokens": 24, "temperature": 1.0, "top_p": 1.0, "max_prompt_length": 64}
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(FAKES))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    import vllm
+
+    vllm.LLM.instances.clear()
+    yield vllm
+    sys.modules.pop("vllm", None)
+
+
+@pytest.fixture(scope="module")
+def policy(models_dir: Path) -> tuple[Any, Any]:
+    return load_policy("tiny-policy", models_dir, torch.device("cpu"))
+
+
+def test_auto_samples_with_transformers_without_a_gpu_even_where_vllm_is_installed(fake_vllm, policy) -> None:
+    model, tok = policy
+    backend = make_backend("auto", model, tok, device=torch.device("cpu"), **SAMPLING)
+    assert isinstance(backend, TransformersBackend) and backend.name == "transformers"
+    assert fake_vllm.LLM.instances == []
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'"):
+        make_backend("sglang", model, tok, device=torch.device("cpu"), **SAMPLING)
+
+
+def test_vllm_rollout_layout_eos_and_truncation(fake_vllm, policy) -> None:
+    model, tok = policy
+    backend = make_backend("vllm", model, tok, device=torch.device("cpu"), **SAMPLING)
+    assert backend.name == "vllm"
+    # Chat-rendered, as jobs send them: the tiny policy answers, then ends with its EOS.
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in PROMPTS]
+    ro = backend.generate(prompts, k=8, generator_seed=2)  # a seed where some rows end
+    llm = fake_vllm.LLM.instances[-1]
+    assert len(llm.runner.pushes) == 1  # the policy's weights went in before the first sample
+    n = len(PROMPTS) * 8
+    assert ro.group == 8 and ro.completion_ids.shape[0] == n == len(ro.texts) == ro.prompt_ids.shape[0]
+    eos = set(backend.eos_ids)
+    for b, prompt in enumerate(prompts):
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        for row in range(b * 8, b * 8 + 8):
+            real = ro.prompt_mask[row].bool()
+            assert ro.prompt_ids[row][real].tolist() == ids and not real[: -len(ids)].any()  # left-padded
+    lengths = ro.completion_mask.sum(dim=1).tolist()
+    ended = 0
+    for row, length in enumerate(lengths):
+        tokens = ro.completion_ids[row, :length].tolist()
+        assert (ro.completion_ids[row, length:] == tok.pad_token_id).all()
+        if ro.truncated[row]:
+            assert length == SAMPLING["max_new_tokens"] and not eos & set(tokens)
+        else:
+            ended += 1
+            assert tokens[-1] in eos  # the engine left the EOS out; the backend put it back: it carries loss
+            assert ro.texts[row] == tok.decode(tokens[:-1], skip_special_tokens=True)
+    assert 0 < ended < n  # some rows end, some run out (the checks above can fail)
+
+
+def test_a_job_on_vllm_pushes_the_updated_policy_every_step(fake_vllm, tmp_path, models_dir) -> None:
+    from tests.test_train import ListRecorder, config
+
+    rec = ListRecorder()
+    train(config(tmp_path, models_dir, max_steps=3, cfg={"extra": {"rollout_backend": "vllm"}}), rec)
+    assert len(rec.steps) == 3
+    pushes = fake_vllm.LLM.instances[-1].runner.pushes
+    assert len(pushes) == 3  # before each step's rollouts, none after the last update
+    checksums = [p["checksum"] for p in pushes]
+    assert len(set(checksums)) == 3  # each push carried weights the update had changed
+    assert all(p["unexpected"] == [] for p in pushes)
+
+
+def test_a_lora_job_on_vllm_pushes_merged_weights_under_the_base_names(fake_vllm, tmp_path, models_dir) -> None:
+    from tests.test_engine import LORA
+    from tests.test_train import ListRecorder, config
+
+    train(config(tmp_path, models_dir, max_steps=2, learning_rate=0.05, lora=LORA,
+                 cfg={"extra": {"rollout_backend": "vllm"}}), ListRecorder())
+    pushes = fake_vllm.LLM.instances[-1].runner.pushes
+    assert len(pushes) == 2
+    base_names = set(fake_vllm.LLM.instances[-1].hf.state_dict())
+    for p in pushes:
+        assert p["unexpected"] == [] and set(p["names"]) <= base_names
+        assert not any("lora_" in name for name in p["names"])
+    assert pushes[0]["checksum"] != pushes[1]["checksum"]  # the merged adapter moved the weights

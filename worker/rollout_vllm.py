@@ -1,0 +1,170 @@
+"""Rollouts with vLLM, beside the policy on the same GPU (``RLOO_ROLLOUT_BACKEND=vllm``, or ``auto``
+on a CUDA host where vLLM is installed: ``pip install vllm``).
+
+vLLM samples; the policy (transformers) still computes every log-prob the update uses, so the
+importance ratio of the first pass is exactly 1 whatever vLLM's kernels round differently. After each
+optimizer step the policy's weights are loaded into the engine before it samples again (LoRA
+adapters merged for the copy). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+as TRL's colocated mode does, and takes ``gpu_memory_utilization`` of the GPU (0.3 unless set).
+
+Not exercised on this project's CI (no GPU): its tests drive it with a stand-in ``vllm`` module that
+has the same surface (``tests/fakes/vllm``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from worker.records import JobError
+from worker.rollout import Rollout, _eos_ids
+
+# Where vLLM keeps the model it runs, by version (V1 in-process engine first).
+_MODEL_PATHS = (
+    "llm_engine.model_executor.driver_worker.worker.model_runner.model",
+    "llm_engine.model_executor.driver_worker.model_runner.model",
+)
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        max_prompt_length: int,
+        stop: list[str] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        from vllm import LLM
+
+        options = dict(options or {})
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_prompt_length, self.stop = max_prompt_length, list(stop or [])
+        self.eos_ids = _eos_ids(model, tokenizer)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        path = str(options.pop("model_path", None) or base.config.name_or_path)
+        try:
+            self.llm = LLM(
+                model=path,
+                tokenizer=path,
+                dtype=options.pop("dtype", "auto"),
+                gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.3)),
+                max_model_len=max_prompt_length + max_new_tokens,
+                enable_prefix_caching=True,  # a prompt's k samples share its prefill
+                seed=0,
+                **options,
+            )
+        except Exception as exc:
+            raise JobError(
+                "rollout_backend_failed",
+                f"vLLM could not start on '{path}': {type(exc).__name__}: {exc}. "
+                "Set RLOO_ROLLOUT_BACKEND=transformers to sample with the policy itself.",
+            ) from None
+        self.stale = True  # the policy may already differ from the files (a resumed run)
+
+    def sync(self) -> None:
+        self.stale = True  # pushed before the next generate: one copy per step, not per call
+
+    def _push_weights(self) -> None:
+        target = None
+        for dotted in _MODEL_PATHS:
+            obj: Any = self.llm
+            for part in dotted.split("."):
+                obj = getattr(obj, part, None)
+                if obj is None:
+                    break
+            if obj is not None and hasattr(obj, "load_weights"):
+                target = obj
+                break
+        if target is None:
+            raise JobError(
+                "rollout_backend_failed",
+                "this vLLM version does not expose its model for in-process weight updates; "
+                "set RLOO_ROLLOUT_BACKEND=transformers",
+            )
+        with torch.no_grad():
+            target.load_weights(_policy_weights(self.model))
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()  # cached prefixes were computed with the old weights
+
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:
+        from vllm import SamplingParams
+
+        if self.stale:
+            self._push_weights()
+            self.stale = False
+        tok = self.tokenizer
+        encoded = [
+            tok(p, add_special_tokens=False, truncation=True, max_length=self.max_prompt_length)["input_ids"]
+            for p in prompts
+        ]
+        params = [
+            SamplingParams(
+                n=k,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=self.max_new_tokens,
+                stop=self.stop or None,
+                stop_token_ids=self.eos_ids,
+                seed=(generator_seed * 1_000_003 + i) % 2**31,
+                skip_special_tokens=True,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+        rows: list[list[int]] = []
+        texts: list[str] = []
+        truncated: list[bool] = []
+        for out in outputs:  # in prompt order; each with its k samples
+            for sample in sorted(out.outputs, key=lambda o: o.index):
+                ids = list(sample.token_ids)
+                ended_by_eos = sample.finish_reason == "stop" and sample.stop_reason is None
+                if ended_by_eos and (not ids or ids[-1] not in self.eos_ids):
+                    ids.append(self.eos_ids[0])  # the EOS carries loss, as in the transformers backend
+                rows.append(ids)
+                texts.append(sample.text)
+                truncated.append(sample.finish_reason == "length")
+        device = next(self.model.parameters()).device
+        width = max(1, max(len(r) for r in rows))
+        completion_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            completion_mask[i, : len(ids)] = 1
+        padded = tok.pad({"input_ids": encoded}, padding=True, return_tensors="pt")  # left: the tokenizer's side
+        return Rollout(
+            padded["input_ids"].repeat_interleave(k, dim=0).to(device),
+            padded["attention_mask"].repeat_interleave(k, dim=0).to(device),
+            completion_ids.to(device),
+            completion_mask.to(device),
+            torch.tensor(truncated, device=device),
+            texts,
+            k,
+        )
+
+
+def _policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the base model's names; LoRA adapters merged in for the copy."""
+    if not hasattr(model, "merge_adapter"):
+        yield from model.state_dict().items()
+        return
+    model.merge_adapter()
+    try:
+        for name, tensor in model.state_dict().items():
+            if "lora_" in name or "modules_to_save" in name:
+                continue
+            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor
+    finally:
+        model.unmerge_adapter()
