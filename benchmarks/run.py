@@ -1,8 +1,15 @@
-"""``make bench``: the engine on the tiny model, through the same ``train`` as a job, in JSON figures.
+"""``make bench``: the figures of issue 4, as one JSON object (``benchmarks/RESULTS.md`` keeps them).
 
-Prints one JSON object: completions/s, generated tokens/s, the split of a step, peak RSS and the
-reward's first-5 and last-5 step means, and what the KL reference costs in memory. The comparison
-with TRL is ``benchmarks/anchor.py``; the service-overhead and API-load benchmarks are still to come.
+1. ``engine``: our engine alone on the *tiny* and *small* configs (``benchmarks.common``): completions/s,
+   generated tokens/s, the split of a step, peak RSS, and the reward's first-5 and last-5 step means;
+   each config in its own process, so its peak memory is its own.
+2. ``reference_memory``: what the KL reference costs (a frozen copy, an adapter switched off, none).
+3. ``service``: the tiny job through HTTP + Redis + Celery + the database vs ``rloo train``
+   (``benchmarks.service``).
+4. ``api``: the API under load against a bare endpoint (``benchmarks.api_load``).
+
+The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
+``python -m benchmarks.run engine service`` runs a subset.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import json
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,61 +27,66 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import (
+    CONFIGS,
+    PROMPTS,
+    SETTINGS,
+    STEPS,
+    Collect,
+    K,
+    build,
+    first_last,
+    ours,
+    plain_prompts,
+)
 from service.schemas import Hyperparameters
 from worker.config import TrainConfig
-from worker.tinymodels import build_tiny_causal_lm
 from worker.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Collect:
-    def __init__(self) -> None:
-        self.steps: list[dict[str, Any]] = []
-
-    def event(self, message: str, level: str = "info") -> None:
-        pass
-
-    def step(self, step: int, metrics: dict[str, Any]) -> None:
-        self.steps.append(metrics)
-        print(f"step {step}: reward {metrics['train_reward_mean']:.3f}", file=sys.stderr, flush=True)
-
-    def checkpoint(self, *args: Any) -> None:
-        pass
-
-    def checkpoint_removed(self, step: int) -> None:
-        pass
-
-
-def engine(steps: int = 40) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        models = Path(tmp) / "models"
-        build_tiny_causal_lm(models / "tiny", seed=0)
-        hp = Hyperparameters(rloo_k=4, batch_size=8, max_new_tokens=32, learning_rate=1e-3, kl_coef=0.05,
-                             max_steps=steps, n_epochs=100).resolved()
-        grader = {"type": "text_similarity", "name": "answer", "input": "{{ sample.output_text }}",
-                  "reference": "{{ item.answer }}", "evaluation_metric": "fuzzy_match"}
-        cfg = TrainConfig(model="tiny", training_file=ROOT / "examples" / "demo" / "train.jsonl", grader=grader,
-                          hyperparameters=hp, output_dir=Path(tmp) / "out", models_dir=models, seed=0, device="cpu")
-        rec = Collect()
-        t0 = time.perf_counter()
-        train(cfg, rec)  # type: ignore[arg-type]
-        wall = time.perf_counter() - t0
-    s = rec.steps[2:]  # the first steps include warm-up (allocator, kernels)
-    step_time = sum(m["time_step"] for m in s)
-    rewards = [m["train_reward_mean"] for m in rec.steps]
-    return {
-        "config": "tiny (Llama-style, 2 layers, hidden 64, vocab 512), k=4, 8 prompts, 32 new tokens, fp32 CPU",
-        "steps": len(rec.steps),
-        "wall_s": round(wall, 2),
-        "completions_per_s": round(sum(32 for _ in s) / step_time, 1),
-        "generated_tokens_per_s": round(sum(m["tokens_per_s"] * m["time_step"] for m in s) / step_time, 1),
-        "step_split_s_median": {k: round(statistics.median(m[k] for m in s), 4)
-                                for k in ("time_generate", "time_score", "time_update", "time_step")},
+def _engine_case(config: str) -> None:
+    """One config in this process: prints its figures as one JSON line."""
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        build(tmp / "models", config)
+        run = ours(tmp / "models", config, plain_prompts(tmp), tmp / "out")
+    steps = run["steps"]
+    timed = steps[2:]  # the first steps include warm-up (allocator, kernels)
+    step_time = sum(m["time_step"] for m in timed)
+    # Outside the timed step: metrics assembly, the recorder, the loop (handover to handover).
+    handed = run["handed_at"]
+    outside = [b - a - m["time_step"] for a, b, m in zip(handed[2:-1], handed[3:], timed[1:], strict=True)]
+    first, last = first_last(run["rewards"])
+    print(json.dumps({
+        "config": f"{config}: {CONFIGS[config]}, vocab 512",
+        "steps": len(steps),
+        "wall_s": round(run["wall_s"], 2),
+        "completions_per_s": round(len(timed) * K * PROMPTS / step_time, 1),
+        "completions_per_s_wall": round(len(steps) * K * PROMPTS / run["wall_s"], 1),
+        "generated_tokens_per_s": round(sum(m["tokens_per_s"] * m["time_step"] for m in timed) / step_time, 1),
+        "step_split_s_median": {
+            **{k.removeprefix("time_"): round(statistics.median(m[k] for m in timed), 4)
+               for k in ("time_generate", "time_score", "time_reference", "time_update")},
+            "record": round(statistics.median(outside), 5),
+            "step": round(statistics.median(m["time_step"] for m in timed), 4),
+        },
+        "completion_length_mean": round(statistics.mean(m["completion_length_mean"] for m in steps), 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "reward_first5": round(sum(rewards[:5]) / 5, 4),
-        "reward_last5": round(sum(rewards[-5:]) / 5, 4),
-    }
+        "reward_first5": first,
+        "reward_last5": last,
+    }))
+
+
+def engine() -> dict[str, Any]:
+    out: dict[str, Any] = {"settings": f"{SETTINGS}, {STEPS} steps, seed 0"}
+    for config in CONFIGS:
+        print(f"engine: {config}", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--engine-case", config],
+                              capture_output=True, text=True, cwd=ROOT, check=True)
+        out[config] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
 # What the KL reference costs: a frozen copy (full fine-tuning), nothing extra (LoRA: the adapter is
@@ -121,6 +134,8 @@ def reference_memory() -> dict[str, Any]:
     import subprocess
 
     with tempfile.TemporaryDirectory() as tmp:
+        from worker.tinymodels import build_tiny_causal_lm
+
         build_tiny_causal_lm(Path(tmp) / "small", seed=0, hidden_size=512, num_layers=8)
         from transformers import AutoModelForCausalLM
 
@@ -141,13 +156,31 @@ def main() -> None:
     if sys.argv[1:2] == ["--memory-case"]:
         _memory_case(sys.argv[2], sys.argv[3])
         return
-    result = {
+    if sys.argv[1:2] == ["--engine-case"]:
+        _engine_case(sys.argv[2])
+        return
+    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api"]
+    result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",
         "torch": torch.__version__,
-        "engine_tiny": engine(),
-        "reference_memory": reference_memory(),
     }
+    for section in sections:
+        print(f"== {section}", file=sys.stderr, flush=True)
+        if section == "engine":
+            result["engine"] = engine()
+        elif section == "reference_memory":
+            result["reference_memory"] = reference_memory()
+        elif section == "service":
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.service"], capture_output=True, text=True,
+                                  cwd=ROOT, check=True)
+            result["service"] = json.loads(proc.stdout)
+        elif section == "api":
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.api_load"], capture_output=True, text=True,
+                                  cwd=ROOT, check=True)
+            result["api"] = json.loads(proc.stdout)
+        else:
+            raise SystemExit(f"unknown section '{section}': engine, reference_memory, service, api")
     print(json.dumps(result, indent=2))
 
 
