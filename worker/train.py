@@ -361,6 +361,8 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
                 f"step {step}: no completion could be scored (all rewards NaN); "
                 "check the grader with POST /v1/fine_tuning/alpha/graders/run",
             )
+        # On the device from here: advantages and KL never travel back to the host within the step.
+        rewards, finite = rewards.to(device), finite.to(device)
         t_score = time.perf_counter() - t0
 
         # 3. Reference log-probs, in micro-batches of whole groups ------------------------------------
@@ -379,8 +381,8 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         fold_kl = ref_logp is not None and hp("kl_in_reward")
         # Whitening a KL-shaped reward over several micro-batches needs every group's KL up front.
         prepass = fold_kl and n_micro > 1 and hp("normalize_advantages")
-        kl_seq = torch.zeros(batch_size * k)
-        advantages = torch.zeros(batch_size, k)
+        kl_seq = torch.zeros(batch_size * k, device=device)
+        advantages = torch.zeros(batch_size, k, device=device)
         old_logp: list[Tensor] = []
         if not fold_kl:
             # The advantages do not depend on the policy's log-probs: all of them now.
@@ -391,7 +393,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             with torch.no_grad(), autocast:
                 for sl in micro:
                     old_logp.append(completion_logprobs(model, ro.rows(sl), temperature=temperature)[0])
-            kl_seq = rloo.sequence_kl(torch.cat(old_logp), ref_logp, mask, hp("kl_estimator")).float().cpu()
+            kl_seq = rloo.sequence_kl(torch.cat(old_logp), ref_logp, mask, hp("kl_estimator")).float()
             advantages = _advantages(cfg, rewards, kl_seq.view(batch_size, k), finite)
         norm = rloo.loss_normalizer(loss_mask, hp("loss_aggregation"))
         has_loss = bool(loss_mask.any())
@@ -412,7 +414,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
                     if entropy is not None:
                         entropy_sum += (entropy.float() * mask[sl]).sum()
                     if ref_logp is not None:
-                        kl_seq[sl] = rloo.sequence_kl(old_logp[m], ref_logp[sl], mask[sl], hp("kl_estimator")).cpu()
+                        kl_seq[sl] = rloo.sequence_kl(old_logp[m], ref_logp[sl], mask[sl], hp("kl_estimator"))
                     if fold_kl and not prepass:
                         # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
                         rows = slice(m * rows_per_micro, (m + 1) * rows_per_micro)
