@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -112,3 +113,18 @@ async def run_db(session: Session, fn: Callable[..., T], *args: Any) -> T:
     from anyio import to_thread
 
     return await to_thread.run_sync(work)
+
+
+def ends_session(handler: Callable[..., T]) -> Callable[..., T]:
+    """For a sync handler (which FastAPI runs in a worker thread): close its ``session`` in that same
+    thread when it returns, so the transaction's end (a ROLLBACK round trip on a server database)
+    never runs on the event loop, and the connection is back in the pool before the thread is."""
+
+    @functools.wraps(handler)
+    def run(*args: Any, **kwargs: Any) -> T:
+        try:
+            return handler(*args, **kwargs)
+        finally:
+            kwargs["session"].close()
+
+    return run

@@ -91,7 +91,11 @@ class AuthMiddleware:
         self.cache: dict[str, tuple[float, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # behind a proxy prefix (uvicorn --root-path)
+            path = path[len(root) :]
+        if scope["type"] != "http" or not path.startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         from anyio import to_thread

@@ -306,6 +306,16 @@ def test_revoked_key_is_401_within_the_auth_cache_time(env, monkeypatch, cache_s
         assert_error(client.get("/v1/fine_tuning/jobs", headers=headers), 401, param=None, code="invalid_api_key")
 
 
+def test_behind_a_path_prefix_the_key_is_still_checked(app, auth) -> None:
+    """Behind a proxy that mounts the API under a prefix (uvicorn --root-path), /v1 routes keep
+    their key check: without a key 401, with one 200 (never a 500, never let through)."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, root_path="/api") as prefixed:
+        assert_error(prefixed.get("/v1/files"), 401, param=None, code="missing_api_key")
+        assert prefixed.get("/v1/files", headers=auth).status_code == 200
+
+
 def test_bearer_scheme_is_case_insensitive(client, auth) -> None:
     key = auth["Authorization"].removeprefix("Bearer ")
     assert client.get("/v1/files", headers={"Authorization": f"bearer {key}"}).status_code == 200

@@ -195,3 +195,21 @@ def test_a_shared_prompt_gives_the_full_forwards_logprobs_and_gradient(policy) -
     for name in g_full:
         torch.testing.assert_close(g_shared[name], g_full[name], rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().sum() > 0 for g in g_full.values())
+
+
+def test_nan_logits_fail_the_rollout_clearly_and_never_index_past_the_vocabulary(policy) -> None:
+    import copy
+
+    from worker.records import JobError
+    from worker.rollout import sample
+
+    logits = torch.tensor([[float("nan")] * 6, [0.0, float("-inf"), 1.0, 2.0, float("nan"), 0.5]])
+    assert (sample(logits, 1.0, 1.0) < 6).all()  # a valid id, whatever the row holds
+    model, tok = policy
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(float("nan"))  # diverged weights
+    with pytest.raises(JobError) as exc:
+        TransformersBackend(broken, tok, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                            max_prompt_length=64).generate(PROMPTS, k=2, generator_seed=0)
+    assert exc.value.code == "non_finite_logits" and "learning_rate" in exc.value.message

@@ -44,7 +44,7 @@ def _preload_training_stack(**_: object) -> None:
     """In each pool child (a fresh one per job), import torch and transformers while it waits for a
     job, so a job does not pay those seconds between "running" and its first step. A thread: the pool
     gives a child's start only a few seconds. The parent never imports torch (forking after CUDA
-    initialisation is unsafe); a task that arrives first simply waits on the same import."""
+    initialisation is unsafe); a task that arrives first waits for it (``wait_for_preload``)."""
 
     def preload() -> None:
         try:
@@ -58,4 +58,16 @@ def _preload_training_stack(**_: object) -> None:
         except Exception:  # the task's own import will report it
             pass
 
-    threading.Thread(target=preload, name="preload-torch", daemon=True).start()
+    global _PRELOAD
+    _PRELOAD = threading.Thread(target=preload, name="preload-torch", daemon=True)
+    _PRELOAD.start()
+
+
+_PRELOAD: threading.Thread | None = None
+
+
+def wait_for_preload() -> None:
+    """A job's own imports wait for the preload to finish: two threads importing the same module
+    tree at once can see a partly initialised module."""
+    if _PRELOAD is not None:
+        _PRELOAD.join()

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from worker.records import JobError
+
 
 @dataclass
 class Rollout:
@@ -211,6 +213,8 @@ class TransformersBackend:
             # One query a step: its mask is the padding mask, given as SDPA's 4-D boolean mask, which
             # the model takes as is instead of rebuilding it at every step.
             attention = attention.bool()[:, None, None, :]
+        # Diverged weights show from the first logits on: one check a rollout, not one a token.
+        broken = torch.isnan(logits).any() | (~torch.isfinite(logits)).all(dim=-1).any()
         for t in range(self.max_new_tokens):
             token = sample(logits, self.temperature, self.top_p)
             token = token.masked_fill_(done, pad)
@@ -227,6 +231,11 @@ class TransformersBackend:
             )
             logits = out.logits[:, -1, :]
             position = position + 1
+        if bool(broken):
+            raise NonFiniteLogits(
+                "the policy's logits are NaN (or all infinite) for some prompts: the weights have diverged. "
+                "Lower learning_rate, or set precision to fp32"
+            )
         return torch.stack(tokens, dim=1)
 
 
@@ -271,6 +280,11 @@ def _preallocated_layer_class() -> type:
         def get_seq_length(self) -> int:
             return self.length
 
+        def _unsupported(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError("the rollout's preallocated KV cache only grows (and repeats its batch)")
+
+        crop = batch_select_indices = reset = offload = prefetch = _unsupported
+
         def batch_repeat_interleave(self, repeats: int) -> None:
             if self.is_initialized:
                 self.key_buf = self.key_buf.repeat_interleave(repeats, dim=0)
@@ -302,21 +316,36 @@ def _decode_mask_is_padding_only(config: Any) -> bool:
     return layer_types is None or all(t == "full_attention" for t in layer_types)
 
 
+class NonFiniteLogits(JobError):
+    """The policy produced NaN logits while sampling: the job fails with ``non_finite_logits``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("non_finite_logits", message)
+
+
 def sample(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     """One token per row from ``softmax(logits / temperature)``, nucleus-filtered when ``top_p < 1``.
 
-    Inverse-CDF sampling: one uniform per row, placed in the row's cumulative distribution. This is
-    exact categorical sampling, like ``torch.multinomial``, which draws one exponential per
-    vocabulary entry instead (a 32 x 512 draw costs 0.29 ms against 0.02 ms here on the CPU, a
-    tenth of a small model's decode step). A token of probability 0 is never drawn: its cumulative
-    value equals its predecessor's, and the uniform lies strictly below the total."""
+    On the CPU, inverse-CDF sampling: one uniform per row, placed in the row's cumulative
+    distribution. That is exact categorical sampling, like ``torch.multinomial``, which draws one
+    exponential per vocabulary entry instead (a 32 x 512 draw costs 0.29 ms against 0.02 ms here, a
+    tenth of a small model's decode step). A token of probability 0 is never drawn: the CPU's
+    cumulative sum adds in order, so its value equals its predecessor's, and the uniform lies
+    strictly below the total. Elsewhere ``torch.multinomial``: a GPU's parallel scan adds in another
+    order, so the sum could step (or dip) by an ulp at a token of probability 0, and its exponential
+    draw is cheap there. Rows whose logits hold NaN give some valid token id; ``_sample`` reports them."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         probs = _nucleus(probs, top_p)
+    if probs.device.type != "cpu":
+        probs = torch.nan_to_num(probs, nan=0.0)
+        empty = probs.sum(dim=-1, keepdim=True) <= 0  # NaN rows: uniform, so multinomial does not raise
+        return torch.multinomial(probs + empty, 1).squeeze(1)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    token = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    return token.masked_fill_(token >= probs.shape[-1], 0)  # NaN rows only (reported by _sample)
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:

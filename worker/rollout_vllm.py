@@ -165,6 +165,7 @@ def _policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in model.state_dict().items():
             if "lora_" in name or "modules_to_save" in name:
                 continue
-            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor
+            # A copy: the merged values must survive the unmerge, however the engine consumes these.
+            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor.detach().clone()
     finally:
         model.unmerge_adapter()

@@ -146,6 +146,9 @@ def run_job(job_id: str) -> str:
 
 def _train(job: Job) -> Any:
     # Imported here: the Celery parent process stays free of torch; only the process that trains loads it.
+    from worker.celery_app import wait_for_preload
+
+    wait_for_preload()
     from worker.config import TrainConfig
     from worker.train import train
 

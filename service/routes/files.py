@@ -8,7 +8,7 @@ from fastapi import APIRouter, Form, UploadFile
 from fastapi.responses import FileResponse
 
 from service import crud
-from service.db import write_lock
+from service.db import ends_session, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
@@ -36,6 +36,7 @@ def file_object(f: File) -> dict[str, Any]:
 
 
 @router.post("", summary="Upload a JSONL prompt dataset")
+@ends_session
 def create_file(
     session: SessionDep,
     project: ProjectDep,
@@ -73,6 +74,7 @@ def create_file(
 
 
 @router.get("", summary="List files")
+@ends_session
 def list_files(
     session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None
 ) -> JSON:
@@ -95,11 +97,13 @@ def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:
 
 
 @router.get("/{file_id}", summary="Retrieve a file")
+@ends_session
 def read_file(session: SessionDep, project: ProjectDep, file_id: str) -> JSON:
     return JSON(file_object(_get(session, project, file_id)))
 
 
 @router.get("/{file_id}/content", summary="Download a file's content", response_class=FileResponse)
+@ends_session
 def read_file_content(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> FileResponse:
     f = _get(session, project, file_id)
     path = confined(settings.artifacts_dir, f.path)
@@ -109,6 +113,7 @@ def read_file_content(session: SessionDep, project: ProjectDep, settings: Settin
 
 
 @router.delete("/{file_id}", summary="Delete a file")
+@ends_session
 def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> JSON:
     f = _get(session, project, file_id)
     if crud.files_in_use(session=session, file_id=f.id):

@@ -16,7 +16,7 @@ from starlette.background import BackgroundTask
 
 from service import crud, graders, jobspec, queue
 from service.crud import Caller
-from service.db import run_db, write_lock
+from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import Checkpoint, File, Job, JobEvent
@@ -70,6 +70,7 @@ def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> Fil
 
 
 @router.post("", summary="Create a fine-tuning job")
+@ends_session
 def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
     grader, hp = jobspec.check_spec(body, settings=settings)
     training = _file(session, project, body.training_file, "training_file")
@@ -138,6 +139,7 @@ async def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSO
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a fine-tuning job")
+@ends_session
 def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     was = job.status
@@ -176,6 +178,7 @@ async def list_events(session: SessionDep, project: ProjectDep, paging: PagingDe
 
 
 @router.get("/{job_id}/metrics", summary="The per-step metrics series, oldest first")
+@ends_session
 def list_metrics(session: SessionDep, project: ProjectDep, job_id: str, after_step: int = 0) -> JSON:
     job = _job(session, project, job_id)
     rows = [m for m in crud.list_metrics(session=session, job=job) if m.step > after_step]
@@ -195,6 +198,7 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
 
 
 @router.get("/{job_id}/checkpoints", summary="List a job's checkpoints, newest first")
+@ends_session
 def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     rows, has_more = paging.apply(session, Checkpoint, [Checkpoint.job_seq == job.seq], "checkpoint")
@@ -206,6 +210,7 @@ def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep
     summary="Download a checkpoint (tar archive)",
     response_class=FileResponse,
 )
+@ends_session
 def read_checkpoint_content(
     session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, checkpoint_id: str
 ) -> FileResponse:
