@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.rollout import TransformersBackend, completion_logprobs, completion_mask_from
+from worker.rollout import Sampling, TransformersBackend, completion_logprobs, completion_mask_from
 from worker.train import load_policy
 
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
@@ -22,7 +22,7 @@ def policy(models_dir: Path) -> tuple[Any, Any]:
 def backend(policy: tuple[Any, Any], **kw: Any) -> TransformersBackend:
     model, tok = policy
     args = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "max_prompt_length": 64, **kw}
-    return TransformersBackend(model, tok, **args)
+    return TransformersBackend(model, tok, Sampling(**args))
 
 
 def test_completion_mask_by_hand() -> None:
@@ -210,6 +210,6 @@ def test_nan_logits_fail_the_rollout_clearly_and_never_index_past_the_vocabulary
     with torch.no_grad():
         broken.model.norm.weight.fill_(float("nan"))  # diverged weights
     with pytest.raises(JobError) as exc:
-        TransformersBackend(broken, tok, max_new_tokens=4, temperature=1.0, top_p=1.0,
-                            max_prompt_length=64).generate(PROMPTS, k=2, generator_seed=0)
+        TransformersBackend(broken, tok, Sampling(max_new_tokens=4, temperature=1.0, top_p=1.0,
+                                                  max_prompt_length=64)).generate(PROMPTS, k=2, generator_seed=0)
     assert exc.value.code == "non_finite_logits" and "learning_rate" in exc.value.message

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from worker.rollout import TransformersBackend, make_backend
+from worker.rollout import Sampling, TransformersBackend, make_backend
 from worker.train import load_policy, train
 
 FAKES = Path(__file__).parent / "fakes"
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
-SAMPLING = {"max_new_tokens": 24, "temperature": 1.0, "top_p": 1.0, "max_prompt_length": 64}
+SAMPLING = Sampling(max_new_tokens=24, temperature=1.0, top_p=1.0, max_prompt_length=64)
 
 
 @pytest.fixture
@@ -38,16 +38,16 @@ def policy(models_dir: Path) -> tuple[Any, Any]:
 
 def test_auto_samples_with_transformers_without_a_gpu_even_where_vllm_is_installed(fake_vllm, policy) -> None:
     model, tok = policy
-    backend = make_backend("auto", model, tok, device=torch.device("cpu"), **SAMPLING)
+    backend = make_backend("auto", model, tok, SAMPLING, device=torch.device("cpu"))
     assert isinstance(backend, TransformersBackend) and backend.name == "transformers"
     assert fake_vllm.LLM.instances == []
     with pytest.raises(ValueError, match="unknown rollout backend 'sglang'"):
-        make_backend("sglang", model, tok, device=torch.device("cpu"), **SAMPLING)
+        make_backend("sglang", model, tok, SAMPLING, device=torch.device("cpu"))
 
 
 def test_vllm_rollout_layout_eos_and_truncation(fake_vllm, policy) -> None:
     model, tok = policy
-    backend = make_backend("vllm", model, tok, device=torch.device("cpu"), **SAMPLING)
+    backend = make_backend("vllm", model, tok, SAMPLING, device=torch.device("cpu"))
     assert backend.name == "vllm"
     # Chat-rendered, as jobs send them: the tiny policy answers, then ends with its EOS.
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -69,7 +69,7 @@ def test_vllm_rollout_layout_eos_and_truncation(fake_vllm, policy) -> None:
         tokens = ro.completion_ids[row, :length].tolist()
         assert (ro.completion_ids[row, length:] == tok.pad_token_id).all()
         if ro.truncated[row]:
-            assert length == SAMPLING["max_new_tokens"] and not eos & set(tokens)
+            assert length == SAMPLING.max_new_tokens and not eos & set(tokens)
         else:
             ended += 1
             assert tokens[-1] in eos  # the engine left the EOS out; the backend put it back: it carries loss

@@ -59,6 +59,17 @@ class Rollout:
         )
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn, the same for every backend."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    max_prompt_length: int
+    stop: tuple[str, ...] = ()
+
+
 class RolloutBackend(Protocol):
     """Generates completions for the policy. The update always scores them with the policy itself
     (``completion_logprobs``), so a backend only has to sample from the current weights.
@@ -83,30 +94,19 @@ def make_backend(
     choice: str,
     model: Any,
     tokenizer: Any,
+    sampling: Sampling,
     *,
     device: Any,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    max_prompt_length: int,
-    stop: list[str] | None = None,
     vllm_options: dict[str, Any] | None = None,
 ) -> RolloutBackend:
     """``auto``: vLLM when it is installed and the policy is on a CUDA device, else transformers."""
     if choice not in BACKENDS:
         raise ValueError(f"unknown rollout backend '{choice}'; choose one of {', '.join(BACKENDS)}")
-    sampling: dict[str, Any] = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "max_prompt_length": max_prompt_length,
-        "stop": stop,
-    }
     if choice == "vllm" or (choice == "auto" and getattr(device, "type", "") == "cuda" and vllm_installed()):
         from worker.rollout_vllm import VLLMBackend
 
-        return VLLMBackend(model, tokenizer, **sampling, options=vllm_options or {})
-    return TransformersBackend(model, tokenizer, **sampling)
+        return VLLMBackend(model, tokenizer, sampling, options=vllm_options or {})
+    return TransformersBackend(model, tokenizer, sampling)
 
 
 def vllm_installed() -> bool:
@@ -121,21 +121,11 @@ class TransformersBackend:
 
     name = "transformers"
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        max_prompt_length: int,
-        stop: list[str] | None = None,
-    ) -> None:
+    def __init__(self, model: Any, tokenizer: Any, sampling: Sampling) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.stop = list(stop or [])
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.max_prompt_length = max_prompt_length
+        self.stop = list(sampling.stop)
+        self.max_new_tokens, self.max_prompt_length = sampling.max_new_tokens, sampling.max_prompt_length
+        self.temperature, self.top_p = sampling.temperature, sampling.top_p
         self.eos_ids = _eos_ids(model, tokenizer)
 
     def sync(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from worker.records import JobError
-from worker.rollout import Rollout, _eos_ids
+from worker.rollout import Rollout, Sampling, _eos_ids
 
 # Where vLLM keeps the model it runs, by version (V1 in-process engine first).
 _MODEL_PATHS = (
@@ -33,24 +33,15 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        max_prompt_length: int,
-        stop: list[str] | None = None,
-        options: dict[str, Any] | None = None,
+        self, model: Any, tokenizer: Any, sampling: Sampling, *, options: dict[str, Any] | None = None
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         from vllm import LLM
 
         options = dict(options or {})
         self.model, self.tokenizer = model, tokenizer
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.max_prompt_length, self.stop = max_prompt_length, list(stop or [])
+        self.max_new_tokens, self.max_prompt_length = sampling.max_new_tokens, sampling.max_prompt_length
+        self.temperature, self.top_p, self.stop = sampling.temperature, sampling.top_p, list(sampling.stop)
         self.eos_ids = _eos_ids(model, tokenizer)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         path = str(options.pop("model_path", None) or base.config.name_or_path)
@@ -60,7 +51,7 @@ class VLLMBackend:
                 tokenizer=path,
                 dtype=options.pop("dtype", "auto"),
                 gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.3)),
-                max_model_len=max_prompt_length + max_new_tokens,
+                max_model_len=self.max_prompt_length + self.max_new_tokens,
                 enable_prefix_caching=True,  # a prompt's k samples share its prefill
                 seed=0,
                 **options,

@@ -39,7 +39,7 @@ from worker.config import TrainConfig
 from worker.data import batch_indices, load_items, prompt_text
 from worker.records import JobError, Recorder
 from worker.rewards import RewardModels, score_batch
-from worker.rollout import Rollout, RolloutBackend, completion_logprobs, make_backend
+from worker.rollout import Rollout, RolloutBackend, Sampling, completion_logprobs, make_backend
 
 # Hyperparameters a resumed run may change (they do not alter what was learned so far).
 RESUMABLE_CHANGES = frozenset(
@@ -260,16 +260,19 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     )
     scheduler = make_scheduler(optimizer, hp("lr_scheduler"), hp("warmup_ratio"), total_steps)
     try:
-        backend = make_backend(
-            cfg.extra.get("rollout_backend", "auto"),
-            model,
-            tokenizer,
-            device=device,
+        sampling = Sampling(
             max_new_tokens=hp("max_new_tokens"),
             temperature=hp("temperature"),
             top_p=hp("top_p"),
             max_prompt_length=hp("max_prompt_length"),
-            stop=hp("stop"),
+            stop=tuple(hp("stop") or ()),
+        )
+        backend = make_backend(
+            cfg.extra.get("rollout_backend", "auto"),
+            model,
+            tokenizer,
+            sampling,
+            device=device,
             vllm_options=cfg.extra.get("vllm_options"),
         )
     except ImportError as exc:
