@@ -22,6 +22,7 @@ Why this module looks the way it does:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -600,9 +601,75 @@ def _fuzzy_match(text: str, reference: str) -> float:
     return fuzz.WRatio(text, reference) / 100.0
 
 
+def _same_or(metric: Callable[[str, str], float]) -> Callable[[str, str], float]:
+    """Identical strings score 1.0 (even both empty, where n-gram metrics have nothing to count);
+    an empty string against a non-empty one scores 0.0."""
+
+    def score(text: str, reference: str) -> float:
+        if text == reference:
+            return 1.0
+        if not text.strip() or not reference.strip():
+            return 0.0
+        return float(metric(text, reference))
+
+    return score
+
+
+def _bleu(text: str, reference: str) -> float:
+    """sacrebleu's sentence BLEU (13a tokenization, exponential smoothing, brevity penalty), / 100."""
+    import sacrebleu
+
+    return float(sacrebleu.sentence_bleu(text, [reference]).score) / 100.0
+
+
+def _gleu(text: str, reference: str) -> float:
+    """Google-BLEU (nltk ``sentence_gleu``, 1- to 4-grams) on whitespace tokens."""
+    from nltk.translate.gleu_score import sentence_gleu
+
+    return float(sentence_gleu([reference.split()], text.split()))
+
+
+class _NoSynonyms:
+    """METEOR's WordNet stage, empty: the WordNet data is a download, and the service runs offline.
+    METEOR then matches exact words and Porter stems (its first two stages)."""
+
+    @staticmethod
+    def synsets(*_: object, **__: object) -> list[object]:
+        return []
+
+
+def _meteor(text: str, reference: str) -> float:
+    """METEOR (nltk ``single_meteor_score``: alpha 0.9, beta 3, gamma 0.5) on whitespace tokens,
+    exact and stem matches (no WordNet synonyms: see ``_NoSynonyms``)."""
+    from nltk.translate.meteor_score import single_meteor_score
+
+    return float(single_meteor_score(reference.split(), text.split(), wordnet=_NoSynonyms()))
+
+
+def _rouge(kind: str) -> Callable[[str, str], float]:
+    """ROUGE-N or ROUGE-L F-measure, Google's ``rouge-score`` (its tokenizer: lowercase, alphanumeric)."""
+
+    def score(text: str, reference: str) -> float:
+        from rouge_score import rouge_scorer
+
+        return float(_rouge_scorer(kind, rouge_scorer).score(reference, text)[kind].fmeasure)
+
+    return score
+
+
+@functools.cache
+def _rouge_scorer(kind: str, module: Any) -> Any:
+    return module.RougeScorer([kind])
+
+
 TEXT_SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {
     "fuzzy_match": _fuzzy_match,
-    # bleu, gleu, meteor, rouge_1..5, rouge_l, cosine: OpenAI's other metrics slot in here.
+    "bleu": _same_or(_bleu),
+    "gleu": _same_or(_gleu),
+    "meteor": _same_or(_meteor),
+    **{f"rouge_{n}": _same_or(_rouge(f"rouge{n}")) for n in range(1, 6)},
+    "rouge_l": _same_or(_rouge("rougeL")),
+    # cosine (sentence embeddings from a local model) runs where models run: still to come.
 }
 """``evaluation_metric`` name -> ``f(input, reference) -> score``; the API lists the keys."""
 

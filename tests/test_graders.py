@@ -138,6 +138,46 @@ def test_fuzzy_match_by_hand(output: str, answer: str, expected: float) -> None:
     assert score_one(fuzzy("f"), output, {"answer": answer}) == pytest.approx(expected, abs=1e-9)
 
 
+# The other metrics on one pair, worked by hand. Reference "the cat sat on the mat", output "the cat
+# is on the mat" (6 words each). Matching n-grams: 1-grams the, the, cat, on, mat = 5 of 6; 2-grams
+# "the cat", "on the", "the mat" = 3 of 5; 3-grams "on the mat" = 1 of 4; 4-grams 0 of 3.
+CAT_REF, CAT_OUT = "the cat sat on the mat", "the cat is on the mat"
+CAT_CASES = {
+    # BLEU: equal lengths, so no brevity penalty; the zero 4-gram count is smoothed to 1/2 (sacrebleu's
+    # "exp" smoothing: 1 / (2 * 3) for 3 4-grams); geometric mean (5/6 * 3/5 * 1/4 * 1/6) ** (1/4).
+    "bleu": (5 / 6 * 3 / 5 * 1 / 4 * 1 / 6) ** 0.25,
+    # GLEU: min(precision, recall) over all 1..4-grams together: 9 matches of 18 on both sides.
+    "gleu": 9 / 18,
+    # METEOR: 5 unigram matches, P = R = 5/6, Fmean = 10PR / (R + 9P) = 5/6; aligned in 2 chunks
+    # ("the cat", "on the mat"), penalty 0.5 * (2/5) ** 3 = 0.032; score 5/6 * (1 - 0.032).
+    "meteor": 5 / 6 * (1 - 0.5 * (2 / 5) ** 3),
+    # ROUGE F-measures: 1-grams 5/6 both ways; 2-grams 3/5; LCS "the cat on the mat" = 5 of 6.
+    "rouge_1": 5 / 6,
+    "rouge_2": 3 / 5,
+    "rouge_3": 1 / 4,
+    "rouge_4": 0.0,
+    "rouge_5": 0.0,  # 2 5-grams each side, none shared
+    "rouge_l": 5 / 6,
+}
+
+
+@pytest.mark.parametrize(("metric", "expected"), sorted(CAT_CASES.items()))
+def test_text_similarity_metrics_by_hand(metric: str, expected: float) -> None:
+    spec = {**fuzzy("m"), "evaluation_metric": metric}
+    assert score_one(spec, CAT_OUT, {"answer": CAT_REF}) == pytest.approx(expected, abs=1e-9)
+    assert score_one(spec, CAT_REF, {"answer": CAT_REF}) == 1.0  # identical
+    assert score_one(spec, "", {"answer": ""}) == 1.0  # identical, even empty
+    assert score_one(spec, "", {"answer": CAT_REF}) == 0.0
+    assert score_one(spec, "zebra quartz", {"answer": CAT_REF}) == 0.0  # nothing in common
+
+
+def test_meteor_matches_stems_without_wordnet() -> None:
+    """The WordNet stage needs a download; exact and Porter-stem matches still count: "cats" and
+    "cat" share the stem "cat", so all 3 words match in one chunk: P = R = 1, penalty 0.5 * (1/3) ** 3."""
+    spec = {**fuzzy("m"), "evaluation_metric": "meteor"}
+    assert score_one(spec, "the cats sat", {"answer": "the cat sat"}) == pytest.approx(1 - 0.5 / 27, abs=1e-9)
+
+
 def test_unknown_metric_lists_supported_ones() -> None:
     spec = {**fuzzy("f"), "evaluation_metric": "bleu_9000"}
     with pytest.raises(GraderError) as info:
