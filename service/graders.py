@@ -735,7 +735,8 @@ class RewardModelGrader(Grader):
 
 @dataclass(frozen=True)
 class PythonGrader(Grader):
-    """User Python code; parsed and stored only when the operator allows it. Not run yet."""
+    """User Python code, ``def grade(sample, item) -> float``; parsed only when the operator allows
+    it, run in a sandboxed process (``service.sandbox``)."""
 
     type: ClassVar[str] = "python"
     source: str
@@ -1048,6 +1049,8 @@ class GradeResult:
     rewards: list[float]
     sub_rewards: dict[str, list[float]]
     errors: dict[str, int]
+    messages: dict[str, str] = field(default_factory=dict)
+    """The first error message of each grader that gave one (python graders: why a sample failed)."""
 
 
 def _finite_or_nan(value: object) -> float:
@@ -1114,6 +1117,7 @@ def _grade(
     model_scorer: ModelScorer | None,
     prefix: str,
     sub_rewards: dict[str, list[float]],
+    messages: dict[str, str] | None = None,
 ) -> list[float]:
     """Scores of ``grader`` on the batch; records each descendant of a multi in ``sub_rewards``."""
     if isinstance(grader, StringCheckGrader):
@@ -1139,17 +1143,30 @@ def _grade(
             raise ValueError(f"model_scorer returned {len(scores)} scores for {len(samples)} samples")
         return [_finite_or_nan(s) for s in scores]
     if isinstance(grader, PythonGrader):
-        # TODO(python grader): run `source` in a sandbox; until then it is parse-only.
-        raise GraderError(
-            f"python grader '{grader.name}' is accepted but running python graders is not "
-            "implemented yet on this server",
-            param=f"{prefix or grader.name}.source",
+        from service.sandbox import Limits, run_python_grader
+        from service.settings import get_settings
+
+        settings = get_settings()
+        limits = Limits(
+            per_sample_seconds=settings.python_grader_seconds,
+            batch_seconds=settings.python_grader_seconds * len(samples) + 10,
+            memory_mb=settings.python_grader_memory_mb,
         )
+        outcomes = run_python_grader(
+            grader.source,
+            [{"output_text": s.output_text, "output_json": s.output_json} for s in samples],
+            [dict(item) for item in items],
+            limits,
+        )
+        first_error = next((o.error for o in outcomes if o.error), None)
+        if first_error is not None and messages is not None:
+            messages.setdefault(prefix or grader.name, first_error)
+        return [o.score for o in outcomes]
     if isinstance(grader, MultiGrader):
         columns: dict[str, list[float]] = {}
         for name, sub in grader.graders:
             path = f"{prefix}.{name}" if prefix else name
-            columns[name] = _grade(sub, samples, items, model_scorer, path, sub_rewards)
+            columns[name] = _grade(sub, samples, items, model_scorer, path, sub_rewards, messages)
             sub_rewards[path] = columns[name]
         rewards = []
         for i in range(len(samples)):
@@ -1169,13 +1186,14 @@ def grade_batch(
     """Score a batch: ``samples[i]`` is a completion of the training line ``items[i]``.
 
     Never raises for one bad sample (it gets NaN); raises ``GraderError`` when the grader cannot run
-    here at all (a reward model without ``model_scorer``, a python grader). Each reward-model leaf
+    here at all (a reward model without ``model_scorer``). Each reward-model leaf
     calls ``model_scorer`` once with the whole batch.
     """
     if len(samples) != len(items):
         raise ValueError(f"got {len(samples)} samples but {len(items)} items; pass one item each")
     sub_rewards: dict[str, list[float]] = {}
-    rewards = _grade(grader, samples, items, model_scorer, "", sub_rewards)
+    messages: dict[str, str] = {}
+    rewards = _grade(grader, samples, items, model_scorer, "", sub_rewards, messages)
     if not isinstance(grader, MultiGrader):
         sub_rewards = {grader.name: rewards}
     errors: dict[str, int] = {}
@@ -1183,7 +1201,7 @@ def grade_batch(
         count = sum(1 for r in column if math.isnan(r))
         if count:
             errors[name] = count
-    return GradeResult(rewards=rewards, sub_rewards=sub_rewards, errors=errors)
+    return GradeResult(rewards=rewards, sub_rewards=sub_rewards, errors=errors, messages=messages)
 
 
 def grade_one(

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices("RLOO_ARTIFACTS_DIR"), description="Files, checkpoints."
     )
     allow_python_grader: bool = Field(default=False, description="Run user python graders (sandboxed).")
+    python_grader_seconds: float = Field(default=5.0, gt=0, le=300, description="A python grader's time per sample.")
+    python_grader_memory_mb: int = Field(default=512, ge=64, description="A python grader process's address space.")
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest file upload.")
     max_line_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="Largest JSONL line.")
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")

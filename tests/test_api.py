@@ -1190,6 +1190,26 @@ def test_python_grader_validates_when_the_operator_enables_it(monkeypatch, clien
     assert resp.status_code == 200, resp.text
 
 
+def test_python_grader_dry_run_over_http(monkeypatch, client, auth) -> None:
+    """The operator enables python graders; /graders/run runs one in the sandbox: a score, or the
+    sample's error in metadata.error_messages (never a 500)."""
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    reset_caches()
+    source = "def grade(sample, item):\n    return len(sample['output_text']) / item['n']\n"
+    grader = {"type": "python", "name": "p", "source": source}
+    url = "/v1/fine_tuning/alpha/graders/run"
+    resp = client.post(url, headers=auth, json={"grader": grader, "model_sample": "abcd", "item": {"n": 8}})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["reward"] == 0.5 and resp.json()["sub_rewards"] == {"p": 0.5}
+    resp = client.post(url, headers=auth, json={"grader": grader, "model_sample": "abcd", "item": {"n": 0}})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["reward"] is None and body["metadata"]["errors"] == {"p": 1}
+    assert body["metadata"]["error_messages"] == {"p": "ZeroDivisionError: division by zero"}
+
+
 def test_grader_body_unknown_key_is_400(client, auth) -> None:
     resp = client.post(
         "/v1/fine_tuning/alpha/graders/validate", headers=auth, json={"grader": STRING_CHECK, "extra": 1}

@@ -628,13 +628,20 @@ def test_python_grader_disabled_inside_multi() -> None:
     assert info.value.param == "grader.graders.py.type"
 
 
-def test_python_grader_parsed_when_allowed_but_not_run_yet() -> None:
-    grader = parse_grader(PYTHON_SPEC, allow_python=True)
-    assert isinstance(grader, PythonGrader)
-    assert grader.source == PYTHON_SPEC["source"]
-    assert grader_to_dict(grader) == PYTHON_SPEC
-    with pytest.raises(GraderError, match="not implemented"):
-        grade_batch(grader, [Sample("x")], [{}])
+def test_python_grader_runs_when_allowed_and_reports_each_samples_error() -> None:
+    spec = {"type": "python", "name": "py", "source": (
+        "def grade(sample, item):\n"
+        "    if sample['output_json'] is not None:\n"
+        "        return float(sample['output_json']['n'] == item['n'])\n"
+        "    return len(sample['output_text']) / item['n']\n"
+    )}
+    grader = parse_grader(spec, allow_python=True)
+    assert isinstance(grader, PythonGrader) and grader_to_dict(grader) == spec
+    samples = [Sample('{"n": 3}'), Sample("abcd"), Sample("ab")]
+    result = grade_batch(grader, samples, [{"n": 3}, {"n": 2}, {"n": 0}])
+    assert result.rewards[:2] == [1.0, 2.0] and math.isnan(result.rewards[2])  # 2 / 0
+    assert result.errors == {"py": 1}
+    assert result.messages == {"py": "ZeroDivisionError: division by zero"}
 
 
 # --------------------------------------------------------------------------------------------------

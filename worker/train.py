@@ -491,6 +491,14 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             "tokens_per_s": gen_tokens / time_step,
             "trained_tokens": counters["trained_tokens"],
         }
+        for name, message in graded.messages.items():  # the first error of each grader, once a run
+            if name not in counters.setdefault("reported_grader_errors", []):
+                counters["reported_grader_errors"].append(name)
+                recorder.event(
+                    f"Grader '{name}' could not score a sample at step {step}: {message} (such samples "
+                    f"score NaN; graders.{name}.errors counts them)",
+                    level="warn",
+                )
         for name, values in graded.sub_rewards.items():
             vals = [v for v in values if math.isfinite(v)]
             metrics[f"graders.{name}.mean"] = sum(vals) / len(vals) if vals else float("nan")

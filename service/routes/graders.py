@@ -47,5 +47,10 @@ def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
     return JSON({
         "reward": reward if finite else None,
         "sub_rewards": {k: (v if v == v else None) for k, v in sub.items()},
-        "metadata": {"errors": result.errors, "name": grader.name, "type": grader.type},
+        "metadata": {
+            "errors": result.errors,
+            "error_messages": result.messages,
+            "name": grader.name,
+            "type": grader.type,
+        },
     })
