@@ -46,6 +46,8 @@ __all__ = [
     "TemplateKeyError",
     "TextSimilarityGrader",
     "TEXT_SIMILARITY_METRICS",
+    "GraderUnavailable",
+    "HttpGrader",
     "grade_batch",
     "grade_one",
     "grader_to_dict",
@@ -743,6 +745,21 @@ class PythonGrader(Grader):
 
 
 @dataclass(frozen=True)
+class HttpGrader(Grader):
+    """Scores by an HTTP endpoint of the user's (an operator-allowlisted URL): a POST of the batch,
+    ``{"samples": [{"sample": {...}, "item": {...}}, ...]}``, answered ``{"scores": [number|null]}``."""
+
+    type: ClassVar[str] = "http"
+    url: str
+    timeout_seconds: float = 10.0
+
+
+class GraderUnavailable(RuntimeError):
+    """A grader that could not score at all (an http grader's endpoint down or broken): the job
+    fails with ``grader_unavailable`` rather than training on nothing."""
+
+
+@dataclass(frozen=True)
 class MultiGrader(Grader):
     """Sub-graders combined by ``calculate_output``, a formula over their names.
 
@@ -765,7 +782,8 @@ ModelScorer = Callable[[RewardModelGrader, list[Sample], list[Mapping[str, objec
 """Scores every sample of a batch with one reward model; the worker's batched forward pass."""
 
 _GRADER_CLASSES: dict[str, type[Grader]] = {
-    cls.type: cls for cls in (StringCheckGrader, TextSimilarityGrader, RewardModelGrader, MultiGrader, PythonGrader)
+    cls.type: cls
+    for cls in (StringCheckGrader, TextSimilarityGrader, RewardModelGrader, MultiGrader, PythonGrader, HttpGrader)
 }
 
 # type -> (required keys, optional keys); "type" and "name" are common to all.
@@ -775,6 +793,7 @@ _GRADER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "reward_model": (("model",), ("input",)),
     "multi": (("graders", "calculate_output"), ()),
     "python": (("source",), ()),
+    "http": (("url",), ("timeout_seconds",)),
 }
 
 PYTHON_GRADER_DISABLED = (
@@ -887,7 +906,41 @@ def _parse(spec: object, *, param: str, allow_python: bool, depth: int) -> Grade
     if kind == "python":
         return PythonGrader(name=name, source=_require_nonempty(spec, "source", param=param, kind=kind))
 
+    if kind == "http":
+        return _parse_http(spec, name=name, param=param)
+
     return _parse_multi(spec, name=name, param=param, allow_python=allow_python, depth=depth)
+
+
+def _url_under(url: str, prefix: str) -> bool:
+    """Same scheme and host (and port), and the path under the prefix's: "https://a.io" does not
+    admit "https://a.io.evil.net/", nor "https://a.io/x" admit "https://a.io/xy"."""
+    from urllib.parse import urlsplit
+
+    u, p = urlsplit(url), urlsplit(prefix)
+    if (u.scheme, u.netloc.lower()) != (p.scheme, p.netloc.lower()) or u.scheme not in ("http", "https"):
+        return False
+    base = p.path.rstrip("/")
+    return u.path == base or u.path.startswith(base + "/") or not base
+
+
+def _parse_http(spec: Mapping[str, object], *, name: str, param: str) -> HttpGrader:
+    from service.settings import get_settings
+
+    url = _require_nonempty(spec, "url", param=param, kind="http")
+    allowed = get_settings().http_grader_urls
+    if not any(_url_under(url, prefix) for prefix in allowed):
+        where = f"one of: {', '.join(allowed)}" if allowed else "none: http graders are off on this server"
+        raise GraderError(
+            f"url {url!r} is not on the operator's allowlist (RLOO_HTTP_GRADER_URLS, URL prefixes; {where})",
+            param=f"{param}.url",
+        )
+    timeout = spec.get("timeout_seconds", 10.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 120:
+        raise GraderError(
+            f"timeout_seconds must be a number in (0, 120]; got {_describe(timeout)}", param=f"{param}.timeout_seconds"
+        )
+    return HttpGrader(name=name, url=url, timeout_seconds=float(timeout))
 
 
 def _parse_multi(spec: Mapping[str, object], *, name: str, param: str, allow_python: bool, depth: int) -> MultiGrader:
@@ -1022,6 +1075,8 @@ def grader_to_dict(grader: Grader) -> dict[str, object]:
             out["input"] = grader.input
     elif isinstance(grader, PythonGrader):
         out["source"] = grader.source
+    elif isinstance(grader, HttpGrader):
+        out.update(url=grader.url, timeout_seconds=grader.timeout_seconds)
     elif isinstance(grader, MultiGrader):
         out["graders"] = {name: grader_to_dict(sub) for name, sub in grader.graders}
         out["calculate_output"] = grader.calculate_output
@@ -1162,6 +1217,8 @@ def _grade(
         if first_error is not None and messages is not None:
             messages.setdefault(prefix or grader.name, first_error)
         return [o.score for o in outcomes]
+    if isinstance(grader, HttpGrader):
+        return _grade_http(grader, samples, items)
     if isinstance(grader, MultiGrader):
         columns: dict[str, list[float]] = {}
         for name, sub in grader.graders:
@@ -1174,6 +1231,64 @@ def _grade(
             rewards.append(value if math.isfinite(value) else NAN)
         return rewards
     raise TypeError(f"not a parsed grader: {grader!r}")
+
+
+HTTP_GRADER_ATTEMPTS = 3
+HTTP_GRADER_BATCH = 256
+
+
+def _grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[Mapping[str, object]]) -> list[float]:
+    """POST the batch (in chunks of 256); a connection error, a time-out or a 5xx is retried twice
+    (after 0.5 s, then 1 s); then, or on any answer that is not the scores, ``GraderUnavailable``."""
+    import time
+
+    import httpx
+
+    scores: list[float] = []
+    with httpx.Client(timeout=grader.timeout_seconds, follow_redirects=False) as client:
+        for start in range(0, len(samples), HTTP_GRADER_BATCH):
+            chunk = range(start, min(start + HTTP_GRADER_BATCH, len(samples)))
+            body = {
+                "samples": [
+                    {"sample": {"output_text": samples[i].output_text, "output_json": samples[i].output_json},
+                     "item": dict(items[i])}
+                    for i in chunk
+                ]
+            }
+            problem = ""
+            for attempt in range(HTTP_GRADER_ATTEMPTS):
+                if attempt:
+                    time.sleep(0.5 * attempt)
+                try:
+                    resp = client.post(grader.url, json=body)
+                except httpx.HTTPError as exc:
+                    problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    continue
+                if resp.status_code >= 500:
+                    problem = f"HTTP {resp.status_code}"
+                    continue
+                scores += _http_scores(grader, resp, len(chunk))
+                break
+            else:
+                raise GraderUnavailable(
+                    f"http grader '{grader.name}': {grader.url} did not answer after {HTTP_GRADER_ATTEMPTS} "
+                    f"attempts ({problem}); each waits {grader.timeout_seconds:g} s (timeout_seconds)"
+                )
+    return scores
+
+
+def _http_scores(grader: HttpGrader, resp: Any, n: int) -> list[float]:
+    where = f"http grader '{grader.name}': {grader.url}"
+    if resp.status_code != 200:
+        raise GraderUnavailable(f"{where} answered HTTP {resp.status_code}: {resp.text[:200]}")
+    try:
+        scores = resp.json()["scores"]
+    except (ValueError, KeyError, TypeError):
+        raise GraderUnavailable(f'{where} must answer {{"scores": [...]}}; got {resp.text[:200]!r}') from None
+    if not isinstance(scores, list) or len(scores) != n:
+        got = f"{len(scores)} scores" if isinstance(scores, list) else _describe(scores)
+        raise GraderUnavailable(f"{where} answered {got} for {n} samples")
+    return [NAN if s is None or isinstance(s, bool) else _finite_or_nan(s) for s in scores]
 
 
 def grade_batch(

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices("RLOO_ARTIFACTS_DIR"), description="Files, checkpoints."
     )
     allow_python_grader: bool = Field(default=False, description="Run user python graders (sandboxed).")
+    http_grader_urls: list[str] = Field(
+        default_factory=list,
+        description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",
+    )
     python_grader_seconds: float = Field(default=5.0, gt=0, le=300, description="A python grader's time per sample.")
     python_grader_memory_mb: int = Field(default=512, ge=64, description="A python grader process's address space.")
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest file upload.")

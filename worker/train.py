@@ -349,13 +349,16 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
 
         # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
         t0 = time.perf_counter()
-        graded = score_batch(
-            grader,
-            prompts=[p for p in prompts for _ in range(k)],
-            texts=ro.texts,
-            items=[item for item in batch for _ in range(k)],
-            reward_models=reward_models,
-        )
+        try:
+            graded = score_batch(
+                grader,
+                prompts=[p for p in prompts for _ in range(k)],
+                texts=ro.texts,
+                items=[item for item in batch for _ in range(k)],
+                reward_models=reward_models,
+            )
+        except graders.GraderUnavailable as exc:
+            raise JobError("grader_unavailable", f"step {step}: {exc}") from None
         rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
         finite = torch.isfinite(rewards)
         if not finite.any():

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from service import graders
 from service.deps import ProjectDep, SettingsDep
-from service.errors import bad_request
+from service.errors import APIError, bad_request
 from service.responses import JSON
 from service.schemas import GraderRun, GraderValidate
 
@@ -40,7 +40,10 @@ def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
     item = dict(body.item)
     if body.reference_answer is not None:
         item.setdefault("reference_answer", body.reference_answer)
-    result = graders.grade_batch(grader, [graders.Sample(output_text=body.model_sample)], [item])
+    try:
+        result = graders.grade_batch(grader, [graders.Sample(output_text=body.model_sample)], [item])
+    except graders.GraderUnavailable as exc:
+        raise APIError(502, str(exc), param="grader", code="grader_unavailable") from None
     reward = result.rewards[0]
     sub = {name: values[0] for name, values in result.sub_rewards.items()}
     finite = reward == reward

@@ -1,0 +1,190 @@
+"""The http grader against real HTTP servers on loopback: a batch POSTed, scores read back; the
+operator's allowlist; retries of a flaky endpoint; a dead or slow endpoint fails clearly and soon."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from service.graders import GraderError, GraderUnavailable, Sample, grade_batch, grader_to_dict, parse_grader
+
+
+class Endpoint:
+    """A scoring server: ``behaviour(n_calls, body) -> (status, body or None to hang)``."""
+
+    def __init__(self, behaviour: Any) -> None:
+        self.calls: list[dict[str, Any]] = []
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                endpoint.calls.append(body)
+                status, answer = behaviour(len(endpoint.calls), body)
+                if answer is None:
+                    time.sleep(3)
+                    return
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def serve(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from service.db import reset_caches
+
+    started: list[Endpoint] = []
+
+    def start(behaviour: Any) -> Endpoint:
+        endpoint = Endpoint(behaviour)
+        started.append(endpoint)
+        monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", json.dumps([f"http://127.0.0.1:{endpoint.server.server_port}/"]))
+        reset_caches()
+        return endpoint
+
+    yield start
+    for endpoint in started:
+        endpoint.close()
+    reset_caches()
+
+
+def spec(url: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "http", "name": "remote", "url": url, **extra}
+
+
+def length_scores(_: int, body: dict[str, Any]) -> tuple[int, Any]:
+    return 200, {"scores": [len(s["sample"]["output_text"]) / s["item"]["n"] for s in body["samples"]]}
+
+
+def test_the_batch_goes_in_one_post_and_scores_come_back_in_order(serve) -> None:
+    endpoint = serve(length_scores)
+    grader = parse_grader(spec(endpoint.url))
+    assert grader_to_dict(grader) == spec(endpoint.url, timeout_seconds=10.0)
+    result = grade_batch(grader, [Sample("ab"), Sample('{"k": 1}'), Sample("")], [{"n": 4}, {"n": 8}, {"n": 1}])
+    assert result.rewards == [0.5, 1.0, 0.0]
+    assert len(endpoint.calls) == 1
+    assert endpoint.calls[0]["samples"][1] == {"sample": {"output_text": '{"k": 1}', "output_json": {"k": 1}},
+                                               "item": {"n": 8}}
+
+
+def test_null_scores_are_nan_and_counted(serve) -> None:
+    endpoint = serve(lambda n, body: (200, {"scores": [1.0, None, "x"]}))
+    result = grade_batch(parse_grader(spec(endpoint.url)), [Sample("a")] * 3, [{}] * 3)
+    assert result.rewards[0] == 1.0 and math.isnan(result.rewards[1]) and math.isnan(result.rewards[2])
+    assert result.errors == {"remote": 2}
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed", "says"),
+    [
+        ("http://127.0.0.1:9/score", [], "http graders are off on this server"),
+        ("http://evil.example/score", ["http://grader.example/"], "not on the operator's allowlist"),
+        ("http://grader.example.evil.net/x", ["http://grader.example"], "not on the operator's allowlist"),
+        ("http://grader.example/xy", ["http://grader.example/x"], "not on the operator's allowlist"),
+        ("https://grader.example/x/y", ["http://grader.example/x"], "not on the operator's allowlist"),
+        ("file:///etc/passwd", ["file:///"], "not on the operator's allowlist"),
+    ],
+)
+def test_only_allowlisted_urls(monkeypatch, url: str, allowed: list[str], says: str) -> None:
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", json.dumps(allowed))
+    reset_caches()
+    with pytest.raises(GraderError) as info:
+        parse_grader(spec(url))
+    assert info.value.param == "grader.url" and says in info.value.message
+    reset_caches()
+
+
+def test_timeout_seconds_is_checked(serve) -> None:
+    endpoint = serve(length_scores)
+    for bad in (0, 121, "5", True):
+        with pytest.raises(GraderError) as info:
+            parse_grader(spec(endpoint.url, timeout_seconds=bad))
+        assert info.value.param == "grader.timeout_seconds"
+
+
+def test_a_flaky_endpoint_is_retried(serve) -> None:
+    endpoint = serve(lambda n, body: (503, {"error": "busy"}) if n < 3 else length_scores(n, body))
+    result = grade_batch(parse_grader(spec(endpoint.url)), [Sample("ab")], [{"n": 2}])
+    assert result.rewards == [1.0] and len(endpoint.calls) == 3
+
+
+def test_a_dead_endpoint_fails_clearly_and_soon(serve) -> None:
+    endpoint = serve(length_scores)
+    grader = parse_grader(spec(endpoint.url))
+    endpoint.close()  # nothing listens there any more
+    t0 = time.monotonic()
+    with pytest.raises(GraderUnavailable) as info:
+        grade_batch(grader, [Sample("a")], [{"n": 1}])
+    assert time.monotonic() - t0 < 5
+    assert endpoint.url in str(info.value) and "did not answer after 3 attempts" in str(info.value)
+
+
+def test_a_hanging_endpoint_times_out(serve) -> None:
+    endpoint = serve(lambda n, body: (200, None))  # never answers in time
+    t0 = time.monotonic()
+    with pytest.raises(GraderUnavailable, match="ReadTimeout"):
+        grade_batch(parse_grader(spec(endpoint.url, timeout_seconds=0.3)), [Sample("a")], [{"n": 1}])
+    assert time.monotonic() - t0 < 4  # 3 attempts of 0.3 s and 1.5 s of backoff
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        ((400, {"error": "bad"}), "answered HTTP 400"),
+        ((200, {"score": [1]}), 'must answer {"scores": [...]}'),
+        ((200, {"scores": [1, 2]}), "answered 2 scores for 1 samples"),
+        ((200, {"scores": "1"}), "answered a string"),
+    ],
+)
+def test_a_broken_answer_fails_clearly_without_retrying(serve, answer: tuple[int, Any], says: str) -> None:
+    endpoint = serve(lambda n, body: answer)
+    with pytest.raises(GraderUnavailable) as info:
+        grade_batch(parse_grader(spec(endpoint.url)), [Sample("a")], [{"n": 1}])
+    assert says in str(info.value) and len(endpoint.calls) == 1
+
+
+def test_a_job_whose_http_grader_dies_fails_with_grader_unavailable(serve, tmp_path, models_dir) -> None:
+    from tests.test_train import ListRecorder, config
+    from worker.records import JobError
+    from worker.train import train
+
+    endpoint = serve(lambda n, body: (200, {"scores": [0.5] * len(body["samples"])}) if n <= 2 else (500, {}))
+    rec = ListRecorder()
+    with pytest.raises(JobError) as info:
+        train(config(tmp_path, models_dir, spec(endpoint.url), max_steps=5), rec)
+    assert info.value.code == "grader_unavailable" and "step 3" in info.value.message
+    assert len(rec.steps) == 2
+
+
+def test_dry_run_over_http_reports_a_dead_endpoint_as_502(serve, client, auth) -> None:
+    endpoint = serve(length_scores)
+    url = "/v1/fine_tuning/alpha/graders/run"
+    body = {"grader": spec(endpoint.url), "model_sample": "abcd", "item": {"n": 8}}
+    resp = client.post(url, headers=auth, json=body)
+    assert resp.status_code == 200 and resp.json()["reward"] == 0.5, resp.text
+    endpoint.close()
+    resp = client.post(url, headers=auth, json=body)
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "grader_unavailable", resp.text
