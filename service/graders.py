@@ -55,6 +55,8 @@ __all__ = [
     "parse_grader",
     "referenced_item_keys",
     "render",
+    "parse_judge_score",
+    "render_judge_messages",
     "render_pairs",
     "render_reward_model_inputs",
     "template_item_keys",
@@ -740,6 +742,32 @@ class RewardModelGrader(Grader):
 
 
 @dataclass(frozen=True)
+class ScoreModelGrader(Grader):
+    """An LLM judge: a local causal LM reads ``input`` (chat messages whose contents are templates),
+    answers greedily, and the first number of its answer, clamped into ``range``, is the score.
+    Scored on the worker (``parse_judge_score`` reads the answer)."""
+
+    type: ClassVar[str] = "score_model"
+    model: str
+    input: tuple[tuple[str, str], ...]
+    """(role, content template) per message."""
+    range: tuple[float, float] = (0.0, 1.0)
+    max_tokens: int = 16
+
+
+_JUDGE_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def parse_judge_score(answer: str, low: float, high: float) -> float:
+    """The first number in a judge's answer, clamped into [low, high]; NaN when there is none."""
+    match = _JUDGE_NUMBER.search(answer)
+    if match is None:
+        return NAN
+    value = float(match.group())
+    return float(min(high, max(low, value))) if math.isfinite(value) else NAN
+
+
+@dataclass(frozen=True)
 class PythonGrader(Grader):
     """User Python code, ``def grade(sample, item) -> float``; parsed only when the operator allows
     it, run in a sandboxed process (``service.sandbox``)."""
@@ -788,7 +816,10 @@ ModelScorer = Callable[[Any, list[Sample], list[Mapping[str, object]]], list[flo
 
 _GRADER_CLASSES: dict[str, type[Grader]] = {
     cls.type: cls
-    for cls in (StringCheckGrader, TextSimilarityGrader, RewardModelGrader, MultiGrader, PythonGrader, HttpGrader)
+    for cls in (
+        StringCheckGrader, TextSimilarityGrader, RewardModelGrader, ScoreModelGrader, MultiGrader, PythonGrader,
+        HttpGrader,
+    )
 }
 
 # type -> (required keys, optional keys); "type" and "name" are common to all.
@@ -796,6 +827,7 @@ _GRADER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "string_check": (("input", "reference", "operation"), ()),
     "text_similarity": (("input", "reference", "evaluation_metric"), ()),
     "reward_model": (("model",), ("input",)),
+    "score_model": (("model", "input"), ("range", "sampling_params")),
     "multi": (("graders", "calculate_output"), ()),
     "python": (("source",), ()),
     "http": (("url",), ("timeout_seconds",)),
@@ -908,6 +940,9 @@ def _parse(spec: object, *, param: str, allow_python: bool, depth: int) -> Grade
             template = _require_template(spec, "input", param=param, kind=kind)
         return RewardModelGrader(name=name, model=model, input=template)
 
+    if kind == "score_model":
+        return _parse_score_model(spec, name=name, param=param)
+
     if kind == "python":
         return PythonGrader(name=name, source=_require_nonempty(spec, "source", param=param, kind=kind))
 
@@ -915,6 +950,62 @@ def _parse(spec: object, *, param: str, allow_python: bool, depth: int) -> Grade
         return _parse_http(spec, name=name, param=param)
 
     return _parse_multi(spec, name=name, param=param, allow_python=allow_python, depth=depth)
+
+
+def _parse_score_model(spec: Mapping[str, object], *, name: str, param: str) -> ScoreModelGrader:
+    model = _require_nonempty(spec, "model", param=param, kind="score_model")
+    messages = spec["input"]
+    if not isinstance(messages, list) or not messages:
+        raise GraderError(
+            'input of a score_model grader must be a non-empty list of {"role", "content"} messages',
+            param=f"{param}.input",
+        )
+    parsed: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        where = f"{param}.input.{i}"
+        if not isinstance(message, Mapping) or set(message) - {"role", "content", "type"} or "content" not in message:
+            raise GraderError('each input message is {"role": ..., "content": "..."}', param=where)
+        role, content = message.get("role", "user"), message["content"]
+        if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
+            raise GraderError(
+                "role must be system, developer, user or assistant, and content a string", param=where
+            )
+        _validate_template(content, param=f"{where}.content")
+        parsed.append(("system" if role == "developer" else role, content))
+    low_high = spec.get("range", [0, 1])
+    if (
+        not isinstance(low_high, list)
+        or len(low_high) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in low_high)
+        or not low_high[0] < low_high[1]
+    ):
+        raise GraderError(
+            f"range must be [low, high] with low < high; got {_describe(low_high)}", param=f"{param}.range"
+        )
+    sampling = spec.get("sampling_params", {})
+    if not isinstance(sampling, Mapping) or set(sampling) - {"max_tokens", "max_completions_tokens"}:
+        raise GraderError("sampling_params may set max_tokens only (the judge answers greedily)",
+                          param=f"{param}.sampling_params")
+    max_tokens = sampling.get("max_tokens", sampling.get("max_completions_tokens", 16))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
+        raise GraderError("sampling_params.max_tokens must be an integer in 1..256",
+                          param=f"{param}.sampling_params.max_tokens")
+    return ScoreModelGrader(name=name, model=model, input=tuple(parsed), range=(float(low_high[0]),
+                            float(low_high[1])), max_tokens=max_tokens)
+
+
+def render_judge_messages(
+    grader: ScoreModelGrader, samples: Sequence[Sample], items: Sequence[Mapping[str, object]]
+) -> list[list[dict[str, str]] | None]:
+    """The judge's chat messages per sample; None where a template misses a key."""
+    out: list[list[dict[str, str]] | None] = []
+    for sample, item in zip(samples, items, strict=True):
+        try:
+            out.append([{"role": role, "content": render(content, sample=sample, item=item)}
+                        for role, content in grader.input])
+        except TemplateKeyError:
+            out.append(None)
+    return out
 
 
 def _url_under(url: str, prefix: str) -> bool:
@@ -1020,11 +1111,12 @@ def _leaves(grader: Grader) -> list[Grader]:
     return [grader]
 
 
-def model_leaves(grader: Grader, param: str = "grader") -> list[tuple[RewardModelGrader, str]]:
-    """Reward-model leaves with the dotted ``param`` path of each (job creation checks their models)."""
+def model_leaves(grader: Grader, param: str = "grader") -> list[tuple[RewardModelGrader | ScoreModelGrader, str]]:
+    """Leaves naming a model (reward and judge models) with the dotted ``param`` path of each (job
+    creation checks their models)."""
     if isinstance(grader, MultiGrader):
         return [pair for name, sub in grader.graders for pair in model_leaves(sub, f"{param}.graders.{name}")]
-    return [(grader, param)] if isinstance(grader, RewardModelGrader) else []
+    return [(grader, param)] if isinstance(grader, (RewardModelGrader, ScoreModelGrader)) else []
 
 
 def referenced_item_keys(grader: Grader) -> set[str]:
@@ -1039,6 +1131,9 @@ def referenced_item_keys(grader: Grader) -> set[str]:
             keys |= template_item_keys(leaf.input) | template_item_keys(leaf.reference)
         elif isinstance(leaf, RewardModelGrader) and leaf.input is not None:
             keys |= template_item_keys(leaf.input)
+        elif isinstance(leaf, ScoreModelGrader):
+            for _, content in leaf.input:
+                keys |= template_item_keys(content)
     return keys
 
 
@@ -1058,7 +1153,7 @@ def first_missing_item_key(grader: Grader, keys_summary: Mapping[str, Any]) -> t
 def is_model_grader(grader: Grader) -> bool:
     """True if any leaf needs a model (a reward model, a ``cosine`` similarity): the worker scores it."""
     return any(
-        isinstance(leaf, RewardModelGrader)
+        isinstance(leaf, (RewardModelGrader, ScoreModelGrader))
         or (isinstance(leaf, TextSimilarityGrader) and leaf.evaluation_metric in MODEL_METRICS)
         for leaf in _leaves(grader)
     )
@@ -1086,6 +1181,13 @@ def grader_to_dict(grader: Grader) -> dict[str, object]:
         out["source"] = grader.source
     elif isinstance(grader, HttpGrader):
         out.update(url=grader.url, timeout_seconds=grader.timeout_seconds)
+    elif isinstance(grader, ScoreModelGrader):
+        out.update(
+            model=grader.model,
+            input=[{"role": role, "content": content} for role, content in grader.input],
+            range=list(grader.range),
+            sampling_params={"max_tokens": grader.max_tokens},
+        )
     elif isinstance(grader, MultiGrader):
         out["graders"] = {name: grader_to_dict(sub) for name, sub in grader.graders}
         out["calculate_output"] = grader.calculate_output
@@ -1196,7 +1298,7 @@ def _grade(
         return [
             NAN if pair is None else _finite_or_nan(metric(*pair)) for pair in _render_pairs(grader, samples, items)
         ]
-    if isinstance(grader, RewardModelGrader):
+    if isinstance(grader, (RewardModelGrader, ScoreModelGrader)):
         return _model_scores(grader, samples, items, model_scorer, prefix)
     if isinstance(grader, PythonGrader):
         from service.sandbox import Limits, run_python_grader
@@ -1242,7 +1344,7 @@ def _model_scores(
     prefix: str,
 ) -> list[float]:
     if model_scorer is None:
-        reward_model = isinstance(grader, RewardModelGrader)
+        reward_model = isinstance(grader, (RewardModelGrader, ScoreModelGrader))
         what, field_ = ("its model loaded", "model") if reward_model else ("the embedding model", "evaluation_metric")
         raise GraderError(
             f"{grader.type} grader '{grader.name}' needs {what}; model graders run on the worker",

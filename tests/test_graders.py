@@ -556,9 +556,9 @@ def test_unknown_key_named_with_param() -> None:
 
 def test_unknown_type_lists_types() -> None:
     with pytest.raises(GraderError) as info:
-        parse_grader({"type": "score_model", "name": "x"})
+        parse_grader({"type": "label_model", "name": "x"})
     assert info.value.param == "grader.type"
-    assert "'score_model'" in info.value.message
+    assert "'label_model'" in info.value.message
     assert "string_check" in info.value.message and "reward_model" in info.value.message
 
 

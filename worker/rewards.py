@@ -61,6 +61,44 @@ class RewardModels:
                 out[i] = sim
         return out
 
+    @torch.inference_mode()
+    def judge(self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]) -> list[float]:
+        """An LLM judge's scores: its greedy answer to the rendered messages, the first number in it."""
+        model, tok = self._load_judge(leaf.model)
+        chats = graders.render_judge_messages(leaf, samples, items)
+        todo = [(i, chat) for i, chat in enumerate(chats) if chat is not None]
+        out = [float("nan")] * len(chats)
+        for start in range(0, len(todo), self.batch_size):
+            chunk = todo[start : start + self.batch_size]
+            if tok.chat_template:
+                prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for _, c in chunk]
+            else:  # a base model: the messages' contents, one after the other
+                prompts = ["\n\n".join(m["content"] for m in c) + "\n" for _, c in chunk]
+            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            generated = model.generate(
+                **enc, max_new_tokens=leaf.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+            answers = tok.batch_decode(generated[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            for (i, _), answer in zip(chunk, answers, strict=True):
+                out[i] = graders.parse_judge_score(answer, *leaf.range)
+        return out
+
+    def _load_judge(self, name: str) -> tuple[Any, Any]:
+        key = f"judge:{name}"
+        if key not in self._loaded:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = confined(self.models_dir, name)
+            tok = AutoTokenizer.from_pretrained(path)
+            tok.padding_side = "left"
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            model: Any = AutoModelForCausalLM.from_pretrained(path)
+            model = model.to(self.device).eval()
+            model.generation_config.temperature = model.generation_config.top_p = None  # greedy, no warnings
+            self._loaded[key] = (model, tok)
+        return self._loaded[key]
+
     def _embedder(self) -> Any:
         if self._embedding is None:
             from sentence_transformers import SentenceTransformer
@@ -128,6 +166,8 @@ def score_batch(
         def scorer(leaf: Any, s: Sequence[graders.Sample], i: Sequence[Mapping[str, Any]]) -> list[float]:
             if isinstance(leaf, graders.TextSimilarityGrader):
                 return reward_models.cosine(leaf, s, i)
+            if isinstance(leaf, graders.ScoreModelGrader):
+                return reward_models.judge(leaf, s, i)
             return reward_models.score(leaf, s, i, prompts)
 
     return graders.grade_batch(grader, samples, items, model_scorer=scorer)

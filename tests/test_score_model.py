@@ -1,0 +1,125 @@
+"""score_model: an LLM judge, a local causal LM that reads chat messages (templates) and answers; the
+first number of its greedy answer, clamped into ``range``, is the score. The judge here is the tiny
+policy taught on the spot to answer "7" to anything (a real model, loaded the way a job loads one)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.graders import GraderError, grader_to_dict, parse_grader, parse_judge_score
+from worker.rewards import RewardModels, score_batch
+
+JUDGE = {
+    "type": "score_model",
+    "name": "judge",
+    "model": "judge-7",
+    "input": [
+        {"role": "system", "content": "Rate the answer from 0 to 10."},
+        {"role": "user", "content": "Question: {{ item.question }}\nAnswer: {{ sample.output_text }}"},
+    ],
+    "range": [0, 10],
+}
+
+
+@pytest.fixture(scope="module")
+def judge_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.tinymodels import build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("judges")
+    build_tiny_causal_lm(root / "judge-7", seed=0)
+    tok = AutoTokenizer.from_pretrained(root / "judge-7")
+    model = AutoModelForCausalLM.from_pretrained(root / "judge-7")
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    words = ["sky", "blue", "grass", "green", "what", "color", "is", "the", "answer", "rate"]
+    answer = tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for _ in range(80):  # teach it one reply: "7", then EOS, after any rendered conversation
+        texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),)))
+                 for n in torch.randint(1, 12, (8,))]
+        chats = [[{"role": "system", "content": "Rate the answer from 0 to 10."}, {"role": "user", "content": t}]
+                 for t in texts]
+        ids = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True) for c in chats]
+        ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
+        loss = torch.zeros(())
+        for prompt in ids:
+            seq = torch.tensor([prompt + answer])
+            logits = model(input_ids=seq).logits[0, len(prompt) - 1 : -1]
+            loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(root / "judge-7")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("answer", "low", "high", "expected"),
+    [("7", 0, 10, 7.0), ("Score: 8.5/10", 0, 10, 8.5), ("-3", 0, 1, 0.0), ("12", 1, 10, 10.0),
+     ("I cannot rate this.", 0, 1, math.nan), ("0.25 then 0.75", 0, 1, 0.25), ("1e-1", 0, 1, 0.1)],
+)
+def test_the_first_number_of_the_answer_clamped_into_the_range(answer, low, high, expected) -> None:
+    got = parse_judge_score(answer, low, high)
+    assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
+
+
+def test_the_spec_round_trips_and_bad_specs_name_their_field() -> None:
+    grader = parse_grader(JUDGE)
+    assert grader_to_dict(grader) == {**JUDGE, "sampling_params": {"max_tokens": 16}}
+    for bad, param in (({"input": []}, "grader.input"),
+                       ({"input": [{"role": "robot", "content": "x"}]}, "grader.input.0"),
+                       ({"input": [{"content": "{{ item.x"}]}, "grader.input.0.content"),
+                       ({"range": [5, 1]}, "grader.range"), ({"range": [0, "10"]}, "grader.range"),
+                       ({"sampling_params": {"temperature": 1}}, "grader.sampling_params"),
+                       ({"sampling_params": {"max_tokens": 0}}, "grader.sampling_params.max_tokens")):
+        with pytest.raises(GraderError) as info:
+            parse_grader({**JUDGE, **bad})
+        assert info.value.param == param, (bad, info.value)
+
+
+def test_the_judge_scores_each_sample(judge_models: Path) -> None:
+    models = RewardModels(models_dir=judge_models, device=torch.device("cpu"))
+    items = [{"question": "What color is the sky?"}, {"question": "Grass?"}, {}]  # the last lacks question
+    result = score_batch(parse_grader(JUDGE), prompts=[""] * 3, texts=["blue", "green", "x"], items=items,
+                         reward_models=models)
+    assert result.rewards[:2] == [7.0, 7.0] and math.isnan(result.rewards[2])
+    narrow = parse_grader({**JUDGE, "range": [0, 5]})
+    assert score_batch(narrow, prompts=[""], texts=["blue"], items=items[:1], reward_models=models).rewards == [5.0]
+
+
+def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth) -> None:
+    from tests.test_api import assert_error, job_body, upload_ok
+
+    file_id = upload_ok(client, auth)["id"]
+
+    def create(grader: dict) -> object:
+        body = job_body(file_id)
+        body["method"]["reinforcement"]["grader"] = grader
+        return client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+
+    assert_error(create({**JUDGE, "model": "no-such-judge"}), 400, param="method.reinforcement.grader.model")
+    # The demo lines have no "question": the judge's template asks for one.
+    resp = create({**JUDGE, "model": "tiny-policy"})
+    err = assert_error(resp, 400, param="method.reinforcement.grader")
+    assert "item.question" in err["message"], err
+    ok = {**JUDGE, "model": "tiny-policy",
+          "input": [{"role": "user", "content": "Q: {{ item.answer }} A: {{ sample.output_text }}"}]}
+    assert create(ok).status_code == 200
+
+
+def test_a_job_trains_on_a_judge(judge_models: Path, tmp_path: Path) -> None:
+    from tests.test_train import ListRecorder, config
+    from worker.tinymodels import build_tiny_causal_lm
+    from worker.train import train
+
+    if not (judge_models / "tiny-policy").exists():  # the policy, beside the judge in this models root
+        build_tiny_causal_lm(judge_models / "tiny-policy", seed=0)
+    spec = {**JUDGE, "input": [{"role": "user", "content": "{{ item.answer }} / {{ sample.output_text }}"}]}
+    rec = ListRecorder()
+    train(config(tmp_path, judge_models, spec, max_steps=1), rec)
+    assert rec.steps[0]["train_reward_mean"] == 7.0 and rec.steps[0]["graders.judge.mean"] == 7.0
