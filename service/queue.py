@@ -12,6 +12,7 @@ from service.settings import get_settings
 log = logging.getLogger("rloo.queue")
 
 RUN_JOB_TASK = "rloo.run_job"
+RUN_GRADER_TASK = "rloo.run_grader"
 
 
 @lru_cache
@@ -37,3 +38,39 @@ def enqueue_job(job_id: str) -> bool:
     except Exception as exc:  # the broker is down; the reconciler re-sends queued jobs
         log.warning("could not queue %s: %s", job_id, exc)
         return False
+
+
+def grader_queue() -> str:
+    """Dry runs of model graders go to their own queue, so they never wait behind a training job
+    (``rloo worker --queue <queue>-graders``; ``rloo up`` starts one)."""
+    return f"{get_settings().queue}-graders"
+
+
+class GraderRunTimeout(TimeoutError):
+    pass
+
+
+def run_model_grader(payload: dict[str, object], *, timeout: float) -> dict[str, object]:
+    """Send a model grader's dry run to a worker and wait for its answer (a Redis list the worker
+    pushes to). The task expires with the wait, so a worker that comes late does not run it."""
+    import json
+    import secrets
+
+    import redis
+
+    reply = f"rloo:grader-reply:{secrets.token_hex(16)}"
+    client().send_task(
+        RUN_GRADER_TASK, args=[payload, reply], queue=grader_queue(), expires=timeout, retry=True
+    )
+    conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=timeout + 5)
+    try:
+        answer = conn.blpop([reply], timeout=max(1, int(timeout)))
+    finally:
+        conn.close()
+    if answer is None:
+        raise GraderRunTimeout(
+            f"no worker answered on queue '{grader_queue()}' within {timeout:g} s; model graders run on a worker "
+            f"started with `rloo worker --queue {grader_queue()}` (rloo up starts one)"
+        )
+    result: dict[str, object] = json.loads(answer[1])
+    return result

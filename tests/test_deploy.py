@@ -12,7 +12,8 @@ from tests.conftest import ROOT
 def test_compose_has_the_production_stack() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) >= {"postgres", "redis", "migrate", "api", "worker"}
+    assert set(services) >= {"postgres", "redis", "migrate", "api", "worker", "grader-worker"}
+    assert services["grader-worker"]["command"] == ["rloo", "worker", "--queue", "rloo-graders"]
     for name in ("migrate", "api", "worker"):
         env = services[name]["environment"]
         assert env["DATABASE_URL"].startswith("postgresql://") and env["REDIS_URL"].startswith("redis://")

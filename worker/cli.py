@@ -210,7 +210,14 @@ class Stack:
         log_dir = settings.home_dir / "logs"
         log_dir.mkdir(exist_ok=True)
         exe = [sys.executable, "-m", "worker.cli"]
-        for name, args in (("api", ["api", "--host", self.host, "--port", str(self.port)]), ("worker", ["worker"])):
+        from service.queue import grader_queue
+
+        parts = (
+            ("api", ["api", "--host", self.host, "--port", str(self.port)]),
+            ("worker", ["worker"]),
+            ("grader-worker", ["worker", "--queue", grader_queue()]),  # dry runs of model graders
+        )
+        for name, args in parts:
             out = open(log_dir / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
             self.children.append(
                 subprocess.Popen(

@@ -14,7 +14,7 @@ from typing import Any
 from service import crud
 from service.db import session_scope
 from service.models import Job
-from service.queue import RUN_JOB_TASK
+from service.queue import RUN_GRADER_TASK, RUN_JOB_TASK
 from service.settings import get_settings
 from worker.celery_app import app
 from worker.checkpoints import job_checkpoints_dir, latest_resumable
@@ -142,6 +142,65 @@ def run_job(job_id: str) -> str:
             )
         session.commit()
     return result.stopped or "succeeded"
+
+
+@app.task(name=RUN_GRADER_TASK)
+def run_grader(payload: dict[str, Any], reply: str) -> str:
+    """A model grader's dry run (``POST /graders/run``): score one sample, push the answer to the
+    Redis list ``reply``, where the API waits for it. Never raises: errors are answers too."""
+    import json
+
+    import redis
+
+    try:
+        answer = _grade_one(payload)
+    except Exception as exc:
+        log.warning("grader dry run failed: %s", exc)
+        answer = {"error": f"the grader could not run on the worker: {type(exc).__name__}: {exc}",
+                  "code": "grader_failed", "status": 502}
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    try:
+        conn.rpush(reply, json.dumps(answer))
+        conn.expire(reply, 300)  # nobody waits past the API's time-out; the key must not linger
+    finally:
+        conn.close()
+    return "error" if "error" in answer else "ok"
+
+
+def _grade_one(payload: dict[str, Any]) -> dict[str, Any]:
+    import math
+
+    from worker.celery_app import wait_for_preload
+
+    wait_for_preload()
+    from service import graders
+    from worker.rewards import RewardModels, score_batch
+    from worker.train import pick_device
+
+    settings = get_settings()
+    try:
+        grader = graders.parse_grader(payload["grader"], allow_python=settings.allow_python_grader)
+    except graders.GraderError as exc:
+        return {"error": exc.message, "code": "invalid_grader", "status": 400}
+    models = RewardModels(models_dir=settings.models_dir, device=pick_device(None),
+                          embedding_model=settings.embedding_model)
+    try:
+        result = score_batch(grader, prompts=[""], texts=[payload["model_sample"]], items=[payload["item"]],
+                             reward_models=models)
+    except (OSError, ValueError) as exc:  # a model that will not load
+        return {"error": f"{type(exc).__name__}: {exc}", "code": "model_load_failed", "status": 400}
+    except graders.GraderUnavailable as exc:
+        return {"error": str(exc), "code": "grader_unavailable", "status": 502}
+
+    def finite(v: float) -> float | None:
+        return v if math.isfinite(v) else None
+
+    return {
+        "reward": finite(result.rewards[0]),
+        "sub_rewards": {name: finite(column[0]) for name, column in result.sub_rewards.items()},
+        "errors": result.errors,
+        "messages": result.messages,
+    }
 
 
 def _train(job: Job) -> Any:

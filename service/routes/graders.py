@@ -29,31 +29,44 @@ def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) 
 
 @router.post("/run", summary="Run a grader on one sample")
 def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
+    """Rule graders answer here; model graders (reward and judge models, cosine) run on a worker
+    of the graders queue, within RLOO_GRADER_RUN_SECONDS."""
     grader = _parse(body.grader, settings)
-    if graders.is_model_grader(grader):
-        raise bad_request(
-            "This grader uses a model, which runs on a worker; dry runs of model graders are not "
-            "available yet. Try the rule graders here.",
-            "grader",
-            "model_grader_unsupported",
-        )
     item = dict(body.item)
     if body.reference_answer is not None:
         item.setdefault("reference_answer", body.reference_answer)
+    if graders.is_model_grader(grader):
+        return JSON(_run_on_worker(grader, body.model_sample, item, settings.grader_run_seconds))
     try:
         result = graders.grade_batch(grader, [graders.Sample(output_text=body.model_sample)], [item])
     except graders.GraderUnavailable as exc:
         raise APIError(502, str(exc), param="grader", code="grader_unavailable") from None
-    reward = result.rewards[0]
-    sub = {name: values[0] for name, values in result.sub_rewards.items()}
-    finite = reward == reward
-    return JSON({
-        "reward": reward if finite else None,
+    return JSON(_answer(grader, result.rewards[0], {k: v[0] for k, v in result.sub_rewards.items()},
+                        result.errors, result.messages))
+
+
+def _answer(grader: Any, reward: float, sub: dict[str, float], errors: Any, messages: Any) -> dict[str, Any]:
+    return {
+        "reward": reward if reward == reward else None,
         "sub_rewards": {k: (v if v == v else None) for k, v in sub.items()},
-        "metadata": {
-            "errors": result.errors,
-            "error_messages": result.messages,
-            "name": grader.name,
-            "type": grader.type,
-        },
-    })
+        "metadata": {"errors": errors, "error_messages": messages, "name": grader.name, "type": grader.type},
+    }
+
+
+def _run_on_worker(grader: Any, sample: str, item: dict[str, Any], timeout: float) -> dict[str, Any]:
+    from service import queue
+
+    payload: dict[str, object] = {"grader": graders.grader_to_dict(grader), "model_sample": sample, "item": item}
+    try:
+        answer = queue.run_model_grader(payload, timeout=timeout)
+    except queue.GraderRunTimeout as exc:
+        raise APIError(504, str(exc), param="grader", code="grader_timeout") from None
+    except Exception as exc:  # the broker is down
+        raise APIError(503, f"the queue is unreachable ({type(exc).__name__}); try again shortly",
+                       param=None, code="queue_unavailable") from None
+    if "error" in answer:
+        raise APIError(int(answer.get("status", 502)), str(answer["error"]), param="grader",  # type: ignore[call-overload]
+                       code=str(answer.get("code", "grader_failed")))
+    reward = answer["reward"]
+    return _answer(grader, float("nan") if reward is None else reward, answer["sub_rewards"],  # type: ignore[arg-type]
+                   answer["errors"], answer["messages"])
