@@ -111,10 +111,23 @@ class RewardModels:
     def score(
         self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]], prompts: Sequence[str]
     ) -> list[float]:
-        """One score per sample: the model's single logit on ``prompt + completion`` (or ``leaf.input``)."""
+        """One score per sample: the model's single logit on the conversation (or on ``leaf.input``).
+
+        Without ``input``, the classic RLHF reward: the prompt and its completion. A reward model
+        whose tokenizer has a chat template reads them as it was trained to: the item's ``messages``
+        (or its prompt as one user turn) and the completion as the assistant's turn, rendered with
+        its own template; one without reads ``prompt + completion`` as the policy saw them."""
         model, tok = self._load(leaf.model)
         rendered = graders.render_reward_model_inputs(leaf, samples, items)
-        if leaf.input is None:  # the classic RLHF reward: the prompt and its completion
+        if leaf.input is None and getattr(tok, "chat_template", None):
+            rendered = [
+                tok.apply_chat_template(
+                    [*_conversation(item, prompt), {"role": "assistant", "content": sample.output_text}],
+                    tokenize=False,
+                )
+                for prompt, sample, item in zip(prompts, samples, items, strict=True)
+            ]
+        elif leaf.input is None:
             rendered = [prompt + sample.output_text for prompt, sample in zip(prompts, samples, strict=True)]
         todo = [i for i, text in enumerate(rendered) if text is not None]
         texts = [rendered[i] for i in todo]
@@ -134,6 +147,13 @@ class RewardModels:
         for i, score in zip(todo, scores, strict=True):
             out[i] = score
         return out
+
+
+def _conversation(item: Mapping[str, Any], prompt: str) -> list[dict[str, str]]:
+    messages = item.get("messages")
+    if isinstance(messages, list) and all(isinstance(m, Mapping) and "content" in m for m in messages):
+        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in messages]
+    return [{"role": "user", "content": str(item.get("prompt", prompt))}]
 
 
 def embedding_model_path(name: str, models_dir: Path) -> Path:
