@@ -7,6 +7,7 @@ TEST_DATABASE_URL and TEST_REDIS_URL are set (the CI sets both).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -115,44 +116,56 @@ class LiveStack:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.logs.glob("*.log")))
 
 
-@pytest.fixture(params=["embedded", "production"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(
+@contextlib.contextmanager
+def live_stack(
+    kind: str, tmp_path: Path, models_dir: Path, *, env: dict[str, str] | None = None, worker: bool = True
+) -> Iterator[LiveStack]:
+    """The API (and one worker) as processes on the embedded defaults, or on the CI's PostgreSQL and
+    Redis (``production``)."""
+    full = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    full.update(
         {
             "RLOO_HOME": str(tmp_path / "var"),
             "RLOO_MODELS_DIR": str(models_dir),
             "PYTHONUNBUFFERED": "1",
             "RLOO_HEARTBEAT_SECONDS": "1",
+            **(env or {}),
         }
     )
     pg_name = None
-    if request.param == "production":
+    if kind == "production":
         server, broker = os.environ.get("TEST_DATABASE_URL"), os.environ.get("TEST_REDIS_URL")
         if not (server and broker):
             pytest.skip("TEST_DATABASE_URL and TEST_REDIS_URL not set (the CI sets them)")
         url, pg_name = _fresh_postgres_database(server)
-        env.update({"DATABASE_URL": url, "REDIS_URL": broker, "RLOO_QUEUE": f"e2e-{secrets.token_hex(4)}"})
+        full.update({"DATABASE_URL": url, "REDIS_URL": broker, "RLOO_QUEUE": f"e2e-{secrets.token_hex(4)}"})
     logs = tmp_path / "logs"
     logs.mkdir()
-    s = LiveStack(env, free_port(), logs)
+    s = LiveStack(full, free_port(), logs)
     s.cli("db", "upgrade")
     s.key = s.cli("keys", "create", "--project", "e2e").stdout.strip().splitlines()[-1]
     s.start("api", "api", "--port", str(s.port))
-    s.start("worker", "worker", "--loglevel", "INFO")
+    if worker:
+        s.start("worker", "worker", "--loglevel", "INFO")
     try:
         s.wait_ready()
         yield s
     finally:
         for name in list(s.procs):
             s.stop(name)
-        if request.param == "embedded":
+        if kind == "embedded":
             from service import embedded
             from service.settings import Settings
 
             embedded.stop_daemon(Settings(home=tmp_path / "var"))
         if pg_name:
             _drop_postgres_database(os.environ["TEST_DATABASE_URL"], pg_name)
+
+
+@pytest.fixture(params=["embedded", "production"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
+    with live_stack(request.param, tmp_path, models_dir) as s:
+        yield s
 
 
 def upload(http: httpx.Client, path: Path) -> str:

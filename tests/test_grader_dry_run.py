@@ -4,7 +4,6 @@ queue, with real processes: the API, embedded Redis and a Celery worker started 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_e2e import LiveStack, free_port
+from tests.test_e2e import LiveStack, live_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -21,25 +20,8 @@ REWARD_MODEL = {"type": "reward_model", "name": "rm", "model": "tiny-reward"}
 
 @pytest.fixture
 def live(tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1",
-                "RLOO_GRADER_RUN_SECONDS": "60"})
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    stack = LiveStack(env, free_port(), logs)
-    stack.cli("db", "upgrade")
-    stack.key = stack.cli("keys", "create", "--project", "dry").stdout.strip().splitlines()[-1]
-    stack.start("api", "api", "--port", str(stack.port))
-    try:
-        stack.wait_ready()
-        yield stack
-    finally:
-        for name in list(stack.procs):
-            stack.stop(name)
-        from service import embedded
-        from service.settings import Settings
-
-        embedded.stop_daemon(Settings(home=tmp_path / "var"))
+    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_GRADER_RUN_SECONDS": "60"}, worker=False) as s:
+        yield s
 
 
 def test_a_reward_model_dry_run_is_scored_by_a_graders_worker(live: LiveStack, models_dir: Path) -> None:

@@ -28,13 +28,10 @@ class RewardModels:
 
     def _load(self, name: str) -> tuple[Any, Any]:
         if name not in self._loaded:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+            from transformers import AutoModelForSequenceClassification
 
             path = confined(self.models_dir, name)
-            tok = AutoTokenizer.from_pretrained(path)
-            tok.padding_side = "left"
-            if tok.pad_token is None:
-                tok.pad_token = tok.eos_token
+            tok = _left_padded_tokenizer(path)
             model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
             if getattr(model.config, "num_labels", 1) != 1:
                 raise ValueError(f"reward model '{name}' has {model.config.num_labels} labels; a reward model has 1")
@@ -86,13 +83,10 @@ class RewardModels:
     def _load_judge(self, name: str) -> tuple[Any, Any]:
         key = f"judge:{name}"
         if key not in self._loaded:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM
 
             path = confined(self.models_dir, name)
-            tok = AutoTokenizer.from_pretrained(path)
-            tok.padding_side = "left"
-            if tok.pad_token is None:
-                tok.pad_token = tok.eos_token
+            tok = _left_padded_tokenizer(path)
             model: Any = AutoModelForCausalLM.from_pretrained(path)
             model = model.to(self.device).eval()
             model.generation_config.temperature = model.generation_config.top_p = None  # greedy, no warnings
@@ -147,6 +141,16 @@ class RewardModels:
         for i, score in zip(todo, scores, strict=True):
             out[i] = score
         return out
+
+
+def _left_padded_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def _conversation(item: Mapping[str, Any], prompt: str) -> list[dict[str, str]]:
