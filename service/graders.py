@@ -606,13 +606,19 @@ def _fuzzy_match(text: str, reference: str) -> float:
     return fuzz.WRatio(text, reference) / 100.0
 
 
+SIMILARITY_MAX_CHARS = 10_000
+"""The n-gram metrics read this much of each string (ROUGE-L's cost is quadratic in the length)."""
+
+
 def _same_or(metric: Callable[[str, str], float]) -> Callable[[str, str], float]:
     """Identical strings score 1.0 (even both empty, where n-gram metrics have nothing to count);
-    an empty string against a non-empty one scores 0.0."""
+    an empty string against a non-empty one scores 0.0; each string is read up to
+    ``SIMILARITY_MAX_CHARS``."""
 
     def score(text: str, reference: str) -> float:
         if text == reference:
             return 1.0
+        text, reference = text[:SIMILARITY_MAX_CHARS], reference[:SIMILARITY_MAX_CHARS]
         if not text.strip() or not reference.strip():
             return 0.0
         return float(metric(text, reference))
@@ -1011,11 +1017,15 @@ def render_judge_messages(
 def _url_under(url: str, prefix: str) -> bool:
     """Same scheme and host (and port), and the path under the prefix's: "https://a.io" does not
     admit "https://a.io.evil.net/", nor "https://a.io/x" admit "https://a.io/xy"."""
-    from urllib.parse import urlsplit
+    from urllib.parse import unquote, urlsplit
 
+    if any(ord(c) < 33 or c == "\\" for c in url):  # control characters, spaces, backslashes: refused
+        return False
     u, p = urlsplit(url), urlsplit(prefix)
     if (u.scheme, u.netloc.lower()) != (p.scheme, p.netloc.lower()) or u.scheme not in ("http", "https"):
         return False
+    if any(segment in (".", "..") for segment in unquote(u.path).split("/")):
+        return False  # "/graders/../admin" would leave the prefix once the client resolves it
     base = p.path.rstrip("/")
     return u.path == base or u.path.startswith(base + "/") or not base
 
@@ -1222,7 +1232,7 @@ class GradeResult:
 def _finite_or_nan(value: object) -> float:
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return NAN
     return number if math.isfinite(number) else NAN
 
@@ -1392,14 +1402,14 @@ def _grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[M
                 if attempt:
                     time.sleep(0.5 * attempt)
                 try:
-                    resp = client.post(grader.url, json=body)
-                except httpx.HTTPError as exc:
+                    status, data = _post_capped(client, grader, body)
+                except (httpx.HTTPError, TimeoutError) as exc:
                     problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                     continue
-                if resp.status_code >= 500:
-                    problem = f"HTTP {resp.status_code}"
+                if status >= 500:
+                    problem = f"HTTP {status}"
                     continue
-                scores += _http_scores(grader, resp, len(chunk))
+                scores += _http_scores(grader, status, data, len(chunk))
                 break
             else:
                 raise GraderUnavailable(
@@ -1409,14 +1419,35 @@ def _grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[M
     return scores
 
 
-def _http_scores(grader: HttpGrader, resp: Any, n: int) -> list[float]:
+HTTP_GRADER_MAX_BYTES = 16 * 2**20
+
+
+def _post_capped(client: Any, grader: HttpGrader, body: dict[str, Any]) -> tuple[int, bytes]:
+    """POST and read the answer within ``timeout_seconds`` in all (httpx's timeouts are per read, so
+    a byte a second would never end) and at most 16 MiB."""
+    import time
+
+    deadline = time.monotonic() + grader.timeout_seconds
+    with client.stream("POST", grader.url, json=body) as resp:
+        data = bytearray()
+        for chunk in resp.iter_bytes():
+            data += chunk
+            if len(data) > HTTP_GRADER_MAX_BYTES:
+                raise GraderUnavailable(f"http grader '{grader.name}': {grader.url} answered more than 16 MiB")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the answer took longer than {grader.timeout_seconds:g} s")
+        return resp.status_code, bytes(data)
+
+
+def _http_scores(grader: HttpGrader, status: int, data: bytes, n: int) -> list[float]:
     where = f"http grader '{grader.name}': {grader.url}"
-    if resp.status_code != 200:
-        raise GraderUnavailable(f"{where} answered HTTP {resp.status_code}: {resp.text[:200]}")
+    text = data[:200].decode("utf-8", errors="replace")
+    if status != 200:
+        raise GraderUnavailable(f"{where} answered HTTP {status}: {text}")
     try:
-        scores = resp.json()["scores"]
+        scores = json.loads(data)["scores"]
     except (ValueError, KeyError, TypeError):
-        raise GraderUnavailable(f'{where} must answer {{"scores": [...]}}; got {resp.text[:200]!r}') from None
+        raise GraderUnavailable(f'{where} must answer {{"scores": [...]}}; got {text!r}') from None
     if not isinstance(scores, list) or len(scores) != n:
         got = f"{len(scores)} scores" if isinstance(scores, list) else _describe(scores)
         raise GraderUnavailable(f"{where} answered {got} for {n} samples")

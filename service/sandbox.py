@@ -24,76 +24,112 @@ per sample, as OpenAI's graders report a grader's errors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # The child: reads {"source", "batch": [{"sample", "item"}], "per_sample_seconds"} on stdin, writes
 # one JSON line per sample: {"score": x} or {"error": "..."}.
 _RUNNER = r"""
-import json, math, signal, sys
+import json, math, os, resource, signal, sys
 
-def _audit_hook(prefixes):
-    blocked = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.spawn",
-               "ctypes.", "os.kill", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod",
-               "shutil.", "sqlite3.", "urllib.")
+def _limits(memory_mb, cpu_seconds):
+    for what, value in ((resource.RLIMIT_AS, memory_mb * 2**20), (resource.RLIMIT_CPU, cpu_seconds),
+                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_FSIZE, 16 * 2**20)):
+        resource.setrlimit(what, (value, value))
+
+# Modules a grader may not import (processes, sockets, foreign code, the garbage collector's view
+# of every object, which could reach this hook), and audit events it may not raise.
+_NO_IMPORT = frozenset({"_posixsubprocess", "subprocess", "multiprocessing", "_multiprocessing", "socket", "_socket",
+                        "ssl", "_ssl", "ctypes", "_ctypes", "gc", "pty", "fcntl", "mmap", "_thread", "threading",
+                        "resource", "signal", "_signal", "sqlite3", "_sqlite3", "urllib", "http", "asyncio"})
+# (Frames stay readable: the standard library needs them, and no grader code ever runs inside the
+# hook, whose function no object graph leads to without gc.)
+_NO_EVENTS = ("os.", "socket.", "subprocess.", "ctypes.", "shutil.", "sqlite3.", "urllib.", "signal.",
+              "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.", "builtins.input", "webbrowser.", "glob.")
+_OS_OK = frozenset({"os.listdir", "os.scandir"})  # the import system lists directories
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+def _make_hook(prefixes):
+    realpath, isinstance_, str_, bytes_, int_ = os.path.realpath, isinstance, str, bytes, int
     def hook(event, args):
-        if event.startswith(blocked):
-            raise PermissionError(f"python graders may not use {event}")
+        if event == "import":
+            name = args[0]
+            if isinstance_(name, str_) and name.partition(".")[0] in _NO_IMPORT:
+                raise PermissionError(f"python graders may not import {name}")
+            return
         if event == "open":
-            path, mode = args[0], args[1]
-            if isinstance(path, int):
+            path, mode, flags = args
+            if isinstance_(path, int_):
                 return
-            path = str(path)
-            if (mode and any(c in str(mode) for c in "wax+")) or not path.startswith(prefixes):
+            if not isinstance_(path, (str_, bytes_)):
+                raise PermissionError("python graders may open files by name only")
+            path = realpath(path.decode() if isinstance_(path, bytes_) else path)
+            writes = (mode is not None and any(c in str_(mode) for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
+            if writes or not any(path == p or path.startswith(p + "/") for p in prefixes):
                 raise PermissionError(f"python graders may not open {path}")
+            return
+        if event.startswith(_NO_EVENTS) and event not in _OS_OK:
+            raise PermissionError(f"python graders may not use {event}")
     return hook
 
 def main():
     request = json.loads(sys.stdin.read())
     per_sample = float(request["per_sample_seconds"])
-    out = sys.stdout
+    _limits(int(request["memory_mb"]), int(request["cpu_seconds"]))
+    # Results go to a private descriptor; whatever the grader prints goes to stderr.
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     import sysconfig
     library = ("stdlib", "platstdlib", "purelib", "platlib")
-    prefixes = tuple({path for key, path in sysconfig.get_paths().items() if key in library})
-    sys.addaudithook(_audit_hook(prefixes))
+    prefixes = tuple({os.path.realpath(p) for key, p in sysconfig.get_paths().items() if key in library})
+    def timed_out(signum, frame):
+        raise TimeoutError(f"grade() ran past {per_sample:g} s")
+    signal.signal(signal.SIGALRM, timed_out)
+    setitimer, timer = signal.setitimer, signal.ITIMER_REAL
+    sys.addaudithook(_make_hook(prefixes))
     namespace = {"__name__": "grader"}
+    def answer(i, result):
+        results.write(json.dumps({"i": i, **result}) + "\n")
+        results.flush()
     try:
         exec(compile(request["source"], "<grader>", "exec"), namespace)
         grade = namespace["grade"]
     except BaseException as exc:
-        message = f"the grader's source failed: {type(exc).__name__}: {exc}"
-        for _ in request["batch"]:
-            out.write(json.dumps({"error": message}) + "\n")
+        message = f"the grader's source failed: {type(exc).__name__}: {exc}"[:500]
+        for i in range(len(request["batch"])):
+            answer(i, {"error": message})
         return
-    def timed_out(signum, frame):
-        raise TimeoutError(f"grade() ran past {per_sample:g} s")
-    signal.signal(signal.SIGALRM, timed_out)
-    for one in request["batch"]:
+    for i, one in enumerate(request["batch"]):
         try:
-            signal.setitimer(signal.ITIMER_REAL, per_sample)
+            setitimer(timer, per_sample)
             try:
                 value = grade(one["sample"], one["item"])
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                setitimer(timer, 0)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"grade() returned {type(value).__name__}, not a number")
+            value = float(value)
             if math.isfinite(value):
-                result = {"score": float(value)}
+                result = {"score": value}
             else:
                 result = {"error": "grade() returned a non-finite number"}
         except MemoryError:
             result = {"error": "grade() ran out of memory"}
         except BaseException as exc:
-            result = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        out.write(json.dumps(result) + "\n")
-        out.flush()
+            try:
+                result = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            except BaseException:
+                result = {"error": type(exc).__name__}
+        answer(i, result)
 
 main()
 """
@@ -112,18 +148,6 @@ class Outcome:
     error: str | None = None
 
 
-def _limit_child(memory_mb: int, cpu_seconds: int) -> Any:
-    def apply() -> None:
-        os.setsid()  # its own process group: a time-out kills everything it started
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
-
-    return apply
-
-
 def run_python_grader(
     source: str, samples: list[dict[str, Any]], items: list[Any], limits: Limits | None = None
 ) -> list[Outcome]:
@@ -136,40 +160,64 @@ def run_python_grader(
             "source": source,
             "batch": [{"sample": s, "item": i} for s, i in zip(samples, items, strict=True)],
             "per_sample_seconds": limits.per_sample_seconds,
+            "memory_mb": limits.memory_mb,
+            "cpu_seconds": int(limits.batch_seconds) + 1,
         }
     )
-    with tempfile.TemporaryDirectory(prefix="rloo-grader-") as cwd:
+    # Files, not pipes: the child (or anything it left behind) cannot block the parent on a full
+    # pipe or hold it open; RLIMIT_FSIZE caps what it can write.
+    with (
+        tempfile.TemporaryDirectory(prefix="rloo-grader-") as cwd,
+        open(Path(cwd) / "results", "w+b") as out,
+        open(Path(cwd) / "log", "w+b") as err,
+    ):
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _RUNNER],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
             cwd=cwd,
             env={},
-            preexec_fn=_limit_child(limits.memory_mb, int(limits.batch_seconds) + 1),  # noqa: PLW1509
-            text=True,
+            start_new_session=True,  # its own process group: a time-out kills everything it started
         )
         try:
-            out, err = proc.communicate(request, timeout=limits.batch_seconds)
+            assert proc.stdin is not None
+            proc.stdin.write(request.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            proc.wait(timeout=limits.batch_seconds)
             ended = f"exited with {proc.returncode}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
             ended = f"ran past the batch limit of {limits.batch_seconds:g} s and was stopped"
-    outcomes: list[Outcome] = []
-    for line in out.splitlines():
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        lines = out.read(_OUTPUT_LIMIT).decode("utf-8", errors="replace").splitlines()
+        err.seek(0)
+        log = err.read(_OUTPUT_LIMIT).decode("utf-8", errors="replace")
+    outcomes: list[Outcome | None] = [None] * len(samples)
+    for line in lines:
         try:
             result = json.loads(line)
-        except ValueError:
+            i = result["i"]
+        except (ValueError, TypeError, KeyError):
             continue
-        if "score" in result:
-            outcomes.append(Outcome(float(result["score"])))
+        if not isinstance(i, int) or not 0 <= i < len(samples) or outcomes[i] is not None:
+            continue
+        score = result.get("score")
+        if isinstance(score, (int, float)) and not isinstance(score, bool):
+            outcomes[i] = Outcome(float(score))
         else:
-            outcomes.append(Outcome(float("nan"), str(result.get("error", "unknown error"))))
-    if len(outcomes) < len(samples):
-        detail = err.strip().splitlines()[-1] if err.strip() else ""
-        if "MemoryError" in err:
-            detail = f"out of memory ({limits.memory_mb} MiB)"
-        message = f"not graded: the grader process {ended}" + (f" ({detail})" if detail else "")
-        outcomes += [Outcome(float("nan"), message)] * (len(samples) - len(outcomes))
-    return outcomes[: len(samples)]
+            outcomes[i] = Outcome(float("nan"), str(result.get("error", "no score"))[:500])
+    detail = log.strip().splitlines()[-1][:300] if log.strip() else ""
+    if "MemoryError" in log:
+        detail = f"out of memory ({limits.memory_mb} MiB)"
+    message = f"not graded: the grader process {ended}" + (f" ({detail})" if detail else "")
+    return [o if o is not None else Outcome(float("nan"), message) for o in outcomes]
+
+
+_OUTPUT_LIMIT = 8 * 2**20

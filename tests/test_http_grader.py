@@ -104,6 +104,9 @@ def test_null_scores_are_nan_and_counted(serve) -> None:
         ("http://grader.example/xy", ["http://grader.example/x"], "not on the operator's allowlist"),
         ("https://grader.example/x/y", ["http://grader.example/x"], "not on the operator's allowlist"),
         ("file:///etc/passwd", ["file:///"], "not on the operator's allowlist"),
+        ("http://grader.example/x/../admin", ["http://grader.example/x"], "not on the operator's allowlist"),
+        ("http://grader.example/x/%2e%2e/admin", ["http://grader.example/x"], "not on the operator's allowlist"),
+        ("http://grader.example/x/\tscore", ["http://grader.example/x"], "not on the operator's allowlist"),
     ],
 )
 def test_only_allowlisted_urls(monkeypatch, url: str, allowed: list[str], says: str) -> None:
@@ -188,3 +191,50 @@ def test_dry_run_over_http_reports_a_dead_endpoint_as_502(serve, client, auth) -
     endpoint.close()
     resp = client.post(url, headers=auth, json=body)
     assert resp.status_code == 502 and resp.json()["error"]["code"] == "grader_unavailable", resp.text
+
+
+def test_a_huge_number_is_nan_not_a_crash(serve) -> None:
+    endpoint = serve(lambda n, body: (200, {"scores": [10**400, 0.5]}))
+    result = grade_batch(parse_grader(spec(endpoint.url)), [Sample("a"), Sample("b")], [{}, {}])
+    assert math.isnan(result.rewards[0]) and result.rewards[1] == 0.5
+
+
+def test_a_trickling_answer_is_cut_at_timeout_seconds(monkeypatch) -> None:
+    """httpx's timeouts are per read: an endpoint that sends a byte at a time would never time out.
+    timeout_seconds bounds the whole answer."""
+    import socket
+
+    from service.db import reset_caches
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+
+    def trickle() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+            try:
+                for _ in range(1000):
+                    conn.sendall(b" ")
+                    time.sleep(0.05)
+            except OSError:
+                pass
+            conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", json.dumps([f"http://127.0.0.1:{port}/"]))
+    reset_caches()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(GraderUnavailable, match="longer than 0.3 s"):
+            grade_batch(parse_grader(spec(f"http://127.0.0.1:{port}/s", timeout_seconds=0.3)), [Sample("a")], [{}])
+        assert time.monotonic() - t0 < 5
+    finally:
+        server.close()
+        reset_caches()

@@ -52,12 +52,28 @@ def test_unbounded_allocation_hits_the_memory_limit() -> None:
         ("import os\n    return float(bool(os.environ['DATABASE_URL']))", "KeyError: 'DATABASE_URL'"),
         # files outside Python's own library: the database, the project, /etc
         ("return float(len(open('/etc/passwd').read()))", "may not open /etc/passwd"),
-        ("import sqlite3\n    sqlite3.connect('/tmp/x.db')\n    return 1.0", "may not use sqlite3"),
+        ("import sqlite3\n    sqlite3.connect('/tmp/x.db')\n    return 1.0", "may not import sqlite3"),
         ("open('out.txt', 'w').write('x')\n    return 1.0", "may not open"),
-        ("import socket\n    socket.create_connection(('127.0.0.1', 5432))\n    return 1.0", "may not use socket"),
-        ("import subprocess\n    subprocess.run(['true'])\n    return 1.0", "may not use subprocess"),
+        ("import socket\n    socket.create_connection(('127.0.0.1', 5432))\n    return 1.0", "may not import socket"),
+        ("import subprocess\n    subprocess.run(['true'])\n    return 1.0", "may not import subprocess"),
         ("import os\n    os.system('true')\n    return 1.0", "may not use os.system"),
-        ("import ctypes\n    ctypes.CDLL(None)\n    return 1.0", "may not use ctypes"),
+        ("import ctypes\n    ctypes.CDLL(None)\n    return 1.0", "may not import ctypes"),
+        # Escapes a review found, each closed:
+        # a path that climbs out of the library with ../ (the parent's environment: its secrets)
+        ("import sysconfig\n    return float(len(open(sysconfig.get_paths()['stdlib'] + "
+         "'/../../../../../../proc/self/environ').read()))", "may not open /proc/"),
+        # os.open reports no mode: the write is in its flags
+        ("import os\n    os.open('x', os.O_WRONLY | os.O_CREAT)\n    return 1.0", "may not open"),
+        # _posixsubprocess.fork_exec raises no audit event: it cannot be imported
+        ("import _posixsubprocess\n    return 1.0", "may not import _posixsubprocess"),
+        # the garbage collector would hand over the hook's own closure; tracing would watch it run
+        ("import gc\n    return float(len(gc.get_objects()))", "may not import gc"),
+        ("import sys\n    sys.settrace(lambda *a: None)\n    return 1.0", "may not use sys.settrace"),
+        # a path-like object: open() turns it into its path before the hook sees it
+        ("class P:\n        def __fspath__(self): return '/etc/passwd'\n    open(P())\n    return 1.0",
+         "may not open /etc/passwd"),
+        ("import os\n    os.truncate('/tmp/x', 0)\n    return 1.0", "may not use os.truncate"),
+        ("import os\n    os.kill(os.getppid(), 9)\n    return 1.0", "may not use os.kill"),
     ],
 )
 def test_what_a_grader_may_not_reach(body: str, says: str | None) -> None:
@@ -118,3 +134,25 @@ def test_a_job_with_a_python_grader_trains_counts_its_errors_and_says_the_first(
     assert sum(errors) > 0 and all(m["nan_rewards"] == e for m, e in zip(rec.steps, errors, strict=True))
     said = [e for e in rec.events if "could not score" in e]
     assert len(said) == 1 and "ValueError: odd length" in said[0]  # once a run, not once a step
+
+
+def test_what_a_grader_prints_cannot_confuse_or_crash_the_parent() -> None:
+    """Results travel on a private descriptor: prints, half lines and invalid UTF-8 on stdout or
+    stderr neither crash the parent nor move a score onto another sample."""
+    source = (
+        "import sys, os\n"
+        "def grade(sample, item):\n"
+        "    print(1)\n"
+        "    sys.stdout.write('{\"i\": 1, \"score\": 99}')\n"
+        "    os.write(2, b'\\xff\\xfe not utf-8')\n"
+        "    return float(item['i'])\n"
+    )
+    assert [o.score for o in run(source, 3)] == [0.0, 1.0, 2.0]
+
+
+def test_a_process_left_behind_does_not_hold_the_parent(tmp_path) -> None:
+    """A time-out kills the grader's whole process group and never waits on its pipes."""
+    source = "def grade(sample, item):\n    while True:\n        pass\n"
+    t0 = time.monotonic()
+    out = run(source, 2, per_sample_seconds=30, batch_seconds=1.0)
+    assert time.monotonic() - t0 < 5 and all(math.isnan(o.score) for o in out)

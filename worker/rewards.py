@@ -68,10 +68,28 @@ class RewardModels:
         for start in range(0, len(todo), self.batch_size):
             chunk = todo[start : start + self.batch_size]
             if tok.chat_template:
-                prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for _, c in chunk]
+                try:
+                    prompts = [
+                        tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for _, c in chunk
+                    ]
+                except Exception as exc:  # a template that refuses these roles: unscored, not a crash
+                    raise graders.GraderUnavailable(
+                        f"score_model grader '{leaf.name}': the chat template of '{leaf.model}' refused the "
+                        f"messages ({type(exc).__name__}: {exc}); change the roles in input"
+                    ) from None
+                special = False
             else:  # a base model: the messages' contents, one after the other
                 prompts = ["\n\n".join(m["content"] for m in c) + "\n" for _, c in chunk]
-            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+                special = True
+            limit = tok.model_max_length if tok.model_max_length < 1e6 else 2048
+            enc = tok(
+                prompts,
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=max(1, limit - leaf.max_tokens),
+                add_special_tokens=special,
+            ).to(self.device)
             generated = model.generate(
                 **enc, max_new_tokens=leaf.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
             )
@@ -113,7 +131,8 @@ class RewardModels:
         its own template; one without reads ``prompt + completion`` as the policy saw them."""
         model, tok = self._load(leaf.model)
         rendered = graders.render_reward_model_inputs(leaf, samples, items)
-        if leaf.input is None and getattr(tok, "chat_template", None):
+        templated = leaf.input is None and bool(getattr(tok, "chat_template", None))
+        if templated:
             rendered = [
                 tok.apply_chat_template(
                     [*_conversation(item, prompt), {"role": "assistant", "content": sample.output_text}],
@@ -132,6 +151,7 @@ class RewardModels:
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
+                add_special_tokens=not templated,  # a chat template writes its own BOS
                 # Tokenizers without a limit report a huge sentinel for model_max_length.
                 max_length=tok.model_max_length if tok.model_max_length < 1e6 else 2048,
             )
