@@ -50,23 +50,29 @@ class GraderRunTimeout(TimeoutError):
     pass
 
 
-def run_model_grader(payload: dict[str, object], *, timeout: float) -> dict[str, object]:
+async def run_model_grader(payload: dict[str, object], *, timeout: float) -> dict[str, object]:
     """Send a model grader's dry run to a worker and wait for its answer (a Redis list the worker
-    pushes to). The task expires with the wait, so a worker that comes late does not run it."""
+    pushes to), on the event loop: a waiting dry run holds no worker thread of the API. The task
+    expires with the wait, so a worker that comes late does not run it."""
     import json
     import secrets
 
-    import redis
+    import redis.asyncio
+    from anyio import to_thread
 
     reply = f"rloo:grader-reply:{secrets.token_hex(16)}"
-    client().send_task(
-        RUN_GRADER_TASK, args=[payload, reply], queue=grader_queue(), expires=timeout, retry=True
+
+    def send() -> None:
+        client().send_task(RUN_GRADER_TASK, args=[payload, reply], queue=grader_queue(), expires=timeout, retry=True)
+
+    await to_thread.run_sync(send)
+    conn = redis.asyncio.Redis.from_url(
+        get_settings().redis_client_url, socket_timeout=timeout + 5, socket_connect_timeout=5
     )
-    conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=timeout + 5)
     try:
-        answer = conn.blpop([reply], timeout=max(1, int(timeout)))
+        answer = await conn.blpop([reply], timeout=max(1, int(timeout)))
     finally:
-        conn.close()
+        await conn.aclose()
     if answer is None:
         raise GraderRunTimeout(
             f"no worker answered on queue '{grader_queue()}' within {timeout:g} s; model graders run on a worker "

@@ -158,7 +158,7 @@ def run_grader(payload: dict[str, Any], reply: str) -> str:
         log.warning("grader dry run failed: %s", exc)
         answer = {"error": f"the grader could not run on the worker: {type(exc).__name__}: {exc}",
                   "code": "grader_failed", "status": 502}
-    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=10, socket_connect_timeout=10)
     try:
         conn.rpush(reply, json.dumps(answer))
         conn.expire(reply, 300)  # nobody waits past the API's time-out; the key must not linger
@@ -187,7 +187,7 @@ def _grade_one(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         result = score_batch(grader, prompts=[""], texts=[payload["model_sample"]], items=[payload["item"]],
                              reward_models=models)
-    except (OSError, ValueError) as exc:  # a model that will not load
+    except OSError as exc:  # a model that will not load (transformers says which and why)
         return {"error": f"{type(exc).__name__}: {exc}", "code": "model_load_failed", "status": 400}
     except graders.GraderUnavailable as exc:
         return {"error": str(exc), "code": "grader_unavailable", "status": 502}

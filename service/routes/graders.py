@@ -28,7 +28,7 @@ def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) 
 
 
 @router.post("/run", summary="Run a grader on one sample")
-def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
+async def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
     """Rule graders answer here; model graders (reward and judge models, cosine) run on a worker
     of the graders queue, within RLOO_GRADER_RUN_SECONDS."""
     grader = _parse(body.grader, settings)
@@ -36,9 +36,13 @@ def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
     if body.reference_answer is not None:
         item.setdefault("reference_answer", body.reference_answer)
     if graders.is_model_grader(grader):
-        return JSON(_run_on_worker(grader, body.model_sample, item, settings.grader_run_seconds))
-    try:
-        result = graders.grade_batch(grader, [graders.Sample(output_text=body.model_sample)], [item])
+        return JSON(await _run_on_worker(grader, body.model_sample, item, settings.grader_run_seconds))
+    from anyio import to_thread
+
+    try:  # rule graders here, in a worker thread (python and http graders wait on other processes)
+        result = await to_thread.run_sync(
+            graders.grade_batch, grader, [graders.Sample(output_text=body.model_sample)], [item]
+        )
     except graders.GraderUnavailable as exc:
         raise APIError(502, str(exc), param="grader", code="grader_unavailable") from None
     return JSON(_answer(grader, result.rewards[0], {k: v[0] for k, v in result.sub_rewards.items()},
@@ -53,12 +57,12 @@ def _answer(grader: Any, reward: float, sub: dict[str, float], errors: Any, mess
     }
 
 
-def _run_on_worker(grader: Any, sample: str, item: dict[str, Any], timeout: float) -> dict[str, Any]:
+async def _run_on_worker(grader: Any, sample: str, item: dict[str, Any], timeout: float) -> dict[str, Any]:
     from service import queue
 
     payload: dict[str, object] = {"grader": graders.grader_to_dict(grader), "model_sample": sample, "item": item}
     try:
-        answer = queue.run_model_grader(payload, timeout=timeout)
+        answer = await queue.run_model_grader(payload, timeout=timeout)
     except queue.GraderRunTimeout as exc:
         raise APIError(504, str(exc), param="grader", code="grader_timeout") from None
     except Exception as exc:  # the broker is down
