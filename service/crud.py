@@ -209,6 +209,39 @@ def claim_job(*, session: Session, job_id: str, worker: str) -> Job | None:
     return get_job_by_id(session=session, job_id=job_id)
 
 
+def release_job(*, session: Session, job: Job) -> None:
+    """The worker has stopped on a paused job (its checkpoint is written): no worker holds it now,
+    so it may be resumed."""
+    session.execute(
+        update(Job)
+        .where(Job.seq == job.seq, Job.status == "paused")
+        .values(worker=None)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+
+
+def resume_job(*, session: Session, job: Job, stale_after: float) -> bool:
+    """paused -> queued, only once the worker that paused has stopped, or has sent no heartbeat for
+    ``stale_after`` seconds (it died): one UPDATE, so a job never runs on two workers at once.
+    Returns False, changing nothing, otherwise."""
+    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
+        update(Job)
+        .where(
+            Job.seq == job.seq,
+            Job.status == "paused",
+            Job.worker.is_(None) | (Job.heartbeat_at < time.time() - stale_after),
+        )
+        .values(status="queued")
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount:
+        add_event(session=session, job=job, message="Job resumed: queued to continue from its last checkpoint")
+    session.commit()
+    session.refresh(job)
+    return bool(result.rowcount)
+
+
 def record_progress(*, session: Session, job: Job, step: int, trained_tokens: int) -> str:
     """Heartbeat and progress in one UPDATE; returns the status the row has now.
 

@@ -1375,3 +1375,40 @@ def test_cli_keys_create_prints_a_working_key(client, env, auth) -> None:
     assert resp.json()["data"] == []
     f = upload_ok(client, headers)
     assert list_ids(client, headers, "/v1/files") == [f["id"]]
+
+
+def test_pause_and_resume_state_machine(client, auth) -> None:
+    """Only a running job pauses; only a paused job whose worker has let go (or gone silent: no
+    heartbeat for 3 periods) resumes; each change is an event; illegal changes are 409."""
+    import time
+
+    from service.db import session_scope
+    from service.models import Job
+
+    file_id = upload_ok(client, auth)["id"]
+    job = create_job(client, auth, job_body(file_id))
+    jid = job["id"]
+    url = f"/v1/fine_tuning/jobs/{jid}"
+    assert_error(client.post(url + "/pause", headers=auth), 409, param=None, code="invalid_state")  # queued
+    assert_error(client.post(url + "/resume", headers=auth), 409, param=None, code="invalid_state")
+
+    def set_row(**values: object) -> None:
+        with session_scope() as session:
+            session.query(Job).filter(Job.id == jid).update(values)
+            session.commit()
+
+    set_row(status="running", worker="host:1", heartbeat_at=time.time())
+    resp = client.post(url + "/pause", headers=auth)
+    assert resp.status_code == 200 and resp.json()["status"] == "paused", resp.text
+    err = assert_error(client.post(url + "/resume", headers=auth), 409, param=None, code="invalid_state")
+    assert "pausing" in err["message"]  # its worker holds it and beats
+    set_row(heartbeat_at=time.time() - 3600)  # the worker died while pausing
+    resp = client.post(url + "/resume", headers=auth)
+    assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+    events = client.get(url + "/events", headers=auth, params={"limit": 50}).json()["data"]
+    assert any(e["message"].startswith("Job paused") for e in events)
+    assert any(e["message"].startswith("Job resumed") for e in events)
+    set_row(status="succeeded")
+    for action in ("pause", "resume"):
+        assert_error(client.post(url + f"/{action}", headers=auth), 409, param=None, code="invalid_state")
+    assert client.post("/v1/fine_tuning/jobs/ftjob-nope/pause", headers=auth).status_code == 404

@@ -264,3 +264,41 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
     # The worker survives and takes the next job.
     short = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()
     assert wait_for(http, short["id"], {"succeeded", "failed"}, 180, stack)["status"] == "succeeded"
+
+
+def test_pause_then_resume_continues_from_the_checkpoint(stack: LiveStack) -> None:
+    """running -> paused (the worker saves a checkpoint after its step and lets go), a resume that
+    comes too early is 409, then paused -> queued -> running -> succeeded: every step recorded once."""
+    http = stack.http
+    file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+    job_id = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=12)).json()["id"]
+    wait_for(http, job_id, {"running"}, 120, stack, min_step=2)
+    r = http.post(f"/fine_tuning/jobs/{job_id}/pause")
+    assert r.status_code == 200 and r.json()["status"] == "paused", r.text
+    assert http.post(f"/fine_tuning/jobs/{job_id}/pause").status_code == 409  # already paused
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the worker has let go, a resume is refused
+        events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+        if any(e["message"].startswith("Training stopped") for e in events):
+            break
+        early = http.post(f"/fine_tuning/jobs/{job_id}/resume")
+        assert early.status_code == 409 and "pausing" in early.json()["error"]["message"], early.text
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
+    paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
+    assert paused["status"] == "paused"
+    stopped_at = paused["progress"]["step"]
+    ckpts = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert [c["step_number"] for c in ckpts] == [stopped_at]  # the pause's checkpoint
+
+    r = http.post(f"/fine_tuning/jobs/{job_id}/resume")
+    assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+    job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+    assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+    metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+    assert any(f"Resumed from the checkpoint at step {stopped_at}" in e["message"] for e in events)
+    assert http.post(f"/fine_tuning/jobs/{job_id}/resume").status_code == 409  # succeeded

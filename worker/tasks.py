@@ -85,9 +85,10 @@ class Heartbeat(threading.Thread):
         while not self.stopped.wait(self.period):
             try:
                 with session_scope() as session:
-                    session.query(Job).filter(Job.seq == self.job.seq, Job.status == "running").update(
-                        {"heartbeat_at": time.time()}
-                    )
+                    # Paused too: the worker still holds the job while it saves the step's checkpoint.
+                    session.query(Job).filter(
+                        Job.seq == self.job.seq, Job.status.in_(("running", "paused")), Job.worker == WORKER_NAME
+                    ).update({"heartbeat_at": time.time()})
                     session.commit()
             except Exception as exc:  # a blip in the database must not kill the job
                 log.warning("heartbeat for %s failed: %s", self.job.id, exc)
@@ -140,6 +141,9 @@ def run_job(job_id: str) -> str:
             crud.add_event(
                 session=session, job=job, message=f"Training stopped at step {result.steps}: job {result.stopped}"
             )
+            session.commit()
+            if result.stopped == "paused":
+                crud.release_job(session=session, job=job)  # checkpoint written: it may be resumed
         session.commit()
     return result.stopped or "succeeded"
 

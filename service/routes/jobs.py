@@ -155,6 +155,45 @@ def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
     return JSON(job_object(job, project))
 
 
+@router.post("/{job_id}/pause", summary="Pause a running fine-tuning job")
+@ends_session
+def pause_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
+    """running -> paused: the worker stops after its current step and saves a checkpoint."""
+    job = _job(session, project, job_id)
+    if not crud.set_status(
+        session=session,
+        job=job,
+        to="paused",
+        from_=("running",),
+        event="Job paused: the worker stops after the current step and saves a checkpoint",
+    ):
+        raise APIError(409, f"Job {job_id} is {job.status}; only a running job can be paused.", code="invalid_state")
+    return JSON(job_object(job, project))
+
+
+@router.post("/{job_id}/resume", summary="Resume a paused fine-tuning job")
+@ends_session
+def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str) -> JSON:
+    """paused -> queued: a worker continues from the job's last checkpoint."""
+    job = _job(session, project, job_id)
+    if not crud.resume_job(session=session, job=job, stale_after=3 * settings.heartbeat_seconds):
+        if job.status == "paused":
+            raise APIError(
+                409,
+                f"Job {job_id} is pausing: its worker is still finishing the current step and saving a "
+                "checkpoint. Resume it in a moment.",
+                code="invalid_state",
+            )
+        raise APIError(409, f"Job {job_id} is {job.status}; only a paused job can be resumed.", code="invalid_state")
+    if not queue.enqueue_job(job.id):
+        crud.add_event(
+            session=session, job=job, level="warn",
+            message="The queue is unreachable; the job will be queued when it is back.",
+        )
+        session.commit()
+    return JSON(job_object(job, project))
+
+
 @router.get("/{job_id}/events", summary="List a job's events, newest first")
 async def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     def read() -> tuple[list[JobEvent], bool]:
