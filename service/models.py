@@ -148,3 +148,20 @@ class Checkpoint(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
     __table_args__ = (UniqueConstraint("job_seq", "step_number", name="uq_checkpoints_job_step"),)
+
+
+class IdempotentRequest(Base):
+    """A creation made with an ``Idempotency-Key`` header: a retry with the same key gets this answer
+    instead of a second file or job. Written in the same transaction as what it created."""
+
+    __tablename__ = "idempotent_requests"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    route: Mapped[str] = mapped_column(String(64))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    response: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+    __table_args__ = (UniqueConstraint("project_seq", "route", "key", name="uq_idempotent_requests_key"),)

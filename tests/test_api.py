@@ -1412,3 +1412,35 @@ def test_pause_and_resume_state_machine(client, auth) -> None:
     for action in ("pause", "resume"):
         assert_error(client.post(url + f"/{action}", headers=auth), 409, param=None, code="invalid_state")
     assert client.post("/v1/fine_tuning/jobs/ftjob-nope/pause", headers=auth).status_code == 404
+
+
+def test_idempotency_key_returns_the_first_answer(client, auth, other_auth, env) -> None:
+    """A retried creation with the same Idempotency-Key gets the first answer: one file, one job;
+    the same key with another request is a 409; keys are per project; a bad key is a 400."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def upload_with(key: str, content: bytes = TRAIN_JSONL, headers: dict | None = None) -> Any:
+        return client.post("/v1/files", headers={**(headers or auth), "Idempotency-Key": key},
+                           files={"file": ("train.jsonl", content)}, data={"purpose": "fine-tune"})
+
+    first, again = upload_with("up-1"), upload_with("up-1")
+    assert first.status_code == again.status_code == 200 and first.json() == again.json()
+    assert again.headers.get("idempotent-replayed") == "true"
+    files = client.get("/v1/files", headers=auth).json()["data"]
+    assert [f["id"] for f in files] == [first.json()["id"]]
+    assert len(stored_files(env)) == 1  # the retry's bytes were not kept
+    other = upload_with("up-1", TRAIN_JSONL + b'{"prompt": "one more"}\n')
+    assert_error(other, 409, param="Idempotency-Key", code="idempotency_key_reused")
+    assert upload_with("up-1", headers=other_auth).json()["id"] != first.json()["id"]  # another project's key
+    assert_error(upload_with(""), 400, param="Idempotency-Key")
+
+    body = job_body(first.json()["id"])
+    headers = {**auth, "Idempotency-Key": "job-1"}
+    with ThreadPoolExecutor(4) as pool:  # retries racing each other
+        answers = list(pool.map(lambda _: client.post("/v1/fine_tuning/jobs", headers=headers, json=body), range(4)))
+    assert {r.status_code for r in answers} == {200}
+    assert len({r.json()["id"] for r in answers}) == 1
+    jobs = client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"]
+    assert [j["id"] for j in jobs] == [answers[0].json()["id"]]
+    assert_error(client.post("/v1/fine_tuning/jobs", headers=headers, json={**body, "seed": 7}), 409,
+                 param="Idempotency-Key", code="idempotency_key_reused")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Form, UploadFile
+from fastapi import APIRouter, Form, Header, UploadFile
 from fastapi.responses import FileResponse
+from sqlalchemy.exc import IntegrityError
 
-from service import crud
+from service import crud, idempotency
 from service.db import ends_session, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
@@ -43,7 +46,9 @@ def create_file(
     settings: SettingsDep,
     file: UploadFile,
     purpose: Annotated[str, Form(description="fine-tune")],
+    idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
 ) -> JSON:
+    key = idempotency.check_key(idempotency_key)
     if purpose not in PURPOSES:
         raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")
     filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_")[:255]
@@ -63,14 +68,42 @@ def create_file(
         line_count=summary.lines,
         keys_summary=summary.as_dict(),
     )
+    digest = ""
     try:
+        if key is not None:
+            digest = idempotency.request_hash([filename, purpose, _sha256(dest)])
+            replayed = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
+            if replayed is not None:
+                dest.unlink(missing_ok=True)  # the first upload's file is the one
+                return replayed
         with write_lock(session):
             session.add(row)
+            if key is not None:  # the answer, in the same transaction as the row
+                session.flush()  # its created_at
+                idempotency.remember(session, project_seq=project.seq, route="files", key=key, digest=digest,
+                                     response=file_object(row))
             session.commit()
+    except IntegrityError:
+        dest.unlink(missing_ok=True)
+        if key is None:
+            raise
+        session.rollback()  # a concurrent twin with this key won: its answer is ours
+        replayed = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
+        if replayed is None:
+            raise
+        return replayed
     except BaseException:
         dest.unlink(missing_ok=True)  # no file on disk without its row
         raise
     return JSON(file_object(row))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @router.get("", summary="List files")

@@ -8,13 +8,14 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Header
 from fastapi.responses import FileResponse
+from sqlalchemy.exc import IntegrityError
 from starlette.background import BackgroundTask
 
-from service import crud, graders, jobspec, queue
+from service import crud, graders, idempotency, jobspec, queue
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -71,7 +72,19 @@ def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> Fil
 
 @router.post("", summary="Create a fine-tuning job")
 @ends_session
-def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
+def create_job(
+    session: SessionDep,
+    project: ProjectDep,
+    settings: SettingsDep,
+    body: JobCreate,
+    idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
+) -> JSON:
+    key = idempotency.check_key(idempotency_key)
+    digest = idempotency.request_hash(body.model_dump(mode="json"))
+    if key is not None and (replayed := idempotency.replay(
+        session, project_seq=project.seq, route="jobs", key=key, digest=digest
+    )):
+        return replayed
     grader, hp = jobspec.check_spec(body, settings=settings)
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
@@ -106,7 +119,19 @@ def create_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
             job=job,
             message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
         )
-        session.commit()  # the row exists before the task does: a worker always finds it
+        if key is not None:  # the answer, in the same transaction as the job
+            idempotency.remember(session, project_seq=project.seq, route="jobs", key=key, digest=digest,
+                                 response=job_object(job, project))
+        try:
+            session.commit()  # the row exists before the task does: a worker always finds it
+        except IntegrityError:
+            if key is None:
+                raise
+            session.rollback()  # a concurrent twin with this key won: its answer is ours
+            replayed = idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
+            if replayed is None:
+                raise
+            return replayed
     if not queue.enqueue_job(job.id):
         crud.add_event(
             session=session,
