@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
     queue: str = Field(default="rloo", description="Celery queue that workers consume.")
     heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")
+    reconcile_seconds: float = Field(
+        default=30.0, gt=0, description="How often each worker reconciles job rows with the queue."
+    )
     rollout_backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto",
         description="Who samples the completions: transformers (the policy itself) or vLLM; auto: vLLM "

@@ -302,3 +302,30 @@ def test_pause_then_resume_continues_from_the_checkpoint(stack: LiveStack) -> No
     events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
     assert any(f"Resumed from the checkpoint at step {stopped_at}" in e["message"] for e in events)
     assert http.post(f"/fine_tuning/jobs/{job_id}/resume").status_code == 409  # succeeded
+
+
+@pytest.mark.parametrize("kind", ["embedded", "production"])
+def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_checkpoint(
+    kind: str, tmp_path: Path, models_dir: Path
+) -> None:
+    """SIGKILL the worker mid-job (no goodbye, its task unacknowledged), start a new one: the new
+    worker's reconciler sees the stale heartbeat, queues the job again, and it continues from its
+    last checkpoint to succeeded, with every step's metrics exactly once."""
+    with live_stack(kind, tmp_path, models_dir, env={"RLOO_RECONCILE_SECONDS": "1"}) as stack:
+        http = stack.http
+        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+        body = job_body(file_id, max_steps=16, checkpoint_interval=2)
+        job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+        wait_for(http, job_id, {"running"}, 120, stack, min_step=5)
+        stack.stop("worker", signal.SIGKILL)
+        killed_at = http.get(f"/fine_tuning/jobs/{job_id}").json()["progress"]["step"]
+        stack.start("worker2", "worker", "--loglevel", "INFO")
+        job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+        assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+        metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+        assert [m["step"] for m in metrics] == list(range(1, 17))
+        page = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+        events = [e["message"] for e in page]
+        assert any("stopped sending heartbeats" in e for e in events)
+        resumed = [e for e in events if e.startswith("Resumed from the checkpoint at step")]
+        assert resumed and int(resumed[0].split("step ")[1].split(";")[0]) <= killed_at

@@ -7,10 +7,12 @@ import nothing heavy (torch loads only in the processes that train).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +115,9 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     _ensure_embedded_broker()
     from worker.celery_app import app as celery_app
 
+    if queue is None or queue == settings.queue:  # the training workers watch the training jobs
+        threading.Thread(target=_reconcile_forever, name="reconciler", daemon=True).start()
+
     celery_app.worker_main(
         [
             "worker",
@@ -128,6 +133,27 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
             f"--hostname=rloo-worker-{os.getpid()}@%h",
         ]
     )
+
+
+def _reconcile_forever() -> None:
+    """At start, then every RLOO_RECONCILE_SECONDS: jobs whose worker died are queued again, lost
+    tasks sent again (service.reconcile). In the Celery parent, which never imports torch."""
+    from service.db import session_scope
+    from service.reconcile import queue_length, reconcile
+
+    settings = get_settings()
+    while True:
+        try:
+            with session_scope() as session:
+                reconcile(
+                    session,
+                    stale_after=3 * settings.heartbeat_seconds,
+                    queued_grace=max(60.0, 2 * settings.reconcile_seconds),
+                    queue_length=queue_length(),
+                )
+        except Exception as exc:  # the database is away: try again next round
+            logging.getLogger("rloo.reconcile").warning("reconcile failed: %s", exc)
+        time.sleep(settings.reconcile_seconds)
 
 
 def _ensure_embedded_broker() -> None:

@@ -1,0 +1,83 @@
+"""The reconciler: makes the job rows and the queue agree again after a crash. Every worker runs it
+when it starts and then every ``RLOO_RECONCILE_SECONDS`` (``rloo worker``); running it twice at once
+is harmless, since every change is one conditional UPDATE and a duplicate task finds its job claimed.
+
+* A running job whose heartbeat is older than ``stale_after`` lost its worker (killed, out of memory,
+  host gone): it goes back to ``queued`` and is sent again; the next worker continues from its last
+  checkpoint.
+* A paused job whose worker died while saving its checkpoint is let go, so it can be resumed.
+* Queued jobs are sent again when the queue is empty but they have waited ``queued_grace``: their
+  task was lost (a broker restarted without its data, an enqueue that failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sqlalchemy import select, update
+
+from service import crud, queue
+from service.models import Job
+
+log = logging.getLogger("rloo.reconcile")
+
+
+def reconcile(session: Any, *, stale_after: float, queued_grace: float, queue_length: int | None) -> dict[str, int]:
+    now = time.time()
+    cutoff = now - stale_after
+    counts = {"requeued": 0, "released": 0, "resent": 0}
+    for job in session.scalars(select(Job).where(Job.status == "running", Job.heartbeat_at < cutoff)).all():
+        worker = job.worker
+        moved = session.execute(
+            update(Job)
+            .where(Job.seq == job.seq, Job.status == "running", Job.heartbeat_at < cutoff)
+            .values(status="queued", worker=None)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if moved:
+            crud.add_event(
+                session=session,
+                job=job,
+                level="warn",
+                message=f"Worker {worker} stopped sending heartbeats; the job is queued again and continues "
+                "from its last checkpoint",
+            )
+            session.commit()
+            queue.enqueue_job(job.id)
+            counts["requeued"] += 1
+    released = session.execute(
+        update(Job)
+        .where(Job.status == "paused", Job.worker.is_not(None), Job.heartbeat_at < cutoff)
+        .values(worker=None)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    session.commit()
+    counts["released"] = int(released or 0)
+    if queue_length == 0:
+        waited = int(now - queued_grace)
+        for job in session.scalars(select(Job).where(Job.status == "queued", Job.created_at < waited)).all():
+            if queue.enqueue_job(job.id):
+                counts["resent"] += 1
+    if any(counts.values()):
+        log.warning("reconciled: %s", counts)
+    return counts
+
+
+def queue_length() -> int | None:
+    """Tasks waiting in the broker's queue (Celery's Redis transport keeps them in a list named after
+    the queue); None when the broker cannot say."""
+    import redis
+
+    from service.settings import get_settings
+
+    settings = get_settings()
+    try:
+        conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            return int(conn.llen(settings.queue))
+        finally:
+            conn.close()
+    except Exception:
+        return None
