@@ -329,3 +329,22 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
         assert any("stopped sending heartbeats" in e for e in events)
         resumed = [e for e in events if e.startswith("Resumed from the checkpoint at step")]
         assert resumed and int(resumed[0].split("step ")[1].split(";")[0]) <= killed_at
+
+
+def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_next(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_ALLOW_PYTHON_GRADER": "1"}) as stack:
+        http = stack.http
+        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+        broken = job_body(file_id, max_steps=3)
+        broken["method"]["reinforcement"]["grader"] = {
+            "type": "python", "name": "nan", "source": "def grade(sample, item):\n    return float('nan')\n"
+        }
+        bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
+        good = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()["id"]
+        failed = wait_for(http, bad, {"succeeded", "failed", "cancelled"}, 120, stack)
+        assert failed["status"] == "failed" and failed["error"]["code"] == "reward_not_finite", failed
+        assert "graders/run" in failed["error"]["message"]  # says where to try the grader
+        done = wait_for(http, good, {"succeeded", "failed", "cancelled"}, 120, stack)
+        assert done["status"] == "succeeded", (done["error"], stack.log_tail())
