@@ -348,3 +348,29 @@ def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_
         assert "graders/run" in failed["error"]["message"]  # says where to try the grader
         done = wait_for(http, good, {"succeeded", "failed", "cancelled"}, 120, stack)
         assert done["status"] == "succeeded", (done["error"], stack.log_tail())
+
+
+def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Path) -> None:
+    """Two workers on one queue, four jobs: every job runs on exactly one worker, once."""
+    with live_stack("embedded", tmp_path, models_dir) as stack:
+        stack.start("worker2", "worker", "--loglevel", "INFO")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # both workers consuming before the jobs come
+            logs = [(stack.logs / f"{name}.log").read_text() for name in ("worker", "worker2")]
+            if all(" ready." in log for log in logs):
+                break
+            time.sleep(0.2)
+        http = stack.http
+        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+        ids = [http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=3)).json()["id"] for _ in range(4)]
+        workers = set()
+        for job_id in ids:
+            job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+            assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+            events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+            started = [e["message"] for e in events if e["message"].startswith("Job started on worker")]
+            assert len(started) == 1, started
+            workers.add(started[0])
+            metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+            assert [m["step"] for m in metrics] == [1, 2, 3]
+        assert len(workers) == 2  # both workers took jobs
