@@ -40,6 +40,16 @@ app.conf.update(
 
 
 @worker_process_init.connect
+def _forget_the_parents_connections(**_: object) -> None:
+    """The parent's reconciler holds pooled database connections; a forked child must not share
+    them (two processes on one socket corrupt the protocol): it starts a pool of its own."""
+    from service.db import get_engine
+
+    if get_engine.cache_info().currsize:
+        get_engine().dispose(close=False)
+
+
+@worker_process_init.connect
 def _preload_training_stack(**_: object) -> None:
     """In each pool child (a fresh one per job), import torch and transformers while it waits for a
     job, so a job does not pay those seconds between "running" and its first step. A thread: the pool
