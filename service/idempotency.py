@@ -57,3 +57,15 @@ def replay(session: Session, *, project_seq: int, route: str, key: str, digest: 
 def remember(session: Session, *, project_seq: int, route: str, key: str, digest: str, response: Any) -> None:
     session.add(IdempotentRequest(project_seq=project_seq, route=route, key=key, request_hash=digest,
                                   response=response))
+
+
+def replay_after_conflict(session: Session, *, project_seq: int, route: str, key: str | None, digest: str) -> JSON:
+    """After an IntegrityError on commit: a concurrent twin with this key won; roll back and answer
+    with its answer. Re-raises when there was no key, or no answer to replay (another conflict)."""
+    if key is None:
+        raise
+    session.rollback()
+    replayed = replay(session, project_seq=project_seq, route=route, key=key, digest=digest)
+    if replayed is None:
+        raise
+    return replayed

@@ -85,13 +85,9 @@ def create_file(
             session.commit()
     except IntegrityError:
         dest.unlink(missing_ok=True)
-        if key is None:
-            raise
-        session.rollback()  # a concurrent twin with this key won: its answer is ours
-        replayed = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
-        if replayed is None:
-            raise
-        return replayed
+        return idempotency.replay_after_conflict(
+            session, project_seq=project.seq, route="files", key=key, digest=digest
+        )
     except BaseException:
         dest.unlink(missing_ok=True)  # no file on disk without its row
         raise

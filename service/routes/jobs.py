@@ -125,13 +125,9 @@ def create_job(
         try:
             session.commit()  # the row exists before the task does: a worker always finds it
         except IntegrityError:
-            if key is None:
-                raise
-            session.rollback()  # a concurrent twin with this key won: its answer is ours
-            replayed = idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
-            if replayed is None:
-                raise
-            return replayed
+            return idempotency.replay_after_conflict(
+                session, project_seq=project.seq, route="jobs", key=key, digest=digest
+            )
     if not queue.enqueue_job(job.id):
         crud.add_event(
             session=session,
