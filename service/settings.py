@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
     queue: str = Field(default="rloo", description="Celery queue that workers consume.")
     heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")
+    stale_seconds: float = Field(
+        default=120.0, gt=0, description="A running job whose heartbeat is older than this lost its worker."
+    )
     reconcile_seconds: float = Field(
         default=30.0, gt=0, description="How often each worker reconciles job rows with the queue."
     )
@@ -88,6 +91,11 @@ class Settings(BaseSettings):
         return self
 
     # Resolved values -----------------------------------------------------------------------
+    @property
+    def stale_after(self) -> float:
+        """Seconds without a heartbeat after which a job's worker counts as dead (3 periods at least)."""
+        return max(self.stale_seconds, 3 * self.heartbeat_seconds)
+
     @property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()

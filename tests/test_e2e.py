@@ -311,7 +311,8 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
     """SIGKILL the worker mid-job (no goodbye, its task unacknowledged), start a new one: the new
     worker's reconciler sees the stale heartbeat, queues the job again, and it continues from its
     last checkpoint to succeeded, with every step's metrics exactly once."""
-    with live_stack(kind, tmp_path, models_dir, env={"RLOO_RECONCILE_SECONDS": "1"}) as stack:
+    env = {"RLOO_RECONCILE_SECONDS": "1", "RLOO_STALE_SECONDS": "8"}
+    with live_stack(kind, tmp_path, models_dir, env=env) as stack:
         http = stack.http
         file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
         body = job_body(file_id, max_steps=16, checkpoint_interval=2)

@@ -147,7 +147,7 @@ def _reconcile_forever() -> None:
             with session_scope() as session:
                 reconcile(
                     session,
-                    stale_after=3 * settings.heartbeat_seconds,
+                    stale_after=settings.stale_after,
                     queued_grace=max(60.0, 2 * settings.reconcile_seconds),
                     queue_length=queue_length(),
                 )

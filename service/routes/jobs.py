@@ -197,7 +197,7 @@ def pause_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
 def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str) -> JSON:
     """paused -> queued: a worker continues from the job's last checkpoint."""
     job = _job(session, project, job_id)
-    if not crud.resume_job(session=session, job=job, stale_after=3 * settings.heartbeat_seconds):
+    if not crud.resume_job(session=session, job=job, stale_after=settings.stale_after):
         if job.status == "paused":
             raise APIError(
                 409,
