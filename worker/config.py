@@ -37,3 +37,13 @@ class TrainConfig:
 
     def hp(self, name: str) -> Any:
         return self.hyperparameters[name]
+
+
+def worker_extra(settings: Any) -> dict[str, Any]:
+    """The operator's settings a run needs (``TrainConfig.extra``), the same for a job and ``rloo train``."""
+    return {
+        "allow_python_grader": settings.allow_python_grader,
+        "rollout_backend": settings.rollout_backend,
+        "embedding_model": settings.embedding_model,
+        "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
+    }

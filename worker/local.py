@@ -84,7 +84,7 @@ def run_spec(
     recorder: Recorder | None = None,
     resume_from: Path | None = None,
 ) -> dict[str, Any]:
-    from worker.config import TrainConfig
+    from worker.config import TrainConfig, worker_extra
     from worker.train import train
 
     settings = get_settings()
@@ -109,12 +109,7 @@ def run_spec(
         seed=body.seed if body.seed is not None else 0,
         device=device,
         resume_from=resume_from,
-        extra={
-            "allow_python_grader": settings.allow_python_grader,
-            "rollout_backend": settings.rollout_backend,
-            "embedding_model": settings.embedding_model,
-            "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
-        },
+        extra=worker_extra(settings),
     )
     rec = recorder or StdoutRecorder()
     t0 = time.perf_counter()

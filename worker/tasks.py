@@ -212,7 +212,7 @@ def _train(job: Job) -> Any:
     from worker.celery_app import wait_for_preload
 
     wait_for_preload()
-    from worker.config import TrainConfig
+    from worker.config import TrainConfig, worker_extra
     from worker.train import train
 
     settings = get_settings()
@@ -242,12 +242,7 @@ def _train(job: Job) -> Any:
         job_name=job.id,
         # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
         resume_from=latest_resumable(output_dir),
-        extra={
-            "allow_python_grader": settings.allow_python_grader,
-            "rollout_backend": settings.rollout_backend,
-            "embedding_model": settings.embedding_model,
-            "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
-        },
+        extra=worker_extra(settings),
     )
     return train(cfg, DatabaseRecorder(job))
 
