@@ -56,12 +56,13 @@ class Caller:
 
     seq: int
     id: str
+    key_id: str = ""  # the key's id (key-…): what a per-key limit counts by, never the secret
 
 
 def authenticate(*, session: Session, secret: str) -> Caller | None:
     digest = hash_key(secret)
     row = session.execute(
-        select(ApiKey.key_hash, ApiKey.revoked_at, Project.seq, Project.id)
+        select(ApiKey.key_hash, ApiKey.revoked_at, ApiKey.id.label("key_id"), Project.seq, Project.id)
         .join(Project, Project.seq == ApiKey.project_seq)
         .where(ApiKey.key_hash == digest)
     ).first()
@@ -69,7 +70,7 @@ def authenticate(*, session: Session, secret: str) -> Caller | None:
     # difference tells an attacker how much of a digest matched.
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.key_hash, digest):
         return None
-    return Caller(seq=row.seq, id=row.id)
+    return Caller(seq=row.seq, id=row.id, key_id=row.key_id)
 
 
 def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:
@@ -207,6 +208,52 @@ def claim_job(*, session: Session, job_id: str, worker: str) -> Job | None:
     if not result.rowcount:
         return None
     return get_job_by_id(session=session, job_id=job_id)
+
+
+def recover_lost_job(
+    *, session: Session, job: Job, worker: str | None, reason: str, max_crashes: int, stale_before: float | None = None
+) -> str | None:
+    """A running job whose worker died (``reason`` says how we know): back to ``queued``, to continue
+    from its last checkpoint, or ``failed`` with ``worker_lost`` once its workers have died
+    ``max_crashes`` times (a job that kills every worker, e.g. by running it out of memory, must not
+    do so forever). One conditional UPDATE, committed with its event: of two reconcilers, or a
+    reconciler and a redelivered task, only one moves the job. Returns the new status, or None."""
+    crashes = job.crashes + 1
+    where = [Job.seq == job.seq, Job.status == "running", Job.crashes == job.crashes]
+    where.append(Job.worker == worker if worker is not None else Job.worker.is_(None))
+    if stale_before is not None:
+        where.append(Job.heartbeat_at < stale_before)
+    if crashes >= max_crashes:
+        message = (
+            f"The job's worker died {crashes} times while running it, the last time at step {job.step} "
+            "(a process killed without a word: most often the operating system's out-of-memory killer). "
+            "Lower batch_size, rloo_k or max_tokens, or give the worker more memory; the checkpoints are kept."
+        )
+        values: dict[str, Any] = {
+            "status": "failed",
+            "finished_at": now(),
+            "error": {"code": "worker_lost", "message": message, "param": None},
+        }
+        event, level = f"{reason}. Job failed: {message}", "error"
+    else:
+        values = {"status": "queued"}
+        event = (
+            f"{reason}; the job is queued again and continues from its last checkpoint "
+            f"(crash {crashes} of at most {max_crashes - 1})"
+        )
+        level = "warn"
+    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
+        update(Job)
+        .where(*where)
+        .values(worker=None, crashes=crashes, **values)
+        .execution_options(synchronize_session=False)
+    )
+    if not result.rowcount:
+        session.rollback()
+        return None
+    add_event(session=session, job=job, message=event, level=level)
+    session.commit()
+    return str(values["status"])
 
 
 def release_job(*, session: Session, job: Job) -> None:

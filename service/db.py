@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import lru_cache
@@ -26,7 +28,11 @@ def make_engine(url: str) -> Engine:
         # A SQLite connection is a file handle: keep one for each of the API's worker threads (40), so
         # that no request pays a connect and its PRAGMAs; more are opened when needed and closed after.
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=48, max_overflow=-1
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_size=48,
+            max_overflow=-1,
+            hide_parameters=True,  # SQL errors never carry values (a key's hash, a user's text) into logs
         )
 
         @event.listens_for(engine, "connect")
@@ -42,7 +48,7 @@ def make_engine(url: str) -> Engine:
     # pool_pre_ping: a database that restarted must not cost the next request a 500. The pool holds
     # a connection for each of the API's worker threads (40) and then some: a request never waits
     # for a connection while another waits for a thread, and none is opened and closed per request.
-    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=30)
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=30, hide_parameters=True)
 
 
 @lru_cache
@@ -128,3 +134,34 @@ def ends_session(handler: Callable[..., T]) -> Callable[..., T]:
             kwargs["session"].close()
 
     return run
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    """An error that says the database could not be reached or the connection broke (a restart, a
+    network cut, a full pool), rather than a bad statement: the request may simply be retried."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError)):
+        return True
+    if isinstance(exc, sa_exc.TimeoutError):  # no pooled connection came free in time
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
+
+
+def retrying(fn: Callable[[], T], *, seconds: float, what: str) -> T:
+    """``fn()``, tried again while the database is unreachable, for up to ``seconds``: a worker rides
+    out a database restart or a network blip instead of failing a job that has trained for hours.
+    ``fn`` must be one whole transaction (a failed attempt rolled back, nothing half-written)."""
+    deadline = time.monotonic() + seconds
+    pause = 0.25
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not database_unreachable(exc) or time.monotonic() + pause > deadline:
+                raise
+            logging.getLogger("rloo.db").warning(
+                "%s: the database is unreachable (%s); trying again in %.2g s", what, type(exc).__name__, pause
+            )
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)

@@ -21,8 +21,18 @@ async def current_project(request: Request) -> crud.Caller:
     (every /v1 route is behind it)."""
     caller = getattr(request.state, "caller", None)
     if caller is None:  # not checked by the middleware (a route outside /v1): refuse, never let through
-        return authenticate_header_for(request)
+        caller = authenticate_header_for(request)
+    refuse_nul_in_url(request)
     return caller
+
+
+def refuse_nul_in_url(request: Request) -> None:
+    """A NUL (%00) in a path or query parameter is a 400 before any lookup: no id, cursor or purpose
+    holds one, and PostgreSQL refuses NUL in text outright (a 500 there, a 404 on SQLite)."""
+    for name, value in [*request.path_params.items(), *request.query_params.multi_items()]:
+        if "\x00" in name or "\x00" in str(value):
+            name = name.replace("\x00", "")
+            raise bad_request(f"'{name}' holds a NUL character (%00); remove it.", name)
 
 
 def authenticate_header_for(request: Request) -> crud.Caller:

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("rloo.api")
 
@@ -74,6 +75,21 @@ def _validation_message(err: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method the path has a route for. Starlette's 405 names only the first route whose path
+    matched (``Allow: POST`` on /v1/files, which has GET too); RFC 9110 wants them all. Each method is
+    tried against the routes (``matches``, the one interface every route and included router has)."""
+    from starlette.routing import Match
+
+    routes = request.app.router.routes
+    allowed = [
+        method
+        for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    ]
+    return ", ".join(allowed)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -88,13 +104,59 @@ def install(app: FastAPI) -> None:
         return JSONResponse(error_body(400, _validation_message(first, param), param, "invalid_value"), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown URL. See /docs for the API reference."
-        return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(error_body(500, "Internal server error.", code="internal_error"), 500)
+
+
+RETRY_AFTER_SECONDS = 2
+DATABASE_UNAVAILABLE = (
+    "The service cannot reach its database right now. Retry in a few seconds; a creation retried with "
+    "the same Idempotency-Key header is never made twice."
+)
+
+
+class DatabaseUnavailableMiddleware:
+    """Outermost of our middlewares: a request that finds the database unreachable (in a route, or in
+    the key check before it) is answered 503 with ``Retry-After``, in the error shape, and the
+    process carries on; the pool reconnects when the database is back (pre-ping)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            from service.db import database_unreachable
+
+            if not database_unreachable(exc) or started:
+                raise
+            log.warning("database unreachable on %s %s: %s", scope["method"], scope["path"], type(exc).__name__)
+            response = JSONResponse(
+                error_body(503, DATABASE_UNAVAILABLE, code="database_unavailable"),
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+            await response(scope, receive, send)

@@ -1,9 +1,12 @@
-"""Request body limits, enforced while the body streams in (pure ASGI, so nothing is buffered first)."""
+"""Request limits, pure ASGI (nothing is buffered first): the body size, enforced while the body
+streams in; the API key, checked before the body is read; and a per-key request rate."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import time
 from typing import Any
 
@@ -77,18 +80,81 @@ async def _too_large(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class RateLimiter:
+    """Request rate per key: GCRA (the token bucket's equal, one float per key, no refill loop).
+
+    ``rate`` requests a second sustained, ``burst`` at once. Each key has a theoretical arrival time
+    (TAT): a request is let through when TAT + 1/rate lies at most ``burst/rate`` seconds ahead of
+    now, and pushes TAT on by 1/rate; a refused request changes nothing (a loop that keeps hammering
+    still gets ``rate`` a second through).
+
+    In this process's memory, on the event loop: ``take`` never awaits, so no other request runs
+    between its read and its write, and no lock is needed; no Redis round trip, so the API keeps its
+    limit (and answers) while Redis is down. Each API process counts on its own: with
+    ``rloo api --workers N`` a key gets up to N times the rate. At most ``max_keys`` keys are kept:
+    when full, keys whose bucket has refilled are forgotten first (that changes nothing), then the
+    oldest tenth (those keys start again with a full bucket).
+    """
+
+    def __init__(self, rate: float, burst: int, *, max_keys: int = 100_000) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be > 0 and burst >= 1")
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self.interval = 1.0 / rate
+        self.window = burst * self.interval  # how far ahead of now a key's TAT may run
+        self.tat: dict[str, float] = {}
+
+    def take(self, key: str, now: float | None = None) -> tuple[bool, int, float, float]:
+        """One request of ``key``: (allowed, requests left, seconds until the next one is allowed
+        (0 when allowed), seconds until the bucket is full again)."""
+        if now is None:
+            now = time.monotonic()
+        tat = self.tat.get(key)
+        if tat is None or tat < now:
+            if tat is None and len(self.tat) >= self.max_keys:
+                self._evict(now)
+            tat = now
+        ahead = tat + self.interval - now
+        if ahead > self.window + 1e-6:  # a microsecond for the float sums
+            return False, 0, ahead - self.window, tat - now
+        self.tat[key] = tat + self.interval
+        return True, int((self.window - ahead) * self.rate + 1e-3), 0.0, ahead
+
+    def _evict(self, now: float) -> None:
+        for key in [k for k, t in self.tat.items() if t <= now]:
+            del self.tat[key]
+        if len(self.tat) >= self.max_keys:
+            for key in list(itertools.islice(self.tat, max(1, self.max_keys // 10))):
+                del self.tat[key]
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's spelling of x-ratelimit-reset-requests: 20ms, 1.5s, 6m0s."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{rest:.0f}s" if minutes else f"{rest:.3g}s"
+
+
 class AuthMiddleware:
     """Checks the bearer key of every /v1 request before its body is read, so that a caller without
-    a valid key learns only that (401), never how its body would have been parsed."""
+    a valid key learns only that (401), never how its body would have been parsed; then counts the
+    request against the key's rate limit (``RateLimiter``; 429 past it). Outside /v1 (``/healthz``,
+    ``/readyz``, ``/metrics``, ``/docs``) nothing is checked or counted."""
 
     CACHE_LIMIT = 10_000
 
-    def __init__(self, app: ASGIApp, *, cache_seconds: float = 0.0) -> None:
+    def __init__(
+        self, app: ASGIApp, *, cache_seconds: float = 0.0, rate_limit: float = 0.0, rate_limit_burst: int = 1
+    ) -> None:
         self.app = app
         # Keys checked lately, by the SHA-256 digest of the header: a status poll costs no database
         # query for its key. Only valid keys are kept, for ``cache_seconds`` (RLOO_AUTH_CACHE_SECONDS).
         self.cache_seconds = cache_seconds
         self.cache: dict[str, tuple[float, Any]] = {}
+        # RLOO_RATE_LIMIT / RLOO_RATE_LIMIT_BURST; 0 = no limit (and no x-ratelimit headers).
+        self.limiter = RateLimiter(rate_limit, rate_limit_burst) if rate_limit > 0 else None
+        self.limit_header = str(rate_limit_burst).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -99,6 +165,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         from anyio import to_thread
+        from sqlalchemy.exc import StatementError
 
         from service.db import session_scope
         from service.deps import authenticate_header
@@ -109,35 +176,77 @@ class AuthMiddleware:
         digest = hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
         cached = self.cache.get(digest)
         if cached is not None and cached[0] > time.monotonic():
-            scope.setdefault("state", {})["caller"] = cached[1]
-            await self.app(scope, receive, send)
+            await self.admit(cached[1], scope, receive, send)
             return
 
         def check() -> Any:
             with session_scope() as session:
-                return authenticate_header(session, authorization)
+                try:
+                    return authenticate_header(session, authorization)
+                except StatementError as exc:
+                    # Its text would show the statement's parameters: the key's SHA-256 digest, in
+                    # the traceback that uvicorn logs for an error that reaches it (a database
+                    # that is down, a schema not migrated). The error stays what it is, minus those.
+                    exc.hide_parameters = True
+                    raise
 
         try:
             caller = await to_thread.run_sync(check)
         except APIError as exc:
-            body = json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)).encode()
             extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": exc.status,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        *extra,
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await _send_error(send, exc.status, exc.message, exc.code, extra, exc.param)
             return
         if self.cache_seconds > 0:
             if len(self.cache) >= self.CACHE_LIMIT:
                 self.cache.clear()
             self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
+        await self.admit(caller, scope, receive, send)
+
+    async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the request as ``caller`` if its key has a request left, with the x-ratelimit headers
+        on the answer; else a 429 that says when to retry (the openai SDK waits that long itself)."""
         scope.setdefault("state", {})["caller"] = caller
-        await self.app(scope, receive, send)
+        if self.limiter is None:
+            await self.app(scope, receive, send)
+            return
+        # By the key's id (two keys of one project count apart); never by the secret.
+        allowed, remaining, retry, reset = self.limiter.take(caller.key_id or caller.id)
+        limit_headers = [
+            (b"x-ratelimit-limit-requests", self.limit_header),
+            (b"x-ratelimit-remaining-requests", str(remaining).encode()),
+            (b"x-ratelimit-reset-requests", _duration(reset).encode()),
+        ]
+        if not allowed:
+            retry_ms = max(1, math.ceil(retry * 1000))
+            message = (
+                f"Rate limit reached for this API key: {self.limiter.rate:g} requests a second, bursts of "
+                f"{self.limiter.burst}. Retry in {retry_ms / 1000:.3g} s."
+            )
+            extra = [
+                (b"retry-after", str(max(1, math.ceil(retry))).encode()),
+                (b"retry-after-ms", str(retry_ms).encode()),
+                *limit_headers,
+            ]
+            await _send_error(send, 429, message, "rate_limit_exceeded", extra)
+            return
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *limit_headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_limits)
+
+
+async def _send_error(
+    send: Send, status: int, message: str, code: str | None, extra: list[tuple[bytes, bytes]], param: str | None = None
+) -> None:
+    body = json.dumps(error_body(status, message, param, code)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -26,6 +26,13 @@ log = logging.getLogger("rloo.api")
 async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
     settings = get_settings()
     settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    try:  # what an API process killed mid-upload left behind (workers sweep too, periodically)
+        from service.storage import sweep_uploads
+
+        with session_scope() as session:
+            sweep_uploads(session, settings.artifacts_dir)
+    except Exception as exc:  # the database is not up yet: the workers' sweep will do it
+        log.warning("sweeping interrupted uploads failed: %s", exc)
     yield
 
 
@@ -42,8 +49,16 @@ def create_app() -> FastAPI:
     app.add_middleware(
         BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024
     )
-    # Added after, so it runs before the body limit (outermost).
-    app.add_middleware(AuthMiddleware, cache_seconds=settings.auth_cache_seconds)
+    # Added after, so it runs before the body limit (outermost). It also holds the per-key rate limit
+    # (RLOO_RATE_LIMIT, RLOO_RATE_LIMIT_BURST), counted in this process's memory.
+    app.add_middleware(
+        AuthMiddleware,
+        cache_seconds=settings.auth_cache_seconds,
+        rate_limit=settings.rate_limit,
+        rate_limit_burst=settings.rate_limit_burst,
+    )
+    # Outside the key check, which reads the database too: an unreachable database is a 503 anywhere.
+    app.add_middleware(errors.DatabaseUnavailableMiddleware)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]

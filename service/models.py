@@ -97,6 +97,8 @@ class Job(Base):
     fine_tuned_model: Mapped[str | None] = mapped_column(String(1024))
     worker: Mapped[str | None] = mapped_column(String(256))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Times its worker died while running it (killed, out of memory, host gone); RLOO_MAX_JOB_CRASHES fails it.
+    crashes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     heartbeat_at: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     started_at: Mapped[int | None] = mapped_column(BigInteger)

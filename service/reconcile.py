@@ -4,7 +4,7 @@ is harmless, since every change is one conditional UPDATE and a duplicate task f
 
 * A running job whose heartbeat is older than ``stale_after`` lost its worker (killed, out of memory,
   host gone): it goes back to ``queued`` and is sent again; the next worker continues from its last
-  checkpoint.
+  checkpoint. After ``RLOO_MAX_JOB_CRASHES`` such deaths it fails (``worker_lost``) instead.
 * A paused job whose worker died while saving its checkpoint is let go, so it can be resumed.
 * Queued jobs are sent again when the queue is empty but they have waited ``queued_grace``: their
   task was lost (a broker restarted without its data, an enqueue that failed).
@@ -24,29 +24,26 @@ from service.models import Job
 log = logging.getLogger("rloo.reconcile")
 
 
-def reconcile(session: Any, *, stale_after: float, queued_grace: float, queue_length: int | None) -> dict[str, int]:
+def reconcile(
+    session: Any, *, stale_after: float, queued_grace: float, queue_length: int | None, max_crashes: int = 3
+) -> dict[str, int]:
     now = time.time()
     cutoff = now - stale_after
-    counts = {"requeued": 0, "released": 0, "resent": 0}
+    counts = {"requeued": 0, "failed": 0, "released": 0, "resent": 0}
     for job in session.scalars(select(Job).where(Job.status == "running", Job.heartbeat_at < cutoff)).all():
-        worker = job.worker
-        moved = session.execute(
-            update(Job)
-            .where(Job.seq == job.seq, Job.status == "running", Job.heartbeat_at < cutoff)
-            .values(status="queued", worker=None)
-            .execution_options(synchronize_session=False)
-        ).rowcount
-        if moved:
-            crud.add_event(
-                session=session,
-                job=job,
-                level="warn",
-                message=f"Worker {worker} stopped sending heartbeats; the job is queued again and continues "
-                "from its last checkpoint",
-            )
-            session.commit()
+        moved = crud.recover_lost_job(
+            session=session,
+            job=job,
+            worker=job.worker,
+            reason=f"Worker {job.worker} stopped sending heartbeats {now - (job.heartbeat_at or now):.0f} s ago",
+            max_crashes=max_crashes,
+            stale_before=cutoff,
+        )
+        if moved == "queued":
             queue.enqueue_job(job.id)
             counts["requeued"] += 1
+        elif moved == "failed":
+            counts["failed"] += 1
     released = session.execute(
         update(Job)
         .where(Job.status == "paused", Job.worker.is_not(None), Job.heartbeat_at < cutoff)

@@ -164,6 +164,14 @@ class JobCreate(Strict):
     hyperparameters: dict[str, Any] | None = None
     integrations: list[Any] | None = None
 
+    @field_validator("model", "training_file", "validation_file", "suffix")
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        # These are text columns (and lookups): PostgreSQL refuses NUL in text, a 500 there.
+        if v is not None and "\x00" in v:
+            raise ValueError("must not contain a NUL character (\\u0000)")
+        return v
+
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:

@@ -55,12 +55,32 @@ class Settings(BaseSettings):
     python_grader_seconds: float = Field(default=5.0, gt=0, le=300, description="A python grader's time per sample.")
     python_grader_memory_mb: int = Field(default=512, ge=64, description="A python grader process's address space.")
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest file upload.")
-    max_line_bytes: int = Field(default=4 * 1024 * 1024, gt=0, description="Largest JSONL line.")
+    max_line_bytes: int = Field(
+        default=1024 * 1024,
+        gt=0,
+        description="Largest JSONL line (RLOO_MAX_LINE_BYTES); 1 MiB of prompt is ~250k tokens, past any model's "
+        "context.",
+    )
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
     queue: str = Field(default="rloo", description="Celery queue that workers consume.")
     heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")
     stale_seconds: float = Field(
         default=120.0, gt=0, description="A running job whose heartbeat is older than this lost its worker."
+    )
+    db_retry_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="How long a worker keeps retrying a write while the database is unreachable, before the job fails.",
+    )
+    max_job_crashes: int = Field(
+        default=3,
+        ge=1,
+        description="A job whose worker died this many times while running it fails (code worker_lost).",
+    )
+    job_memory_mb: int | None = Field(
+        default=None,
+        gt=0,
+        description="Cap on a job process's data memory (RLIMIT_DATA) in MiB, on CPU workers; unset = no cap.",
     )
     reconcile_seconds: float = Field(
         default=30.0, gt=0, description="How often each worker reconciles job rows with the queue."
@@ -79,6 +99,20 @@ class Settings(BaseSettings):
         le=300,
         description="How long an API process trusts a key it has checked; a revocation reaches every "
         "API process within this time. 0 checks the database on every request.",
+    )
+    # Per key, per API process (service.limits.RateLimiter). A person, an SDK script, or a poller
+    # sends well under 5 requests a second (e2e tests poll at 4/s, the demo at 2/s, a "for f in files:
+    # upload" loop is tens of requests, inside the burst); a `while True: get()` loop with no sleep
+    # sends 1000+ a second and would take most of one process's ~1700 status reads/s
+    # (benchmarks/RESULTS.md). 20/s keeps one such key under ~1/80 of that, and a burst of 100 lets
+    # any honest batch through at once. `rloo api --workers N` gives a key up to N times this.
+    rate_limit: float = Field(
+        default=20.0,
+        ge=0,
+        description="Sustained requests a second per API key in each API process; 0 turns the limit off.",
+    )
+    rate_limit_burst: int = Field(
+        default=100, ge=1, description="Requests a key may send at once before the sustained rate applies."
     )
     hub_offline: bool = Field(
         default=True, description="Refuse hub model ids (no hub reachable); set false where one is."
@@ -151,3 +185,33 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log or a banner: the password of ``user:password@`` (and a ``?password=``)
+    shown as ``***``. Any scheme (SQLAlchemy, redis, kombu's ``;``-separated failover list, http),
+    and a password holding a raw ``@`` or ``/``, where SQLAlchemy's ``make_url`` shows part of it."""
+    import re
+
+    def one(part: str) -> str:
+        scheme, sep, rest = part.partition("://")
+        if not sep:
+            return part
+        end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        at = rest.rfind("@", 0, end)  # the last "@" of the authority: a raw "@" in a password stays hidden
+        if at < 0 and "@" in rest[end:]:
+            # "user:pa/ss@host": an unencoded "/" ends the authority early; a colon followed by
+            # anything but a port number before it says the "@" further on ends a password.
+            head, colon, tail = rest[:end].partition(":")
+            if colon and not tail.isdigit():
+                at = rest.rfind("@")
+        if at >= 0:
+            user, colon, _ = rest[:at].partition(":")
+            # "https://TOKEN@host" is a credential too; "postgresql://user@host" is only a name.
+            hidden = f"{user}:***" if colon else ("***" if scheme.lower() in ("http", "https") else user)
+            rest = hidden + rest[at:]
+        return scheme + sep + re.sub(
+            r"(?i)([?&](?:password|passwd|pwd|secret|token|api_key|apikey|access_token)=)[^&#;]*", r"\1***", rest
+        )
+
+    return ";".join(one(part) for part in url.split(";"))

@@ -7,9 +7,12 @@ resolved and checked to lie inside that root, so a tampered row cannot point out
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -51,15 +54,36 @@ class UploadSummary:
         return {"keys": self.key_counts, "first_missing": self.first_missing}
 
 
+def _invalid(message: str) -> APIError:
+    return bad_request(message, "file", "invalid_file")
+
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+_ARRAY_HINT = (
+    " The file looks like one JSON array; JSONL is one object a line, with no enclosing [ ] and no commas "
+    "between the lines."
+)
+_OBJECT_HINT = ' Each line must be one JSON object, such as {"prompt": "..."}.'
+
+
 def check_line(obj: Any, lineno: int) -> set[str]:
     """Validate one parsed JSONL line; returns the keys graders may use as ``item.<key>``."""
     if not isinstance(obj, dict):
-        raise bad_request(f"Line {lineno} is a JSON {type(obj).__name__}, not an object.", "file", "invalid_file")
+        kind = "null" if obj is None else _JSON_TYPES.get(type(obj), type(obj).__name__)
+        hint = _ARRAY_HINT if lineno == 1 and isinstance(obj, list) else _OBJECT_HINT
+        raise _invalid(f"Line {lineno} is a JSON {kind}, not an object.{hint}")
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise bad_request(f"Line {lineno}: 'messages' must be a non-empty list.", "file", "invalid_file")
         for i, m in enumerate(msgs):
+            if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
+                # OpenAI's multimodal shape [{"type": "text", "text": ...}]: the chat templates and the
+                # reward models of the worker take a string; joining the parts would guess a separator.
+                raise _invalid(
+                    f"Line {lineno}: messages[{i}].content is a list of content parts; only text content "
+                    'given as one string is supported: write "content": "..." (join the text parts yourself).'
+                )
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise bad_request(
                     f"Line {lineno}: messages[{i}] must be an object with string 'role' and 'content'.",
@@ -83,12 +107,143 @@ def check_line(obj: Any, lineno: int) -> set[str]:
     return set(obj) - {"messages", "prompt"}
 
 
+# What a line may be: UTF-8 JSON, an object, no deeper than MAX_DEPTH, no NUL character.
+MAX_DEPTH = 100  # levels of nested arrays and objects in one line; a dataset line needs a few
+UTF8_BOM = b"\xef\xbb\xbf"
+_SIGNATURES = (  # the first bytes of files that are not UTF-8 text, and what to tell
+    (b"\xff\xfe\x00\x00", "The file is UTF-32 encoded (it starts with a UTF-32 byte-order mark)"),
+    (b"\x00\x00\xfe\xff", "The file is UTF-32 encoded (it starts with a UTF-32 byte-order mark)"),
+    (b"\xff\xfe", "The file is UTF-16 encoded (it starts with a UTF-16 byte-order mark)"),
+    (b"\xfe\xff", "The file is UTF-16 encoded (it starts with a UTF-16 byte-order mark)"),
+    (b"\x1f\x8b", "The file is gzip-compressed"),
+    (b"PK\x03\x04", "The file is a zip archive"),
+    (b"BZh", "The file is bzip2-compressed"),
+    (b"\xfd7zXZ\x00", "The file is xz-compressed"),
+    (b"\x28\xb5\x2f\xfd", "The file is zstd-compressed"),
+)
+
+
+def sniff(head: bytes) -> None:
+    """Refuse a file whose first bytes say it is not UTF-8 text: another encoding, or compressed."""
+    for signature, what in _SIGNATURES:
+        if head.startswith(signature):
+            if "encoded" in what:
+                raise _invalid(f"{what}; save it as UTF-8 and upload it again.")
+            raise _invalid(f"{what}; upload the uncompressed .jsonl file.")
+    if b"\x00" in head[:4]:  # JSON text never holds a NUL byte; UTF-16 has one beside every ASCII character
+        raise _invalid(
+            "The file looks UTF-16 encoded (line 1 has NUL bytes between its characters); save it as UTF-8 "
+            "and upload it again."
+        )
+
+
+def _json_error_hint(text: str, exc: json.JSONDecodeError, lineno: int) -> str:
+    stripped = text.strip()
+    if lineno == 1 and stripped.startswith("["):
+        return _ARRAY_HINT
+    if "control character" in exc.msg:
+        return " A tab, line break or other control character inside a string must be escaped (\\t, \\n, \\u0001)."
+    if exc.pos >= len(text.rstrip()):
+        return (
+            " The line ends before its JSON value does: JSONL needs each object whole on one line "
+            "(pretty-printed JSON is not JSONL)."
+        )
+    if not stripped.startswith(("{", "[")):
+        looks = " It looks like CSV, not JSON." if lineno == 1 and "," in stripped else ""
+        return looks + _OBJECT_HINT
+    return ""
+
+
+def _too_deep(lineno: int) -> APIError:
+    return _invalid(
+        f"Line {lineno} nests arrays or objects more than {MAX_DEPTH} levels deep; flatten it "
+        "(a dataset line needs only a few levels)."
+    )
+
+
+def _depth(obj: Any) -> int:
+    """Levels of nested arrays and objects (iteratively: no recursion limit to hit)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            if level > MAX_DEPTH:
+                break
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _has_nul(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if "\x00" in node:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def parse_line(raw: bytes, lineno: int) -> Any:
+    """One non-blank line's bytes as JSON, or a 400 naming the line and saying what to change.
+
+    The worker reads the stored file with ``worker.data.load_items``; whatever passes here must
+    read the same there.
+    """
+    if b"\x00" in raw:
+        raise _invalid(
+            f"Line {lineno} contains NUL bytes (0x00), which JSON text never has; save the file as UTF-8 text "
+            "(a UTF-16 file has NUL bytes between its characters)."
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _invalid(
+            f"Line {lineno} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line); "
+            "save the file as UTF-8."
+        ) from None
+    if text.startswith("\ufeff"):
+        raise _invalid(
+            f"Line {lineno} starts with a byte-order mark (U+FEFF), which only the start of the file may have "
+            "(were files joined together?); remove it."
+        )
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise _too_deep(lineno) from None
+    except json.JSONDecodeError as exc:
+        raise _invalid(
+            f"Line {lineno} is not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}."
+            f"{_json_error_hint(text, exc, lineno)}"
+        ) from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
+        raise _too_deep(lineno)
+    if b"\\u0000" in raw and _has_nul(obj):
+        # PostgreSQL text cannot hold it, and no tokenizer means anything by it.
+        raise _invalid(
+            f"Line {lineno} has a NUL character (\\u0000) in a string; remove it: it cannot be stored, "
+            "nor given to a model."
+        )
+    return obj
+
+
 def _read_lines(
     source: IO[bytes], out: IO[bytes], summary: UploadSummary, *, max_bytes: int, max_line_bytes: int, chunk: int
 ) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(line number, raw line)`` from ``source``, copying every byte to ``out``."""
+    """Yield ``(line number, raw line)`` from ``source``, copying every byte to ``out``.
+
+    The file's first bytes are sniffed (another encoding, a compressed file: a 400 that says so); a
+    UTF-8 byte-order mark at its start is kept in the copy but left out of line 1, as the worker's
+    reader (``utf-8-sig``) leaves it out.
+    """
     pending = b""
     lineno = 0
+    head: bytes | None = b""  # the file's first bytes, until sniffed
     while block := source.read(chunk):
         summary.bytes += len(block)
         if summary.bytes > max_bytes:
@@ -96,14 +251,32 @@ def _read_lines(
                 413, f"The file is larger than the limit of {max_bytes} bytes.", param="file", code="file_too_large"
             )
         out.write(block)
+        if head is not None:
+            head += block
+            if len(head) < len(UTF8_BOM) + 1:
+                continue  # too few bytes to tell yet: the next block joins them
+            sniff(head)
+            block, head = head.removeprefix(UTF8_BOM), None
         *complete, pending = (pending + block).split(b"\n")
         for raw in complete:
             lineno += 1
             yield lineno, raw
         if len(pending) > max_line_bytes:
-            raise bad_request(f"Line {lineno + 1} is over the limit of {max_line_bytes} bytes.", "file", "invalid_file")
+            raise _invalid(_too_long(lineno + 1, max_line_bytes))
+    if head:  # a file shorter than the sniff
+        sniff(head)
+        pending = head.removeprefix(UTF8_BOM)
+        *complete, pending = pending.split(b"\n")
+        for raw in complete:
+            lineno += 1
+            yield lineno, raw
     if pending:
         yield lineno + 1, pending
+
+
+def _too_long(lineno: int, limit: int) -> str:
+    size = f" ({limit / 2**20:g} MiB)" if limit >= 2**20 else ""
+    return f"Line {lineno} is longer than the limit of {limit} bytes{size} a line; shorten it."
 
 
 def store_jsonl(
@@ -116,7 +289,7 @@ def store_jsonl(
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     summary = UploadSummary()
-    fd, tmp_name = tempfile.mkstemp(prefix=".upload-", dir=dest.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".upload-{writer_tag()}-", dir=dest.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -125,25 +298,13 @@ def store_jsonl(
                 source, out, summary, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk
             ):
                 if len(raw) > max_line_bytes:
-                    raise bad_request(
-                        f"Line {lineno} is {len(raw)} bytes, over the limit of {max_line_bytes}.",
-                        "file",
-                        "invalid_file",
-                    )
+                    raise _invalid(_too_long(lineno, max_line_bytes))
                 if not raw.strip():
                     blank_at = blank_at or lineno
                     continue
                 if blank_at is not None:
                     raise bad_request(f"Line {blank_at} is empty; remove blank lines.", "file", "invalid_file")
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    raise bad_request(
-                        f"Line {lineno} is not valid UTF-8; save the file as UTF-8.", "file", "invalid_file"
-                    ) from None
-                except json.JSONDecodeError as exc:
-                    raise bad_request(f"Line {lineno} is not valid JSON: {exc.msg}.", "file", "invalid_file") from None
-                summary.add(summary.lines + 1, check_line(obj, lineno))
+                summary.add(summary.lines + 1, check_line(parse_line(raw, lineno), lineno))
                 summary.lines += 1
         if summary.lines == 0:
             raise bad_request("The file is empty: it needs at least one JSONL line.", "file", "invalid_file")
@@ -195,3 +356,78 @@ def list_models(models_dir: Path) -> list[str]:
     for config in sorted(models_dir.glob("*/config.json")) + sorted(models_dir.glob("*/*/config.json")):
         found.append(str(config.parent.relative_to(models_dir)))
     return found[:20]
+
+
+# Leftovers of interrupted uploads ----------------------------------------------------------------
+# An upload streams into ``.upload-<host>-<pid>-…``, is renamed to ``.staged-<file id>-<host>-<pid>``
+# when every line is valid, and gets its final name ``<file id>.jsonl`` only after its row is
+# committed. A process killed on the way leaves a name that says whose it was: the sweep deletes it,
+# or, when the row was committed, finishes the rename. Nothing is ever left without a row.
+ORPHAN_AGE_SECONDS = 3600.0  # a file of another host: its writer is surely done after an hour
+
+
+def writer_tag() -> str:
+    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
+
+
+def process_gone(host: str, pid: int) -> bool:
+    """Whether process ``pid`` of host ``host`` has ended (or is a zombie); False when we cannot tell
+    (another host)."""
+    if host.replace("-", "_") != socket.gethostname().replace("-", "_") or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def staged_path(dest: Path, file_id: str) -> Path:
+    return dest.with_name(f".staged-{file_id}-{writer_tag()}")
+
+
+def _abandoned(path: Path, host: str, pid: str) -> bool:
+    if pid.isdigit() and process_gone(host, int(pid)):
+        return True
+    try:
+        return time.time() - path.stat().st_mtime > ORPHAN_AGE_SECONDS
+    except FileNotFoundError:
+        return False
+
+
+def sweep_uploads(session: Any, artifacts_dir: Path) -> dict[str, int]:
+    """Remove what killed uploads left under ``files/``, or finish their last rename (see above)."""
+    from sqlalchemy import select  # (imported by the caller's session already)
+
+    from service.models import File
+
+    counts = {"removed": 0, "finished": 0}
+    root = artifacts_dir / "files"
+    if not root.is_dir():
+        return counts
+    for path in root.glob("*/.upload-*"):
+        host, pid = (path.name[len(".upload-") :].split("-") + ["", ""])[:2]
+        if _abandoned(path, host, pid):
+            path.unlink(missing_ok=True)
+            counts["removed"] += 1
+    for path in root.glob("*/.staged-*"):
+        named, host, pid = (path.name.rsplit("-", 2) + ["", ""])[:3]
+        file_id = named[len(".staged-") :]
+        if not _abandoned(path, host, pid):
+            continue
+        row = session.scalar(select(File).where(File.id == file_id))
+        final = path.with_name(f"{file_id}.jsonl")
+        if row is not None and row.path.endswith(final.name) and not final.exists():
+            path.replace(final)
+            counts["finished"] += 1
+        else:
+            path.unlink(missing_ok=True)
+            counts["removed"] += 1
+    if any(counts.values()):
+        logging.getLogger("rloo.storage").warning("swept interrupted uploads: %s", counts)
+    return counts

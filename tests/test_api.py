@@ -8,6 +8,7 @@ Jobs are queued to a queue that no worker consumes, so they stay ``queued``.
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import math
 import os
@@ -418,6 +419,45 @@ BAD_UPLOADS = {
     "blank_line_in_middle": (b'{"prompt": "a"}\n\n{"prompt": "b"}\n', "Line 2"),
     "empty_file": (b"", "empty"),
     "only_blank_lines": (b"\n\n  \n", "empty"),
+    # Not UTF-8: the whole file is at fault, and the message says which encoding it is.
+    "utf16_with_bom": ('{"prompt": "a"}\n{"prompt": "b"}\n'.encode("utf-16"), ["UTF-16", "save it as UTF-8"]),
+    "utf16le_without_bom": ('{"prompt": "a"}\n'.encode("utf-16-le"), ["UTF-16", "save it as UTF-8"]),
+    "utf16be_without_bom": ('{"prompt": "a"}\n'.encode("utf-16-be"), ["UTF-16", "save it as UTF-8"]),
+    "utf32_with_bom": ('{"prompt": "a"}\n'.encode("utf-32"), ["UTF-32", "save it as UTF-8"]),
+    "latin1_says_where": (b'{"prompt": "caf\xe9"}\n', ["Line 1", "UTF-8", "0xe9"]),
+    "bom_in_the_middle": (b'{"prompt": "a"}\n\xef\xbb\xbf{"prompt": "b"}\n', ["Line 2", "byte-order mark", "remove"]),
+    # Not JSONL.
+    "pretty_printed_json_array": (
+        b'[\n  {"prompt": "a"},\n  {"prompt": "b"}\n]\n',
+        ["Line 1", "JSON array", "one object a line"],
+    ),
+    "json_array_on_one_line": (b'[{"prompt": "a"}, {"prompt": "b"}]\n', ["Line 1", "one object a line"]),
+    "pretty_printed_object": (b'{\n  "prompt": "a"\n}\n', ["Line 1", "whole on one line"]),
+    "gzip_compressed": (gzip.compress(b'{"prompt": "a"}\n' * 50), ["gzip-compressed", "uncompressed .jsonl"]),
+    "csv": (b"prompt,answer\nwhat is 2+2?,4\n", ["Line 1", "not valid JSON", "CSV", "JSON object"]),
+    "raw_tab_in_a_string": (b'{"prompt": "a\tb"}\n', ["Line 1", "must be escaped"]),
+    # Too deep for a parser (Python's json raises RecursionError), or deeper than a dataset needs.
+    "nested_arrays_100k_deep": (b'{"prompt": "a"}\n' + b"[" * 100_000 + b"\n", ["Line 2", "levels deep", "flatten"]),
+    "nested_objects_100k_deep": (b'{"prompt": "a"}\n' + b'{"a":' * 100_000 + b"\n", ["Line 2", "flatten"]),
+    "nested_101_levels": (b'{"prompt": "a", "x": ' + b"[" * 100 + b"]" * 100 + b"}\n", ["Line 1", "flatten"]),
+    # NUL: PostgreSQL text cannot hold it, whether escaped in a string or a key, or raw.
+    "nul_escaped_in_prompt": (b'{"prompt": "a\\u0000b"}\n', ["Line 1", "NUL", "remove it"]),
+    "nul_escaped_in_a_key": (b'{"prompt": "a"}\n{"prompt": "b", "k\\u0000": 1}\n', ["Line 2", "NUL", "remove it"]),
+    "nul_escaped_in_messages": (
+        b'{"messages": [{"role": "user", "content": "x\\u0000"}]}\n',
+        ["Line 1", "NUL", "remove it"],
+    ),
+    "nul_byte_raw": (b'{"prompt": "a"}\n{"prompt": "a\x00b"}\n', ["Line 2", "NUL", "UTF-8"]),
+    # OpenAI's multimodal content parts: refused here rather than accepted and misread by the worker.
+    "content_as_text_parts": (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n',
+        ["Line 1", "messages[0].content", "list of content parts", "one string"],
+    ),
+    "content_with_an_image_part": (
+        b'{"prompt": "x"}\n{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": '
+        b'[{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}\n',
+        ["Line 2", "messages[1].content", "one string"],
+    ),
 }
 
 
@@ -909,7 +949,16 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
 }
 
 
-def test_bad_job_body_is_400_with_param(client, auth) -> None:
+@pytest.fixture
+def unlimited_client(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Iterator[Any]:
+    """A client of an app without the per-key rate limit, for a table of cases sent with one key at
+    in-process speed (tests/test_rate_limit.py checks the limit)."""
+    with _fresh_client(monkeypatch, RLOO_RATE_LIMIT="0") as c:
+        yield c
+
+
+def test_bad_job_body_is_400_with_param(unlimited_client, auth) -> None:
+    client = unlimited_client  # ~120 requests in a few seconds: past the default burst of 100
     f = upload_ok(client, auth)
     assert create_job(client, auth, job_body(f["id"]))["status"] == "queued"  # the unmutated body is fine
     client.post(f"/v1/fine_tuning/jobs/{list_ids(client, auth, '/v1/fine_tuning/jobs')[0]}/cancel", headers=auth)
@@ -1444,3 +1493,107 @@ def test_idempotency_key_returns_the_first_answer(client, auth, other_auth, env)
     assert [j["id"] for j in jobs] == [answers[0].json()["id"]]
     assert_error(client.post("/v1/fine_tuning/jobs", headers=headers, json={**body, "seed": 7}), 409,
                  param="Idempotency-Key", code="idempotency_key_reused")
+
+
+# Uploads: the edges that are accepted, and read by the worker exactly as they were validated -------
+ACCEPTED_UPLOADS = {
+    # Windows tools write a UTF-8 byte-order mark: accepted, and never part of the first line.
+    "utf8_bom_and_crlf": (
+        b'\xef\xbb\xbf{"prompt": "first", "answer": "1"}\r\n{"prompt": "second", "answer": "2"}\r\n',
+        [{"prompt": "first", "answer": "1"}, {"prompt": "second", "answer": "2"}],
+    ),
+    # A lone CR between tokens is JSON whitespace inside the line, not a line end.
+    "lone_cr_inside_a_line": (
+        b'{"prompt": "a",\r"answer": "b"}\n{"prompt": "c", "answer": "d"}',
+        [{"prompt": "a", "answer": "b"}, {"prompt": "c", "answer": "d"}],
+    ),
+    # Control characters other than NUL, escaped, in values and keys: text PostgreSQL holds.
+    "escaped_control_characters": (
+        b'{"prompt": "tab\\there\\u0001\\u001f\x7f", "answer": "x\\ny", "k\\t": 1}\n',
+        [{"prompt": "tab\there\x01\x1f\x7f", "answer": "x\ny", "k\t": 1}],
+    ),
+    # Unicode line separators are characters of the line, not line ends.
+    "unicode_line_separators": (
+        '{"prompt": "a\u2028b\u0085c\u2029", "answer": "1"}\n'.encode(),
+        [{"prompt": "a\u2028b\u0085c\u2029", "answer": "1"}],
+    ),
+    "nested_100_levels": (
+        b'{"prompt": "a", "answer": "1", "x": ' + b"[" * 99 + b"]" * 99 + b"}\n",
+        [{"prompt": "a", "answer": "1", "x": json.loads("[" * 99 + "]" * 99)}],
+    ),
+}
+
+
+def test_accepted_upload_edges_read_by_the_worker_as_validated(client, auth, env) -> None:
+    """What the API accepts, the worker's reader (worker.data.load_items) reads line for line the same:
+    the UTF-8 BOM is not part of the first prompt, a lone CR does not split a line."""
+    from worker.data import load_items
+
+    def check(content: bytes, expected: list[dict[str, Any]]) -> None:
+        f = upload_ok(client, auth, content)
+        assert f["line_count"] == len(expected) and f["bytes"] == len(content)
+        assert client.get(f"/v1/files/{f['id']}/content", headers=auth).content == content  # kept as sent
+        (path,) = [p for p in stored_files(env) if p.name == f"{f['id']}.jsonl"]
+        items = load_items(path)
+        assert items == expected
+        assert not items[0]["prompt"].startswith("\ufeff")
+        create_job(client, auth, job_body(f["id"]))  # its grader reads item.answer: every line has it
+
+    each(ACCEPTED_UPLOADS, check)
+
+
+def test_default_line_limit_is_1_mib(client, auth, env) -> None:
+    """RLOO_MAX_LINE_BYTES is 1 MiB unless set: a longer line is a 400 naming it (with its newline, or as
+    the last line without one); a line at the limit is accepted."""
+    from service.settings import Settings, get_settings
+
+    limit = 1 << 20
+    assert Settings.model_fields["max_line_bytes"].default == limit
+    assert get_settings().max_line_bytes == limit  # this client runs with the default
+
+    def line(n: int) -> bytes:
+        return b'{"prompt": "' + b"x" * (n - 14) + b'"}'
+
+    small = b'{"prompt": "a"}'
+    assert len(line(limit)) == limit
+
+    def check(content: bytes, needle: list[str]) -> None:
+        assert_error(upload(client, auth, content), 400, param="file", code="invalid_file", contains=needle)
+        assert stored_files(env) == []
+        assert list_ids(client, auth, "/v1/files") == []
+
+    each(
+        {
+            "one_byte_over_with_newline": (small + b"\n" + line(limit + 1) + b"\n" + small + b"\n",
+                                           ["Line 2", "1 MiB", "shorten it"]),
+            "one_byte_over_as_last_line": (small + b"\n" + small + b"\n" + line(limit + 1), ["Line 3", "1 MiB"]),
+            "far_over": (small + b"\n" + line(3 * limit) + b"\n", ["Line 2", "shorten it"]),
+        },
+        check,
+    )
+    for content in (line(limit) + b"\n" + small + b"\n", small + b"\n" + line(limit - 1)):
+        f = upload_ok(client, auth, content)
+        assert f["line_count"] == 2 and f["bytes"] == len(content)
+
+
+def test_upload_request_that_is_not_a_file_upload_is_400(client, auth, env) -> None:
+    """A missing purpose, a body that is not multipart, a file sent as a plain form string: 400 in the
+    error shape (never FastAPI's 422, never a 500), and nothing stored."""
+    jsonl = b'{"prompt": "a"}\n'
+    cases: dict[str, tuple[dict[str, Any], str | None]] = {
+        "missing_purpose": ({"files": {"file": ("a.jsonl", jsonl)}}, "purpose"),
+        "json_body": ({"json": {"file": jsonl.decode(), "purpose": "fine-tune"}}, "file"),
+        "urlencoded_form": ({"data": {"file": jsonl.decode(), "purpose": "fine-tune"}}, "file"),
+        "file_as_plain_multipart_field": ({"files": {"file": (None, jsonl), "purpose": (None, "fine-tune")}}, "file"),
+        "raw_jsonl_body": ({"content": jsonl, "headers": {"content-type": "application/jsonl"}}, "file"),
+        "multipart_without_boundary": ({"content": jsonl, "headers": {"content-type": "multipart/form-data"}}, None),
+        "empty_body": ({}, "file"),
+    }
+
+    def check(kwargs: dict[str, Any], param: str | None) -> None:
+        kwargs = {**kwargs, "headers": {**auth, **kwargs.get("headers", {})}}
+        assert_error(client.post("/v1/files", **kwargs), 400, param=param)
+        assert stored_files(env) == []
+        assert list_ids(client, auth, "/v1/files") == []
+
+    each(cases, check)

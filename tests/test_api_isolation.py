@@ -1,60 +1,304 @@
-"""Projects are isolated: another project's files, jobs and checkpoints do not exist for a key (404, never
-403), its lists are empty, and nothing it does changes them."""
+"""Projects are isolated: another project's files, jobs, events, metrics and checkpoints do not exist
+for a key (404, never 403, with the very body a never-existing id gets: no existence oracle), its
+lists are empty, its ids are unknown to ``?after=``, its Idempotency-Keys are not ours, and nothing
+it does changes them.
+
+The data is real: alpha's jobs are claimed, stepped and checkpointed by the worker's own
+``DatabaseRecorder``, and the checkpoint is a Hugging Face directory on disk under the artifacts root,
+which alpha downloads (200) and beta cannot (404).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
 from typing import Any
 
-from tests.test_api import assert_error, create_job, job_body, list_ids, stored_files, upload_ok
+from tests.test_api import TRAIN_JSONL, assert_error, create_job, job_body, list_ids, upload_ok
 
-FOREIGN_FILE_REQUESTS = [("GET", ""), ("GET", "/content"), ("DELETE", "")]
-FOREIGN_JOB_REQUESTS = [
-    ("GET", ""),
-    ("POST", "/cancel"),
-    ("GET", "/events"),
-    ("GET", "/metrics"),
-    ("GET", "/checkpoints"),
-    ("GET", "/checkpoints/ftckpt-000000000000000000000000/content"),
+FAKE = {
+    "file_id": "file-" + "0" * 24,
+    "job_id": "ftjob-" + "0" * 24,
+    "checkpoint_id": "ftckpt-" + "0" * 24,
+    "event_id": "ftevent-" + "0" * 24,
+}
+
+# Every /v1 route that takes an id in its path, as the app declares it. test_the_matrix_covers_every_route
+# fails when a route is added (or removed) without this list: no endpoint skips the isolation matrix.
+ID_ROUTES = [
+    ("GET", "/v1/files/{file_id}"),
+    ("GET", "/v1/files/{file_id}/content"),
+    ("DELETE", "/v1/files/{file_id}"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}"),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/cancel"),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/pause"),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/resume"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/events"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/metrics"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content"),
 ]
+# Every /v1 list paged with ?after=<id>, and the kind of id it takes.
+AFTER_ROUTES = {
+    "/v1/files": "file_id",
+    "/v1/fine_tuning/jobs": "job_id",
+    "/v1/fine_tuning/jobs/{job_id}/events": "event_id",
+    "/v1/fine_tuning/jobs/{job_id}/checkpoints": "checkpoint_id",
+}
 
 
-def _same_error_as_for_a_missing_id(
-    client: Any, headers: dict[str, str], method: str, url: str, real_id: str, fake_id: str
+# A project's data, made the way the worker makes it -------------------------------------------------
+def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: bool = False) -> str:
+    """Claim ``job_id`` as a worker does, record ``steps`` steps (metrics rows and events) and a real
+    checkpoint directory at the last step; with ``pause``, pause it and let the worker go (so that a
+    resume would succeed). Returns the checkpoint's id."""
+    from service import crud
+    from service.db import session_scope
+    from service.models import Checkpoint
+    from service.settings import get_settings
+    from worker.checkpoints import TRAINING_INFO, checkpoint_dir, job_checkpoints_dir
+    from worker.tasks import DatabaseRecorder, worker_name
+
+    with session_scope() as session:
+        job = crud.claim_job(session=session, job_id=job_id, worker=worker_name())
+        assert job is not None, f"{job_id} was not queued"
+        crud.add_event(session=session, job=job, message=f"Job started on worker {worker_name()}")
+        session.commit()
+    recorder = DatabaseRecorder(job)
+    for step in range(1, steps + 1):
+        status = recorder.step(
+            step, {"total_steps": 10, "train_reward_mean": 0.1 * step, "trained_tokens": 64 * step, "kl": 0.01}
+        )
+        assert status is None, status  # still running
+    # A checkpoint as save_checkpoint leaves it: the model directory, plus the server-side training state.
+    directory = checkpoint_dir(job_checkpoints_dir(get_settings().artifacts_dir, job_id), steps)
+    shutil.copytree(models_dir / "tiny-policy", directory)
+    (directory / TRAINING_INFO).write_text(json.dumps({"step": steps}))
+    recorder.checkpoint(steps, directory, {"train_reward_mean": 0.1 * steps}, final=False)
+    if pause:
+        with session_scope() as session:
+            assert crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
+            crud.release_job(session=session, job=job)
+    with session_scope() as session:
+        return session.query(Checkpoint.id).filter(Checkpoint.job_seq == job.seq).one()[0]
+
+
+def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, Any]:
+    """A project with a file in use, an unused file, a running job (events, metrics, a checkpoint) and a
+    paused job whose worker has let go."""
+    training = upload_ok(client, auth)
+    spare = upload_ok(client, auth, filename="spare.jsonl")
+    running = create_job(client, auth, job_body(training["id"], suffix="running"))
+    paused = create_job(client, auth, job_body(training["id"], suffix="paused"))
+    ckpt = _train_like_the_worker(running["id"], models_dir, steps=2)
+    _train_like_the_worker(paused["id"], models_dir, steps=1, pause=True)
+    events = client.get(f"/v1/fine_tuning/jobs/{running['id']}/events", headers=auth).json()["data"]
+    return {
+        "files": [training["id"], spare["id"]],
+        "jobs": [running["id"], paused["id"]],
+        "file_id": spare["id"],
+        "job_id": running["id"],
+        "paused_job_id": paused["id"],
+        "checkpoint_id": ckpt,
+        "event_id": events[-1]["id"],  # the oldest: "Created fine-tuning job"
+    }
+
+
+def _tar_members(content: bytes) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(content)) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+
+
+def _world(client: Any, auth: dict[str, str], artifacts: Path) -> dict[str, Any]:
+    """Everything a project can read of itself, and its bytes on disk."""
+    world: dict[str, Any] = {"files": client.get("/v1/files?limit=100", headers=auth).json()}
+    for f in world["files"]["data"]:
+        world[f["id"]] = client.get(f"/v1/files/{f['id']}/content", headers=auth).content
+    world["jobs"] = client.get("/v1/fine_tuning/jobs?limit=100", headers=auth).json()
+    for job in world["jobs"]["data"]:
+        job.pop("estimated_finish")  # a running job's estimate moves with the clock
+        url = f"/v1/fine_tuning/jobs/{job['id']}"
+        world[url + "/events"] = client.get(url + "/events?limit=100", headers=auth).json()
+        world[url + "/metrics"] = client.get(url + "/metrics", headers=auth).json()
+        world[url + "/checkpoints"] = client.get(url + "/checkpoints", headers=auth).json()
+        for c in world[url + "/checkpoints"]["data"]:
+            resp = client.get(f"{url}/checkpoints/{c['id']}/content", headers=auth)
+            assert resp.status_code == 200, resp.text
+            world[c["id"]] = _tar_members(resp.content)
+    world["disk"] = {
+        str(p.relative_to(artifacts)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(artifacts.rglob("*"))
+        if p.is_file() and p.parts[len(artifacts.parts)] in ("files", "checkpoints")
+    }
+    return world
+
+
+def _same_as_a_never_existing_id(
+    client: Any, headers: dict[str, str], method: str, url: str, real: dict[str, str], fake: dict[str, str]
 ) -> None:
-    """404 in the error shape, and the very body a never-existing id gets: no existence oracle."""
-    resp = client.request(method, url, headers=headers)
+    """``url`` (naming ``real`` ids) answers 404 in the error shape, with the very body that the same
+    URL naming never-existing ids (``fake``) gets: nothing tells that the real ids exist."""
+    resp = client.request(method, url.format(**real), headers=headers)
     err = assert_error(resp, 404, code="not_found")
-    fake = client.request(method, url.replace(real_id, fake_id), headers=headers)
-    assert fake.status_code == 404
-    assert fake.json()["error"] == {**err, "message": err["message"].replace(real_id, fake_id)}
+    never = client.request(method, url.format(**fake), headers=headers)
+    assert_error(never, 404, code="not_found")
+    body = json.dumps(err)
+    for name, value in real.items():
+        body = body.replace(value, fake[name])
+    assert json.loads(body) == never.json()["error"], (method, url)
 
 
-def test_other_project_cannot_see_or_touch_files(client, auth, other_auth, env) -> None:
-    f = upload_ok(client, auth)
-    fake = "file-" + "0" * 24
-    for method, suffix in FOREIGN_FILE_REQUESTS:
-        _same_error_as_for_a_missing_id(client, other_auth, method, f"/v1/files/{f['id']}{suffix}", f["id"], fake)
-    assert list_ids(client, other_auth, "/v1/files") == []
-    assert_error(client.get(f"/v1/files?after={f['id']}", headers=other_auth), 404, param="after")
-    # Nothing beta did changed alpha's file.
-    assert client.get(f"/v1/files/{f['id']}", headers=auth).json() == f
-    assert len(stored_files(env)) == 1
-    assert list_ids(client, auth, "/v1/files") == [f["id"]]
+def _id_combinations(path: str, alpha: dict[str, str], beta: dict[str, str]) -> list[tuple[dict, dict]]:
+    """Each way to put alpha's ids in ``path`` (at least one; beta's own real ids in the other
+    places), with the never-existing ids that replace alpha's."""
+    names = [n for n in ("job_id", "checkpoint_id", "file_id") if "{" + n + "}" in path]
+    combos = []
+    for mask in range(1, 2 ** len(names)):
+        real = {n: (alpha if mask >> i & 1 else beta)[n] for i, n in enumerate(names)}
+        fake = {n: (FAKE[n] if mask >> i & 1 else beta[n]) for i, n in enumerate(names)}
+        combos.append((real, fake))
+    return combos
 
 
-def test_other_project_cannot_see_or_touch_jobs(client, auth, other_auth) -> None:
-    f = upload_ok(client, auth)
-    job = create_job(client, auth, job_body(f["id"]))
-    events = list_ids(client, auth, f"/v1/fine_tuning/jobs/{job['id']}/events")
-    fake = "ftjob-" + "0" * 24
-    for method, suffix in FOREIGN_JOB_REQUESTS:
-        url = f"/v1/fine_tuning/jobs/{job['id']}{suffix}"
-        _same_error_as_for_a_missing_id(client, other_auth, method, url, job["id"], fake)
-    assert list_ids(client, other_auth, "/v1/fine_tuning/jobs") == []
-    assert_error(client.get(f"/v1/fine_tuning/jobs?after={job['id']}", headers=other_auth), 404, param="after")
-    # beta's cancel did nothing: alpha's job is still queued, with the same events.
-    assert client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth).json() == job
-    assert list_ids(client, auth, f"/v1/fine_tuning/jobs/{job['id']}/events") == events
+def test_isolation_matrix(client, auth, other_auth, env, models_dir) -> None:
+    from service.settings import get_settings
+
+    artifacts = get_settings().artifacts_dir
+    alpha = _project(client, auth, models_dir)
+    beta = _project(client, other_auth, models_dir)
+    before = _world(client, auth, artifacts)
+    # The data is real: events, metrics and a checkpoint that alpha downloads (the training state stays
+    # server-side).
+    job_url = f"/v1/fine_tuning/jobs/{alpha['job_id']}"
+    assert [m["step"] for m in before[job_url + "/metrics"]["data"]] == [1, 2]
+    assert any(e["type"] == "metrics" for e in before[job_url + "/events"]["data"])
+    members = before[alpha["checkpoint_id"]]
+    assert f"{alpha['checkpoint_id']}/config.json" in members and members[f"{alpha['checkpoint_id']}/config.json"]
+    assert not any("training_state" in name for name in members)
+    assert {j["status"] for j in before["jobs"]["data"]} == {"running", "paused"}
+
+    failures = []
+
+    def check(method: str, url: str, real: dict[str, str], fake: dict[str, str]) -> None:
+        try:
+            _same_as_a_never_existing_id(client, other_auth, method, url, real, fake)
+        except AssertionError as exc:
+            failures.append(f"{method} {url} {real}: {str(exc)[:400]}")
+
+    # Each of alpha's jobs (a pause would succeed on the running one, a resume on the paused one) and
+    # files (the spare one would delete, the other is in use).
+    variants = [{**alpha, "job_id": j, "file_id": f} for j in alpha["jobs"] for f in alpha["files"]]
+    tried = set()
+    for method, path in ID_ROUTES:
+        for alpha_ids in variants:
+            for real, fake in _id_combinations(path, alpha_ids, beta):
+                if (method, path, path.format(**real)) not in tried:
+                    tried.add((method, path, path.format(**real)))
+                    check(method, path, real, fake)
+    assert {(method, path) for method, path, _ in tried} == set(ID_ROUTES)
+    for path, kind in AFTER_ROUTES.items():
+        own = path.format(job_id=beta["job_id"])
+        check("GET", own + "?after={" + kind + "}", {kind: alpha[kind]}, {kind: FAKE[kind]})
+    # And the other way round: beta's event and checkpoint ids are unknown in alpha's own job's lists.
+    for path, kind in AFTER_ROUTES.items():
+        if "{job_id}" in path:
+            resp = client.get(path.format(job_id=alpha["job_id"]) + f"?after={beta[kind]}", headers=auth)
+            assert_error(resp, 404, param="after", code="not_found")
+    assert not failures, f"{len(failures)} request(s) leaked:\n" + "\n".join(failures)
+
+    # beta sees nothing of alpha's in its lists ...
+    assert set(list_ids(client, other_auth, "/v1/files?limit=100")) == set(beta["files"])
+    assert set(list_ids(client, other_auth, "/v1/fine_tuning/jobs?limit=100")) == set(beta["jobs"])
+    # ... and nothing beta did changed alpha's data, in the database or on disk.
+    assert _world(client, auth, artifacts) == before
+
+    # The control: each request that was a 404 for beta works for alpha, on the same ids.
+    for method, path in ID_ROUTES:
+        job_id = alpha["paused_job_id"] if path.endswith("/resume") else alpha["job_id"]
+        if method == "GET":
+            resp = client.get(path.format(**{**alpha, "job_id": job_id}), headers=auth)
+            assert resp.status_code == 200, (path, resp.text)
+    for method, path, job_id, status in (
+        ("POST", "/pause", alpha["job_id"], "paused"),
+        ("POST", "/resume", alpha["paused_job_id"], "queued"),
+        ("POST", "/cancel", alpha["job_id"], "cancelled"),
+    ):
+        resp = client.request(method, f"/v1/fine_tuning/jobs/{job_id}{path}", headers=auth)
+        assert resp.status_code == 200 and resp.json()["status"] == status, resp.text
+    assert client.delete(f"/v1/files/{alpha['file_id']}", headers=auth).status_code == 200
+
+
+def test_the_matrix_covers_every_route(app) -> None:
+    """A new /v1 route with an id in its path, or a new list paged with ?after=, fails here until it is
+    in the isolation matrix above."""
+    from fastapi import routing
+
+    def query_params(dependant: Any) -> set[str]:  # the route's own and its dependencies', recursively
+        names = {p.alias for p in dependant.query_params}
+        for sub in dependant.dependencies:
+            names |= query_params(sub)
+        return names
+
+    # FastAPI >= 0.1xx keeps included routers whole in app.routes; iter_route_contexts flattens them.
+    flatten = getattr(routing, "iter_route_contexts", lambda routes: routes)
+    with_ids, with_after, others = set(), set(), []
+    for route in flatten(app.routes):
+        path = getattr(route, "path", None) or ""
+        if not path.startswith("/v1"):
+            continue
+        if not isinstance(getattr(route, "original_route", route), routing.APIRoute):
+            others.append(path)  # a mount or a websocket: the matrix cannot vouch for it
+            continue
+        if "{" in path:
+            with_ids |= {(method, path) for method in route.methods}
+        if "after" in query_params(route.dependant):
+            with_after.add(path)
+    assert others == []
+    assert with_ids == set(ID_ROUTES), "add the route to ID_ROUTES (or drop it from there)"
+    assert with_after == set(AFTER_ROUTES), "add the list to AFTER_ROUTES (or drop it from there)"
+
+
+def test_idempotency_keys_are_per_project(client, auth, other_auth, env) -> None:
+    """beta reusing alpha's Idempotency-Key gets its own new object: never alpha's answer, and never a
+    409 that would tell the key is in use."""
+
+    def post_file(headers: dict[str, str], content: bytes = TRAIN_JSONL) -> Any:
+        return client.post("/v1/files", headers={**headers, "Idempotency-Key": "shared-key"},
+                           files={"file": ("train.jsonl", content)}, data={"purpose": "fine-tune"})
+
+    mine = post_file(auth)
+    assert mine.status_code == 200, mine.text
+    theirs = post_file(other_auth)  # the same request, byte for byte, with the same key
+    assert theirs.status_code == 200, theirs.text
+    assert theirs.headers.get("idempotent-replayed") is None
+    assert theirs.json()["id"] != mine.json()["id"]
+    other_content = post_file(other_auth, TRAIN_JSONL + b'{"prompt": "more"}\n')
+    assert_error(other_content, 409, code="idempotency_key_reused")  # beta's own key now, beta's own request
+    assert list_ids(client, auth, "/v1/files") == [mine.json()["id"]]
+    assert list_ids(client, other_auth, "/v1/files") == [theirs.json()["id"]]
+    again = post_file(auth)
+    assert again.json() == mine.json() and again.headers.get("idempotent-replayed") == "true"
+
+    def post_job(headers: dict[str, str], body: dict[str, Any]) -> Any:
+        return client.post("/v1/fine_tuning/jobs", headers={**headers, "Idempotency-Key": "job-key"}, json=body)
+
+    body = job_body(mine.json()["id"])
+    my_job = post_job(auth, body)
+    assert my_job.status_code == 200, my_job.text
+    # alpha's very request (alpha's file id included) under alpha's key is no replay for beta: alpha's
+    # file does not exist for it.
+    assert_error(post_job(other_auth, body), 400, param="training_file", code="file_not_found")
+    their_job = post_job(other_auth, job_body(theirs.json()["id"]))
+    assert their_job.status_code == 200, their_job.text
+    assert their_job.headers.get("idempotent-replayed") is None
+    assert their_job.json()["id"] != my_job.json()["id"]
+    assert their_job.json()["organization_id"] != my_job.json()["organization_id"]
+    assert list_ids(client, auth, "/v1/fine_tuning/jobs") == [my_job.json()["id"]]
+    assert list_ids(client, other_auth, "/v1/fine_tuning/jobs") == [their_job.json()["id"]]
 
 
 def test_projects_see_only_their_own_lists(client, auth, other_auth) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +118,16 @@ class LiveStack:
 
 @contextlib.contextmanager
 def live_stack(
-    kind: str, tmp_path: Path, models_dir: Path, *, env: dict[str, str] | None = None, worker: bool = True
+    kind: str,
+    tmp_path: Path,
+    models_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    worker: bool = True,
+    database_url: Callable[[str], str] = lambda url: url,
 ) -> Iterator[LiveStack]:
     """The API (and one worker) as processes on the embedded defaults, or on the CI's PostgreSQL and
-    Redis (``production``)."""
+    Redis (``production``; ``database_url`` may route its fresh database's URL, e.g. through a proxy)."""
     full = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     full.update(
         {
@@ -138,7 +144,7 @@ def live_stack(
         if not (server and broker):
             pytest.skip("TEST_DATABASE_URL and TEST_REDIS_URL not set (the CI sets them)")
         url, pg_name = _fresh_postgres_database(server)
-        full.update({"DATABASE_URL": url, "REDIS_URL": broker, "RLOO_QUEUE": f"e2e-{secrets.token_hex(4)}"})
+        full.update({"DATABASE_URL": database_url(url), "REDIS_URL": broker, "RLOO_QUEUE": f"e2e-{secrets.token_hex(4)}"})
     logs = tmp_path / "logs"
     logs.mkdir()
     s = LiveStack(full, free_port(), logs)
@@ -371,7 +377,7 @@ def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Pat
             events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
             started = [e["message"] for e in events if e["message"].startswith("Job started on worker")]
             assert len(started) == 1, started
-            workers.add(started[0])
+            workers.add(started[0].split(" (process")[0])  # the worker, not its pool process
             metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
             assert [m["step"] for m in metrics] == [1, 2, 3]
         assert len(workers) == 2  # both workers took jobs

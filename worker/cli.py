@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,7 +92,8 @@ def keys_list() -> None:
 
 @app.command("api")
 def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
-    """Serve the HTTP API (service.main:app) with uvicorn."""
+    """Serve the HTTP API (service.main:app) with uvicorn. The per-key rate limit (RLOO_RATE_LIMIT) is
+    counted in each worker process: --workers N lets a key through up to N times the rate."""
     import uvicorn
 
     _ensure_embedded_broker()
@@ -116,7 +116,7 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     from worker.celery_app import app as celery_app
 
     if queue is None or queue == settings.queue:  # the training workers watch the training jobs
-        threading.Thread(target=_reconcile_forever, name="reconciler", daemon=True).start()
+        _start_reconciler()
 
     celery_app.worker_main(
         [
@@ -135,25 +135,51 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     )
 
 
-def _reconcile_forever() -> None:
-    """At start, then every RLOO_RECONCILE_SECONDS: jobs whose worker died are queued again, lost
-    tasks sent again (service.reconcile). In the Celery parent, which never imports torch."""
+def _start_reconciler() -> None:
+    """The reconciler runs in a process of its own, forked now, while this process has one thread.
+    Not a thread of the Celery parent: that parent forks a pool process for every job, and a fork
+    taken while the thread held a lock (a module being imported, the logging lock) leaves that lock
+    held for ever in the new pool process, whose job then hangs. It ends with its parent."""
+    parent = os.getpid()
+    if os.fork() == 0:
+        try:
+            _reconcile_forever(parent)
+        finally:
+            os._exit(0)
+
+
+def _reconcile_forever(parent: int) -> None:
+    """At start, then every RLOO_RECONCILE_SECONDS: the embedded Redis started again if it died,
+    jobs whose worker died queued again, lost tasks sent again (service.reconcile), leftovers of
+    interrupted uploads swept. Never imports torch."""
     from service.db import session_scope
     from service.reconcile import queue_length, reconcile
+    from service.storage import sweep_uploads
 
     settings = get_settings()
-    while True:
+    log = logging.getLogger("rloo.reconcile")
+    while os.getppid() == parent:
+        try:
+            _ensure_embedded_broker()
+        except Exception as exc:
+            log.warning("the embedded Redis is down and did not start again: %s", exc)
         try:
             with session_scope() as session:
                 reconcile(
                     session,
                     stale_after=settings.stale_after,
-                    queued_grace=max(60.0, 2 * settings.reconcile_seconds),
+                    # A queued job's task may be on its way to a worker for a moment; a second copy
+                    # would be harmless (the claim), but there is no need to send one so soon.
+                    queued_grace=max(5.0, 2 * settings.reconcile_seconds),
                     queue_length=queue_length(),
+                    max_crashes=settings.max_job_crashes,
                 )
+                sweep_uploads(session, settings.artifacts_dir)
         except Exception as exc:  # the database is away: try again next round
-            logging.getLogger("rloo.reconcile").warning("reconcile failed: %s", exc)
-        time.sleep(settings.reconcile_seconds)
+            log.warning("reconcile failed: %s", exc)
+        deadline = time.monotonic() + settings.reconcile_seconds
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(min(1.0, settings.reconcile_seconds))
 
 
 def _ensure_embedded_broker() -> None:
@@ -277,14 +303,7 @@ def up(host: str = "127.0.0.1", port: int = 8000) -> None:
     stack = Stack(host, port)
     try:
         key = stack.start()
-        settings = get_settings()
-        typer.echo(f"\nrloo-service is up at {stack.url}  (docs: {stack.url}/docs)")
-        typer.echo(f"  database:  {_redact(settings.database_url)}")
-        typer.echo(f"  broker:    {_redact(settings.redis_url)}")
-        typer.echo(f"  models:    {settings.models_dir}")
-        typer.echo(f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):")
-        typer.echo(f"    export RLOO_BASE_URL={stack.url}/v1 RLOO_API_KEY={key}")
-        typer.echo("Ctrl-C stops everything.")
+        typer.echo(up_banner(stack.url, key, get_settings()))
         signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as Ctrl-C does
         while all(child.poll() is None for child in stack.children):
             time.sleep(0.5)
@@ -344,10 +363,26 @@ def demo(port: int = 8000) -> None:
     raise typer.Exit(run_demo(port=port))
 
 
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
+def up_banner(url: str, key: str, settings: Any) -> str:
+    """What `rloo up` prints once the stack answers: URLs with their passwords masked; the local
+    project's key in full, on purpose (it is the user's own terminal; it is never logged)."""
+    return "\n".join(
+        [
+            f"\nrloo-service is up at {url}  (docs: {url}/docs)",
+            f"  database:  {_redact(settings.database_url)}",
+            f"  broker:    {_redact(settings.redis_url)}",
+            f"  models:    {settings.models_dir}",
+            f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):",
+            f"    export RLOO_BASE_URL={url}/v1 RLOO_API_KEY={key}",
+            "Ctrl-C stops everything.",
+        ]
+    )
 
-    return make_url(url).render_as_string(hide_password=True)
+
+def _redact(url: str) -> str:
+    from service.settings import redact_url
+
+    return redact_url(url)
 
 
 def main() -> None:

@@ -11,7 +11,10 @@ import torch
 
 
 def load_items(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
+    """The lines of a JSONL file as the upload validated them (``service.storage``): a UTF-8
+    byte-order mark at the start ignored, lines ended by "\\n" only (a lone "\\r" is JSON whitespace
+    inside a line, not a line end), blank lines skipped."""
+    with open(path, encoding="utf-8-sig", newline="\n") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

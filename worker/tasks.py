@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from service import crud
-from service.db import session_scope
+from service.db import retrying, session_scope
 from service.models import Job
 from service.queue import RUN_GRADER_TASK, RUN_JOB_TASK
 from service.settings import get_settings
@@ -22,24 +22,41 @@ from worker.records import JobError, json_safe
 
 log = logging.getLogger("rloo.worker")
 
-WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
+def worker_name() -> str:
+    """``host:pid`` of this process: the pool process that claims a job (computed when called, since
+    pool processes are forked from the worker after this module is imported)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 class DatabaseRecorder:
-    """Writes a run's metrics, events, progress and checkpoints to the job's rows."""
+    """Writes a run's metrics, events, progress and checkpoints to the job's rows. Each write is one
+    transaction, tried again while the database is unreachable (``RLOO_DB_RETRY_SECONDS``): a
+    database restart pauses the run instead of failing it."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.artifacts = get_settings().artifacts_dir
+        settings = get_settings()
+        self.artifacts = settings.artifacts_dir
+        self.retry_seconds = settings.db_retry_seconds
+
+    def _write(self, what: str, fn: Any) -> Any:
+        def attempt() -> Any:
+            with session_scope() as session:
+                return fn(session)
+
+        return retrying(attempt, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
 
     def event(self, message: str, level: str = "info") -> None:
-        with session_scope() as session:
+        def write(session: Any) -> None:
             crud.add_event(session=session, job=self.job, message=message, level=level)
             session.commit()
 
+        self._write("event", write)
+
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
         clean = json_safe(metrics)
-        with session_scope() as session:
+
+        def write(session: Any) -> str:
             crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
             crud.add_event(
                 session=session,
@@ -48,15 +65,18 @@ class DatabaseRecorder:
                 data=clean,
                 message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}",
             )
-            status = crud.record_progress(
+            return crud.record_progress(
                 session=session, job=self.job, step=step, trained_tokens=int(metrics.get("trained_tokens", 0))
             )
+
+        status = self._write(f"step {step}", write)
         return None if status == "running" else status
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         rel = str(path.resolve().relative_to(self.artifacts))
         name = f"{self.job.model}:{self.job.suffix or 'ft'}:{self.job.id}:step-{step}"
-        with session_scope() as session:
+
+        def write(session: Any) -> None:
             crud.add_checkpoint(
                 session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
             )
@@ -65,13 +85,17 @@ class DatabaseRecorder:
                 session.query(Job).filter(Job.seq == self.job.seq).update({"fine_tuned_model": name})
             session.commit()
 
+        self._write(f"checkpoint {step}", write)
+
     def checkpoint_removed(self, step: int) -> None:
-        with session_scope() as session:
+        def write(session: Any) -> None:
             crud.remove_checkpoint(session=session, job=self.job, step=step)
             crud.add_event(
                 session=session, job=self.job, message=f"Checkpoint of step {step} removed (keep_checkpoints)"
             )
             session.commit()
+
+        self._write(f"checkpoint {step} removed", write)
 
 
 class Heartbeat(threading.Thread):
@@ -87,7 +111,9 @@ class Heartbeat(threading.Thread):
                 with session_scope() as session:
                     # Paused too: the worker still holds the job while it saves the step's checkpoint.
                     session.query(Job).filter(
-                        Job.seq == self.job.seq, Job.status.in_(("running", "paused")), Job.worker == WORKER_NAME
+                        Job.seq == self.job.seq,
+                        Job.status.in_(("running", "paused")),
+                        Job.worker == worker_name(),
                     ).update({"heartbeat_at": time.time()})
                     session.commit()
             except Exception as exc:  # a blip in the database must not kill the job
@@ -97,55 +123,109 @@ class Heartbeat(threading.Thread):
 @app.task(name=RUN_JOB_TASK)  # acks_late and the rest: worker.celery_app
 def run_job(job_id: str) -> str:
     """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains."""
+    settings = get_settings()
     with session_scope() as session:
-        job = crud.claim_job(session=session, job_id=job_id, worker=WORKER_NAME)
+        job = crud.claim_job(session=session, job_id=job_id, worker=worker_name())
+        if job is None:
+            current = crud.get_job_by_id(session=session, job_id=job_id)
+            if current is not None and current.status == "running" and _died_here(current.worker):
+                # The pool process that ran it was killed (the out-of-memory killer, most often) and
+                # Celery handed the task back: no need to wait for the heartbeat to go stale.
+                moved = crud.recover_lost_job(
+                    session=session,
+                    job=current,
+                    worker=current.worker,
+                    reason=f"Worker {current.worker} was killed while running the job",
+                    max_crashes=settings.max_job_crashes,
+                )
+                if moved == "queued":
+                    job = crud.claim_job(session=session, job_id=job_id, worker=worker_name())
         if job is None:
             current = crud.get_job_by_id(session=session, job_id=job_id)
             log.info("job %s not claimed (status %s); nothing to do", job_id, current.status if current else "gone")
             return "skipped"
-        crud.add_event(session=session, job=job, message=f"Job started on worker {WORKER_NAME}")
+        node = getattr(run_job.request, "hostname", None) or "local"  # the Celery worker (rloo worker)
+        crud.add_event(session=session, job=job, message=f"Job started on worker {node} (process {worker_name()})")
         session.commit()
 
-    heartbeat = Heartbeat(job, get_settings().heartbeat_seconds)
+    heartbeat = Heartbeat(job, settings.heartbeat_seconds)
     heartbeat.start()
     try:
+        _cap_memory(settings.job_memory_mb)
         result = _train(job)
     except Exception as exc:
         code, message = _classify(exc)
         log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
-        with session_scope() as session:
-            crud.set_status(
-                session=session,
-                job=job,
-                to="failed",
-                from_=("running",),
-                error={"code": code, "message": message, "param": None},
-                event=f"Job failed: {message}",
-                level="error",
-            )
+
+        def fail() -> None:
+            with session_scope() as session:
+                crud.set_status(
+                    session=session,
+                    job=job,
+                    to="failed",
+                    from_=("running",),
+                    error={"code": code, "message": message, "param": None},
+                    event=f"Job failed: {message}",
+                    level="error",
+                )
+
+        retrying(fail, seconds=settings.db_retry_seconds, what=f"{job_id}: failed")
         return "failed"
     finally:
         heartbeat.stopped.set()
 
-    with session_scope() as session:
-        if result.stopped is None:
-            crud.set_status(
-                session=session,
-                job=job,
-                to="succeeded",
-                # A pause that came with the last step has nothing left to pause: the job is done.
-                from_=("running", "paused"),
-                event=f"The job has successfully completed ({result.steps} steps)",
-            )
-        else:
-            crud.add_event(
-                session=session, job=job, message=f"Training stopped at step {result.steps}: job {result.stopped}"
-            )
-            session.commit()
-            if result.stopped == "paused":
-                crud.release_job(session=session, job=job)  # checkpoint written: it may be resumed
-        session.commit()
+    def finish() -> None:
+        with session_scope() as session:
+            _finish(session, job, result)
+
+    retrying(finish, seconds=settings.db_retry_seconds, what=f"{job_id}: finished")
     return result.stopped or "succeeded"
+
+
+def _died_here(worker: str | None) -> bool:
+    """Whether ``worker`` (``host:pid``, worker_name() of the process that claimed a job) is a process
+    of this host that no longer runs: gone, or a zombie its parent has not reaped yet."""
+    from service.storage import process_gone
+
+    host, _, pid = (worker or "").rpartition(":")
+    return pid.isdigit() and process_gone(host, int(pid))
+
+
+def _cap_memory(megabytes: int | None) -> None:
+    """RLOO_JOB_MEMORY_MB: bound this job process's data memory (RLIMIT_DATA: the heap and private
+    mappings, where tensors live on a CPU), so a job that asks for too much fails with
+    ``out_of_memory`` instead of bringing the out-of-memory killer onto the host. The pool process
+    serves one job and exits, so the cap ends with the job."""
+    if not megabytes:
+        return
+    import resource
+
+    limit = megabytes * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def _finish(session: Any, job: Job, result: Any) -> None:
+    """The job row after training stopped: succeeded, or the stop (cancel, pause) recorded."""
+    if result.stopped is None:
+        crud.set_status(
+            session=session,
+            job=job,
+            to="succeeded",
+            # A pause that came with the last step has nothing left to pause: the job is done.
+            from_=("running", "paused"),
+            event=f"The job has successfully completed ({result.steps} steps)",
+        )
+    else:
+        crud.add_event(
+            session=session, job=job, message=f"Training stopped at step {result.steps}: job {result.stopped}"
+        )
+        session.commit()
+        if result.stopped == "paused":
+            crud.release_job(session=session, job=job)  # checkpoint written: it may be resumed
+    session.commit()
 
 
 @app.task(name=RUN_GRADER_TASK)
@@ -247,10 +327,23 @@ def _train(job: Job) -> Any:
     return train(cfg, DatabaseRecorder(job))
 
 
+OUT_OF_MEMORY_HINT = (
+    "lower batch_size, rloo_k or max_new_tokens, raise gradient_accumulation_steps, or train a LoRA adapter"
+)
+
+
 def _classify(exc: Exception) -> tuple[str, str]:
     if isinstance(exc, JobError):
         return exc.code, exc.message
     name = type(exc).__name__
-    if "OutOfMemory" in name or isinstance(exc, MemoryError):
-        return "out_of_memory", f"the job ran out of memory ({name}); lower batch_size, rloo_k or max_new_tokens"
+    text = str(exc)
+    # torch.OutOfMemoryError (CUDA and other accelerators), MemoryError (Python), and the CPU
+    # allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried to allocate …").
+    if (
+        "OutOfMemory" in name
+        or isinstance(exc, MemoryError)
+        or (isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))
+    ):
+        first = text.strip().splitlines()[0][:300] if text.strip() else name
+        return "out_of_memory", f"The job ran out of memory ({name}: {first}); {OUT_OF_MEMORY_HINT}."
     return "internal_error", f"{name}: {exc}"

@@ -16,7 +16,7 @@ from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
 from service.responses import JSON
-from service.storage import confined, store_jsonl
+from service.storage import confined, staged_path, store_jsonl
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -51,12 +51,16 @@ def create_file(
     key = idempotency.check_key(idempotency_key)
     if purpose not in PURPOSES:
         raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")
-    filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_")[:255]
+    # No path separators; no NUL either (PostgreSQL refuses NUL in text: a 500 there).
+    filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_").replace("\x00", "_")[:255]
     file_id = new_id("file")
     rel = f"files/{project.id}/{file_id}.jsonl"
     dest = confined(settings.artifacts_dir, rel)
+    # Validated into a staging name; the final name only once the row is committed, so that a
+    # process killed at any point leaves nothing a sweep cannot clean up (storage.sweep_uploads).
+    staged = staged_path(dest, file_id)
     summary = store_jsonl(
-        file.file, dest=dest, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+        file.file, dest=staged, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
     )
     row = File(
         id=file_id,
@@ -71,10 +75,10 @@ def create_file(
     digest = ""
     try:
         if key is not None:
-            digest = idempotency.request_hash([filename, purpose, _sha256(dest)])
+            digest = idempotency.request_hash([filename, purpose, _sha256(staged)])
             replayed = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
             if replayed is not None:
-                dest.unlink(missing_ok=True)  # the first upload's file is the one
+                staged.unlink(missing_ok=True)  # the first upload's file is the one
                 return replayed
         with write_lock(session):
             session.add(row)
@@ -84,13 +88,14 @@ def create_file(
                                      response=file_object(row))
             session.commit()
     except IntegrityError:
-        dest.unlink(missing_ok=True)
+        staged.unlink(missing_ok=True)
         return idempotency.replay_after_conflict(
             session, project_seq=project.seq, route="files", key=key, digest=digest
         )
     except BaseException:
-        dest.unlink(missing_ok=True)  # no file on disk without its row
+        staged.unlink(missing_ok=True)  # no file on disk without its row
         raise
+    staged.replace(dest)
     return JSON(file_object(row))
 
 
