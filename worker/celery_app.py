@@ -3,7 +3,9 @@
 Broker settings are chosen for tasks that run for hours:
 * ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged when it ends, so a
   worker killed mid-job leaves the message to be redelivered; the atomic claim in the task makes a
-  redelivery of a job that is still running (or finished) a no-op.
+  redelivery of a job that is still running (or finished) a no-op. When only the pool process died
+  (the out-of-memory killer), the redelivered task sees that its pid is gone and continues the job
+  at once; ``jobs.crashes`` stops a job that kills every process from being retried for ever.
 * ``worker_prefetch_multiplier = 1`` and concurrency 1: a worker holds one job at a time and never
   hoards queued jobs that another idle GPU could take.
 * ``visibility_timeout``: Redis redelivers an unacknowledged message after this long. A job runs
@@ -41,8 +43,9 @@ app.conf.update(
 
 @worker_process_init.connect
 def _forget_the_parents_connections(**_: object) -> None:
-    """The parent's reconciler holds pooled database connections; a forked child must not share
-    them (two processes on one socket corrupt the protocol): it starts a pool of its own."""
+    """Should the parent hold pooled database connections, a forked child must not share them (two
+    processes on one socket corrupt the protocol): it starts a pool of its own. (The reconciler,
+    which reads the database, is a process of its own: ``rloo worker``.)"""
     from service.db import get_engine
 
     if get_engine.cache_info().currsize:
