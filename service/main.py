@@ -12,7 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import func, select, text
 
-from service import errors
+from service import errors, openapi
 from service.db import get_engine, session_scope
 from service.limits import AuthMiddleware, BodyLimitMiddleware
 from service.models import Job
@@ -99,6 +99,7 @@ def create_app() -> FastAPI:
             lines.append(f'rloo_jobs{{status="{status}"}} {counts.get(status, 0)}')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    openapi.install(app)
     return app
 
 
