@@ -144,7 +144,8 @@ def live_stack(
         if not (server and broker):
             pytest.skip("TEST_DATABASE_URL and TEST_REDIS_URL not set (the CI sets them)")
         url, pg_name = _fresh_postgres_database(server)
-        full.update({"DATABASE_URL": database_url(url), "REDIS_URL": broker, "RLOO_QUEUE": f"e2e-{secrets.token_hex(4)}"})
+        queue = f"e2e-{secrets.token_hex(4)}"
+        full.update({"DATABASE_URL": database_url(url), "REDIS_URL": broker, "RLOO_QUEUE": queue})
     logs = tmp_path / "logs"
     logs.mkdir()
     s = LiveStack(full, free_port(), logs)
