@@ -339,8 +339,10 @@ def test_gradient_checkpointing_recomputes_and_changes_no_number(tmp_path, model
     _, gc = run(tmp_path / "gc", models_dir, max_steps=2, gradient_checkpointing=True)
     # The backward recomputes each of the 2 layers once for the 1 update forward of each of 2 steps.
     assert len(recomputed) == 2 * 2
+    # Equal to rounding: the recomputed forward may reduce in another order (transformers 5.24 on the
+    # CPU: 2e-5 relative on step 2's grad norm); a wrong recomputation is off by orders more.
     for key in ("loss", "grad_norm", "kl", "train_reward_mean"):
-        assert series(gc, key) == pytest.approx(series(plain, key), rel=1e-5, abs=1e-7)
+        assert series(gc, key) == pytest.approx(series(plain, key), rel=1e-4, abs=1e-7)
 
 
 # ---------------------------------------------------------------- rollouts and validation
