@@ -160,18 +160,23 @@ def set_status(
     from_: Sequence[str],
     event: str | None = None,
     level: str = "info",
+    held_by: str | None = None,
     **values: Any,
 ) -> bool:
     """Move ``job`` to ``to`` only if it is in one of ``from_``; one conditional UPDATE, committed
     together with ``event`` (so a reader never sees the new status without its event).
 
-    Returns False, changing nothing, when another process moved the job first.
+    Returns False, changing nothing, when another process moved the job first (or, with
+    ``held_by``, when that worker no longer holds it).
     """
     if to in FINAL_STATUSES:
         values.setdefault("finished_at", now())
+    where = [Job.seq == job.seq, Job.status.in_(tuple(from_))]
+    if held_by is not None:
+        where.append(Job.worker == held_by)
     result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
         update(Job)
-        .where(Job.seq == job.seq, Job.status.in_(tuple(from_)))
+        .where(*where)
         .values(status=to, **values)
         .execution_options(synchronize_session=False)
     )
@@ -227,7 +232,7 @@ def recover_lost_job(
         message = (
             f"The job's worker died {crashes} times while running it, the last time at step {job.step} "
             "(a process killed without a word: most often the operating system's out-of-memory killer). "
-            "Lower batch_size, rloo_k or max_tokens, or give the worker more memory; the checkpoints are kept."
+            "Lower batch_size, rloo_k or max_new_tokens, or give the worker more memory; the checkpoints are kept."
         )
         values: dict[str, Any] = {
             "status": "failed",
@@ -289,18 +294,28 @@ def resume_job(*, session: Session, job: Job, stale_after: float) -> bool:
     return bool(result.rowcount)
 
 
-def record_progress(*, session: Session, job: Job, step: int, trained_tokens: int) -> str:
-    """Heartbeat and progress in one UPDATE; returns the status the row has now.
+def record_progress(*, session: Session, job: Job, step: int, trained_tokens: int, worker: str | None = None) -> str:
+    """Heartbeat and progress in one UPDATE, committed with what the session holds (the step's
+    metrics); returns the status the row has now.
 
-    The worker calls this between steps and stops when the answer is not ``running`` (a cancel).
+    The worker calls this between steps and stops when the answer is not ``running`` (a cancel, a
+    pause). With ``worker``, only while that worker still holds the job: after a long database outage
+    a reconciler may have queued it again for another worker, and then nothing is written (the
+    session is rolled back) and the answer is ``lost``: the run must stop, saving nothing.
     """
     # Progress is recorded for a job paused or cancelled mid-step too: the step it reached is true either way.
-    session.execute(
+    where = [Job.seq == job.seq, Job.status.in_(("running", "paused", "cancelled"))]
+    if worker is not None:
+        where.append(Job.worker == worker)
+    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
         update(Job)
-        .where(Job.seq == job.seq, Job.status.in_(("running", "paused", "cancelled")))
+        .where(*where)
         .values(step=step, trained_tokens=trained_tokens, heartbeat_at=time.time())
         .execution_options(synchronize_session=False)
     )
+    if worker is not None and not result.rowcount:
+        session.rollback()
+        return "lost"
     session.commit()
     return session.scalar(select(Job.status).where(Job.seq == job.seq)) or "missing"
 

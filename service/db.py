@@ -141,6 +141,8 @@ def database_unreachable(exc: BaseException) -> bool:
     network cut, a full pool), rather than a bad statement: the request may simply be retried."""
     from sqlalchemy import exc as sa_exc
 
+    if isinstance(exc, sa_exc.OperationalError) and str(exc.orig).startswith(("no such ", "table ")):
+        return False  # SQLite's way to say the schema is behind the code: `rloo db upgrade`, not a retry
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError)):
         return True
     if isinstance(exc, sa_exc.TimeoutError):  # no pooled connection came free in time
@@ -161,7 +163,13 @@ def retrying(fn: Callable[[], T], *, seconds: float, what: str) -> T:
             if not database_unreachable(exc) or time.monotonic() + pause > deadline:
                 raise
             logging.getLogger("rloo.db").warning(
-                "%s: the database is unreachable (%s); trying again in %.2g s", what, type(exc).__name__, pause
+                "%s: the database is unreachable (%s); trying again in %.2g s", what, _reason(exc), pause
             )
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
+
+
+def _reason(exc: BaseException) -> str:
+    """The driver's own words, first line (engines hide statement parameters, so no value leaks)."""
+    orig = getattr(exc, "orig", None) or exc
+    return f"{type(orig).__name__}: {str(orig).strip().splitlines()[0][:200] if str(orig).strip() else ''}"

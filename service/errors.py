@@ -153,7 +153,9 @@ class DatabaseUnavailableMiddleware:
 
             if not database_unreachable(exc) or started:
                 raise
-            log.warning("database unreachable on %s %s: %s", scope["method"], scope["path"], type(exc).__name__)
+            from service.db import _reason
+
+            log.warning("database unreachable on %s %s: %s", scope["method"], scope["path"], _reason(exc))
             response = JSONResponse(
                 error_body(503, DATABASE_UNAVAILABLE, code="database_unavailable"),
                 503,

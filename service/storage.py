@@ -221,6 +221,8 @@ def parse_line(raw: bytes, lineno: int) -> Any:
             f"Line {lineno} is not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}."
             f"{_json_error_hint(text, exc, lineno)}"
         ) from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits (Python's int limit)
+        raise _invalid(f"Line {lineno} has a value JSON readers refuse: {exc}; remove it.") from None
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
         raise _too_deep(lineno)
     if b"\\u0000" in raw and _has_nul(obj):
@@ -366,14 +368,24 @@ def list_models(models_dir: Path) -> list[str]:
 ORPHAN_AGE_SECONDS = 3600.0  # a file of another host: its writer is surely done after an hour
 
 
+def machine_tag() -> str:
+    """This host and PID namespace (``host#namespace``, "-" spelled "_"): processes with equal tags
+    see the same process ids (containers sharing a hostname, e.g. in one pod, do not)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid").rsplit("[", 1)[-1].rstrip("]")
+    except OSError:
+        ns = "0"
+    return f"{socket.gethostname().replace('-', '_')}#{ns}"
+
+
 def writer_tag() -> str:
-    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
+    return f"{machine_tag()}-{os.getpid()}"
 
 
-def process_gone(host: str, pid: int) -> bool:
-    """Whether process ``pid`` of host ``host`` has ended (or is a zombie); False when we cannot tell
-    (another host)."""
-    if host.replace("-", "_") != socket.gethostname().replace("-", "_") or pid == os.getpid():
+def process_gone(machine: str, pid: int) -> bool:
+    """Whether process ``pid`` of ``machine`` (a machine_tag) has ended, or is a zombie; False when
+    we cannot tell (another host or namespace)."""
+    if machine.replace("-", "_") != machine_tag() or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
@@ -418,16 +430,28 @@ def sweep_uploads(session: Any, artifacts_dir: Path) -> dict[str, int]:
     for path in root.glob("*/.staged-*"):
         named, host, pid = (path.name.rsplit("-", 2) + ["", ""])[:3]
         file_id = named[len(".staged-") :]
-        if not _abandoned(path, host, pid):
-            continue
-        row = session.scalar(select(File).where(File.id == file_id))
         final = path.with_name(f"{file_id}.jsonl")
-        if row is not None and row.path.endswith(final.name) and not final.exists():
-            path.replace(final)
-            counts["finished"] += 1
-        else:
+        row = session.scalar(select(File.path).where(File.id == file_id))
+        if row is not None and row.endswith(final.name):
+            # Committed: the last rename is due, whoever was to make it (no need to know if it lives).
+            if final.exists():
+                path.unlink(missing_ok=True)
+            else:
+                path.replace(final)
+                counts["finished"] += 1
+        elif _abandoned(path, host, pid):
             path.unlink(missing_ok=True)
             counts["removed"] += 1
+    # A final name whose row is gone (deleted in the instant before its writer's rename): old ones only.
+    for path in root.glob("*/file-*.jsonl"):
+        if session.scalar(select(File.id).where(File.id == path.name[: -len(".jsonl")])) is None:
+            try:
+                old = time.time() - path.stat().st_mtime > ORPHAN_AGE_SECONDS
+            except FileNotFoundError:
+                continue
+            if old:
+                path.unlink(missing_ok=True)
+                counts["removed"] += 1
     if any(counts.values()):
         logging.getLogger("rloo.storage").warning("swept interrupted uploads: %s", counts)
     return counts

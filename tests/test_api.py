@@ -417,6 +417,7 @@ BAD_UPLOADS = {
     "prompt_not_a_string": (b'{"prompt": "ok"}\n{"prompt": 5}\n', "Line 2"),
     "invalid_utf8": (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "Line 2"),
     "blank_line_in_middle": (b'{"prompt": "a"}\n\n{"prompt": "b"}\n', "Line 2"),
+    "integer_of_5000_digits": (b'{"prompt": "a"}\n{"prompt": "b", "n": ' + b"7" * 5000 + b"}\n", "Line 2"),
     "empty_file": (b"", "empty"),
     "only_blank_lines": (b"\n\n  \n", "empty"),
     # Not UTF-8: the whole file is at fault, and the message says which encoding it is.

@@ -101,3 +101,153 @@ def test_a_live_job_is_never_moved_by_a_stale_read(client, auth) -> None:
         wrong_worker = crud.recover_lost_job(session=session, job=job, worker="host:2", reason="r", max_crashes=3)
         assert wrong_worker is None
     assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()["status"] == "running"
+
+
+def _running(job_id: str, worker: str, **values: object) -> None:
+    with session_scope() as session:
+        session.query(Job).filter(Job.id == job_id).update(
+            {"status": "running", "worker": worker, "heartbeat_at": time.time(), **values}
+        )
+        session.commit()
+
+
+def _row(job_id: str) -> Job:
+    with session_scope() as session:
+        job = session.query(Job).filter(Job.id == job_id).one()
+        session.expunge(job)
+        return job
+
+
+def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatch) -> None:
+    """After a long database outage the reconciler may have queued the job again for another worker:
+    the first worker's next step write changes nothing (no metrics, no progress) and tells it
+    'lost', so it stops; its succeeded/failed would change nothing either."""
+    from service import crud, queue
+    from worker.tasks import DatabaseRecorder, worker_name
+
+    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: True)
+    job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
+    _running(job_id, worker_name())
+    recorder = DatabaseRecorder(_row(job_id))
+    metrics = {"total_steps": 3, "train_reward_mean": 0.5, "trained_tokens": 10}
+    assert recorder.step(1, metrics) is None  # held: written
+    _running(job_id, "elsewhere#1:7", step=1)  # taken over meanwhile
+    assert recorder.step(2, metrics) == "lost"
+    rows = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", headers=auth).json()["data"]
+    assert [m["step"] for m in rows] == [1]
+    with session_scope() as session:
+        assert not crud.set_status(session=session, job=_row(job_id), to="succeeded", from_=("running",),
+                                   held_by=worker_name())
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
+    assert job["status"] == "running" and job["progress"]["step"] == 1
+
+
+def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
+    """Crashes count only while a job makes no saved progress: a deploy or two during a long job
+    must not add up to worker_lost."""
+    from pathlib import Path
+
+    from worker.tasks import DatabaseRecorder, worker_name
+
+    job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
+    _running(job_id, worker_name(), crashes=2)
+    step_dir = Path(env["RLOO_HOME"]) / "artifacts" / "checkpoints" / job_id / "step-4"
+    step_dir.mkdir(parents=True)
+    DatabaseRecorder(_row(job_id)).checkpoint(4, step_dir, {"train_reward_mean": 0.1}, final=False)
+    assert _row(job_id).crashes == 0
+
+
+def test_after_its_own_outage_the_reconciler_takes_no_job_from_its_worker(client, auth, monkeypatch) -> None:
+    from service import queue
+
+    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: True)
+    job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
+    _running(job_id, "host:1", heartbeat_at=time.time() - 1000)
+    with session_scope() as session:
+        blind = reconcile(session, stale_after=30, queued_grace=60, queue_length=1, judge_heartbeats=False)
+        assert blind["requeued"] == 0 and _row(job_id).status == "running"
+        seeing = reconcile(session, stale_after=30, queued_grace=60, queue_length=1)
+        assert seeing["requeued"] == 1 and _row(job_id).status == "queued"
+
+
+def test_a_worker_stopped_mid_job_hands_it_back_without_a_crash(client, auth, monkeypatch) -> None:
+    """SIGTERM in a pool process is a SystemExit: the job goes back to the queue (to continue from
+    its checkpoint), not counted as a crash."""
+    import pytest
+
+    from service import queue
+    from worker import tasks
+
+    sent: list[str] = []
+    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: sent.append(job_id) or True)
+    job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
+
+    def stopped(job: Job) -> None:
+        raise SystemExit(0)
+
+    monkeypatch.setattr(tasks, "_train", stopped)
+    with pytest.raises(SystemExit):
+        tasks.run_job(job_id)
+    job = _row(job_id)
+    assert (job.status, job.worker, job.crashes) == ("queued", None, 0)
+    assert sent[-1] == job_id
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", headers=auth).json()["data"]
+    assert "is shutting down; the job is queued again" in events[0]["message"]
+
+
+def test_sweep_uploads_removes_what_dead_writers_left_and_finishes_committed_renames(client, auth, env) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from service.settings import get_settings
+    from service.storage import ORPHAN_AGE_SECONDS, machine_tag, sweep_uploads, writer_tag
+
+    kept = upload_ok(client, auth)
+    folder = next((Path(env["RLOO_HOME"]) / "artifacts" / "files").iterdir())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    me = writer_tag()
+    committed = upload_ok(client, auth)
+    (folder / f"{committed['id']}.jsonl").rename(folder / f".staged-{committed['id']}-{me}")  # a live writer's
+    files = {
+        "dead_partial": folder / f".upload-{machine_tag()}-{dead_pid}-abc",
+        "live_partial": folder / f".upload-{me}-abc",
+        "dead_staged_no_row": folder / f".staged-file-{'0' * 24}-{machine_tag()}-{dead_pid}",
+        "live_staged_no_row": folder / f".staged-file-{'1' * 24}-{me}",
+        "other_host_fresh": folder / ".upload-elsewhere#1-5-abc",
+        "other_host_old": folder / ".upload-elsewhere#1-6-abc",
+        "orphan_old": folder / f"file-{'2' * 24}.jsonl",
+        "orphan_fresh": folder / f"file-{'3' * 24}.jsonl",
+    }
+    for path in files.values():
+        path.write_text("{}\n")
+    old = time.time() - ORPHAN_AGE_SECONDS - 60
+    for name in ("other_host_old", "orphan_old"):
+        os.utime(files[name], (old, old))
+    with session_scope() as session:
+        counts = sweep_uploads(session, get_settings().artifacts_dir)
+    left = {name for name, path in files.items() if path.exists()}
+    assert left == {"live_partial", "live_staged_no_row", "other_host_fresh", "orphan_fresh"}
+    assert counts == {"removed": 4, "finished": 1}
+    # The committed file got its final name, though its writer lives: a row must never lack its file.
+    assert client.get(f"/v1/files/{committed['id']}/content", headers=auth).status_code == 200
+    assert client.get(f"/v1/files/{kept['id']}/content", headers=auth).status_code == 200
+
+
+def test_only_connection_errors_count_as_an_unreachable_database() -> None:
+    import sqlite3
+
+    from sqlalchemy import exc as sa_exc
+
+    from service.db import database_unreachable
+
+    def wrapped(message: str) -> sa_exc.OperationalError:
+        return sa_exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError(message))
+
+    assert database_unreachable(wrapped("unable to open database file"))
+    assert database_unreachable(wrapped("database is locked"))
+    assert not database_unreachable(wrapped("no such column: jobs.crashes"))  # run `rloo db upgrade`
+    assert not database_unreachable(sa_exc.IntegrityError("INSERT", {}, sqlite3.IntegrityError("UNIQUE")))
+    assert not database_unreachable(ValueError("x"))

@@ -39,10 +39,10 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
 
     real = crud.record_progress
 
-    def pause_after_step_3(*, session: Any, job: Any, step: int, trained_tokens: int) -> str:
+    def pause_after_step_3(*, session: Any, job: Any, step: int, **kw: Any) -> str:
         if job.id == job_id and step == 3:
             crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
-        return real(session=session, job=job, step=step, trained_tokens=trained_tokens)
+        return real(session=session, job=job, step=step, **kw)
 
     monkeypatch.setattr(crud, "record_progress", pause_after_step_3)
     assert run_job(job_id) == "paused"
@@ -96,10 +96,10 @@ def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) ->
     job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
     real = crud.record_progress
 
-    def pause_at_the_end(*, session: Any, job: Any, step: int, trained_tokens: int) -> str:
+    def pause_at_the_end(*, session: Any, job: Any, step: int, **kw: Any) -> str:
         if step == 2:
             crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
-        return real(session=session, job=job, step=step, trained_tokens=trained_tokens)
+        return real(session=session, job=job, step=step, **kw)
 
     monkeypatch.setattr(crud, "record_progress", pause_at_the_end)
     assert run_job(job_id) == "succeeded"

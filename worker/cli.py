@@ -143,21 +143,36 @@ def _start_reconciler() -> None:
     parent = os.getpid()
     if os.fork() == 0:
         try:
+            _die_with_parent()
             _reconcile_forever(parent)
         finally:
             os._exit(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGTERM when its parent dies, even mid-query (the
+    parent-pid check between rounds covers other systems)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _reconcile_forever(parent: int) -> None:
     """At start, then every RLOO_RECONCILE_SECONDS: the embedded Redis started again if it died,
     jobs whose worker died queued again, lost tasks sent again (service.reconcile), leftovers of
     interrupted uploads swept. Never imports torch."""
-    from service.db import session_scope
+    from service.db import database_unreachable, session_scope
     from service.reconcile import queue_length, reconcile
     from service.storage import sweep_uploads
 
     settings = get_settings()
+    logging.basicConfig(format="[%(asctime)s: %(levelname)s/reconciler] %(message)s", level=logging.INFO)
     log = logging.getLogger("rloo.reconcile")
+    blind_until = 0.0  # after the database was unreachable: workers may have been cut off as well
     while os.getppid() == parent:
         try:
             _ensure_embedded_broker()
@@ -173,9 +188,14 @@ def _reconcile_forever(parent: int) -> None:
                     queued_grace=max(5.0, 2 * settings.reconcile_seconds),
                     queue_length=queue_length(),
                     max_crashes=settings.max_job_crashes,
+                    # Heartbeats missed while the database was away are no sign of a dead worker:
+                    # give them a full staleness period to come back before judging.
+                    judge_heartbeats=time.monotonic() >= blind_until,
                 )
                 sweep_uploads(session, settings.artifacts_dir)
         except Exception as exc:  # the database is away: try again next round
+            if database_unreachable(exc):
+                blind_until = time.monotonic() + settings.stale_after
             log.warning("reconcile failed: %s", exc)
         deadline = time.monotonic() + settings.reconcile_seconds
         while os.getppid() == parent and time.monotonic() < deadline:

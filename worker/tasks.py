@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 import traceback
@@ -23,9 +22,11 @@ from worker.records import JobError, json_safe
 log = logging.getLogger("rloo.worker")
 
 def worker_name() -> str:
-    """``host:pid`` of this process: the pool process that claims a job (computed when called, since
-    pool processes are forked from the worker after this module is imported)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host#pid-namespace:pid`` of this process: the pool process that claims a job (computed when
+    called, since pool processes are forked from the worker after this module is imported)."""
+    from service.storage import machine_tag
+
+    return f"{machine_tag()}:{os.getpid()}"
 
 
 class DatabaseRecorder:
@@ -66,7 +67,11 @@ class DatabaseRecorder:
                 message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}",
             )
             return crud.record_progress(
-                session=session, job=self.job, step=step, trained_tokens=int(metrics.get("trained_tokens", 0))
+                session=session,
+                job=self.job,
+                step=step,
+                trained_tokens=int(metrics.get("trained_tokens", 0)),
+                worker=worker_name(),
             )
 
         status = self._write(f"step {step}", write)
@@ -80,6 +85,9 @@ class DatabaseRecorder:
             crud.add_checkpoint(
                 session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
             )
+            # Progress is saved: deaths before this one say nothing about the job any more (a deploy
+            # or two during a week-long job must not add up to worker_lost).
+            session.query(Job).filter(Job.seq == self.job.seq).update({"crashes": 0})
             crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             if final:
                 session.query(Job).filter(Job.seq == self.job.seq).update({"fine_tuned_model": name})
@@ -153,6 +161,9 @@ def run_job(job_id: str) -> str:
     try:
         _cap_memory(settings.job_memory_mb)
         result = _train(job)
+    except (SystemExit, KeyboardInterrupt):
+        _hand_back(job)  # the worker is being stopped: not a crash
+        raise
     except Exception as exc:
         code, message = _classify(exc)
         log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
@@ -167,6 +178,7 @@ def run_job(job_id: str) -> str:
                     error={"code": code, "message": message, "param": None},
                     event=f"Job failed: {message}",
                     level="error",
+                    held_by=worker_name(),
                 )
 
         retrying(fail, seconds=settings.db_retry_seconds, what=f"{job_id}: failed")
@@ -180,6 +192,32 @@ def run_job(job_id: str) -> str:
 
     retrying(finish, seconds=settings.db_retry_seconds, what=f"{job_id}: finished")
     return result.stopped or "succeeded"
+
+
+def _hand_back(job: Job) -> None:
+    """The worker is shutting down (SIGTERM from ``rloo up``'s Ctrl-C, an orchestrator's stop)
+    mid-job: give the job back to the queue, to continue from its last checkpoint on the next
+    worker, rather than leave it to look like a crash."""
+    try:
+        with session_scope() as session:
+            if crud.set_status(
+                session=session,
+                job=job,
+                to="queued",
+                from_=("running",),
+                held_by=worker_name(),
+                event=f"Worker {worker_name()} is shutting down; the job is queued again and continues "
+                "from its last checkpoint",
+                level="warn",
+                worker=None,
+            ):
+                from service import queue
+
+                queue.enqueue_job(job.id)
+            else:
+                crud.release_job(session=session, job=job)  # a pause being saved: resumable
+    except Exception as exc:  # the reconciler will see the stale heartbeat instead
+        log.warning("could not hand job %s back: %s", job.id, exc)
 
 
 def _died_here(worker: str | None) -> bool:
@@ -209,6 +247,9 @@ def _cap_memory(megabytes: int | None) -> None:
 
 def _finish(session: Any, job: Job, result: Any) -> None:
     """The job row after training stopped: succeeded, or the stop (cancel, pause) recorded."""
+    if result.stopped == "lost":  # queued again while this worker could not reach the database
+        log.warning("job %s: another worker holds it now; stopped at step %s, saving nothing", job.id, result.steps)
+        return
     if result.stopped is None:
         crud.set_status(
             session=session,
@@ -217,6 +258,7 @@ def _finish(session: Any, job: Job, result: Any) -> None:
             # A pause that came with the last step has nothing left to pause: the job is done.
             from_=("running", "paused"),
             event=f"The job has successfully completed ({result.steps} steps)",
+            held_by=worker_name(),
         )
     else:
         crud.add_event(

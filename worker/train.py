@@ -529,6 +529,8 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if stopped in ("paused", "cancelled"):
             final_ckpt = save(step, metrics, final=False)
             break
+        if stopped is not None:  # "lost": the job is another worker's now; write nothing more
+            break
         if hp("checkpoint_interval") and step % hp("checkpoint_interval") == 0 and step < total_steps:
             save(step, metrics, final=False)
 

@@ -73,6 +73,7 @@ def create_file(
         keys_summary=summary.as_dict(),
     )
     digest = ""
+    committing = False
     try:
         if key is not None:
             digest = idempotency.request_hash([filename, purpose, _sha256(staged)])
@@ -86,6 +87,7 @@ def create_file(
                 session.flush()  # its created_at
                 idempotency.remember(session, project_seq=project.seq, route="files", key=key, digest=digest,
                                      response=file_object(row))
+            committing = True  # from here the row may exist even if commit() raises
             session.commit()
     except IntegrityError:
         staged.unlink(missing_ok=True)
@@ -93,9 +95,15 @@ def create_file(
             session, project_seq=project.seq, route="files", key=key, digest=digest
         )
     except BaseException:
-        staged.unlink(missing_ok=True)  # no file on disk without its row
+        if not committing:
+            staged.unlink(missing_ok=True)  # no file on disk without its row
+        # else the sweep decides, by whether the row exists: renamed into place, or deleted
         raise
-    staged.replace(dest)
+    try:
+        staged.replace(dest)
+    except FileNotFoundError:  # a sweep made the rename first
+        if not dest.exists():
+            raise
     return JSON(file_object(row))
 
 
