@@ -126,6 +126,19 @@ DATABASE_UNAVAILABLE = (
 )
 
 
+class TrackedSend:
+    """An ASGI ``send`` that remembers whether the response has begun (after that, an error can
+    no longer be answered with a response of its own)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
+
 class DatabaseUnavailableMiddleware:
     """Outermost of our middlewares: a request that finds the database unreachable (in a route, or in
     the key check before it) is answered 503 with ``Retry-After``, in the error shape, and the
@@ -138,20 +151,13 @@ class DatabaseUnavailableMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tracked)
         except Exception as exc:
             from service.db import database_unreachable
 
-            if not database_unreachable(exc) or started:
+            if not database_unreachable(exc) or tracked.started:
                 raise
             from service.db import _reason
 

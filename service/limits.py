@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import error_body
+from service.errors import TrackedSend, error_body
 
 
 class BodyTooLarge(HTTPException):
@@ -38,7 +38,6 @@ class BodyLimitMiddleware:
             await _too_large(send, limit)
             return
         seen = 0
-        started = False
 
         async def limited_receive() -> Message:
             nonlocal seen
@@ -49,16 +48,11 @@ class BodyLimitMiddleware:
                     raise BodyTooLarge(limit)
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, tracked)
         except BodyTooLarge:
-            if not started:
+            if not tracked.started:
                 await _too_large(send, limit)
 
 

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,13 @@ def events_of(http: httpx.Client, job_id: str) -> list[str]:
     """A job's event messages, oldest first."""
     page = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
     return [e["message"] for e in reversed(page)]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def list_all(http: httpx.Client, url: str) -> list[dict[str, Any]]:
@@ -156,10 +162,10 @@ def test_redis_restarted_without_its_data_loses_no_job(broker: str, tmp_path: Pa
 
 # The API killed while clients submit --------------------------------------------------------------
 def test_api_killed_while_clients_submit_loses_no_answered_request(tmp_path: Path, models_dir: Path) -> None:
-    """Clients create jobs and upload files as fast as they can, one upload streams slowly, and the
-    API is SIGKILLed. After a restart every request that was answered 2xx has its job or file, whole;
-    no job is half-created; nothing is left on disk without a row (the slow upload's partial file is
-    swept when the API starts again)."""
+    """Clients create jobs and upload files as fast as they can, and the API is SIGKILLed while it
+    writes a big upload to disk. After a restart every request that was answered 2xx has its job or
+    file, whole; no job is half-created; nothing is left on disk without a row (the big upload's
+    partial file is swept when the API starts again)."""
     # Three clients in tight loops with one key: past the per-key rate limit, not what this is about.
     with live_stack("embedded", tmp_path, models_dir, worker=False, env={"RLOO_RATE_LIMIT": "0"}) as stack:
         http = stack.http
@@ -170,66 +176,49 @@ def test_api_killed_while_clients_submit_loses_no_answered_request(tmp_path: Pat
         stop = threading.Event()
         lock = threading.Lock()
 
-        def submit_jobs() -> None:
+        def keep_posting(kind: str, post: Any) -> None:
+            """Send requests until told to stop; keep the id of every one answered 2xx."""
             with httpx.Client(base_url=stack.url + "/v1", headers=http.headers, timeout=10) as c:
                 while not stop.is_set():
                     try:
-                        r = c.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=1))
-                    except httpx.HTTPError as exc:
+                        r = post(c)
+                    except httpx.HTTPError as exc:  # the API is dead: a request without an answer
                         failures.append(type(exc).__name__)
                         time.sleep(0.05)
                         continue
                     assert r.status_code == 200, r.text
                     with lock:
-                        answered["jobs"].append(r.json()["id"])
+                        answered[kind].append(r.json()["id"])
+
+        def submit_jobs() -> None:
+            keep_posting("jobs", lambda c: c.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=1)))
 
         def upload_files() -> None:
-            with httpx.Client(base_url=stack.url + "/v1", headers=http.headers, timeout=10) as c:
-                while not stop.is_set():
-                    try:
-                        r = c.post("/files", files={"file": ("t.jsonl", content)}, data={"purpose": "fine-tune"})
-                    except httpx.HTTPError as exc:
-                        failures.append(type(exc).__name__)
-                        time.sleep(0.05)
-                        continue
-                    assert r.status_code == 200, r.text
-                    with lock:
-                        answered["files"].append(r.json()["id"])
+            files = {"file": ("t.jsonl", content)}
+            keep_posting("files", lambda c: c.post("/files", files=files, data={"purpose": "fine-tune"}))
 
-        def slow_upload() -> None:
-            boundary = "slowboundary"
-            head = (
-                f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
-                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="slow.jsonl"\r\n'
-                "Content-Type: application/jsonl\r\n\r\n"
-            ).encode()
+        big = content * (48 * 1024 * 1024 // len(content))  # ~48 MB: seconds to validate into place
 
-            def body() -> Iterator[bytes]:
-                yield head
-                while True:  # never finishes: the API dies first
-                    yield content
-                    time.sleep(0.05)
-
+        def big_upload() -> None:
+            # Starlette takes in the whole multipart body first; then our handler validates it into
+            # a temporary file, which is where the kill finds it.
             with contextlib.suppress(httpx.HTTPError):
-                httpx.post(
-                    stack.url + "/v1/files",
-                    headers={**http.headers, "content-type": f"multipart/form-data; boundary={boundary}"},
-                    content=body(),
-                    timeout=30,
-                )
+                c = httpx.Client(base_url=stack.url + "/v1", headers=http.headers, timeout=60)
+                c.post("/files", files={"file": ("big.jsonl", big)}, data={"purpose": "fine-tune"})
 
-        work = (submit_jobs, submit_jobs, upload_files, slow_upload)
+        work = (submit_jobs, submit_jobs, upload_files, big_upload)
         threads = [threading.Thread(target=f, daemon=True) for f in work]
         for t in threads:
             t.start()
         files_dir = Path(stack.env["RLOO_HOME"]) / "artifacts" / "files"
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the slow upload is on disk and others were answered
-            partial = list(files_dir.glob("*/.upload-*"))
+        while time.monotonic() < deadline:  # until the big upload is half on disk and others were answered
+            # The big upload's (the others' are one file long, and come and go).
+            partial = [p for p in files_dir.glob("*/.upload-*") if _size(p) > 20 * len(content)]
             if partial and len(answered["jobs"]) >= 10 and len(answered["files"]) >= 3:
                 break
             time.sleep(0.05)
-        assert partial, "the slow upload never reached the disk"
+        assert partial, "the big upload never reached the disk"
         stack.stop("api", signal.SIGKILL)
         time.sleep(0.5)
         stop.set()
