@@ -33,6 +33,8 @@ from typing import Any, ClassVar
 
 from rapidfuzz import fuzz
 
+from service.settings import redact_url
+
 __all__ = [
     "GradeResult",
     "Grader",
@@ -1014,13 +1016,6 @@ def render_judge_messages(
     return out
 
 
-def _shown(url: str) -> str:
-    """A grader URL fit for a message (events, logs): a password in it shown as ***."""
-    from service.settings import redact_url
-
-    return redact_url(url)
-
-
 def _url_under(url: str, prefix: str) -> bool:
     """Same scheme and host (and port), and the path under the prefix's: "https://a.io" does not
     admit "https://a.io.evil.net/", nor "https://a.io/x" admit "https://a.io/xy"."""
@@ -1038,7 +1033,7 @@ def _url_under(url: str, prefix: str) -> bool:
 
 
 def _parse_http(spec: Mapping[str, object], *, name: str, param: str) -> HttpGrader:
-    from service.settings import get_settings, redact_url
+    from service.settings import get_settings
 
     url = _require_nonempty(spec, "url", param=param, kind="http")
     allowed = get_settings().http_grader_urls
@@ -1423,8 +1418,9 @@ def _grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[M
                 break
             else:
                 raise GraderUnavailable(
-                    f"http grader '{grader.name}': {_shown(grader.url)} did not answer after {HTTP_GRADER_ATTEMPTS} "
-                    f"attempts ({problem}); each waits {grader.timeout_seconds:g} s (timeout_seconds)"
+                    f"http grader '{grader.name}': {redact_url(grader.url)} did not answer after "
+                    f"{HTTP_GRADER_ATTEMPTS} attempts ({problem}); each waits {grader.timeout_seconds:g} s "
+                    "(timeout_seconds)"
                 )
     return scores
 
@@ -1443,14 +1439,16 @@ def _post_capped(client: Any, grader: HttpGrader, body: dict[str, Any]) -> tuple
         for chunk in resp.iter_bytes():
             data += chunk
             if len(data) > HTTP_GRADER_MAX_BYTES:
-                raise GraderUnavailable(f"http grader '{grader.name}': {_shown(grader.url)} answered more than 16 MiB")
+                raise GraderUnavailable(
+                    f"http grader '{grader.name}': {redact_url(grader.url)} answered more than 16 MiB"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the answer took longer than {grader.timeout_seconds:g} s")
         return resp.status_code, bytes(data)
 
 
 def _http_scores(grader: HttpGrader, status: int, data: bytes, n: int) -> list[float]:
-    where = f"http grader '{grader.name}': {_shown(grader.url)}"  # messages reach events and logs
+    where = f"http grader '{grader.name}': {redact_url(grader.url)}"  # messages reach events and logs
     text = data[:200].decode("utf-8", errors="replace")
     if status != 200:
         raise GraderUnavailable(f"{where} answered HTTP {status}: {text}")

@@ -75,7 +75,7 @@ def check_line(obj: Any, lineno: int) -> set[str]:
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise bad_request(f"Line {lineno}: 'messages' must be a non-empty list.", "file", "invalid_file")
+            raise _invalid(f"Line {lineno}: 'messages' must be a non-empty list.")
         for i, m in enumerate(msgs):
             if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
                 # OpenAI's multimodal shape [{"type": "text", "text": ...}]: the chat templates and the
@@ -85,25 +85,17 @@ def check_line(obj: Any, lineno: int) -> set[str]:
                     'given as one string is supported: write "content": "..." (join the text parts yourself).'
                 )
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise bad_request(
-                    f"Line {lineno}: messages[{i}] must be an object with string 'role' and 'content'.",
-                    "file",
-                    "invalid_file",
-                )
+                raise _invalid(f"Line {lineno}: messages[{i}] must be an object with string 'role' and 'content'.")
         if msgs[-1]["role"] != "user":
-            raise bad_request(
+            raise _invalid(
                 f"Line {lineno}: the last message must be a user turn (the model answers it); "
-                f"got role '{msgs[-1]['role']}'.",
-                "file",
-                "invalid_file",
+                f"got role '{msgs[-1]['role']}'."
             )
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-            raise bad_request(f"Line {lineno}: 'prompt' must be a non-empty string.", "file", "invalid_file")
+            raise _invalid(f"Line {lineno}: 'prompt' must be a non-empty string.")
     else:
-        raise bad_request(
-            f"Line {lineno} has neither 'messages' nor 'prompt'; each line needs one of them.", "file", "invalid_file"
-        )
+        raise _invalid(f"Line {lineno} has neither 'messages' nor 'prompt'; each line needs one of them.")
     return set(obj) - {"messages", "prompt"}
 
 
@@ -305,11 +297,11 @@ def store_jsonl(
                     blank_at = blank_at or lineno
                     continue
                 if blank_at is not None:
-                    raise bad_request(f"Line {blank_at} is empty; remove blank lines.", "file", "invalid_file")
+                    raise _invalid(f"Line {blank_at} is empty; remove blank lines.")
                 summary.add(summary.lines + 1, check_line(parse_line(raw, lineno), lineno))
                 summary.lines += 1
         if summary.lines == 0:
-            raise bad_request("The file is empty: it needs at least one JSONL line.", "file", "invalid_file")
+            raise _invalid("The file is empty: it needs at least one JSONL line.")
         tmp.replace(dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
