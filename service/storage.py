@@ -434,15 +434,24 @@ def sweep_uploads(session: Any, artifacts_dir: Path) -> dict[str, int]:
         elif _abandoned(path, host, pid):
             path.unlink(missing_ok=True)
             counts["removed"] += 1
-    # A final name whose row is gone (deleted in the instant before its writer's rename): old ones only.
+    # A final name whose row is gone (deleted in the instant before its writer's rename): old ones
+    # only. Stat first (a file younger than the age is left anyway), then one query a few hundred
+    # files: every round of every worker's reconciler runs this, over every file ever uploaded.
+    cutoff = time.time() - ORPHAN_AGE_SECONDS
+    old: dict[str, Path] = {}
     for path in root.glob("*/file-*.jsonl"):
-        if session.scalar(select(File.id).where(File.id == path.name[: -len(".jsonl")])) is None:
-            try:
-                old = time.time() - path.stat().st_mtime > ORPHAN_AGE_SECONDS
-            except FileNotFoundError:
-                continue
-            if old:
-                path.unlink(missing_ok=True)
+        try:
+            if path.stat().st_mtime < cutoff:
+                old[path.name[: -len(".jsonl")]] = path
+        except FileNotFoundError:
+            continue
+    ids = list(old)
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        known = set(session.scalars(select(File.id).where(File.id.in_(chunk))))
+        for file_id in chunk:
+            if file_id not in known:
+                old[file_id].unlink(missing_ok=True)
                 counts["removed"] += 1
     if any(counts.values()):
         logging.getLogger("rloo.storage").warning("swept interrupted uploads: %s", counts)
