@@ -6,6 +6,7 @@ resolved and checked to lie inside that root, so a tampered row cannot point out
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -360,6 +361,7 @@ def list_models(models_dir: Path) -> list[str]:
 ORPHAN_AGE_SECONDS = 3600.0  # a file of another host: its writer is surely done after an hour
 
 
+@functools.lru_cache(maxsize=1)  # a process keeps its host and namespace (a fork, too)
 def machine_tag() -> str:
     """This host and PID namespace (``host#namespace``, "-" spelled "_"): processes with equal tags
     see the same process ids (containers sharing a hostname, e.g. in one pod, do not)."""

@@ -29,6 +29,16 @@ def worker_name() -> str:
     return f"{machine_tag()}:{os.getpid()}"
 
 
+def _write(fn: Any, *, seconds: float, what: str) -> Any:
+    """``fn(session)`` as one transaction, tried again while the database is unreachable."""
+
+    def attempt() -> Any:
+        with session_scope() as session:
+            return fn(session)
+
+    return retrying(attempt, seconds=seconds, what=what)
+
+
 class DatabaseRecorder:
     """Writes a run's metrics, events, progress and checkpoints to the job's rows. Each write is one
     transaction, tried again while the database is unreachable (``RLOO_DB_RETRY_SECONDS``): a
@@ -41,11 +51,7 @@ class DatabaseRecorder:
         self.retry_seconds = settings.db_retry_seconds
 
     def _write(self, what: str, fn: Any) -> Any:
-        def attempt() -> Any:
-            with session_scope() as session:
-                return fn(session)
-
-        return retrying(attempt, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
+        return _write(fn, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
 
     def event(self, message: str, level: str = "info") -> None:
         def write(session: Any) -> None:
@@ -168,29 +174,24 @@ def run_job(job_id: str) -> str:
         code, message = _classify(exc)
         log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
 
-        def fail() -> None:
-            with session_scope() as session:
-                crud.set_status(
-                    session=session,
-                    job=job,
-                    to="failed",
-                    from_=("running",),
-                    error={"code": code, "message": message, "param": None},
-                    event=f"Job failed: {message}",
-                    level="error",
-                    held_by=worker_name(),
-                )
+        def fail(session: Any) -> None:
+            crud.set_status(
+                session=session,
+                job=job,
+                to="failed",
+                from_=("running",),
+                error={"code": code, "message": message, "param": None},
+                event=f"Job failed: {message}",
+                level="error",
+                held_by=worker_name(),
+            )
 
-        retrying(fail, seconds=settings.db_retry_seconds, what=f"{job_id}: failed")
+        _write(fail, seconds=settings.db_retry_seconds, what=f"{job_id}: failed")
         return "failed"
     finally:
         heartbeat.stopped.set()
 
-    def finish() -> None:
-        with session_scope() as session:
-            _finish(session, job, result)
-
-    retrying(finish, seconds=settings.db_retry_seconds, what=f"{job_id}: finished")
+    _write(lambda session: _finish(session, job, result), seconds=settings.db_retry_seconds, what=f"{job_id}: finished")
     return result.stopped or "succeeded"
 
 
@@ -221,8 +222,8 @@ def _hand_back(job: Job) -> None:
 
 
 def _died_here(worker: str | None) -> bool:
-    """Whether ``worker`` (``host:pid``, worker_name() of the process that claimed a job) is a process
-    of this host that no longer runs: gone, or a zombie its parent has not reaped yet."""
+    """Whether ``worker`` (worker_name() of the process that claimed a job) is a process of this host
+    and PID namespace that no longer runs: gone, or a zombie its parent has not reaped yet."""
     from service.storage import process_gone
 
     host, _, pid = (worker or "").rpartition(":")
