@@ -8,9 +8,13 @@ PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: install demo up test test-fast bench lint clean
+.PHONY: install system-packages demo up test test-fast bench lint clean
 
-install: $(STAMP)
+install: $(STAMP) system-packages
+
+# bubblewrap, the python graders' sandbox (Debian's package; .ci/system-packages says what it does).
+system-packages:
+	@.ci/system-packages
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -1325,12 +1325,17 @@ def _grade(
             batch_seconds=settings.python_grader_seconds * len(samples) + 10,
             memory_mb=settings.python_grader_memory_mb,
         )
-        outcomes = run_python_grader(
-            grader.source,
-            [{"output_text": s.output_text, "output_json": s.output_json} for s in samples],
-            [dict(item) for item in items],
-            limits,
-        )
+        from service.sandbox import SandboxUnavailable
+
+        try:
+            outcomes = run_python_grader(
+                grader.source,
+                [{"output_text": s.output_text, "output_json": s.output_json} for s in samples],
+                [dict(item) for item in items],
+                limits,
+            )
+        except SandboxUnavailable as exc:
+            raise GraderUnavailable(f"python grader '{grader.name}': {exc}") from None
         first_error = next((o.error for o in outcomes if o.error), None)
         if first_error is not None and messages is not None:
             messages.setdefault(prefix or grader.name, first_error)

@@ -1,138 +1,58 @@
-"""Running a user's python grader: ``def grade(sample, item) -> float``, off unless the operator sets
-``RLOO_ALLOW_PYTHON_GRADER``.
+"""Running a user's python grader, ``def grade(sample, item) -> float``: off unless the operator sets
+``RLOO_ALLOW_PYTHON_GRADER``, and then never with the service's privileges.
 
-The code runs in a separate Python process, never in the API's or the worker's:
+The grader's code runs in ``service/sandbox_runner.py``, in a sandbox of its own (``RLOO_PYTHON_GRADER_SANDBOX``):
 
-* an empty environment (no ``DATABASE_URL``, no ``RLOO_*`` settings, no keys) and ``python -I``
-  (no user site-packages, no ``PYTHON*`` variables), in a fresh empty working directory;
-* resource limits: address space (``memory_mb``), CPU seconds, no core files, 64 open files,
-  16 MiB written files at most;
-* a time limit per sample (``SIGALRM``; a sample over it scores NaN with a "timed out" error) and a
-  wall-clock limit for the batch (the process is killed; the samples it did not reach score NaN);
-* an audit hook installed before the user's code is compiled: no file opened outside Python's
-  own library, nothing written, no sockets, no subprocesses, no ``ctypes`` or ``os.system``.
+* ``bwrap`` (the default; Debian's ``bubblewrap``): new PID, network, IPC, UTS and mount namespaces,
+  so no process, socket or file of the host is in sight. The file system holds only a read-only
+  view of the interpreter, its standard library (its ``site-packages`` hidden) and the system's
+  shared libraries, an empty 16 MiB ``/tmp`` and no ``/proc``: no database, artifacts, models,
+  settings or other process. It runs as an unprivileged uid (``RLOO_PYTHON_GRADER_UID``, 65534):
+  started by root, bubblewrap needs no user namespace and the runner drops to that uid with no
+  capabilities; started by another user, a user namespace maps it. It dies with its parent, and
+  every process it started dies with it (its PID namespace ends).
+* ``process``: the same runner in a plain child process (empty environment, ``python -I``, a fresh
+  directory, the same limits and audit hook), for hosts where bubblewrap cannot run. An operator
+  must choose it knowingly: it keeps a grader from the service's settings, not from its files.
 
-CPython's audit hooks are defence in depth, not a boundary a determined attacker cannot cross
-(the docs say so); the process limits and the empty environment are what keep a grader from the
-service's settings and database. Run workers that allow python graders as a user that cannot read
-the database file (PostgreSQL's credentials live only in the environment, which the grader never
-sees).
+Either way: an empty environment; limits on address space (``memory_mb``), CPU seconds, open files
+(64), written bytes (16 MiB), processes (none but itself); an audit hook refusing imports of
+processes, sockets and foreign code (depth only: its tables are out of the grader's reach, but
+CPython's audit hooks are no boundary). Time is enforced from out here, where the grader cannot
+reach: each sample has ``per_sample_seconds`` (the alarm inside stops Python code; the parent kills
+the sandbox of a sample that ignores it, and starts a new one for the samples after it), and the
+batch has ``batch_seconds``.
 
-A sample's error (an exception, a non-number, a time-out) scores NaN, and its message is reported
-per sample, as OpenAI's graders report a grader's errors.
+Where ``bwrap`` is chosen but cannot run (missing, or namespaces refused), python graders do not
+run at all: ``SandboxUnavailable`` says why and what to do.
+
+A sample's error (an exception, a non-number, a time-out, a crash) scores NaN, and its message is
+reported per sample, as OpenAI's graders report a grader's errors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import os
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The child: reads {"source", "batch": [{"sample", "item"}], "per_sample_seconds"} on stdin, writes
-# one JSON line per sample: {"score": x} or {"error": "..."}.
-_RUNNER = r"""
-import json, math, os, resource, signal, sys
-
-def _limits(memory_mb, cpu_seconds):
-    for what, value in ((resource.RLIMIT_AS, memory_mb * 2**20), (resource.RLIMIT_CPU, cpu_seconds),
-                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_FSIZE, 16 * 2**20)):
-        resource.setrlimit(what, (value, value))
-
-# Modules a grader may not import (processes, sockets, foreign code, the garbage collector's view
-# of every object, which could reach this hook), and audit events it may not raise.
-_NO_IMPORT = frozenset({"_posixsubprocess", "subprocess", "multiprocessing", "_multiprocessing", "socket", "_socket",
-                        "ssl", "_ssl", "ctypes", "_ctypes", "gc", "pty", "fcntl", "mmap", "_thread", "threading",
-                        "resource", "signal", "_signal", "sqlite3", "_sqlite3", "urllib", "http", "asyncio"})
-# (Frames stay readable: the standard library needs them, and no grader code ever runs inside the
-# hook, whose function no object graph leads to without gc.)
-_NO_EVENTS = ("os.", "socket.", "subprocess.", "ctypes.", "shutil.", "sqlite3.", "urllib.", "signal.",
-              "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.", "builtins.input", "webbrowser.", "glob.")
-_OS_OK = frozenset({"os.listdir", "os.scandir"})  # the import system lists directories
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-def _make_hook(prefixes):
-    realpath, isinstance_, str_, bytes_, int_ = os.path.realpath, isinstance, str, bytes, int
-    def hook(event, args):
-        if event == "import":
-            name = args[0]
-            if isinstance_(name, str_) and name.partition(".")[0] in _NO_IMPORT:
-                raise PermissionError(f"python graders may not import {name}")
-            return
-        if event == "open":
-            path, mode, flags = args
-            if isinstance_(path, int_):
-                return
-            if not isinstance_(path, (str_, bytes_)):
-                raise PermissionError("python graders may open files by name only")
-            path = realpath(path.decode() if isinstance_(path, bytes_) else path)
-            writes = (mode is not None and any(c in str_(mode) for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
-            if writes or not any(path == p or path.startswith(p + "/") for p in prefixes):
-                raise PermissionError(f"python graders may not open {path}")
-            return
-        if event.startswith(_NO_EVENTS) and event not in _OS_OK:
-            raise PermissionError(f"python graders may not use {event}")
-    return hook
-
-def main():
-    request = json.loads(sys.stdin.read())
-    per_sample = float(request["per_sample_seconds"])
-    _limits(int(request["memory_mb"]), int(request["cpu_seconds"]))
-    # Results go to a private descriptor; whatever the grader prints goes to stderr.
-    results = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    import sysconfig
-    library = ("stdlib", "platstdlib", "purelib", "platlib")
-    prefixes = tuple({os.path.realpath(p) for key, p in sysconfig.get_paths().items() if key in library})
-    def timed_out(signum, frame):
-        raise TimeoutError(f"grade() ran past {per_sample:g} s")
-    signal.signal(signal.SIGALRM, timed_out)
-    setitimer, timer = signal.setitimer, signal.ITIMER_REAL
-    sys.addaudithook(_make_hook(prefixes))
-    namespace = {"__name__": "grader"}
-    def answer(i, result):
-        results.write(json.dumps({"i": i, **result}) + "\n")
-        results.flush()
-    try:
-        exec(compile(request["source"], "<grader>", "exec"), namespace)
-        grade = namespace["grade"]
-    except BaseException as exc:
-        message = f"the grader's source failed: {type(exc).__name__}: {exc}"[:500]
-        for i in range(len(request["batch"])):
-            answer(i, {"error": message})
-        return
-    for i, one in enumerate(request["batch"]):
-        try:
-            setitimer(timer, per_sample)
-            try:
-                value = grade(one["sample"], one["item"])
-            finally:
-                setitimer(timer, 0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"grade() returned {type(value).__name__}, not a number")
-            value = float(value)
-            if math.isfinite(value):
-                result = {"score": value}
-            else:
-                result = {"error": "grade() returned a non-finite number"}
-        except MemoryError:
-            result = {"error": "grade() ran out of memory"}
-        except BaseException as exc:
-            try:
-                result = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            except BaseException:
-                result = {"error": type(exc).__name__}
-        answer(i, result)
-
-main()
-"""
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
+RUNNER_IN_BOX = "/sandbox/runner.py"
+_OUTPUT_LIMIT = 8 * 2**20
+_START_SECONDS = 2.0  # a sandbox's start (bubblewrap, the interpreter), besides its source's run
 
 
 @dataclass(frozen=True)
@@ -140,6 +60,7 @@ class Limits:
     per_sample_seconds: float = 5.0
     batch_seconds: float = 60.0
     memory_mb: int = 512
+    audit_hook: bool = True  # the tests turn it off to show that the sandbox holds without it
 
 
 @dataclass(frozen=True)
@@ -148,76 +69,249 @@ class Outcome:
     error: str | None = None
 
 
+class SandboxUnavailable(RuntimeError):
+    """Python graders are on but their sandbox cannot run here."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    kind: str  # "bwrap" or "process"
+    argv: tuple[str, ...]  # the command, up to the runner's path
+    uid: int | None  # the runner becomes this uid; None: it keeps the service's (process)
+
+    def describe(self) -> str:
+        if self.kind == "bwrap":
+            return f"bwrap (namespaces: pid, net, ipc, uts, mount; uid {self.uid}; read-only standard library)"
+        return "process (RLOO_PYTHON_GRADER_SANDBOX=process: process limits only, no namespaces)"
+
+
+# Which sandbox ----------------------------------------------------------------------------------
+def current(kind: str, uid: int, *, user_namespace: bool | None = None) -> Sandbox:
+    """The sandbox in force for these settings, tried once a process on a one-line grader; raises
+    ``SandboxUnavailable`` saying why and what to change. bubblewrap uses a user namespace unless
+    it runs as root (``user_namespace`` forces the choice)."""
+    return _probed(kind, uid, os.geteuid() != 0 if user_namespace is None else user_namespace)
+
+
+@functools.cache
+def _probed(kind: str, uid: int, user_namespace: bool) -> Sandbox:
+    box = _process_sandbox() if kind == "process" else _bwrap_sandbox(uid, user_namespace)
+    probe = _run_batch(box, "def grade(sample, item):\n    return 1.0\n", [{"sample": {}, "item": {}}],
+                       Limits(per_sample_seconds=10, batch_seconds=20))
+    if probe[0].error is not None or probe[0].score != 1.0:
+        raise SandboxUnavailable(f"the {kind} sandbox does not run here: {probe[0].error}. {_ADVICE}")
+    return box
+
+
+_ADVICE = (
+    "Install bubblewrap (Debian: apt-get install bubblewrap) where user namespaces are allowed (in a container: "
+    "docker/compose.python-graders.yml), or set RLOO_PYTHON_GRADER_SANDBOX=process to run python graders with "
+    "process limits only (weaker; see the README)"
+)
+
+
+def _process_sandbox() -> Sandbox:
+    return Sandbox("process", (_interpreter(), "-I", "-S", "-B", str(RUNNER)), None)
+
+
+def _bwrap_sandbox(uid: int, user_namespace: bool) -> Sandbox:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable(f"python graders run in bubblewrap's sandbox, and bwrap is not installed. {_ADVICE}")
+    argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox", "--cap-drop", "ALL"]
+    if user_namespace:  # `uid` inside, our own uid outside
+        argv += ["--unshare-user", "--uid", str(uid), "--gid", str(uid)]
+    else:  # root: no user namespace; the runner becomes `uid` itself, with these two and then none
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    argv += _file_system()
+    argv += ["--", _interpreter(), "-I", "-S", "-B", RUNNER_IN_BOX]
+    return Sandbox("bwrap", tuple(argv), uid)
+
+
+def _interpreter() -> str:
+    """The base interpreter (a venv's ``bin/python`` finds its standard library through pyvenv.cfg,
+    which is not in the sandbox)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _file_system() -> list[str]:
+    """bubblewrap's arguments for the sandbox's file system: read-only system libraries, the
+    interpreter and its standard library (site-packages hidden), the runner, an empty /tmp."""
+    # The base interpreter's paths (a venv's platstdlib is under the venv).
+    paths = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+    stdlib = {os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib")}
+    binds = {_interpreter(), *stdlib}
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        lib = Path(sysconfig.get_config_var("LIBDIR") or "") / (sysconfig.get_config_var("INSTSONAME") or "")
+        if lib.is_file():
+            binds.add(os.path.realpath(lib))
+    args: list[str] = []
+    system = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
+    links = [p for p in system if os.path.islink(p)]
+    dirs = [p for p in system if os.path.isdir(p) and not os.path.islink(p)]
+    # Parents first, each 0755 (bubblewrap would make the parents of a bind 0700: out of the
+    # unprivileged uid's reach).
+    parents = sorted({str(q) for p in [*binds, *dirs, RUNNER_IN_BOX] for q in Path(p).parents if str(q) != "/"})
+    for parent in parents:
+        args += ["--perms", "0755", "--dir", parent]
+    for path in dirs:
+        args += ["--ro-bind", path, path]
+    for path in links:
+        args += ["--symlink", os.readlink(path), path]
+    for path in sorted(binds):
+        args += ["--ro-bind", path, path]
+    for path in sorted(stdlib):
+        if os.path.isdir(os.path.join(path, "site-packages")):
+            args += ["--tmpfs", os.path.join(path, "site-packages")]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--ro-bind", str(RUNNER), RUNNER_IN_BOX,
+             "--dev", "/dev", "--size", str(16 * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp",
+             "--remount-ro", "/"]
+    return args
+
+
+# Running a batch --------------------------------------------------------------------------------
 def run_python_grader(
-    source: str, samples: list[dict[str, Any]], items: list[Any], limits: Limits | None = None
+    source: str, samples: list[dict[str, Any]], items: list[Any], limits: Limits | None = None, *,
+    sandbox: Sandbox | None = None,
 ) -> list[Outcome]:
-    """Scores of ``grade(sample, item)`` for each pair; NaN with an error where it failed."""
-    limits = limits or Limits()
+    """Scores of ``grade(sample, item)`` for each pair; NaN with an error where it failed. Uses the
+    sandbox of the settings unless one is given; raises ``SandboxUnavailable`` when it cannot run."""
     if not samples:
         return []
-    request = json.dumps(
-        {
-            "source": source,
-            "batch": [{"sample": s, "item": i} for s, i in zip(samples, items, strict=True)],
-            "per_sample_seconds": limits.per_sample_seconds,
-            "memory_mb": limits.memory_mb,
-            "cpu_seconds": int(limits.batch_seconds) + 1,
-        }
-    )
-    # Files, not pipes: the child (or anything it left behind) cannot block the parent on a full
-    # pipe or hold it open; RLIMIT_FSIZE caps what it can write.
-    with (
-        tempfile.TemporaryDirectory(prefix="rloo-grader-") as cwd,
-        open(Path(cwd) / "results", "w+b") as out,
-        open(Path(cwd) / "log", "w+b") as err,
-    ):
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _RUNNER],
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=err,
-            cwd=cwd,
-            env={},
-            start_new_session=True,  # its own process group: a time-out kills everything it started
-        )
-        try:
-            assert proc.stdin is not None
-            proc.stdin.write(request.encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            proc.wait(timeout=limits.batch_seconds)
-            ended = f"exited with {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            ended = f"ran past the batch limit of {limits.batch_seconds:g} s and was stopped"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.seek(0)
-        lines = out.read(_OUTPUT_LIMIT).decode("utf-8", errors="replace").splitlines()
-        err.seek(0)
-        log = err.read(_OUTPUT_LIMIT).decode("utf-8", errors="replace")
-    outcomes: list[Outcome | None] = [None] * len(samples)
-    for line in lines:
-        try:
-            result = json.loads(line)
-            i = result["i"]
-        except (ValueError, TypeError, KeyError):
-            continue
-        if not isinstance(i, int) or not 0 <= i < len(samples) or outcomes[i] is not None:
-            continue
-        score = result.get("score")
-        if isinstance(score, (int, float)) and not isinstance(score, bool):
-            outcomes[i] = Outcome(float(score))
-        else:
-            outcomes[i] = Outcome(float("nan"), str(result.get("error", "no score"))[:500])
-    detail = log.strip().splitlines()[-1][:300] if log.strip() else ""
-    if "MemoryError" in log:
-        detail = f"out of memory ({limits.memory_mb} MiB)"
-    message = f"not graded: the grader process {ended}" + (f" ({detail})" if detail else "")
+    if sandbox is None:
+        from service.settings import get_settings
+
+        settings = get_settings()
+        sandbox = current(settings.python_grader_sandbox, settings.python_grader_uid)
+    batch = [{"sample": s, "item": i} for s, i in zip(samples, items, strict=True)]
+    return _run_batch(sandbox, source, batch, limits or Limits())
+
+
+def _run_batch(box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits) -> list[Outcome]:
+    """The batch, in as many sandboxes as it takes: a sample that is killed (its time, a crash) ends
+    its sandbox, and the samples after it go to a new one."""
+    outcomes: list[Outcome | None] = [None] * len(batch)
+    batch_deadline = time.monotonic() + limits.batch_seconds
+    start = 0
+    while start < len(batch) and time.monotonic() < batch_deadline:
+        got, ended = _run_once(box, source, batch[start:], limits, batch_deadline)
+        for j, outcome in got.items():
+            outcomes[start + j] = outcome
+        first = next((i for i in range(start, len(batch)) if outcomes[i] is None), len(batch))
+        if first == len(batch) or ended.batch_over:
+            break
+        outcomes[first] = Outcome(float("nan"), ended.message)
+        start = first + 1
+    message = f"not graded: the batch ran past its limit of {limits.batch_seconds:g} s and was stopped"
     return [o if o is not None else Outcome(float("nan"), message) for o in outcomes]
 
 
-_OUTPUT_LIMIT = 8 * 2**20
+@dataclass(frozen=True)
+class _Ended:
+    message: str  # what happened to the sample being graded when the sandbox ended
+    batch_over: bool = False
+
+
+def _run_once(
+    box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits, batch_deadline: float
+) -> tuple[dict[int, Outcome], _Ended]:
+    request = {"source": source, "batch": batch, "per_sample_seconds": limits.per_sample_seconds,
+               "memory_mb": limits.memory_mb, "cpu_seconds": int(limits.batch_seconds) + 1,
+               "audit_hook": limits.audit_hook}
+    # The request and the log are files (the request cannot block us on a pipe; RLIMIT_FSIZE caps
+    # the log); the results come on a pipe, read against the clock.
+    with tempfile.TemporaryDirectory(prefix="rloo-grader-") as work:
+        request_path, log_path = Path(work) / "request", Path(work) / "log"
+        request_path.write_text(json.dumps(request))
+        with open(request_path, "rb") as stdin, open(log_path, "w+b") as log:
+            proc = subprocess.Popen(
+                [*box.argv, "-" if box.uid is None else str(box.uid)],
+                stdin=stdin, stdout=subprocess.PIPE, stderr=log, cwd=work, env={},
+                start_new_session=True,  # its own process group: killed whole
+            )
+            got: dict[int, Outcome] = {}
+            timed_out: str | None = "error"
+            try:
+                got, timed_out = _read_results(proc, len(batch), limits, batch_deadline)
+            finally:
+                if timed_out is None:  # it is exiting: let it, to learn how
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=1)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                assert proc.stdout is not None
+                proc.stdout.close()
+            log.seek(0)
+            tail = log.read(_OUTPUT_LIMIT).decode("utf-8", errors="replace")
+    return got, _how_it_ended(proc.returncode, timed_out, tail, limits)
+
+
+def _read_results(
+    proc: subprocess.Popen[bytes], n: int, limits: Limits, batch_deadline: float
+) -> tuple[dict[int, Outcome], str | None]:
+    """Result lines as they come. The grader's source has a sample's time to run once the sandbox
+    has started, then each sample ``per_sample_seconds`` (and a second) from the previous answer;
+    returns ``(outcomes by index, None | "sample" | "batch" | "output")``."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    got: dict[int, Outcome] = {}
+    buffered, total = b"", 0
+    sample_deadline = time.monotonic() + _START_SECONDS + limits.per_sample_seconds + 1
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            deadline = min(sample_deadline, batch_deadline)
+            if not selector.select(max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    return got, "batch" if batch_deadline <= sample_deadline else "sample"
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return got, None
+            total += len(chunk)
+            if total > _OUTPUT_LIMIT:
+                return got, "output"
+            *lines, buffered = (buffered + chunk).split(b"\n")
+            before = len(got)
+            for line in lines:
+                if line == b'{"ready": true}':
+                    before = -1  # the source has run: the first sample's time starts now
+                _take(line, n, got)
+            if len(got) != before:
+                sample_deadline = time.monotonic() + limits.per_sample_seconds + 1
+            if len(got) == n:
+                return got, None
+
+
+def _take(line: bytes, n: int, got: dict[int, Outcome]) -> None:
+    try:
+        result = json.loads(line)
+        i = result["i"]
+    except (ValueError, TypeError, KeyError):
+        return
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n or i in got:
+        return
+    score = result.get("score")
+    if isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score):
+        got[i] = Outcome(float(score))
+    else:
+        got[i] = Outcome(float("nan"), str(result.get("error", "no score"))[:500])
+
+
+def _how_it_ended(returncode: int, timed_out: str | None, log: str, limits: Limits) -> _Ended:
+    if timed_out == "batch":
+        return _Ended("", batch_over=True)
+    if timed_out == "sample":
+        return _Ended(f"grade() ran past {limits.per_sample_seconds:g} s and its sandbox was stopped")
+    if timed_out == "output":
+        return _Ended(f"not graded: the grader wrote more than {_OUTPUT_LIMIT // 2**20} MiB of results")
+    if "MemoryError" in log:
+        return _Ended(f"not graded: the grader ran out of memory ({limits.memory_mb} MiB)")
+    if returncode == -signal.SIGXCPU:
+        return _Ended("not graded: the grader used up its CPU time")
+    ended = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with {returncode}"
+    detail = log.strip().splitlines()[-1][:300] if log.strip() else ""
+    return _Ended(f"not graded: the grader process {ended}" + (f" ({detail})" if detail else ""))

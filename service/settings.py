@@ -54,6 +54,14 @@ class Settings(BaseSettings):
     )
     python_grader_seconds: float = Field(default=5.0, gt=0, le=300, description="A python grader's time per sample.")
     python_grader_memory_mb: int = Field(default=512, ge=64, description="A python grader process's address space.")
+    python_grader_sandbox: Literal["bwrap", "process"] = Field(
+        default="bwrap",
+        description="Where python graders run: bwrap (bubblewrap's namespaces; they refuse to run where it cannot) "
+        "or process (process limits only, the service's own user: choose it knowingly).",
+    )
+    python_grader_uid: int = Field(
+        default=65534, ge=1, description="The unprivileged uid python graders run as in the bwrap sandbox."
+    )
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, gt=0, description="Largest file upload.")
     max_line_bytes: int = Field(
         default=1024 * 1024,
