@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import CursorResult, bindparam, delete, select, update
+from sqlalchemy import CursorResult, bindparam, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -117,6 +117,14 @@ def get_file_by_id(*, session: Session, project_seq: int, file_id: str) -> File 
     return session.scalar(select(File).where(File.id == file_id, File.project_seq == project_seq))
 
 
+def lock_files(*, session: Session, project_seq: int, file_ids: Sequence[str], for_delete: bool = False) -> set[str]:
+    """Of ``file_ids``, those that still exist, locked until the transaction ends (PostgreSQL:
+    FOR SHARE while a job that uses them is created, FOR UPDATE while one is deleted, so that the
+    two wait for each other and one of them loses; SQLite: the caller holds ``db.write_lock``)."""
+    stmt = select(File.id).where(File.id.in_(file_ids), File.project_seq == project_seq)
+    return set(session.scalars(stmt.with_for_update(read=not for_delete)))
+
+
 def files_in_use(*, session: Session, file_id: str) -> bool:
     stmt = select(Job.seq).where(
         (Job.training_file == file_id) | (Job.validation_file == file_id),
@@ -136,6 +144,16 @@ def get_job(*, session: Session, project: Project | Caller, job_id: str) -> Job 
 
 def get_job_by_id(*, session: Session, job_id: str) -> Job | None:
     return session.scalar(select(Job).where(Job.id == job_id))
+
+
+WAITING = ("validating_files", "queued")
+
+
+def waiting_jobs(*, session: Session, project_seq: int) -> int:
+    """The project's jobs that wait for a worker, counted with the project's row locked (PostgreSQL)
+    so that two creations racing for its last place cannot both take it."""
+    session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update())
+    return session.scalar(select(func.count()).where(Job.project_seq == project_seq, Job.status.in_(WAITING))) or 0
 
 
 def add_event(

@@ -88,7 +88,11 @@ def create_app() -> FastAPI:
         except Exception as exc:
             checks["broker"] = f"unreachable: {type(exc).__name__}"
         ok = all(v == "ok" for v in checks.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks}, 200 if ok else 503)
+        from service.sandbox import status
+
+        # Where python graders would run on this host (its workers say so in their start-up logs).
+        body = {"status": "ok" if ok else "unavailable", "checks": checks, "python_graders": status(settings)}
+        return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PlainTextResponse)
     def metrics() -> PlainTextResponse:

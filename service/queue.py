@@ -21,6 +21,8 @@ def client() -> Celery:
     app = Celery("rloo-api", broker=settings.redis_url)
     app.conf.update(
         task_default_queue=settings.queue,
+        task_serializer="json",  # never pickle: a message is data, not code to run
+        accept_content=["json"],
         broker_connection_retry_on_startup=False,
         # A dead broker must not hang a request: the job row is already committed and the
         # reconciler queues it again once the broker is back.
@@ -41,42 +43,12 @@ def enqueue_job(job_id: str) -> bool:
 
 
 def grader_queue() -> str:
-    """Dry runs of model graders go to their own queue, so they never wait behind a training job
+    """Dry runs of graders go to their own queue, so they never wait behind a training job
     (``rloo worker --queue <queue>-graders``; ``rloo up`` starts one)."""
     return f"{get_settings().queue}-graders"
 
 
-class GraderRunTimeout(TimeoutError):
-    pass
-
-
-async def run_model_grader(payload: dict[str, object], *, timeout: float) -> dict[str, object]:
-    """Send a model grader's dry run to a worker and wait for its answer (a Redis list the worker
-    pushes to), on the event loop: a waiting dry run holds no worker thread of the API. The task
-    expires with the wait, so a worker that comes late does not run it."""
-    import json
-    import secrets
-
-    import redis.asyncio
-    from anyio import to_thread
-
-    reply = f"rloo:grader-reply:{secrets.token_hex(16)}"
-
-    def send() -> None:
-        client().send_task(RUN_GRADER_TASK, args=[payload, reply], queue=grader_queue(), expires=timeout, retry=True)
-
-    await to_thread.run_sync(send)
-    conn = redis.asyncio.Redis.from_url(
-        get_settings().redis_client_url, socket_timeout=timeout + 5, socket_connect_timeout=5
-    )
-    try:
-        answer = await conn.blpop([reply], timeout=max(1, int(timeout)))
-    finally:
-        await conn.aclose()
-    if answer is None:
-        raise GraderRunTimeout(
-            f"no worker answered on queue '{grader_queue()}' within {timeout:g} s; model graders run on a worker "
-            f"started with `rloo worker --queue {grader_queue()}` (rloo up starts one)"
-        )
-    result: dict[str, object] = json.loads(answer[1])
-    return result
+def wake_grader(queue: str, expires: float) -> None:
+    """One wake-up for a worker of the graders queue: no arguments (the dry run itself waits in
+    Redis: ``service.dryruns``). It expires with the API's wait, so a late worker skips it."""
+    client().send_task(RUN_GRADER_TASK, args=[], queue=queue, expires=expires, retry=True)

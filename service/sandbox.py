@@ -86,6 +86,16 @@ class Sandbox:
 
 
 # Which sandbox ----------------------------------------------------------------------------------
+def status(settings: Any) -> str:
+    """Which sandbox python graders run in here, in words (the start-up logs, /readyz)."""
+    if not settings.allow_python_grader:
+        return "off (RLOO_ALLOW_PYTHON_GRADER is false)"
+    try:
+        return current(settings.python_grader_sandbox, settings.python_grader_uid).describe()
+    except SandboxUnavailable as exc:
+        return f"unavailable: {exc}"
+
+
 def current(kind: str, uid: int, *, user_namespace: bool | None = None) -> Sandbox:
     """The sandbox in force for these settings, tried once a process on a one-line grader; raises
     ``SandboxUnavailable`` saying why and what to change. bubblewrap uses a user namespace unless

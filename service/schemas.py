@@ -15,7 +15,7 @@ Auto = Literal["auto"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN and infinities: never a value
 
 
 class LoraSpec(Strict):

@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     grader_run_seconds: float = Field(
         default=120.0, gt=0, le=900, description="How long a model grader's dry run may wait for a worker."
     )
+    grader_concurrency: int = Field(
+        default=2, ge=1, le=64,
+        description="Dry runs a graders worker (rloo worker --queue <queue>-graders) runs at once.",
+    )
+    max_dry_runs: int = Field(
+        default=4, ge=1, le=1000, description="Grader dry runs a project may have in progress at once (429 past it)."
+    )
+    max_queued_jobs: int = Field(
+        default=20, ge=1, description="Jobs a project may have waiting (validating_files or queued); 429 past it."
+    )
     http_grader_urls: list[str] = Field(
         default_factory=list,
         description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from service import strictjson
 from service.errors import APIError, bad_request
 
 
@@ -100,7 +101,7 @@ def check_line(obj: Any, lineno: int) -> set[str]:
     return set(obj) - {"messages", "prompt"}
 
 
-# What a line may be: UTF-8 JSON, an object, no deeper than MAX_DEPTH, no NUL character.
+# What a line may be: UTF-8 JSON (service.strictjson's), an object, no deeper than MAX_DEPTH.
 MAX_DEPTH = 100  # levels of nested arrays and objects in one line; a dataset line needs a few
 UTF8_BOM = b"\xef\xbb\xbf"
 _SIGNATURES = (  # the first bytes of files that are not UTF-8 text, and what to tell
@@ -147,41 +148,6 @@ def _json_error_hint(text: str, exc: json.JSONDecodeError, lineno: int) -> str:
     return ""
 
 
-def _too_deep(lineno: int) -> APIError:
-    return _invalid(
-        f"Line {lineno} nests arrays or objects more than {MAX_DEPTH} levels deep; flatten it "
-        "(a dataset line needs only a few levels)."
-    )
-
-
-def _depth(obj: Any) -> int:
-    """Levels of nested arrays and objects (iteratively: no recursion limit to hit)."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, (dict, list)):
-            deepest = max(deepest, level)
-            if level > MAX_DEPTH:
-                break
-            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return deepest
-
-
-def _has_nul(obj: Any) -> bool:
-    stack = [obj]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, str):
-            if "\x00" in node:
-                return True
-        elif isinstance(node, dict):
-            stack.extend(node)
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return False
-
-
 def parse_line(raw: bytes, lineno: int) -> Any:
     """One non-blank line's bytes as JSON, or a 400 naming the line and saying what to change.
 
@@ -206,9 +172,9 @@ def parse_line(raw: bytes, lineno: int) -> Any:
             "(were files joined together?); remove it."
         )
     try:
-        obj = json.loads(text)
-    except RecursionError:
-        raise _too_deep(lineno) from None
+        obj = strictjson.loads(text, max_depth=MAX_DEPTH)
+    except strictjson.InvalidJSON as exc:  # NaN, 1e999, a lone surrogate, a NUL, too deep
+        raise _invalid(f"Line {lineno}: {exc.problem}{exc.where()}.") from None
     except json.JSONDecodeError as exc:
         raise _invalid(
             f"Line {lineno} is not valid JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}."
@@ -216,14 +182,6 @@ def parse_line(raw: bytes, lineno: int) -> Any:
         ) from None
     except ValueError as exc:  # e.g. an integer of more than 4300 digits (Python's int limit)
         raise _invalid(f"Line {lineno} has a value JSON readers refuse: {exc}; remove it.") from None
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
-        raise _too_deep(lineno)
-    if b"\\u0000" in raw and _has_nul(obj):
-        # PostgreSQL text cannot hold it, and no tokenizer means anything by it.
-        raise _invalid(
-            f"Line {lineno} has a NUL character (\\u0000) in a string; remove it: it cannot be stored, "
-            "nor given to a model."
-        )
     return obj
 
 

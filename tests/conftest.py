@@ -136,6 +136,50 @@ def env(
     queue.client.cache_clear()
 
 
+@pytest.fixture(scope="session")
+def graders_worker(
+    tmp_path_factory: pytest.TempPathFactory, models_dir: Path, embedded_redis: str
+) -> Iterator[dict[str, str]]:
+    """One real graders worker for the session (``rloo worker --queue <queue>-graders``), on the
+    session's Redis, with python graders on and http graders allowed to one loopback port (its
+    ``http_port``, for a test's scoring server). Every dry run goes to such a worker."""
+    home = tmp_path_factory.mktemp("graders-worker")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    queue = f"test-dry-runs-{secrets.token_hex(4)}"
+    values = {
+        "RLOO_HOME": str(home),
+        "REDIS_URL": embedded_redis,
+        "RLOO_MODELS_DIR": str(models_dir),
+        "RLOO_QUEUE": queue,
+        "RLOO_ALLOW_PYTHON_GRADER": "1",
+        "RLOO_HTTP_GRADER_URLS": f'["http://127.0.0.1:{http_port}/"]',
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = open(home / "worker.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--queue", f"{queue}-graders"],
+        env={**os.environ, **values}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    yield {**values, "http_port": str(http_port), "log": str(home / "worker.log"), "pid": str(proc.pid)}
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture
+def dry_runs(env: dict[str, str], graders_worker: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Point the API at the session's graders worker (its queue); returns the worker's settings."""
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_QUEUE", graders_worker["RLOO_QUEUE"])
+    reset_caches()
+    return graders_worker
+
+
 @pytest.fixture
 def app(env: dict[str, str]):  # type: ignore[no-untyped-def]
     from service.main import create_app

@@ -1167,7 +1167,7 @@ GRADER_RUNS = [
 ]
 
 
-def test_run_grader(client, auth) -> None:
+def test_run_grader(client, auth, dry_runs) -> None:
     def check(
         grader: dict[str, Any], sample: str, item: dict[str, Any], reward: float, sub: dict[str, float] | None
     ) -> None:
@@ -1186,7 +1186,7 @@ def test_run_grader(client, auth) -> None:
     each(GRADER_RUNS, check)
 
 
-def test_run_grader_reference_answer_spelling(client, auth) -> None:
+def test_run_grader_reference_answer_spelling(client, auth, dry_runs) -> None:
     grader = {**STRING_CHECK, "reference": "{{ item.reference_answer }}"}
     resp = client.post(
         "/v1/fine_tuning/alpha/graders/run",
@@ -1240,9 +1240,9 @@ def test_python_grader_validates_when_the_operator_enables_it(monkeypatch, clien
     assert resp.status_code == 200, resp.text
 
 
-def test_python_grader_dry_run_over_http(monkeypatch, client, auth) -> None:
-    """The operator enables python graders; /graders/run runs one in the sandbox: a score, or the
-    sample's error in metadata.error_messages (never a 500)."""
+def test_python_grader_dry_run_over_http(monkeypatch, client, auth, dry_runs) -> None:
+    """The operator enables python graders; /graders/run runs one in the sandbox of a graders
+    worker: a score, or the sample's error in metadata.error_messages (never a 500)."""
     from service.db import reset_caches
 
     monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
@@ -1273,10 +1273,18 @@ def test_healthz(client) -> None:
     assert resp.status_code == 200 and resp.json() == {"status": "ok"}
 
 
-def test_readyz(client) -> None:
+def test_readyz(client, monkeypatch) -> None:
     resp = client.get("/readyz")
     assert resp.status_code == 200, resp.text
-    assert resp.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok"}}
+    assert resp.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok"},
+                           "python_graders": "off (RLOO_ALLOW_PYTHON_GRADER is false)"}
+    # Which sandbox python graders would run in, once the operator turns them on.
+    with _fresh_client(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1") as on:
+        assert on.get("/readyz").json()["python_graders"].startswith("bwrap (namespaces: pid, net")
+    # another uid: another sandbox, probed afresh
+    with _fresh_client(monkeypatch, PATH="/nonexistent", RLOO_PYTHON_GRADER_UID="65533") as missing:
+        said = missing.get("/readyz").json()["python_graders"]
+    assert said.startswith("unavailable: python graders run in bubblewrap's sandbox, and bwrap is not installed")
 
 
 def test_broker_down_readyz_503_and_jobs_still_created(monkeypatch, env, auth, tmp_path) -> None:

@@ -19,7 +19,7 @@ from service.graders import GraderError, GraderUnavailable, Sample, grade_batch,
 class Endpoint:
     """A scoring server: ``behaviour(n_calls, body) -> (status, body or None to hang)``."""
 
-    def __init__(self, behaviour: Any) -> None:
+    def __init__(self, behaviour: Any, port: int = 0) -> None:
         self.calls: list[dict[str, Any]] = []
         endpoint = self
 
@@ -41,7 +41,7 @@ class Endpoint:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}/score"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -56,8 +56,8 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     started: list[Endpoint] = []
 
-    def start(behaviour: Any) -> Endpoint:
-        endpoint = Endpoint(behaviour)
+    def start(behaviour: Any, port: int = 0) -> Endpoint:
+        endpoint = Endpoint(behaviour, port)
         started.append(endpoint)
         monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", json.dumps([f"http://127.0.0.1:{endpoint.server.server_port}/"]))
         reset_caches()
@@ -182,8 +182,8 @@ def test_a_job_whose_http_grader_dies_fails_with_grader_unavailable(serve, tmp_p
     assert len(rec.steps) == 2
 
 
-def test_dry_run_over_http_reports_a_dead_endpoint_as_502(serve, client, auth) -> None:
-    endpoint = serve(length_scores)
+def test_dry_run_over_http_reports_a_dead_endpoint_as_502(serve, client, auth, dry_runs) -> None:
+    endpoint = serve(length_scores, int(dry_runs["http_port"]))  # the port the graders worker allows
     url = "/v1/fine_tuning/alpha/graders/run"
     body = {"grader": spec(endpoint.url), "model_sample": "abcd", "item": {"n": 8}}
     resp = client.post(url, headers=auth, json=body)

@@ -28,6 +28,12 @@ settings = get_settings()
 app = Celery("rloo", broker=settings.redis_url, include=["worker.tasks"])
 app.conf.update(
     task_default_queue=settings.queue,
+    # JSON only, both ways: a message is data, never code to unpickle (and a task's arguments are
+    # ids, no deeper than JSON allows).
+    task_serializer="json",
+    accept_content=["json"],
+    result_serializer="json",
+    result_accept_content=["json"],
     task_routes={RUN_JOB_TASK: {"queue": settings.queue}},
     task_acks_late=True,
     task_reject_on_worker_lost=True,

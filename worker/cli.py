@@ -113,26 +113,35 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     """Run a Celery worker: one job at a time, in a child process that is replaced after each job."""
     settings = get_settings()
     _ensure_embedded_broker()
+    from service.queue import grader_queue
+    from service.sandbox import status
     from worker.celery_app import app as celery_app
 
-    if queue is None or queue == settings.queue:  # the training workers watch the training jobs
+    typer.echo(f"python graders: {status(settings)}", err=True)
+    training = queue is None or queue == settings.queue
+    if training:  # the training workers watch the training jobs
         _start_reconciler()
-
+    pool = (
+        # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
+        ["--concurrency=1", "--max-tasks-per-child=1"]
+        if training or queue != grader_queue()
+        # Dry runs are short: long-lived processes that keep their models loaded, a few at once.
+        else [f"--concurrency={settings.grader_concurrency}", "--max-tasks-per-child=500"]
+    )
     celery_app.worker_main(
         [
             "worker",
             "--pool=prefork",
-            "--concurrency=1",
+            *pool,
             f"--queues={queue or settings.queue}",
             f"--loglevel={loglevel}",
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",
-            # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
-            "--max-tasks-per-child=1",
             f"--hostname=rloo-worker-{os.getpid()}@%h",
         ]
     )
+
 
 
 def _start_reconciler() -> None:
@@ -256,11 +265,19 @@ def ensure_local_key() -> str:
 
 
 class Stack:
-    """The local stack as child processes: embedded Redis (if no REDIS_URL), the API, one worker."""
+    """The local stack as child processes: embedded Redis (if no REDIS_URL), the API, a training
+    worker and a graders worker. A part that dies is started again (after 1 s, then up to 30 s
+    while it keeps dying): a grader that ends its worker never takes the API or training down."""
+
+    STABLE_SECONDS = 60.0  # a part that ran this long before it died is started again at once
 
     def __init__(self, host: str, port: int, *, quiet: bool = False) -> None:
         self.host, self.port, self.quiet = host, port, quiet
-        self.children: list[subprocess.Popen[bytes]] = []
+        self.children: list[subprocess.Popen[bytes]] = []  # every process we own, Redis included
+        self.parts: dict[str, tuple[list[str], subprocess.Popen[bytes]]] = {}
+        self.started_at: dict[str, float] = {}
+        self.backoff: dict[str, float] = {}
+        self.due: dict[str, float] = {}  # parts waiting to be started again, by when
 
     @property
     def url(self) -> str:
@@ -278,31 +295,54 @@ class Stack:
             proc = embedded.start(settings, daemonize=False)
             if proc is not None:
                 self.children.append(proc)
-        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1"}
-        log_dir = settings.home_dir / "logs"
-        log_dir.mkdir(exist_ok=True)
-        exe = [sys.executable, "-m", "worker.cli"]
+        (settings.home_dir / "logs").mkdir(exist_ok=True)
         from service.queue import grader_queue
 
-        parts = (
+        for name, args in (
             ("api", ["api", "--host", self.host, "--port", str(self.port)]),
             ("worker", ["worker"]),
-            ("grader-worker", ["worker", "--queue", grader_queue()]),  # dry runs of model graders
-        )
-        for name, args in parts:
-            out = open(log_dir / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
-            self.children.append(
-                subprocess.Popen(
-                    exe + args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
-                )
-            )
+            ("grader-worker", ["worker", "--queue", grader_queue()]),  # dry runs of graders
+        ):
+            self._spawn(name, args)
         wait_until_ready(self.url, alive=self._check_children)
         return key
 
+    def _spawn(self, name: str, args: list[str]) -> None:
+        settings = get_settings()
+        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1"}
+        out = open(settings.home_dir / "logs" / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", *args], env=env, stdout=out,
+            stderr=subprocess.STDOUT if out else None, start_new_session=True,
+        )
+        if out is not None:
+            out.close()  # the child holds its own copy
+        old = self.parts.get(name)
+        if old is not None:
+            self.children.remove(old[1])
+        self.parts[name] = (args, proc)
+        self.children.append(proc)
+        self.started_at[name] = time.monotonic()
+
     def _check_children(self) -> None:
-        for child in self.children:
+        for name, (_, child) in self.parts.items():
             if child.poll() is not None:
-                raise RuntimeError(f"a stack process exited early ({child.args!r}); see {get_settings().home_dir}/logs")
+                raise RuntimeError(f"{name} exited early ({child.args!r}); see {get_settings().home_dir}/logs")
+
+    def supervise(self) -> None:
+        """One round: note the parts that died, start again those whose wait is over."""
+        now = time.monotonic()
+        for name, (_, child) in self.parts.items():
+            if child.poll() is not None and name not in self.due:
+                ran = now - self.started_at[name]
+                wait = 1.0 if ran >= self.STABLE_SECONDS else min(30.0, 2 * self.backoff.get(name, 0.5))
+                self.backoff[name] = wait
+                self.due[name] = now + wait
+                typer.echo(f"{name} exited with {child.returncode}; starting it again in {wait:.0f} s", err=True)
+        for name, when in list(self.due.items()):
+            if when <= now:
+                del self.due[name]
+                self._spawn(name, self.parts[name][0])
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -319,16 +359,16 @@ class Stack:
 
 @app.command("up")
 def up(host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the whole stack in the foreground until Ctrl-C: migrations, Redis, the API and one worker."""
+    """Run the whole stack in the foreground until Ctrl-C: migrations, Redis, the API and the workers
+    (each started again should it die)."""
     stack = Stack(host, port)
     try:
         key = stack.start()
         typer.echo(up_banner(stack.url, key, get_settings()))
         signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as Ctrl-C does
-        while all(child.poll() is None for child in stack.children):
+        while True:
             time.sleep(0.5)
-        typer.echo("a stack process exited; stopping the rest", err=True)
-        raise typer.Exit(1)
+            stack.supervise()
     except KeyboardInterrupt:
         typer.echo("\nstopping…")
     finally:

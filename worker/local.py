@@ -6,14 +6,13 @@ paths (relative to the spec file). It is validated exactly as the API validates 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from service import graders, jobspec
+from service import graders, jobspec, strictjson
 from service.errors import APIError
 from service.schemas import JobCreate
 from service.settings import get_settings
@@ -27,8 +26,10 @@ class SpecError(ValueError):
 
 def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
     try:
-        raw = json.loads(spec_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = strictjson.loads(spec_path.read_text())  # the API's door: no NaN, no lone surrogate
+    except strictjson.InvalidJSON as exc:
+        raise SpecError(f"{spec_path}: {exc.problem}{exc.where()}") from None
+    except (OSError, ValueError) as exc:
         raise SpecError(f"cannot read {spec_path}: {exc}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{spec_path} must hold a JSON object (the job-creation body)")

@@ -10,6 +10,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
 from service import crud
 from service.db import retrying, session_scope
 from service.models import Job
@@ -134,7 +137,39 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat for %s failed: %s", self.job.id, exc)
 
 
-@app.task(name=RUN_JOB_TASK)  # acks_late and the rest: worker.celery_app
+class JobRequest(Request):
+    """A job's task as the worker's main process sees it, before a pool process is given to it. A
+    job that waits for no worker any more (cancelled while queued, finished, paused) is acknowledged
+    here, at the cost of one query: each pool process serves one task and is then replaced, which
+    costs seconds (torch's import), so a create-and-cancel churn must not reach the pool."""
+
+    def revoked(self) -> bool:  # asked first thing by execute_using_pool
+        if super().revoked():
+            return True
+        args = self.args
+        if not (len(args) == 1 and isinstance(args[0], str) and len(args[0]) <= 64):
+            log.warning("a %s task with arguments %.200r is no job id; dropped", RUN_JOB_TASK, args)
+        elif _still_runnable(args[0]):
+            return False
+        else:
+            log.info("job %s waits for no worker (cancelled, paused or finished); its task is dropped", args[0])
+        task_ready(self)
+        self.acknowledge()
+        return True
+
+
+def _still_runnable(job_id: str) -> bool:
+    """queued (to claim), running (its worker may have died), or unknown to us (the database is
+    away: the pool process will see)."""
+    try:
+        with session_scope() as session:
+            job = crud.get_job_by_id(session=session, job_id=job_id)
+            return job is not None and job.status in ("queued", "running")
+    except Exception:
+        return True
+
+
+@app.task(name=RUN_JOB_TASK, Request=JobRequest)  # acks_late and the rest: worker.celery_app
 def run_job(job_id: str) -> str:
     """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains."""
     settings = get_settings()
@@ -271,63 +306,32 @@ def _finish(session: Any, job: Job, result: Any) -> None:
     session.commit()
 
 
-@app.task(name=RUN_GRADER_TASK)
-def run_grader(payload: dict[str, Any], reply: str) -> str:
-    """A model grader's dry run (``POST /graders/run``): score one sample, push the answer to the
-    Redis list ``reply``, where the API waits for it. Never raises: errors are answers too."""
-    import json
-
+@app.task(name=RUN_GRADER_TASK, bind=True, time_limit=get_settings().grader_run_seconds + 60)
+def run_grader(self: Any) -> str:
+    """A wake-up for one dry run (``service.dryruns``): take the next dry run, fairly between
+    projects, grade it, push the answer where the API waits. Never raises: errors are answers too."""
     import redis
 
-    try:
-        answer = _grade_one(payload)
-    except Exception as exc:
-        log.warning("grader dry run failed: %s", exc)
-        answer = {"error": f"the grader could not run on the worker: {type(exc).__name__}: {exc}",
-                  "code": "grader_failed", "status": 502}
+    from service import dryruns
+    from service.queue import grader_queue
+    from worker.dry_run import grade
+
+    queue = grader_queue()
     conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=10, socket_connect_timeout=10)
     try:
-        conn.rpush(reply, json.dumps(answer))
-        conn.expire(reply, 300)  # nobody waits past the API's time-out; the key must not linger
+        envelope = dryruns.take(conn, queue, self.request.id)
+        if envelope is None:
+            return "nothing to do"
+        try:
+            answer = grade(envelope["payload"])
+        except Exception as exc:
+            log.warning("grader dry run failed: %s", exc)
+            answer = {"error": f"the grader could not run on the worker: {type(exc).__name__}: {exc}",
+                      "code": "grader_failed", "status": 502}
+        dryruns.answer(conn, queue, self.request.id, envelope, answer)
+        return "error" if "error" in answer else "ok"
     finally:
         conn.close()
-    return "error" if "error" in answer else "ok"
-
-
-def _grade_one(payload: dict[str, Any]) -> dict[str, Any]:
-    import math
-
-    from worker.celery_app import wait_for_preload
-
-    wait_for_preload()
-    from service import graders
-    from worker.rewards import RewardModels, score_batch
-    from worker.train import pick_device
-
-    settings = get_settings()
-    try:
-        grader = graders.parse_grader(payload["grader"], allow_python=settings.allow_python_grader)
-    except graders.GraderError as exc:
-        return {"error": exc.message, "code": "invalid_grader", "status": 400}
-    models = RewardModels(models_dir=settings.models_dir, device=pick_device(None),
-                          embedding_model=settings.embedding_model)
-    try:
-        result = score_batch(grader, prompts=[""], texts=[payload["model_sample"]], items=[payload["item"]],
-                             reward_models=models)
-    except OSError as exc:  # a model that will not load (transformers says which and why)
-        return {"error": f"{type(exc).__name__}: {exc}", "code": "model_load_failed", "status": 400}
-    except graders.GraderUnavailable as exc:
-        return {"error": str(exc), "code": "grader_unavailable", "status": 502}
-
-    def finite(v: float) -> float | None:
-        return v if math.isfinite(v) else None
-
-    return {
-        "reward": finite(result.rewards[0]),
-        "sub_rewards": {name: finite(column[0]) for name, column in result.sub_rewards.items()},
-        "errors": result.errors,
-        "messages": result.messages,
-    }
 
 
 def _train(job: Job) -> Any:

@@ -16,9 +16,10 @@ from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
 from service.responses import JSON
+from service.routing import StrictJSONRoute
 from service.storage import confined, staged_path, store_jsonl
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", route_class=StrictJSONRoute, tags=["files"])
 
 PURPOSES = ("fine-tune",)
 
@@ -158,15 +159,19 @@ def read_file_content(session: SessionDep, project: ProjectDep, settings: Settin
 @ends_session
 def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> JSON:
     f = _get(session, project, file_id)
-    if crud.files_in_use(session=session, file_id=f.id):
-        raise APIError(
-            409,
-            f"File '{file_id}' is used by a job that has not finished; cancel the job first.",
-            param="file_id",
-            code="file_in_use",
-        )
     path = confined(settings.artifacts_dir, f.path)
-    session.delete(f)
-    session.commit()
+    with write_lock(session):  # against a job being created with it (crud.lock_files)
+        if not crud.lock_files(session=session, project_seq=project.seq, file_ids=[f.id], for_delete=True):
+            raise not_found("file", file_id)
+        if crud.files_in_use(session=session, file_id=f.id):
+            session.rollback()
+            raise APIError(
+                409,
+                f"File '{file_id}' is used by a job that has not finished; cancel the job first.",
+                param="file_id",
+                code="file_in_use",
+            )
+        session.delete(f)
+        session.commit()
     path.unlink(missing_ok=True)  # after the commit: a row never points at a missing file
     return JSON({"id": file_id, "object": "file", "deleted": True})

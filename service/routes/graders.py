@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter
@@ -10,9 +11,13 @@ from service import graders
 from service.deps import ProjectDep, SettingsDep
 from service.errors import APIError, bad_request
 from service.responses import JSON
+from service.routing import StrictJSONRoute
 from service.schemas import GraderRun, GraderValidate
+from service.settings import Settings
+from service.storage import MAX_DEPTH
+from service.strictjson import depth
 
-router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["graders"])
+router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", route_class=StrictJSONRoute, tags=["graders"])
 
 
 def _parse(spec: dict[str, Any], settings: SettingsDep) -> Any:
@@ -28,49 +33,51 @@ def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) 
 
 
 @router.post("/run", summary="Run a grader on one sample")
-async def run_grader(_: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
-    """Rule graders answer here; model graders (reward and judge models, cosine) run on a worker
-    of the graders queue, within RLOO_GRADER_RUN_SECONDS."""
+async def run_grader(project: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
+    """Every grader runs on a worker of the graders queue (service.dryruns), within
+    RLOO_GRADER_RUN_SECONDS, at most RLOO_MAX_DRY_RUNS at once per project: the API grades nothing."""
     grader = _parse(body.grader, settings)
     item = dict(body.item)
     if body.reference_answer is not None:
         item.setdefault("reference_answer", body.reference_answer)
-    if graders.is_model_grader(grader):
-        return JSON(await _run_on_worker(grader, body.model_sample, item, settings.grader_run_seconds))
-    from anyio import to_thread
-
-    try:  # rule graders here, in a worker thread (python and http graders wait on other processes)
-        result = await to_thread.run_sync(
-            graders.grade_batch, grader, [graders.Sample(output_text=body.model_sample)], [item]
-        )
-    except graders.GraderUnavailable as exc:
-        raise APIError(502, str(exc), param="grader", code="grader_unavailable") from None
-    return JSON(_answer(grader, result.rewards[0], {k: v[0] for k, v in result.sub_rewards.items()},
-                        result.errors, result.messages))
-
-
-def _answer(grader: Any, reward: float, sub: dict[str, float], errors: Any, messages: Any) -> dict[str, Any]:
-    return {
-        "reward": reward if reward == reward else None,
-        "sub_rewards": {k: (v if v == v else None) for k, v in sub.items()},
-        "metadata": {"errors": errors, "error_messages": messages, "name": grader.name, "type": grader.type},
-    }
+    _check_item(item, settings.max_line_bytes)
+    payload = {"grader": graders.grader_to_dict(grader), "model_sample": body.model_sample, "item": item}
+    answer = await _run_on_worker(project.id, payload, settings)
+    if "error" in answer:
+        raise APIError(int(answer.get("status", 502)), str(answer["error"]), param="grader",
+                       code=str(answer.get("code", "grader_failed")))
+    reward = answer["reward"]
+    return JSON({
+        "reward": reward,
+        "sub_rewards": answer["sub_rewards"],
+        "metadata": {"errors": answer["errors"], "error_messages": answer["messages"], "name": grader.name,
+                     "type": grader.type},
+    })
 
 
-async def _run_on_worker(grader: Any, sample: str, item: dict[str, Any], timeout: float) -> dict[str, Any]:
-    from service import queue
+def _check_item(item: dict[str, Any], max_bytes: int) -> None:
+    """An item is a line of a training file: the same limits as an upload's line."""
+    if depth(item, MAX_DEPTH) > MAX_DEPTH:
+        raise bad_request(f"item nests arrays or objects more than {MAX_DEPTH} levels deep, as no line of a "
+                          "training file may; flatten it.", "item")
+    if len(json.dumps(item, ensure_ascii=False).encode()) > max_bytes:
+        raise bad_request(f"item is larger than a training file's line may be ({max_bytes} bytes, "
+                          "RLOO_MAX_LINE_BYTES).", "item")
 
-    payload: dict[str, object] = {"grader": graders.grader_to_dict(grader), "model_sample": sample, "item": item}
+
+async def _run_on_worker(project: str, payload: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    from service import dryruns, queue
+
     try:
-        answer = await queue.run_model_grader(payload, timeout=timeout)
-    except queue.GraderRunTimeout as exc:
+        return await dryruns.run(project=project, payload=payload, queue=queue.grader_queue(),
+                                 timeout=settings.grader_run_seconds, cap=settings.max_dry_runs)
+    except dryruns.Busy:
+        raise APIError(
+            429, f"This project already has {settings.max_dry_runs} grader runs in progress (RLOO_MAX_DRY_RUNS); "
+            "wait for one to finish.", code="too_many_dry_runs", headers={"Retry-After": "1"},
+        ) from None
+    except dryruns.NoAnswer as exc:
         raise APIError(504, str(exc), param="grader", code="grader_timeout") from None
     except Exception as exc:  # the broker is down
         raise APIError(503, f"the queue is unreachable ({type(exc).__name__}); try again shortly",
                        param=None, code="queue_unavailable") from None
-    if "error" in answer:
-        raise APIError(int(answer.get("status", 502)), str(answer["error"]), param="grader",  # type: ignore[call-overload]
-                       code=str(answer.get("code", "grader_failed")))
-    reward = answer["reward"]
-    return _answer(grader, float("nan") if reward is None else reward, answer["sub_rewards"],  # type: ignore[arg-type]
-                   answer["errors"], answer["messages"])

@@ -22,10 +22,11 @@ from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import Checkpoint, File, Job, JobEvent
 from service.responses import JSON
+from service.routing import StrictJSONRoute
 from service.schemas import JobCreate
 from service.storage import confined
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
 TRAINING_STATE_PREFIX = "training_state"
 CANCELLABLE = ("validating_files", "queued", "running", "paused")
@@ -111,6 +112,13 @@ def create_job(
         total_steps=total_steps,
     )
     with write_lock(session):
+        _check_room(session, project, settings.max_queued_jobs)
+        wanted = {training.id} | ({validation.id} if validation else set())
+        if crud.lock_files(session=session, project_seq=project.seq, file_ids=sorted(wanted)) != wanted:
+            session.rollback()
+            missing = sorted(wanted)[0]
+            raise bad_request(f"File '{missing}' was deleted while the job was being created; upload it again.",
+                              "training_file", "file_not_found")
         session.add(job)
         session.flush()
         crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
@@ -137,6 +145,17 @@ def create_job(
         )
         session.commit()
     return JSON(job_object(job, project))
+
+
+def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
+    waiting = crud.waiting_jobs(session=session, project_seq=project.seq)
+    if waiting >= cap:
+        session.rollback()
+        raise APIError(
+            429, f"This project has {waiting} jobs waiting for a worker, the most it may have (RLOO_MAX_QUEUED_JOBS="
+            f"{cap}); create this one when one of them has started, or cancel one.",
+            code="too_many_queued_jobs", headers={"Retry-After": "10"},
+        )
 
 
 @router.get("", summary="List fine-tuning jobs")

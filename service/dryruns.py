@@ -1,0 +1,170 @@
+"""Dry runs of graders (``POST /v1/fine_tuning/alpha/graders/run``): admitted per project, queued
+fairly between projects, graded on a worker of the graders queue, answered within a deadline.
+
+The API never grades: a reward model, a python grader in its sandbox, a long ROUGE-L, all run in a
+worker process (``rloo worker --queue <queue>-graders``), so no dry run can starve the API's event
+loop or its threads. In Redis, beside the Celery queue:
+
+* ``active:<project>``: the project's dry runs in flight (a sorted set by deadline). A project has
+  at most ``RLOO_MAX_DRY_RUNS`` at once; past that a 429 names the cap. Entries leave when answered,
+  or at their deadline if the API process that admitted them died.
+* ``pending:<project>``: the project's waiting dry runs, as JSON. The Celery message is only a
+  wake-up with no arguments: user data never goes through Celery's pool pickling, and a message
+  that cannot be decoded carries nothing to lose.
+* ``projects``: the projects with work waiting, by when each was last served. A worker takes the
+  first dry run of the project served longest ago: one project's twenty dry runs wait behind
+  another's one, not the reverse.
+* ``inflight:<task id>``: the dry run a worker is grading. Should the worker process die on it
+  (the out-of-memory killer, a crash), Celery delivers the wake-up again and the next delivery
+  finds this marker: that dry run is answered with an error and set aside in ``dead`` (the last
+  1000), never graded again. A poison dry run costs one worker process, once.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from service.settings import get_settings
+
+DEAD_LETTERS_KEPT = 1000
+
+# Admit one dry run unless the project has `cap` in flight (entries past their deadline dropped).
+_ADMIT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 60)
+return 1
+"""
+# Queue a dry run; a project new to the rotation keeps the place its last service gave it.
+_PUSH = """
+redis.call('RPUSH', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], 3600)
+local served = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
+redis.call('ZADD', KEYS[2], 'NX', served, ARGV[1])
+return 1
+"""
+# The next dry run: from the project served longest ago.
+_POP = """
+while true do
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not first then return false end
+  local pending = ARGV[2] .. first
+  local envelope = redis.call('LPOP', pending)
+  if redis.call('LLEN', pending) == 0 then
+    redis.call('ZREM', KEYS[1], first)
+  else
+    redis.call('ZADD', KEYS[1], ARGV[1], first)
+  end
+  redis.call('HSET', KEYS[2], first, ARGV[1])
+  if envelope then return envelope end
+end
+"""
+
+
+class Busy(Exception):
+    """The project has its cap of dry runs in flight."""
+
+
+class NoAnswer(TimeoutError):
+    pass
+
+
+def namespace(queue: str) -> str:
+    return f"rloo:dry-runs:{queue}"
+
+
+async def run(*, project: str, payload: dict[str, Any], queue: str, timeout: float, cap: int) -> dict[str, Any]:
+    """Admit, queue and wait for one dry run; its answer (``{"error", "code", "status"}`` when the
+    grader could not run). Raises ``Busy``, ``NoAnswer``, or the broker's error."""
+    import redis.asyncio
+
+    ns = namespace(queue)
+    run_id = secrets.token_hex(12)
+    now = time.time()
+    deadline = now + timeout
+    conn = redis.asyncio.Redis.from_url(get_settings().redis_client_url, socket_timeout=timeout + 5,
+                                        socket_connect_timeout=5)
+    try:
+        if not await conn.eval(_ADMIT, 1, f"{ns}:active:{project}", now, deadline, run_id, cap):  # type: ignore[misc]
+            raise Busy()
+        try:
+            return await _queue_and_wait(conn, ns, queue, run_id, project, payload, deadline, timeout)
+        finally:
+            await conn.zrem(f"{ns}:active:{project}", run_id)
+    finally:
+        await conn.aclose()
+
+
+async def _queue_and_wait(
+    conn: Any, ns: str, queue: str, run_id: str, project: str, payload: dict[str, Any], deadline: float,
+    timeout: float,
+) -> dict[str, Any]:
+    from anyio import to_thread
+
+    from service import queue as celery_queue
+
+    reply = f"{ns}:reply:{run_id}"
+    envelope = json.dumps({"id": run_id, "project": project, "deadline": deadline, "reply": reply,
+                           "payload": payload}, ensure_ascii=False, allow_nan=False)
+    pending = f"{ns}:pending:{project}"
+    await conn.eval(_PUSH, 3, pending, f"{ns}:projects", f"{ns}:served", project, envelope)
+    try:
+        await to_thread.run_sync(celery_queue.wake_grader, queue, timeout)
+    except Exception:
+        await conn.lrem(pending, 1, envelope)  # nobody will take it
+        raise
+    answer = await conn.blpop([reply], timeout=max(1, int(timeout)))
+    if answer is None:
+        await conn.lrem(pending, 1, envelope)  # still waiting: no worker came
+        raise NoAnswer(
+            f"no worker answered on queue '{queue}' within {timeout:g} s; graders run on a worker started with "
+            f"`rloo worker --queue {queue}` (rloo up starts one)"
+        )
+    result: dict[str, Any] = json.loads(answer[1])
+    return result
+
+
+# The worker's side -------------------------------------------------------------------------------
+def take(conn: Any, queue: str, task_id: str) -> dict[str, Any] | None:
+    """The next dry run for this delivery of a wake-up, or None (its dry run was answered already,
+    or is past its deadline). A dry run left in flight by an earlier delivery of the same wake-up
+    (its worker died) is dead-lettered first."""
+    ns = namespace(queue)
+    marker = f"{ns}:inflight:{task_id}"
+    left = conn.get(marker)
+    if left is not None:
+        bury(conn, queue, left.decode() if isinstance(left, bytes) else left)
+        conn.delete(marker)
+    while True:
+        raw = conn.eval(_POP, 2, f"{ns}:projects", f"{ns}:served", time.time(), f"{ns}:pending:")
+        if raw is None:
+            return None
+        envelope: dict[str, Any] = json.loads(raw)
+        if envelope["deadline"] > time.time():
+            conn.set(marker, raw, ex=max(1, int(envelope["deadline"] - time.time()) + 60))
+            return envelope
+
+
+def answer(conn: Any, queue: str, task_id: str, envelope: dict[str, Any], result: dict[str, Any]) -> None:
+    conn.rpush(envelope["reply"], json.dumps(result, ensure_ascii=False, allow_nan=False))
+    conn.expire(envelope["reply"], 300)  # nobody waits past the API's time-out; the key must not linger
+    conn.delete(f"{namespace(queue)}:inflight:{task_id}")
+
+
+def bury(conn: Any, queue: str, raw: str) -> None:
+    """Set a dry run that ended its worker process aside, and tell the API so."""
+    ns = namespace(queue)
+    conn.lpush(f"{ns}:dead", raw)
+    conn.ltrim(f"{ns}:dead", 0, DEAD_LETTERS_KEPT - 1)
+    try:
+        envelope = json.loads(raw)
+    except ValueError:
+        return
+    error = {"error": "the grader ended the worker process that ran it (killed, or out of memory); it was set "
+                      "aside and will not be run again", "code": "grader_crashed", "status": 502}
+    conn.rpush(envelope["reply"], json.dumps(error))
+    conn.expire(envelope["reply"], 300)
