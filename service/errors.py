@@ -7,9 +7,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.responses import JSON
 
 log = logging.getLogger("rloo.api")
 
@@ -92,31 +93,31 @@ def _allowed_methods(request: Request) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
+    async def _api_error(_: Request, exc: APIError) -> JSON:
+        return JSON(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> JSON:
         errors = exc.errors()
         first = errors[0] if errors else {}
         # A JSON syntax error's loc is a character offset, not a field.
         param = None if first.get("type") == "json_invalid" else _loc_to_param(tuple(first.get("loc", ())))
-        return JSONResponse(error_body(400, _validation_message(first, param), param, "invalid_value"), 400)
+        return JSON(error_body(400, _validation_message(first, param), param, "invalid_value"), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSON:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown URL. See /docs for the API reference."
         headers = exc.headers
         if exc.status_code == 405:
             headers = {**(headers or {}), "Allow": _allowed_methods(request)}
-        return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=headers)
+        return JSON(error_body(exc.status_code, message), exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
-    async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    async def _unhandled(request: Request, exc: Exception) -> JSON:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, "Internal server error.", code="internal_error"), 500)
+        return JSON(error_body(500, "Internal server error.", code="internal_error"), 500)
 
 
 RETRY_AFTER_SECONDS = 2
@@ -162,7 +163,7 @@ class DatabaseUnavailableMiddleware:
             from service.db import _reason
 
             log.warning("database unreachable on %s %s: %s", scope["method"], scope["path"], _reason(exc))
-            response = JSONResponse(
+            response = JSON(
                 error_body(503, DATABASE_UNAVAILABLE, code="database_unavailable"),
                 503,
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},

@@ -601,15 +601,18 @@ def _fuzzy_match(text: str, reference: str) -> float:
     (partial) ratio (x0.9, or x0.6 at 8x+). So "The answer is Paris" against "Paris" scores 0.9
     instead of ratio's 0.42, which is the behaviour a reward for "says the right thing" wants.
     No processor is applied (rapidfuzz's default), so case matters, as in ``string_check`` ``like``.
-    Identical strings score 1.0 even when both are empty (WRatio returns 0 for empty input).
+    Identical strings score 1.0 even when both are empty (WRatio returns 0 for empty input); each
+    string is read up to ``SIMILARITY_MAX_CHARS``, as every metric does.
     """
     if text == reference:
         return 1.0
-    return fuzz.WRatio(text, reference) / 100.0
+    return fuzz.WRatio(text[:SIMILARITY_MAX_CHARS], reference[:SIMILARITY_MAX_CHARS]) / 100.0
 
 
 SIMILARITY_MAX_CHARS = 10_000
-"""The n-gram metrics read this much of each string (ROUGE-L's cost is quadratic in the length)."""
+"""Every metric reads this much of each string: their costs grow with the product of the lengths
+(ROUGE-L's and fuzzy_match's alignments), and a completion or a reference longer than this is no
+sentence to compare."""
 
 
 def _same_or(metric: Callable[[str, str], float]) -> Callable[[str, str], float]:

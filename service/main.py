@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
 import redis
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import func, select, text
 
 from service import errors, openapi
 from service.db import get_engine, session_scope
+from service.errors import APIError
 from service.limits import AuthMiddleware, BodyLimitMiddleware
 from service.models import Job
 from service.routes import files, graders, jobs
@@ -95,7 +98,8 @@ def create_app() -> FastAPI:
         return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PlainTextResponse)
-    def metrics() -> PlainTextResponse:
+    def metrics(request: Request) -> PlainTextResponse:
+        _metrics_allowed(request, settings.metrics_token)
         lines = ["# HELP rloo_jobs Jobs by status.", "# TYPE rloo_jobs gauge"]
         with session_scope() as session:
             counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
@@ -105,6 +109,26 @@ def create_app() -> FastAPI:
 
     openapi.install(app)
     return app
+
+
+def _metrics_allowed(request: Request, token: str | None) -> None:
+    """Counts over every project are the operator's: with RLOO_METRICS_TOKEN set, /metrics wants it
+    as a bearer token (Prometheus' ``authorization`` setting); unset, it answers only clients on this
+    host's loopback (behind a proxy: the address the proxy forwards)."""
+    if token:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise APIError(401, "/metrics wants the operator's token (RLOO_METRICS_TOKEN) as 'Authorization: Bearer'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return
+    host = request.client.host if request.client else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise APIError(403, "/metrics answers this host's loopback only; set RLOO_METRICS_TOKEN to scrape it from "
+                       "elsewhere with that token.", code="metrics_forbidden")
 
 
 app = create_app()

@@ -32,11 +32,13 @@ WHY = {
     "404": "No such object in this project (another project's objects are not found either).",
     "405": "Method not allowed on this path.",
     "409": "Conflict: the object's state does not allow it, or an Idempotency-Key reused for another request.",
-    "410": "The file's content is gone from storage.",
+    "410": "The file's or checkpoint's content is gone from storage.",
     "413": "The request body is over the limit.",
-    "429": "Rate limit of this key exceeded: retry after `Retry-After` seconds.",
-    "502": "The grader could not be reached or failed.",
-    "503": "The database is unreachable: retry after `Retry-After` seconds.",
+    "416": "The byte range asked for (`Range`) starts past the archive's end.",
+    "429": "Rate limit of this key exceeded, or a project's cap (waiting jobs, grader runs in progress): retry "
+    "after `Retry-After` seconds.",
+    "502": "The grader could not be reached, failed, or ended the worker process that ran it.",
+    "503": "The database or the queue is unreachable: retry after `Retry-After` seconds.",
     "504": "No grader worker answered in time.",
 }
 
@@ -57,6 +59,8 @@ def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
         statuses.append("409")
     if path.endswith("/files/{file_id}/content"):
         statuses.append("410")
+    if path.endswith("/checkpoints/{checkpoint_id}/content"):
+        statuses += ["410", "416"]
     if path.endswith("/graders/run"):
         statuses += ["502", "504"]
     return sorted(statuses)

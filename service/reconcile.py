@@ -40,11 +40,14 @@ def reconcile(
     cutoff = now - stale_after if judge_heartbeats else 0.0  # no heartbeat is older than 1970
     counts = {"requeued": 0, "failed": 0, "released": 0, "resent": 0}
     for job in session.scalars(select(Job).where(Job.status == "running", Job.heartbeat_at < cutoff)).all():
+        silent = now - (job.heartbeat_at or now)
+        log.warning("job %s: worker %s sent no heartbeat for %.0f s", job.id, job.worker, silent)
         moved = crud.recover_lost_job(
             session=session,
             job=job,
             worker=job.worker,
-            reason=f"Worker {job.worker} stopped sending heartbeats {now - (job.heartbeat_at or now):.0f} s ago",
+            # The tenant's event: no host or process of ours (the log above has them).
+            reason=f"The job's worker stopped sending heartbeats {silent:.0f} s ago",
             max_crashes=max_crashes,
             stale_before=cutoff,
         )

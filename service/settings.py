@@ -79,6 +79,16 @@ class Settings(BaseSettings):
         description="Largest JSONL line (RLOO_MAX_LINE_BYTES); 1 MiB of prompt is ~250k tokens, past any model's "
         "context.",
     )
+    header_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=300, description="A request's headers must arrive whole within this (408 past it)."
+    )
+    max_connections: int = Field(
+        default=1000, ge=1, description="Connections and requests an API process serves at once (503 past it)."
+    )
+    metrics_token: str | None = Field(
+        default=None,
+        description="A bearer token /metrics requires; unset, /metrics answers only clients on this host's loopback.",
+    )
     cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default.")
     queue: str = Field(default="rloo", description="Celery queue that workers consume.")
     heartbeat_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period of running jobs.")

@@ -6,6 +6,7 @@ resolved and checked to lie inside that root, so a tampered row cannot point out
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -282,13 +283,21 @@ def resolve_model(models_dir: Path, name: str, *, hub_offline: bool, param: str)
             "(RLOO_MODELS_DIR).",
             param,
         )
+    if len(name.encode()) > 1024 or any(len(part.encode()) > 255 for part in name.split("/")):
+        raise bad_request(
+            "Model names a directory under the models root: at most 255 bytes a path segment, 1024 in all.", param
+        )
     try:
         path = confined(models_dir, name)
+        is_dir = path.is_dir()
     except ValueError:
         raise bad_request(
             f"Model '{name}' points outside the models root; name a directory inside it.", param
         ) from None
-    if path.is_dir():
+    except OSError as exc:  # a name the file system refuses (ELOOP, ENAMETOOLONG, …)
+        raise bad_request(f"Model '{name}' is not a directory name this server can use ({exc.strerror}).",
+                          param) from None
+    if is_dir:
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise bad_request(f"Model directory '{name}' has no config.json; it is not a Hugging Face model.", param)
         return path
@@ -371,6 +380,14 @@ def sweep_uploads(session: Any, artifacts_dir: Path) -> dict[str, int]:
     from service.models import File
 
     counts = {"removed": 0, "finished": 0}
+    cutoff = time.time() - ORPHAN_AGE_SECONDS
+    # Checkpoint downloads of earlier versions were copied to tmp*.tar in the artifacts root, and a
+    # refused byte range left the copy behind; downloads are made while they are sent now.
+    for path in artifacts_dir.glob("tmp*.tar"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                counts["removed"] += 1
     root = artifacts_dir / "files"
     if not root.is_dir():
         return counts
@@ -397,7 +414,6 @@ def sweep_uploads(session: Any, artifacts_dir: Path) -> dict[str, int]:
     # A final name whose row is gone (deleted in the instant before its writer's rename): old ones
     # only. Stat first (a file younger than the age is left anyway), then one query a few hundred
     # files: every round of every worker's reconciler runs this, over every file ever uploaded.
-    cutoff = time.time() - ORPHAN_AGE_SECONDS
     old: dict[str, Path] = {}
     for path in root.glob("*/file-*.jsonl"):
         try:

@@ -94,7 +94,8 @@ def _walk(obj: Any, max_depth: int) -> None:
             children = []
             if isinstance(node, dict):
                 for key, value in node.items():
-                    child = f"{path}.{key}" if path else key
+                    shown = key.encode("utf-8", "backslashreplace").decode()  # a path fit to print
+                    child = f"{path}.{shown}" if path else shown
                     _check_text(key, child)
                     children.append((value, child, depth + 1))
             else:

@@ -187,11 +187,16 @@ def app(env: dict[str, str]):  # type: ignore[no-untyped-def]
     return create_app()
 
 
+LOCAL = ("127.0.0.1", 50000)
+"""The test client's address: a caller on this host's loopback (``/metrics`` answers only those,
+unless RLOO_METRICS_TOKEN is set)."""
+
+
 @pytest.fixture
 def client(app):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
 
-    with TestClient(app) as c:
+    with TestClient(app, client=LOCAL) as c:
         yield c
 
 

@@ -25,15 +25,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT, make_key, run_cli
+from tests.conftest import EXAMPLES, LOCAL, ROOT, make_key, run_cli
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    403: "permission_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
 }
 ANY = object()
 
@@ -228,7 +230,7 @@ def _fresh_client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
     for key, value in env_values.items():
         monkeypatch.setenv(key, value)
     reset_caches()
-    return TestClient(create_app())
+    return TestClient(create_app(), client=LOCAL)
 
 
 # Auth ----------------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def test_revoked_key_is_401_within_the_auth_cache_time(env, monkeypatch, cache_s
     reset_caches()
     secret = make_key("alpha")
     headers = {"Authorization": f"Bearer {secret}"}
-    with TestClient(create_app()) as client:
+    with TestClient(create_app(), client=LOCAL) as client:
         checked_at = time.monotonic()
         assert client.get("/v1/files", headers=headers).status_code == 200
         with session_scope() as session:
@@ -312,7 +314,7 @@ def test_behind_a_path_prefix_the_key_is_still_checked(app, auth) -> None:
     their key check: without a key 401, with one 200 (never a 500, never let through)."""
     from fastapi.testclient import TestClient
 
-    with TestClient(app, root_path="/api") as prefixed:
+    with TestClient(app, root_path="/api", client=LOCAL) as prefixed:
         assert_error(prefixed.get("/v1/files"), 401, param=None, code="missing_api_key")
         assert prefixed.get("/v1/files", headers=auth).status_code == 200
 

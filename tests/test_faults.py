@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -153,7 +154,7 @@ def test_redis_restarted_without_its_data_loses_no_job(broker: str, tmp_path: Pa
             assert_succeeded_once(http, running, 8, stack)
             for job_id in [*queued, late]:
                 assert_succeeded_once(http, job_id, 2, stack)
-                started = [e for e in events_of(http, job_id) if e.startswith("Job started on worker")]
+                started = [e for e in events_of(http, job_id) if e.startswith("Job started")]
                 assert len(started) == 1, started
     finally:
         if server is not None and server.proc and server.proc.poll() is None:
@@ -407,7 +408,7 @@ def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(tmp_p
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 events = events_of(http, job_id)
-                starts = [e for e in events if e.startswith("Job started on worker")]
+                starts = [e for e in events if e.startswith("Job started")]
                 resumed = [e for e in events if e.startswith("Resumed from the checkpoint")]
                 saved = [e for e in events if e.startswith("Checkpoint saved")]
                 # The first time once a checkpoint exists; then as soon as it has resumed from it.
@@ -416,13 +417,15 @@ def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(tmp_p
                 time.sleep(0.1)
             else:
                 raise AssertionError(f"the job did not run again after crash {crash - 1}\n{stack.log_tail()}")
-            pid = int(starts[-1].rsplit(":", 1)[1].rstrip(")"))  # "… (process host:pid)"
+            # The operator's log names the process ("job … started on worker … (process host:pid)").
+            log = (stack.logs / "worker.log").read_text()
+            pid = int(re.findall(rf"job {job_id} started on worker \S+ \(process \S+:(\d+)\)", log)[-1])
             assert pid != stack.procs["worker"].pid  # a pool process, not the worker itself
             os.kill(pid, signal.SIGKILL)
         job = wait_for(http, job_id, FINAL, 120, stack)
         assert job["status"] == "failed" and job["error"]["code"] == "worker_lost", job
         events = events_of(http, job_id)
-        assert sum("was killed while running the job" in e for e in events) == 3, events
+        assert sum("The worker process running the job was killed" in e for e in events) == 3, events
         resumed = [e for e in events if e.startswith("Resumed from the checkpoint")]
         assert len(resumed) == 2  # crashes 1 and 2 continued from the checkpoint, not from scratch
         assert len({e.split(" at step ")[1].split(";")[0] for e in resumed}) == 1, resumed  # the same one

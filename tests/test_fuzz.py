@@ -117,9 +117,10 @@ def _bucket(text: str, n: int) -> int:
     return zlib.crc32(text.encode("utf-8", "surrogatepass")) % n
 
 
-# Rule graders (dry runs go to the session's graders worker: ``dry_runs``): a schema-valid but random grader object is refused at
-# parse time, so half of the valid cases get one of these, and the fuzzed rest of the body reaches the
-# grading code (templates over a fuzzed item, the text metrics over fuzzed text).
+# Rule graders (their dry runs go to the session's graders worker, ``dry_runs``): a schema-valid but
+# random grader object is refused at parse time, so half of the valid cases get one of these, and the
+# fuzzed rest of the body reaches the grading code (templates over a fuzzed item, the text metrics
+# over fuzzed text).
 RULE_GRADERS = [
     {"type": "string_check", "name": f"check_{op}", "input": "{{ sample.output_text }}",
      "reference": "{{ item.answer }}", "operation": op}

@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import make_key
+from tests.conftest import LOCAL, make_key
 
 LIMIT_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
 
@@ -32,7 +32,7 @@ def _client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
     for key, value in env_values.items():
         monkeypatch.setenv(key, value)
     reset_caches()
-    return TestClient(create_app())
+    return TestClient(create_app(), client=LOCAL)
 
 
 def _auth(project: str) -> dict[str, str]:

@@ -74,7 +74,7 @@ def test_a_job_whose_worker_keeps_dying_fails_worker_lost(client, auth, monkeypa
     assert "batch_size" in job["error"]["message"] and job["finished_at"]
     events = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job_id}/events", headers=auth).json()["data"]]
     assert "crash 1 of at most 2" in events[2] and "crash 2 of at most 2" in events[1]
-    assert events[0].startswith("Worker host:3 stopped sending heartbeats")
+    assert events[0].startswith("The job's worker stopped sending heartbeats")  # no host or process of ours
 
 
 def test_a_live_job_is_never_moved_by_a_stale_read(client, auth) -> None:

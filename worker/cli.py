@@ -92,20 +92,13 @@ def keys_list() -> None:
 
 @app.command("api")
 def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
-    """Serve the HTTP API (service.main:app) with uvicorn. The per-key rate limit (RLOO_RATE_LIMIT) is
-    counted in each worker process: --workers N lets a key through up to N times the rate."""
-    import uvicorn
+    """Serve the HTTP API (service.main:app) with uvicorn, with limits on headers and connections
+    (service.server). The per-key rate limit (RLOO_RATE_LIMIT) is counted in each worker process:
+    --workers N lets a key through up to N times the rate."""
+    from service.server import serve
 
     _ensure_embedded_broker()
-    uvicorn.run(
-        "service.main:app",
-        host=host,
-        port=port,
-        workers=workers,
-        log_level="info",
-        proxy_headers=True,
-        access_log=False,
-    )
+    serve(host=host, port=port, workers=workers)
 
 
 @app.command("worker")

@@ -180,11 +180,12 @@ def run_job(job_id: str) -> str:
             if current is not None and current.status == "running" and _died_here(current.worker):
                 # The pool process that ran it was killed (the out-of-memory killer, most often) and
                 # Celery handed the task back: no need to wait for the heartbeat to go stale.
+                log.warning("job %s: its process %s was killed; Celery handed its task back", job_id, current.worker)
                 moved = crud.recover_lost_job(
                     session=session,
                     job=current,
                     worker=current.worker,
-                    reason=f"Worker {current.worker} was killed while running the job",
+                    reason="The worker process running the job was killed",
                     max_crashes=settings.max_job_crashes,
                 )
                 if moved == "queued":
@@ -194,7 +195,9 @@ def run_job(job_id: str) -> str:
             log.info("job %s not claimed (status %s); nothing to do", job_id, current.status if current else "gone")
             return "skipped"
         node = getattr(run_job.request, "hostname", None) or "local"  # the Celery worker (rloo worker)
-        crud.add_event(session=session, job=job, message=f"Job started on worker {node} (process {worker_name()})")
+        # Where it runs is the operator's business (this log); the tenant's event names no host.
+        log.info("job %s started on worker %s (process %s)", job_id, node, worker_name())
+        crud.add_event(session=session, job=job, message="Job started")
         session.commit()
 
     heartbeat = Heartbeat(job, settings.heartbeat_seconds)
@@ -234,6 +237,7 @@ def _hand_back(job: Job) -> None:
     """The worker is shutting down (SIGTERM from ``rloo up``'s Ctrl-C, an orchestrator's stop)
     mid-job: give the job back to the queue, to continue from its last checkpoint on the next
     worker, rather than leave it to look like a crash."""
+    log.warning("job %s: worker %s is shutting down; handing the job back to the queue", job.id, worker_name())
     try:
         with session_scope() as session:
             if crud.set_status(
@@ -242,7 +246,7 @@ def _hand_back(job: Job) -> None:
                 to="queued",
                 from_=("running",),
                 held_by=worker_name(),
-                event=f"Worker {worker_name()} is shutting down; the job is queued again and continues "
+                event="The job's worker is shutting down; the job is queued again and continues "
                 "from its last checkpoint",
                 level="warn",
                 worker=None,

@@ -4,16 +4,12 @@ their events, metrics and checkpoints."""
 from __future__ import annotations
 
 import secrets
-import tarfile
-import tempfile
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
-from fastapi.responses import FileResponse
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
-from starlette.background import BackgroundTask
 
 from service import crud, graders, idempotency, jobspec, queue
 from service.crud import Caller
@@ -25,6 +21,7 @@ from service.responses import JSON
 from service.routing import StrictJSONRoute
 from service.schemas import JobCreate
 from service.storage import confined
+from service.tarstream import TarLayout, tar_response
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
@@ -286,13 +283,21 @@ def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep
 
 @router.get(
     "/{job_id}/checkpoints/{checkpoint_id}/content",
-    summary="Download a checkpoint (tar archive)",
-    response_class=FileResponse,
+    summary="Download a checkpoint (tar archive; byte ranges served)",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-tar": {}}},
+               206: {"description": "The byte range asked for (`Range`)", "content": {"application/x-tar": {}}}},
 )
 @ends_session
 def read_checkpoint_content(
-    session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, checkpoint_id: str
-) -> FileResponse:
+    session: SessionDep,
+    project: ProjectDep,
+    settings: SettingsDep,
+    job_id: str,
+    checkpoint_id: str,
+    range_: Annotated[str | None, Header(alias="Range")] = None,
+    if_range: Annotated[str | None, Header(alias="If-Range")] = None,
+) -> Response:
     job = _job(session, project, job_id)
     ckpt = crud.get_checkpoint(session=session, job=job, checkpoint_id=checkpoint_id)
     if ckpt is None:
@@ -300,13 +305,12 @@ def read_checkpoint_content(
     directory = confined(settings.artifacts_dir, ckpt.path)
     if not directory.is_dir():
         raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
-    # The Hugging Face directory only; optimizer and RNG state stay server-side.
-    fd, tmp = tempfile.mkstemp(suffix=".tar", dir=settings.artifacts_dir)
-    with open(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-        for item in sorted(directory.iterdir()):
-            if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX):
-                tar.add(item, arcname=f"{checkpoint_id}/{item.name}")
-    name = f"{job.id}-step-{ckpt.step_number}.tar"
-    return FileResponse(
-        tmp, media_type="application/x-tar", filename=name, background=BackgroundTask(Path(tmp).unlink, missing_ok=True)
-    )
+    # The Hugging Face directory only; optimizer and RNG state stay server-side. Made while it is
+    # sent (service.tarstream): no copy on disk.
+    files = [
+        (f"{checkpoint_id}/{item.name}", item)
+        for item in sorted(directory.iterdir())
+        if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX)
+    ]
+    return tar_response(TarLayout(files), filename=f"{job.id}-step-{ckpt.step_number}.tar", range_header=range_,
+                        if_range=if_range)
