@@ -36,6 +36,8 @@ ERROR_TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    502: "api_error",
+    504: "api_error",
 }
 ANY = object()
 

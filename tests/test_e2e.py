@@ -251,6 +251,11 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
     file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
     long_job = http.post("/fine_tuning/jobs", json=job_body(file_id, n_epochs=100)).json()
     wait_for(http, long_job["id"], {"running"}, 120, stack, min_step=1)
+    # Create-and-cancel churn behind it: those tasks must cost the worker nothing (its main process
+    # drops them; a pool process, once used, is replaced at the cost of torch's import).
+    churn = [http.post("/fine_tuning/jobs", json=job_body(file_id)).json()["id"] for _ in range(3)]
+    for job_id in churn:
+        assert http.post(f"/fine_tuning/jobs/{job_id}/cancel").json()["status"] == "cancelled"
 
     r = http.post(f"/fine_tuning/jobs/{long_job['id']}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
@@ -271,6 +276,10 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
     # The worker survives and takes the next job.
     short = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()
     assert wait_for(http, short["id"], {"succeeded", "failed"}, 180, stack)["status"] == "succeeded"
+    log = (stack.logs / "worker.log").read_text()
+    for job_id in churn:
+        assert f"job {job_id} waits for no worker (cancelled, paused or finished); its task is dropped" in log
+        assert f"job {job_id} not claimed" not in log  # never reached a pool process
 
 
 def test_pause_then_resume_continues_from_the_checkpoint(stack: LiveStack) -> None:

@@ -22,7 +22,9 @@ from celery.signals import worker_process_init
 
 from service.queue import RUN_JOB_TASK
 from service.settings import get_settings
+from worker import broker
 
+broker.install()  # a queue entry that is no message is dropped, never the end of the worker
 settings = get_settings()
 
 app = Celery("rloo", broker=settings.redis_url, include=["worker.tasks"])

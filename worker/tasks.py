@@ -10,9 +10,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from celery.worker.request import Request
-from celery.worker.state import task_ready
-
 from service import crud
 from service.db import retrying, session_scope
 from service.models import Job
@@ -137,39 +134,7 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat for %s failed: %s", self.job.id, exc)
 
 
-class JobRequest(Request):
-    """A job's task as the worker's main process sees it, before a pool process is given to it. A
-    job that waits for no worker any more (cancelled while queued, finished, paused) is acknowledged
-    here, at the cost of one query: each pool process serves one task and is then replaced, which
-    costs seconds (torch's import), so a create-and-cancel churn must not reach the pool."""
-
-    def revoked(self) -> bool:  # asked first thing by execute_using_pool
-        if super().revoked():
-            return True
-        args = self.args
-        if not (len(args) == 1 and isinstance(args[0], str) and len(args[0]) <= 64):
-            log.warning("a %s task with arguments %.200r is no job id; dropped", RUN_JOB_TASK, args)
-        elif _still_runnable(args[0]):
-            return False
-        else:
-            log.info("job %s waits for no worker (cancelled, paused or finished); its task is dropped", args[0])
-        task_ready(self)
-        self.acknowledge()
-        return True
-
-
-def _still_runnable(job_id: str) -> bool:
-    """queued (to claim), running (its worker may have died), or unknown to us (the database is
-    away: the pool process will see)."""
-    try:
-        with session_scope() as session:
-            job = crud.get_job_by_id(session=session, job_id=job_id)
-            return job is not None and job.status in ("queued", "running")
-    except Exception:
-        return True
-
-
-@app.task(name=RUN_JOB_TASK, Request=JobRequest)  # acks_late and the rest: worker.celery_app
+@app.task(name=RUN_JOB_TASK, Request="worker.requests:JobRequest")  # acks_late and the rest: worker.celery_app
 def run_job(job_id: str) -> str:
     """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains."""
     settings = get_settings()
@@ -310,7 +275,8 @@ def _finish(session: Any, job: Job, result: Any) -> None:
     session.commit()
 
 
-@app.task(name=RUN_GRADER_TASK, bind=True, time_limit=get_settings().grader_run_seconds + 60)
+@app.task(name=RUN_GRADER_TASK, bind=True, Request="worker.requests:WakeUpRequest",
+          time_limit=get_settings().grader_run_seconds + 60)
 def run_grader(self: Any) -> str:
     """A wake-up for one dry run (``service.dryruns``): take the next dry run, fairly between
     projects, grade it, push the answer where the API waits. Never raises: errors are answers too."""

@@ -1,0 +1,228 @@
+"""Grader dry runs (POST /v1/fine_tuning/alpha/graders/run) on the session's real graders worker
+(``rloo worker --queue <queue>-graders``): fair between projects, capped per project, and a dry run
+or a message that kills or confuses the worker costs one answer, never the worker.
+
+Also the sandbox escape of issue 12 through the API, as a tenant sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from service import dryruns
+from tests.test_api import STRING_CHECK, assert_error
+from worker.requests import MAX_DELIVERIES
+
+RUN = "/v1/fine_tuning/alpha/graders/run"
+
+
+def python_grader(source: str) -> dict[str, Any]:
+    return {"type": "python", "name": "py", "source": source}
+
+
+def _redis(env: dict[str, str]) -> redis.Redis:
+    from service.settings import Settings
+
+    return redis.Redis.from_url(Settings(REDIS_URL=env["REDIS_URL"]).redis_client_url)
+
+
+# Fairness and caps, on the real Redis, no worker: this test plays the worker ----------------------
+def test_a_worker_takes_from_the_project_served_longest_ago(env, monkeypatch) -> None:
+    queue = f"fair-{secrets.token_hex(4)}"
+    conn = _redis(env)
+    taken: list[str] = []
+
+    async def submit() -> None:
+        async def one(project: str, n: int) -> None:
+            with contextlib.suppress(dryruns.NoAnswer):  # (each is answered)
+                await dryruns.run(project=project, payload={"n": n}, queue=queue, timeout=20, cap=10)
+
+        tasks = []
+        for project, count in (("a", 5), ("b", 1), ("c", 1)):  # a's five are queued before b's one
+            for n in range(count):
+                tasks.append(asyncio.create_task(one(project, n)))
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(play_worker)
+        await asyncio.gather(*tasks)
+
+    def play_worker() -> None:
+        while (envelope := dryruns.take(conn, queue, "task")) is not None:
+            taken.append(f"{envelope['project']}{envelope['payload']['n']}")
+            dryruns.answer(conn, queue, "task", envelope, {"reward": 1.0})
+
+    monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # this test plays the worker
+    asyncio.run(submit())
+    assert taken == ["a0", "b0", "c0", "a1", "a2", "a3", "a4"]
+
+
+def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) -> None:
+    queue = f"cap-{secrets.token_hex(4)}"
+
+    async def scenario() -> list[str]:
+        async def one(project: str) -> str:
+            try:
+                await dryruns.run(project=project, payload={}, queue=queue, timeout=1, cap=1)
+            except dryruns.Busy:
+                return f"{project}: busy"
+            except dryruns.NoAnswer:
+                return f"{project}: no answer"  # admitted, and no worker came
+            return f"{project}: answered"
+
+        first = asyncio.create_task(one("a"))
+        await asyncio.sleep(0.3)
+        second, other = await asyncio.gather(one("a"), one("b"))
+        done = await first
+        return [done, second, other, await one("a")]  # a's place is free again
+
+    monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # no worker: admission only
+    outcomes = asyncio.run(scenario())
+    assert outcomes == ["a: no answer", "a: busy", "b: no answer", "a: no answer"]
+
+
+# Through the API, on the session's graders worker ------------------------------------------------
+def test_every_grader_is_graded_on_the_worker_never_in_the_api(client, auth, monkeypatch) -> None:
+    """Without a graders worker (this test's queue has none) even a string_check waits and times out:
+    the API grades nothing itself."""
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_GRADER_RUN_SECONDS", "1")
+    reset_caches()
+    resp = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "r"}})
+    assert_error(resp, 504, code="grader_timeout")
+
+
+def test_a_project_past_its_dry_run_cap_gets_a_429(client, auth, other_auth, dry_runs, monkeypatch) -> None:
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_MAX_DRY_RUNS", "1")
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    reset_caches()
+    slow = {"grader": python_grader("import time\ndef grade(sample, item):\n    time.sleep(2)\n    return 1.0\n"),
+            "model_sample": "a"}
+    first: list[Any] = []
+    thread = threading.Thread(target=lambda: first.append(client.post(RUN, headers=auth, json=slow)))
+    thread.start()
+    time.sleep(0.5)
+    err = assert_error(client.post(RUN, headers=auth, json=slow), 429, code="too_many_dry_runs")
+    assert "RLOO_MAX_DRY_RUNS" in err["message"]
+    quick = {"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}}
+    assert client.post(RUN, headers=other_auth, json=quick).json()["reward"] == 1.0  # another project
+    thread.join()
+    assert first[0].status_code == 200 and first[0].json()["reward"] == 1.0, first[0].text
+
+
+def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, auth, dry_runs, monkeypatch) -> None:
+    from service.db import reset_caches
+    from service.settings import get_settings
+
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    reset_caches()
+    database = get_settings().database_url.split("///", 1)[-1]
+    attempts = {
+        # Switch the audit hook off through the runner's module globals, then run a program.
+        "rebind": "import sys\nm = sys.modules['__main__']\nm.NO_EVENTS = ()\nm.NO_IMPORT = frozenset()\n"
+                  "def grade(sample, item):\n    import subprocess\n"
+                  "    return float(len(subprocess.run(['id'], capture_output=True).stdout))\n",
+        # Fool the hook (it is no boundary) and read the service's database and the API's environment.
+        "fooled": "import posixpath, sysconfig\nstd = sysconfig.get_paths()['stdlib']\n"
+                  "posixpath.abspath = lambda p: std + '/os.py'\n"
+                  f"def grade(sample, item):\n    open({database!r}, 'rb')\n"
+                  "    return float(len(open('/proc/1/environ').read()))\n",
+    }
+    for name, source in attempts.items():
+        resp = client.post(RUN, headers=auth, json={"grader": python_grader(source), "model_sample": "a"})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["reward"] is None and body["metadata"]["errors"] == {"py": 1}, (name, body)
+        said = body["metadata"]["error_messages"]["py"]
+        assert ("may not import subprocess" if name == "rebind" else "No such file") in said, (name, said)
+    assert client.get("/healthz").status_code == 200
+
+
+def test_a_dry_run_that_kills_its_worker_process_is_answered_once_and_set_aside(client, auth, dry_runs,
+                                                                               monkeypatch) -> None:
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    reset_caches()
+    body = {"grader": python_grader("import time\ndef grade(sample, item):\n    time.sleep(20)\n    return 1.0\n"),
+            "model_sample": "a"}
+    answer: list[Any] = []
+    thread = threading.Thread(target=lambda: answer.append(client.post(RUN, headers=auth, json=body)))
+    thread.start()
+    pool_process = _wait_for_the_pool_process_of_a_sandbox(int(dry_runs["pid"]))
+    os.kill(pool_process, signal.SIGKILL)  # as the out-of-memory killer would
+    thread.join(60)
+    resp = answer[0]
+    assert_error(resp, 502, code="grader_crashed", contains="will not be run again")
+    dead = _redis(dry_runs).lrange(f"{dryruns.namespace(dry_runs['RLOO_QUEUE'] + '-graders')}:dead", 0, -1)
+    assert len(dead) >= 1 and b"time.sleep(20)" in dead[0]
+    ok = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}})
+    assert ok.status_code == 200 and ok.json()["reward"] == 1.0, ok.text
+    assert Path(f"/proc/{dry_runs['pid']}").exists()  # the worker itself lives on
+
+
+def _wait_for_the_pool_process_of_a_sandbox(worker: int) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                grandparent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"bwrap" in cmdline and b"/sandbox/runner.py" in cmdline and grandparent == worker:
+                return parent
+        time.sleep(0.1)
+    raise AssertionError("no sandbox of the graders worker started")
+
+
+def test_messages_that_cannot_be_run_never_stop_the_graders_worker(client, auth, dry_runs) -> None:
+    """Garbage, a pickled message, a task with 500-deep arguments, an unknown task: each dropped by
+    the worker, which then answers the next dry run."""
+    from service import queue
+
+    graders_queue = dry_runs["RLOO_QUEUE"] + "-graders"
+    _redis(dry_runs).lpush(graders_queue, b"this is no message", b'{"body": "e30=", "headers": null}')
+    deep: Any = []
+    for _ in range(500):
+        deep = [deep]
+    sender = queue.client()
+    sender.send_task(queue.RUN_GRADER_TASK, args=[deep], queue=graders_queue)
+    sender.send_task(queue.RUN_GRADER_TASK, args=[], queue=graders_queue, serializer="pickle")
+    sender.send_task("os.system", args=["touch /tmp/rloo-pwned"], queue=graders_queue)
+    # A message that came back MAX_DELIVERIES times, never acknowledged (as one that ends every
+    # process running it does): the next delivery sets it aside.
+    _redis(dry_runs).set("rloo:deliveries:rloo-test-returning", MAX_DELIVERIES)
+    sender.send_task(queue.RUN_GRADER_TASK, args=[], queue=graders_queue, task_id="rloo-test-returning")
+    ok = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}})
+    assert ok.status_code == 200 and ok.json()["reward"] == 1.0, ok.text
+    assert Path(f"/proc/{dry_runs['pid']}").exists() and not Path("/tmp/rloo-pwned").exists()
+    dead = [json.loads(d) for d in _redis(dry_runs).lrange(f"rloo:dead-letters:{graders_queue}", 0, -1)]
+    reasons = {d["id"]: d["reason"] for d in dead}
+    assert reasons["rloo-test-returning"].startswith(f"delivered {MAX_DELIVERIES + 1} times"), dead
+    assert "a wake-up carries no arguments" in reasons.values(), dead  # the one 500 levels deep
+
+
+@pytest.mark.parametrize("metric", ["fuzzy_match", "rouge_l"])
+def test_a_huge_sample_is_graded_within_the_cap(client, auth, dry_runs, metric: str) -> None:
+    """200k characters against 400k (fuzzy_match read all of it: 10 s, and at 2M the API froze)."""
+    grader = {"type": "text_similarity", "name": "sim", "input": "{{ sample.output_text }}",
+              "reference": "{{ item.ref }}", "evaluation_metric": metric}
+    resp = client.post(RUN, headers=auth, json={"grader": grader, "model_sample": "word " * 40_000,
+                                                 "item": {"ref": "other " * 66_000}})
+    assert resp.status_code == 200, resp.text
+    assert 0.0 <= resp.json()["reward"] < 1.0
