@@ -3,14 +3,16 @@
 Regression: with a bounded SQLite pool, 128 concurrent job reads held every pooled connection
 between their handler's thread hops while all the server's threads waited for one: the server
 stalled until the pool timed out. Speed is `make bench`'s business; this checks only that every
-request is answered.
+request is answered. And connections that never finish their headers (slowloris) are closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +25,12 @@ from worker.cli import wait_until_ready
 
 
 def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path) -> None:
+    # (RLOO_HEADER_TIMEOUT_SECONDS: for the slowloris part, at the end)
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     # 512 reads with one key in a second or two: far past the per-key rate limit, which is not what
     # this test is about (tests/test_rate_limit.py is).
-    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "RLOO_RATE_LIMIT": "0"})
+    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "RLOO_RATE_LIMIT": "0",
+                "RLOO_HEADER_TIMEOUT_SECONDS": "2"})
     cli = [sys.executable, "-m", "worker.cli"]
     subprocess.run([*cli, "db", "upgrade"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
     made = subprocess.run([*cli, "keys", "create", "--project", "load"], env=env, cwd=ROOT, check=True,
@@ -68,6 +72,7 @@ def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path)
 
             codes = asyncio.run(burst())  # a stalled server raises ReadTimeout here
             assert codes == [200] * 512, (sorted(set(codes)), (tmp_path / "api.log").read_text()[-2000:])
+            slowloris(port, base)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -75,3 +80,35 @@ def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path)
             from service.settings import Settings
 
             embedded.stop_daemon(Settings(home=tmp_path / "var"))  # `rloo api` started it, daemonized
+
+
+def slowloris(port: int, base: str) -> None:
+    """200 connections that send half their headers and wait, and one that sends endless headers:
+    each is answered (408, 431) and closed, and the API serves everyone else meanwhile."""
+    stalled = []
+    for _ in range(200):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        stalled.append(sock)
+    flood = socket.create_connection(("127.0.0.1", port))
+    with contextlib.suppress(OSError):  # closed while we wrote: what we want
+        flood.sendall(b"GET /healthz HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 70_000 + b"\r\n")
+    assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+    answers = [_until_closed(sock) for sock in stalled]
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:20] for a in answers}
+    assert _until_closed(flood).startswith(b"HTTP/1.1 431")
+    assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """What the server sent before it closed the connection (a timeout here: it never did)."""
+    sock.settimeout(15)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return data

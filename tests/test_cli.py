@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,22 @@ def _demo_spec(tmp_path: Path) -> Path:
 
 
 @pytest.mark.e2e
+def _child(parent: int, marker: bytes, *, wait: bool = True) -> int:
+    """The pid of ``parent``'s child whose command line holds ``marker`` (0: none)."""
+    deadline = time.monotonic() + (30 if wait else 0)
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return int(pid)
+            except (OSError, ValueError, IndexError):
+                continue
+        if time.monotonic() >= deadline:
+            return 0
+        time.sleep(0.1)
+
+
 def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
@@ -64,6 +81,18 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
         assert r.status_code == 200 and r.json()["object"] == "list"
         # The key is stored hashed: its text appears nowhere in the database file.
         assert key.encode() not in (tmp_path / "var" / "rloo.db").read_bytes()
+
+        # A part that dies is started again; the rest of the stack never notices.
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+        graders = _child(proc.pid, b"--queue\x00rloo-graders")
+        os.killpg(graders, signal.SIGKILL)
+        assert httpx.get(base + "/files", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _child(proc.pid, b"--queue\x00rloo-graders", wait=False) in (0, graders):
+            time.sleep(0.2)
+        assert _child(proc.pid, b"--queue\x00rloo-graders", wait=False) not in (0, graders), "".join(lines)
+        assert any("grader-worker exited with -9; starting it again" in line for line in lines), "".join(lines)
+        assert proc.poll() is None
 
         children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
