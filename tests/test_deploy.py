@@ -44,3 +44,15 @@ def test_ci_script_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     first_screen = "\n".join(readme.splitlines()[:20])
     assert "make demo" in first_screen and "make test" in first_screen
+
+
+def test_python_graders_override_lets_bubblewrap_run_in_the_containers_that_need_it() -> None:
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    override = yaml.safe_load((ROOT / "docker" / "compose.python-graders.yml").read_text())["services"]
+    assert set(override) == {"api", "worker", "grader-worker"} and set(override) <= set(base)
+    for service in override.values():
+        assert service["environment"]["RLOO_ALLOW_PYTHON_GRADER"] == "true"
+        assert {"seccomp=unconfined", "apparmor=unconfined"} <= set(service["security_opt"])
+    for service in base.values():  # the default stack keeps Docker's profiles: python graders are off
+        assert "security_opt" not in service
+    assert re.search(r"apt-get install .*bubblewrap", (ROOT / "docker" / "Dockerfile").read_text())

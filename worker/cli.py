@@ -419,12 +419,15 @@ def demo(port: int = 8000) -> None:
 def up_banner(url: str, key: str, settings: Any) -> str:
     """What `rloo up` prints once the stack answers: URLs with their passwords masked; the local
     project's key in full, on purpose (it is the user's own terminal; it is never logged)."""
+    from service.sandbox import status as sandbox_status
+
     return "\n".join(
         [
             f"\nrloo-service is up at {url}  (docs: {url}/docs)",
             f"  database:  {_redact(settings.database_url)}",
             f"  broker:    {_redact(settings.redis_url)}",
             f"  models:    {settings.models_dir}",
+            f"  python graders: {sandbox_status(settings)}",
             f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):",
             f"    export RLOO_BASE_URL={url}/v1 RLOO_API_KEY={key}",
             "Ctrl-C stops everything.",
