@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -146,38 +148,69 @@ def _interpreter() -> str:
 
 
 def _file_system() -> list[str]:
-    """bubblewrap's arguments for the sandbox's file system: read-only system libraries, the
-    interpreter and its standard library (site-packages hidden), the runner, an empty /tmp."""
+    """bubblewrap's arguments for the sandbox's file system: the interpreter, its standard library
+    (installed packages hidden) and the shared libraries they load, read-only; the runner; an
+    empty /tmp; nothing else."""
     # The base interpreter's paths (a venv's platstdlib is under the venv).
     paths = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
     stdlib = {os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib")}
-    binds = {_interpreter(), *stdlib}
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        lib = Path(sysconfig.get_config_var("LIBDIR") or "") / (sysconfig.get_config_var("INSTSONAME") or "")
-        if lib.is_file():
-            binds.add(os.path.realpath(lib))
-    args: list[str] = []
-    system = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
-    links = [p for p in system if os.path.islink(p)]
-    dirs = [p for p in system if os.path.isdir(p) and not os.path.islink(p)]
+    libraries, links = _shared_libraries(stdlib)
+    binds = {_interpreter(), *stdlib, *libraries}
+    tops = [p for p in ("/lib", "/lib64", "/lib32", "/libx32") if os.path.islink(p)]  # merged /usr
     # Parents first, each 0755 (bubblewrap would make the parents of a bind 0700: out of the
     # unprivileged uid's reach).
-    parents = sorted({str(q) for p in [*binds, *dirs, RUNNER_IN_BOX] for q in Path(p).parents if str(q) != "/"})
+    placed = [*binds, *(path for _, path in links), RUNNER_IN_BOX]
+    parents = sorted({str(q) for p in placed for q in Path(p).parents if str(q) != "/" and str(q) not in tops})
+    args: list[str] = []
     for parent in parents:
         args += ["--perms", "0755", "--dir", parent]
-    for path in dirs:
-        args += ["--ro-bind", path, path]
-    for path in links:
+    for path in tops:
         args += ["--symlink", os.readlink(path), path]
     for path in sorted(binds):
         args += ["--ro-bind", path, path]
-    for path in sorted(stdlib):
-        if os.path.isdir(os.path.join(path, "site-packages")):
-            args += ["--tmpfs", os.path.join(path, "site-packages")]
+    for target, path in sorted(links):
+        args += ["--symlink", target, path]
+    for path in sorted(stdlib):  # the standard library alone is importable
+        for packages in ("site-packages", "dist-packages"):
+            if os.path.isdir(os.path.join(path, packages)):
+                args += ["--tmpfs", os.path.join(path, packages)]
     args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--ro-bind", str(RUNNER), RUNNER_IN_BOX,
-             "--dev", "/dev", "--size", str(16 * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp",
-             "--remount-ro", "/"]
+             "--dev", "/dev", "--remount-ro", "/dev",  # its devices, and no writable /dev/shm
+             "--size", str(16 * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/"]
     return args
+
+
+def _shared_libraries(stdlib: set[str]) -> tuple[set[str], set[tuple[str, str]]]:
+    """The shared libraries the interpreter and its C modules load, as ldd resolves them: the files
+    to bind, and the symbolic links on the way to them ``(target, path)``. Without ldd (not glibc):
+    the system's library directories whole."""
+    modules = [p for path in stdlib for p in glob.glob(os.path.join(path, "lib-dynload", "*.so"))]
+    ldd = shutil.which("ldd")
+    try:
+        if ldd is None:
+            raise OSError("no ldd")
+        out = subprocess.run([ldd, _interpreter(), *modules], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        dirs = {p for p in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64") if os.path.isdir(p)}
+        return {p for p in dirs if not os.path.islink(p)}, set()
+    files: set[str] = set()
+    links: set[tuple[str, str]] = set()
+    for reported in set(re.findall(r"(/\S+) \(0x", out)):
+        path = _through_dirs(reported)
+        for _ in range(40):  # a symlink chain, each link placed where the loader will look
+            if not os.path.islink(path):
+                break
+            target = os.readlink(path)
+            links.add((target, path))
+            path = _through_dirs(os.path.normpath(os.path.join(os.path.dirname(path), target)))
+        if os.path.isfile(path):
+            files.add(path)
+    return files, links
+
+
+def _through_dirs(path: str) -> str:
+    """``path`` with the symbolic links of its directories resolved, its own name kept."""
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
 # Running a batch --------------------------------------------------------------------------------
@@ -229,32 +262,33 @@ def _run_once(
     request = {"source": source, "batch": batch, "per_sample_seconds": limits.per_sample_seconds,
                "memory_mb": limits.memory_mb, "cpu_seconds": int(limits.batch_seconds) + 1,
                "audit_hook": limits.audit_hook}
-    # The request and the log are files (the request cannot block us on a pipe; RLIMIT_FSIZE caps
-    # the log); the results come on a pipe, read against the clock.
-    with tempfile.TemporaryDirectory(prefix="rloo-grader-") as work:
-        request_path, log_path = Path(work) / "request", Path(work) / "log"
-        request_path.write_text(json.dumps(request))
-        with open(request_path, "rb") as stdin, open(log_path, "w+b") as log:
-            proc = subprocess.Popen(
-                [*box.argv, "-" if box.uid is None else str(box.uid)],
-                stdin=stdin, stdout=subprocess.PIPE, stderr=log, cwd=work, env={},
-                start_new_session=True,  # its own process group: killed whole
-            )
-            got: dict[int, Outcome] = {}
-            timed_out: str | None = "error"
-            try:
-                got, timed_out = _read_results(proc, len(batch), limits, batch_deadline)
-            finally:
-                if timed_out is None:  # it is exiting: let it, to learn how
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=1)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                assert proc.stdout is not None
-                proc.stdout.close()
-            log.seek(0)
-            tail = log.read(_OUTPUT_LIMIT).decode("utf-8", errors="replace")
+    # The request and the log are unnamed files (the request cannot block us on a pipe, RLIMIT_FSIZE
+    # caps the log, and a worker killed mid-batch leaves neither behind); the results come on a
+    # pipe, read against the clock. The process sandbox's working directory is a fresh empty one.
+    fresh = tempfile.TemporaryDirectory(prefix="rloo-grader-") if box.kind == "process" else contextlib.nullcontext("/")
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as log, fresh as work:
+        stdin.write(json.dumps(request).encode())
+        stdin.seek(0)
+        proc = subprocess.Popen(
+            [*box.argv, "-" if box.uid is None else str(box.uid)],
+            stdin=stdin, stdout=subprocess.PIPE, stderr=log, cwd=work, env={},
+            start_new_session=True,  # its own process group: killed whole
+        )
+        got: dict[int, Outcome] = {}
+        timed_out: str | None = "error"
+        try:
+            got, timed_out = _read_results(proc, len(batch), limits, batch_deadline)
+        finally:
+            if timed_out is None:  # it is exiting: let it, to learn how
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))  # its last words
+        tail = log.read().decode("utf-8", errors="replace")
     return got, _how_it_ended(proc.returncode, timed_out, tail, limits)
 
 

@@ -98,6 +98,20 @@ def slowloris(port: int, base: str) -> None:
     assert all(a.startswith(b"HTTP/1.1 408") for a in answers), {a[:20] for a in answers}
     assert _until_closed(flood).startswith(b"HTTP/1.1 431")
     assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+    # A body still coming after its answer (a 401 before a large upload is read) is no header, and
+    # the connection serves the next request once it is in...
+    post = b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n"
+    early = socket.create_connection(("127.0.0.1", port))
+    early.sendall(post)
+    for _ in range(30):
+        early.sendall(b"x" * 10_000)
+    early.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answers = _until_closed(early)
+    assert answers.startswith(b"HTTP/1.1 401") and b"HTTP/1.1 200" in answers and b"431" not in answers, answers
+    # ...but a body that stops coming has the header's deadline, then the connection is closed.
+    stuck = socket.create_connection(("127.0.0.1", port))
+    stuck.sendall(post + b"x" * 10_000)
+    assert _until_closed(stuck).startswith(b"HTTP/1.1 401")
 
 
 def _until_closed(sock: socket.socket) -> bytes:
