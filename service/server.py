@@ -6,8 +6,8 @@ connection for ever, and a few hundred such clients hold them all (slowloris). H
 headers must arrive whole within ``RLOO_HEADER_TIMEOUT_SECONDS`` and within 64 KiB; past either,
 the connection is answered (408 or 431) and closed. A body still coming after its request was
 answered (a 401 before an upload is read) has as long; uvicorn would keep that connection open.
-``RLOO_MAX_CONNECTIONS`` caps the connections and requests in flight (503 past it). In production put a proxy in front as well (see the README):
-it buffers slow bodies and terminates TLS.
+``RLOO_MAX_CONNECTIONS`` caps the connections and requests in flight (503 past it). In production
+put a proxy in front as well (docs/security.md): it buffers slow bodies and terminates TLS.
 """
 
 from __future__ import annotations
