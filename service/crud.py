@@ -152,7 +152,8 @@ WAITING = ("validating_files", "queued")
 def waiting_jobs(*, session: Session, project_seq: int) -> int:
     """The project's jobs that wait for a worker, counted with the project's row locked (PostgreSQL)
     so that two creations racing for its last place cannot both take it."""
-    session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update())
+    # FOR NO KEY UPDATE: it waits for another creation, not for rows that merely point at the project.
+    session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update(key_share=True))
     return session.scalar(select(func.count()).where(Job.project_seq == project_seq, Job.status.in_(WAITING))) or 0
 
 

@@ -6,8 +6,10 @@ worker process (``rloo worker --queue <queue>-graders``), so no dry run can star
 loop or its threads. In Redis, beside the Celery queue:
 
 * ``active:<project>``: the project's dry runs in flight (a sorted set by deadline). A project has
-  at most ``RLOO_MAX_DRY_RUNS`` at once; past that a 429 names the cap. Entries leave when answered,
-  or at their deadline if the API process that admitted them died.
+  at most ``RLOO_MAX_DRY_RUNS`` at once; past that a 429 names the cap. An entry leaves when its
+  dry run is answered, or withdrawn before a worker took it (the API stopped waiting); one that a
+  worker took stays until that worker answers, however long the API waited; and any entry leaves
+  at its deadline (the API process or the worker died).
 * ``pending:<project>``: the project's waiting dry runs, as JSON. The Celery message is only a
   wake-up with no arguments: user data never goes through Celery's pool pickling, and a message
   that cannot be decoded carries nothing to lose.
@@ -22,6 +24,7 @@ loop or its threads. In Redis, beside the Celery queue:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -30,6 +33,9 @@ from typing import Any
 from service.settings import get_settings
 
 DEAD_LETTERS_KEPT = 1000
+HOLD_SECONDS = 960.0
+"""How long a dry run a worker took keeps its project's place at most: past the worker's hard
+time limit for a dry run (RLOO_GRADER_RUN_SECONDS, at most 900, and a minute)."""
 
 # Admit one dry run unless the project has `cap` in flight (entries past their deadline dropped).
 _ADMIT = """
@@ -86,22 +92,27 @@ async def run(*, project: str, payload: dict[str, Any], queue: str, timeout: flo
     run_id = secrets.token_hex(12)
     now = time.time()
     deadline = now + timeout
+    active = f"{ns}:active:{project}"
     conn = redis.asyncio.Redis.from_url(get_settings().redis_client_url, socket_timeout=timeout + 5,
                                         socket_connect_timeout=5)
     try:
-        if not await conn.eval(_ADMIT, 1, f"{ns}:active:{project}", now, deadline, run_id, cap):  # type: ignore[misc]
+        if not await conn.eval(_ADMIT, 1, active, now, deadline, run_id, cap):  # type: ignore[misc]
             raise Busy()
+        # Held by a worker that took it and has not answered: the place stays taken until it does.
+        state = {"held": False}
         try:
-            return await _queue_and_wait(conn, ns, queue, run_id, project, payload, deadline, timeout)
+            return await _queue_and_wait(conn, ns, queue, run_id, project, payload, deadline, timeout, state)
         finally:
-            await conn.zrem(f"{ns}:active:{project}", run_id)
+            if not state["held"]:
+                with contextlib.suppress(Exception):
+                    await conn.zrem(active, run_id)
     finally:
         await conn.aclose()
 
 
 async def _queue_and_wait(
     conn: Any, ns: str, queue: str, run_id: str, project: str, payload: dict[str, Any], deadline: float,
-    timeout: float,
+    timeout: float, state: dict[str, bool],
 ) -> dict[str, Any]:
     from anyio import to_thread
 
@@ -112,14 +123,15 @@ async def _queue_and_wait(
                            "payload": payload}, ensure_ascii=False, allow_nan=False)
     pending = f"{ns}:pending:{project}"
     await conn.eval(_PUSH, 3, pending, f"{ns}:projects", f"{ns}:served", project, envelope)
+    answer = None
     try:
         await to_thread.run_sync(celery_queue.wake_grader, queue, timeout)
-    except Exception:
-        await conn.lrem(pending, 1, envelope)  # nobody will take it
-        raise
-    answer = await conn.blpop([reply], timeout=max(1, int(timeout)))
+        answer = await conn.blpop([reply], timeout=max(1, int(timeout)))
+    finally:
+        # Not answered (no worker came, the broker failed, the client went away): take it back
+        # unless a worker holds it already.
+        state["held"] = answer is None and not await conn.lrem(pending, 1, envelope)
     if answer is None:
-        await conn.lrem(pending, 1, envelope)  # still waiting: no worker came
         raise NoAnswer(
             f"no worker answered on queue '{queue}' within {timeout:g} s; graders run on a worker started with "
             f"`rloo worker --queue {queue}` (rloo up starts one)"
@@ -146,13 +158,17 @@ def take(conn: Any, queue: str, task_id: str) -> dict[str, Any] | None:
         envelope: dict[str, Any] = json.loads(raw)
         if envelope["deadline"] > time.time():
             conn.set(marker, raw, ex=max(1, int(envelope["deadline"] - time.time()) + 60))
+            # The project's place stays taken while this is graded, however long that takes.
+            conn.zadd(f"{ns}:active:{envelope['project']}", {envelope["id"]: time.time() + HOLD_SECONDS}, xx=True)
             return envelope
 
 
 def answer(conn: Any, queue: str, task_id: str, envelope: dict[str, Any], result: dict[str, Any]) -> None:
+    ns = namespace(queue)
     conn.rpush(envelope["reply"], json.dumps(result, ensure_ascii=False, allow_nan=False))
     conn.expire(envelope["reply"], 300)  # nobody waits past the API's time-out; the key must not linger
-    conn.delete(f"{namespace(queue)}:inflight:{task_id}")
+    conn.zrem(f"{ns}:active:{envelope['project']}", envelope["id"])
+    conn.delete(f"{ns}:inflight:{task_id}")
 
 
 def bury(conn: Any, queue: str, raw: str) -> None:
@@ -164,6 +180,7 @@ def bury(conn: Any, queue: str, raw: str) -> None:
         envelope = json.loads(raw)
     except ValueError:
         return
+    conn.zrem(f"{ns}:active:{envelope['project']}", envelope["id"])
     error = {"error": "the grader ended the worker process that ran it (killed, or out of memory); it was set "
                       "aside and will not be run again", "code": "grader_crashed", "status": 502}
     conn.rpush(envelope["reply"], json.dumps(error))

@@ -91,13 +91,19 @@ def create_app() -> FastAPI:
         except Exception as exc:
             checks["broker"] = f"unreachable: {type(exc).__name__}"
         ok = all(v == "ok" for v in checks.values())
-        from service.sandbox import status
+        from service.sandbox import configured
 
-        # Where python graders would run on this host (its workers say so in their start-up logs).
-        body = {"status": "ok" if ok else "unavailable", "checks": checks, "python_graders": status(settings)}
+        # The sandbox python graders are set to run in; each worker's start-up log says whether it
+        # runs there (the API runs no grader, and starts no sandbox for an anonymous caller).
+        body = {"status": "ok" if ok else "unavailable", "checks": checks, "python_graders": configured(settings)}
         return JSONResponse(body, 200 if ok else 503)
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PlainTextResponse)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PlainTextResponse, responses={
+        401: {"description": "RLOO_METRICS_TOKEN is set, and this is not it.", **error},
+        403: {"description": "Not this host's loopback, and RLOO_METRICS_TOKEN is not set.", **error},
+    })
     def metrics(request: Request) -> PlainTextResponse:
         _metrics_allowed(request, settings.metrics_token)
         lines = ["# HELP rloo_jobs Jobs by status.", "# TYPE rloo_jobs gauge"]

@@ -1,13 +1,15 @@
-"""The route class of every /v1 router: a JSON body passes ``service.strictjson``'s door (no NaN or
-infinity, no lone surrogate or NUL, no deeper than 128 levels) before FastAPI parses it, so a value
-that cannot be stored or rendered is a 400 naming where it is, and never reaches the database."""
+"""The route class of every /v1 router: a JSON body passes ``service.strictjson``'s door (UTF-8, no
+NaN or infinity, no lone surrogate or NUL, no deeper than 128 levels) before FastAPI parses it, so
+a value that cannot be stored or rendered is a 400 naming where it is, and never reaches the
+database."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import Request, Response, params
 from fastapi.routing import APIRoute
 
 from service import strictjson
@@ -17,22 +19,33 @@ from service.errors import bad_request
 class StrictJSONRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        # Only routes that take a JSON body (an upload's multipart body is streamed, never read here).
+        forms = any(isinstance(getattr(p, "field_info", None), params.Form) for p in self.dependant.body_params)
+        if self.body_field is None or forms:
+            return handler
 
         async def strict(request: Request) -> Response:
-            content_type = request.headers.get("content-type", "")
-            if request.method in ("POST", "PUT", "PATCH") and not content_type.startswith(
-                ("multipart/", "application/x-www-form-urlencoded")
-            ):
-                body = await request.body()
+            content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if not content_type or content_type == "application/json" or content_type.endswith("+json"):
+                body = await request.body()  # at most the JSON limit (service.limits)
                 if body:
-                    try:
-                        # Parsed once: Starlette's request.json() returns what it finds here.
-                        request._json = strictjson.loads(body)
-                    except strictjson.InvalidJSON as exc:
-                        raise bad_request(f"The request body is not valid JSON: {exc.problem}.", exc.path) from None
-                    except (ValueError, UnicodeDecodeError):
-                        pass  # a syntax error: FastAPI's own parse reports it in the usual shape
+                    request._json = _parse(body)  # Starlette's request.json() returns it: parsed once
             return await handler(request)
 
         return strict
 
+
+def _parse(body: bytes) -> Any:
+    try:
+        text = body.decode("utf-8")  # strictly: no surrogates smuggled as bytes, no UTF-16
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"The request body is not UTF-8 text (byte {exc.start + 1}); JSON is sent as UTF-8.",
+                          None) from None
+    try:
+        return strictjson.loads(text.removeprefix("\ufeff"))  # a byte-order mark, as json.loads(bytes) skips it
+    except strictjson.InvalidJSON as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc.problem}.", exc.path) from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON ({exc}).", None) from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise bad_request(f"The request body has a value JSON readers refuse: {exc}.", None) from None

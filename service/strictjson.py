@@ -40,9 +40,10 @@ class _NonFinite:
         self.token = token
 
 
-def loads(raw: bytes | str, *, max_depth: int = MAX_BODY_DEPTH) -> Any:
-    """``raw`` parsed, or ``InvalidJSON`` saying what is wrong and where; a syntax error is
-    ``json.JSONDecodeError`` as usual."""
+def loads(text: str, *, max_depth: int = MAX_BODY_DEPTH) -> Any:
+    """``text`` parsed, or ``InvalidJSON`` saying what is wrong and where; a syntax error is
+    ``json.JSONDecodeError`` as usual. Text, not bytes: ``json.loads`` would take bytes in UTF-16,
+    or UTF-8 with encoded surrogates, past the checks here; the caller decodes strictly."""
     flagged = False
 
     def non_finite(token: str) -> _NonFinite:
@@ -55,10 +56,9 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_BODY_DEPTH) -> Any:
         return value if math.isfinite(value) else non_finite(token)
 
     try:
-        obj = json.loads(raw, parse_constant=non_finite, parse_float=number)
+        obj = json.loads(text, parse_constant=non_finite, parse_float=number)
     except RecursionError:
         raise InvalidJSON(f"it nests arrays or objects more than {max_depth} levels deep; flatten it", None) from None
-    text = raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")
     if flagged or _SUSPECT.search(text) or text.count("[") + text.count("{") > max_depth:
         _walk(obj, max_depth)
     return obj

@@ -76,7 +76,7 @@ class TarLayout:
                     yield chunk
 
 
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=(\d{0,18})-(\d{0,18})", re.IGNORECASE)  # (a longer number is past any file)
 
 
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:

@@ -1280,14 +1280,22 @@ def test_healthz(client) -> None:
 def test_readyz(client, monkeypatch) -> None:
     resp = client.get("/readyz")
     assert resp.status_code == 200, resp.text
-    assert resp.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok"},
-                           "python_graders": "off (RLOO_ALLOW_PYTHON_GRADER is false)"}
-    # Which sandbox python graders would run in, once the operator turns them on.
+    assert resp.json() == {"status": "ok", "checks": {"database": "ok", "broker": "ok"}, "python_graders": "off"}
+    # The sandbox python graders run in, once the operator turns them on.
     with _fresh_client(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1") as on:
-        assert on.get("/readyz").json()["python_graders"].startswith("bwrap (namespaces: pid, net")
-    # another uid: another sandbox, probed afresh
-    with _fresh_client(monkeypatch, PATH="/nonexistent", RLOO_PYTHON_GRADER_UID="65533") as missing:
-        said = missing.get("/readyz").json()["python_graders"]
+        assert on.get("/readyz").json()["python_graders"] == "bwrap"
+    with _fresh_client(monkeypatch, RLOO_PYTHON_GRADER_SANDBOX="process") as weaker:
+        assert weaker.get("/readyz").json()["python_graders"] == "process"
+
+
+def test_workers_say_which_sandbox_runs_on_their_host(monkeypatch) -> None:
+    from service import sandbox
+    from service.settings import Settings
+
+    assert sandbox.status(Settings()) == "off (RLOO_ALLOW_PYTHON_GRADER is false)"
+    assert sandbox.status(Settings(allow_python_grader=True)).startswith("bwrap (namespaces: pid, net")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    said = sandbox.status(Settings(allow_python_grader=True, python_grader_uid=65533))  # probed afresh
     assert said.startswith("unavailable: python graders run in bubblewrap's sandbox, and bwrap is not installed")
 
 

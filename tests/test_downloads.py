@@ -48,6 +48,7 @@ def test_the_archive_is_a_tar_of_the_files_and_every_range_is_its_slice(tmp_path
         ("bytes=0-99", (0, 100)), ("bytes=100-", (100, 1000)), ("bytes=-10", (990, 1000)),
         ("bytes=900-5000", (900, 1000)), ("bytes=-5000", (0, 1000)), ("bytes=999999999-", "unsatisfiable"),
         ("bytes=1000-", "unsatisfiable"), ("bytes=-0", "unsatisfiable"), ("bytes=50-10", None),
+        ("BYTES=0-9", (0, 10)), ("bytes=0-" + "9" * 5000, None), ("bytes=" + "9" * 5000 + "-", None),
     ],
 )
 def test_range_headers(header: str | None, expected: Any) -> None:

@@ -143,6 +143,13 @@ def test_escapes_are_refused_by_the_sandbox_alone(box, what: str, body: str, err
     refused(escape(box, body), *errors)
 
 
+def test_no_user_namespace_of_its_own_where_bubblewrap_makes_one() -> None:
+    box = sandbox.current("bwrap", 65534, user_namespace=True)
+    body = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\nreturn 1.0")
+    refused(escape(box, body), "[Errno 28]", "[Errno 1]")  # ENOSPC: max_user_namespaces is 0 there
+
+
 def test_the_service_files_are_out_of_sight(box, secrets_of_the_service) -> None:
     settings = secrets_of_the_service
     targets = [str(settings.artifacts_dir / "secret.txt"), str(settings.home_dir), str(settings.models_dir)]
@@ -170,19 +177,46 @@ def test_no_process_of_the_host_can_be_signalled(box) -> None:
         sentinel.wait()
 
 
-def test_an_ignored_alarm_does_not_buy_time(box) -> None:
+def test_an_ignored_alarm_does_not_buy_time() -> None:
     source = ("import sys\nsig = sys.modules['signal']\nsig.signal(sig.SIGALRM, sig.SIG_IGN)\n"
               "def grade(sample, item):\n    while item['i'] == 1:\n        pass\n    return 1.0\n")
     t0 = time.monotonic()
-    out = run(source, 3, box, per_sample_seconds=0.5, audit_hook=False)
+    out = run(source, 3, per_sample_seconds=0.5, audit_hook=False)
     assert time.monotonic() - t0 < 8
     assert [o.score for o in out][::2] == [1.0, 1.0], out  # the samples after it: a new sandbox
     assert out[1].error == "grade() ran past 0.5 s and its sandbox was stopped"
 
 
-def test_a_sample_that_kills_its_sandbox_loses_only_itself(box) -> None:
+def test_forged_lines_on_the_results_descriptor_buy_no_time() -> None:
+    """The results descriptor is the grader's to write: announcing 'ready' again and again, or an
+    answer to a later sample, does not move the clock of the sample in turn."""
+    source = ("import os, time\n"
+              "def grade(sample, item):\n"
+              "    os.write(3, b'{\"i\": 1, \"score\": 5}\\n')\n"
+              "    while True:\n"
+              "        try:\n"
+              "            os.write(3, b'{\"ready\": true}\\n')\n"
+              "            time.sleep(0.1)\n"
+              "        except BaseException:\n"
+              "            pass\n")
+    t0 = time.monotonic()
+    out = run(source, 2, per_sample_seconds=0.5, batch_seconds=30, audit_hook=False)
+    assert time.monotonic() - t0 < 8
+    assert out[0].error == "grade() ran past 0.5 s and its sandbox was stopped", out
+
+
+def test_a_source_that_never_loads_fails_the_batch_once() -> None:
+    """A loop in the module's own code (in C, past the alarm): one sandbox, not one per sample."""
+    t0 = time.monotonic()
+    out = run("x = sum(range(10**12))\ndef grade(sample, item):\n    return 1.0\n", 5, per_sample_seconds=0.3)
+    assert time.monotonic() - t0 < 6
+    assert all(o.error == "not graded: the grader's source did not finish loading (grade() ran past 0.3 s and "
+               "its sandbox was stopped)" for o in out), out
+
+
+def test_a_sample_that_kills_its_sandbox_loses_only_itself() -> None:
     source = "import os\ndef grade(sample, item):\n    if item['i'] == 1:\n        os._exit(3)\n    return 2.0\n"
-    out = run(source, 3, box)
+    out = run(source, 3)
     assert [o.score for o in out][::2] == [2.0, 2.0]
     assert out[1].error == "not graded: the grader process exited with 3"
 

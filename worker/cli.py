@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -136,7 +137,6 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     )
 
 
-
 def _start_reconciler() -> None:
     """The reconciler runs in a process of its own, forked now, while this process has one thread.
     Not a thread of the Celery parent: that parent forks a pool process for every job, and a fork
@@ -257,6 +257,15 @@ def ensure_local_key() -> str:
     return secret
 
 
+@dataclass
+class _Part:
+    args: list[str]
+    proc: subprocess.Popen[bytes]
+    started_at: float
+    backoff: float = 0.5
+    due: float | None = None  # when it is to be started again, once it has died
+
+
 class Stack:
     """The local stack as child processes: embedded Redis (if no REDIS_URL), the API, a training
     worker and a graders worker. A part that dies is started again (after 1 s, then up to 30 s
@@ -266,88 +275,98 @@ class Stack:
 
     def __init__(self, host: str, port: int, *, quiet: bool = False) -> None:
         self.host, self.port, self.quiet = host, port, quiet
-        self.children: list[subprocess.Popen[bytes]] = []  # every process we own, Redis included
-        self.parts: dict[str, tuple[list[str], subprocess.Popen[bytes]]] = {}
-        self.started_at: dict[str, float] = {}
-        self.backoff: dict[str, float] = {}
-        self.due: dict[str, float] = {}  # parts waiting to be started again, by when
+        self.parts: dict[str, _Part] = {}
+        self.redis: subprocess.Popen[bytes] | None = None  # the embedded Redis, when we started it
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> str:
-        from service import embedded
         from service.migrate import upgrade
+        from service.queue import grader_queue
 
         settings = get_settings()
         settings.home_dir.mkdir(parents=True, exist_ok=True)
         upgrade()
         key = ensure_local_key()
-        if settings.embedded_redis:
-            proc = embedded.start(settings, daemonize=False)
-            if proc is not None:
-                self.children.append(proc)
+        self._keep_redis()
         (settings.home_dir / "logs").mkdir(exist_ok=True)
-        from service.queue import grader_queue
-
         for name, args in (
             ("api", ["api", "--host", self.host, "--port", str(self.port)]),
             ("worker", ["worker"]),
             ("grader-worker", ["worker", "--queue", grader_queue()]),  # dry runs of graders
         ):
-            self._spawn(name, args)
-        wait_until_ready(self.url, alive=self._check_children)
+            self.parts[name] = _Part(args, self._spawn(name, args), time.monotonic())
+        wait_until_ready(self.url, alive=self._check_parts)
         return key
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _keep_redis(self) -> None:
+        """Start the embedded Redis unless one answers (a worker's reconciler may have started it)."""
+        from service import embedded
+
+        settings = get_settings()
+        if settings.embedded_redis and (self.redis is None or self.redis.poll() is not None):
+            self.redis = embedded.start(settings, daemonize=False)
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         settings = get_settings()
         env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1"}
         out = open(settings.home_dir / "logs" / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *args], env=env, stdout=out,
-            stderr=subprocess.STDOUT if out else None, start_new_session=True,
-        )
-        if out is not None:
-            out.close()  # the child holds its own copy
-        old = self.parts.get(name)
-        if old is not None:
-            self.children.remove(old[1])
-        self.parts[name] = (args, proc)
-        self.children.append(proc)
-        self.started_at[name] = time.monotonic()
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", *args], env=env, stdout=out,
+                stderr=subprocess.STDOUT if out else None, start_new_session=True,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
 
-    def _check_children(self) -> None:
-        for name, (_, child) in self.parts.items():
-            if child.poll() is not None:
-                raise RuntimeError(f"{name} exited early ({child.args!r}); see {get_settings().home_dir}/logs")
+    def _check_parts(self) -> None:
+        for name, part in self.parts.items():
+            if part.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited early ({part.proc.args!r}); see {get_settings().home_dir}/logs")
 
     def supervise(self) -> None:
-        """One round: note the parts that died, start again those whose wait is over."""
+        """One round: note the parts that died, start again those whose wait is over, and the
+        embedded Redis if ours died."""
         now = time.monotonic()
-        for name, (_, child) in self.parts.items():
-            if child.poll() is not None and name not in self.due:
-                ran = now - self.started_at[name]
-                wait = 1.0 if ran >= self.STABLE_SECONDS else min(30.0, 2 * self.backoff.get(name, 0.5))
-                self.backoff[name] = wait
-                self.due[name] = now + wait
-                typer.echo(f"{name} exited with {child.returncode}; starting it again in {wait:.0f} s", err=True)
-        for name, when in list(self.due.items()):
-            if when <= now:
-                del self.due[name]
-                self._spawn(name, self.parts[name][0])
+        for name, part in self.parts.items():
+            if part.proc.poll() is not None and part.due is None:
+                stable = now - part.started_at >= self.STABLE_SECONDS
+                part.backoff = 1.0 if stable else min(30.0, 2 * part.backoff)
+                part.due = now + part.backoff
+                typer.echo(f"{name} exited with {part.proc.returncode}; starting it again in {part.backoff:.0f} s",
+                           err=True)
+            elif part.due is not None and part.due <= now:
+                self.parts[name] = _Part(part.args, self._spawn(name, part.args), now, part.backoff)
+        if self.redis is not None and self.redis.poll() is not None:
+            typer.echo("the embedded Redis exited; starting it again", err=True)
+            self._keep_redis()
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child in reversed(self.children):
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+        """The parts first (a worker hands its job back through the broker), then the broker."""
+        _terminate([part.proc for part in reversed(self.parts.values())])
+        _terminate([self.redis] if self.redis else [])
+        settings = get_settings()
+        if settings.embedded_redis:  # one a worker's reconciler started again is no child of ours
+            from service import embedded
+
+            embedded.stop_daemon(settings)
+
+
+def _terminate(children: list[subprocess.Popen[bytes]], grace: float = 20) -> None:
+    """SIGTERM to each child's process group, then SIGKILL to those still there after ``grace``."""
+    for child in children:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
 
 
 @app.command("up")

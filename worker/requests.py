@@ -34,7 +34,14 @@ class GuardedRequest(Request):
     """Checks a message before it goes to the pool: ``refusal`` (the task's own rules), then the
     number of deliveries."""
 
+    decided: bool | None = None  # the answer, once given: Celery may ask twice (a message with `expires`)
+
     def revoked(self) -> bool:  # execute_using_pool asks this first
+        if self.decided is None:
+            self.decided = self._decide()
+        return self.decided
+
+    def _decide(self) -> bool:
         if super().revoked():
             return True
         reason = self.refusal()

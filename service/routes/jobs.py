@@ -110,12 +110,12 @@ def create_job(
     )
     with write_lock(session):
         _check_room(session, project, settings.max_queued_jobs)
-        wanted = {training.id} | ({validation.id} if validation else set())
-        if crud.lock_files(session=session, project_seq=project.seq, file_ids=sorted(wanted)) != wanted:
+        wanted = {training.id: "training_file", **({validation.id: "validation_file"} if validation else {})}
+        gone = sorted(set(wanted) - crud.lock_files(session=session, project_seq=project.seq, file_ids=list(wanted)))
+        if gone:
             session.rollback()
-            missing = sorted(wanted)[0]
-            raise bad_request(f"File '{missing}' was deleted while the job was being created; upload it again.",
-                              "training_file", "file_not_found")
+            raise bad_request(f"File '{gone[0]}' was deleted while the job was being created; upload it again.",
+                              wanted[gone[0]], "file_not_found")
         session.add(job)
         session.flush()
         crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
