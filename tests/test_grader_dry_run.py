@@ -44,6 +44,7 @@ def test_a_reward_model_dry_run_is_scored_by_a_graders_worker(live: LiveStack, m
     bad = {**body, "grader": {**REWARD_MODEL, "model": "missing-model"}}
     resp = live.http.post("/fine_tuning/alpha/graders/run", json=bad, timeout=90)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_load_failed", resp.text
+    assert "missing-model" in resp.text and str(models_dir) not in resp.text  # no path of the host
 
 
 def test_without_a_graders_worker_the_dry_run_times_out_clearly(live: LiveStack) -> None:
