@@ -60,6 +60,12 @@ def _forget_the_parents_connections(**_: object) -> None:
         get_engine().dispose(close=False)
 
 
+PRELOAD_TRAINING_STACK = True
+"""Whether pool processes import torch as they start: a training worker's do (a fresh process per
+job); ``rloo worker --queue <queue>-graders`` sets it False: its processes live long, and a model
+grader's first dry run imports what it needs once."""
+
+
 @worker_process_init.connect
 def _preload_training_stack(**_: object) -> None:
     """In each pool child (a fresh one per job), import torch and transformers while it waits for a
@@ -80,6 +86,8 @@ def _preload_training_stack(**_: object) -> None:
             pass
 
     global _PRELOAD
+    if not PRELOAD_TRAINING_STACK:
+        return
     _PRELOAD = threading.Thread(target=preload, name="preload-torch", daemon=True)
     _PRELOAD.start()
 

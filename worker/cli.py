@@ -109,19 +109,22 @@ def worker(queue: Annotated[str | None, typer.Option(help="Queue to consume.")] 
     _ensure_embedded_broker()
     from service.queue import grader_queue
     from service.sandbox import status
+    from worker import celery_app as celery_app_module
     from worker.celery_app import app as celery_app
 
     typer.echo(f"python graders: {status(settings)}", err=True)
     training = queue is None or queue == settings.queue
     if training:  # the training workers watch the training jobs
         _start_reconciler()
+    graders = not training and queue == grader_queue()
     pool = (
-        # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
-        ["--concurrency=1", "--max-tasks-per-child=1"]
-        if training or queue != grader_queue()
         # Dry runs are short: long-lived processes that keep their models loaded, a few at once.
-        else [f"--concurrency={settings.grader_concurrency}", "--max-tasks-per-child=500"]
+        [f"--concurrency={settings.grader_concurrency}", "--max-tasks-per-child=500"]
+        if graders
+        # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
+        else ["--concurrency=1", "--max-tasks-per-child=1"]
     )
+    celery_app_module.PRELOAD_TRAINING_STACK = not graders
     celery_app.worker_main(
         [
             "worker",
