@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 from service import dryruns
@@ -24,6 +25,9 @@ from tests.test_api import STRING_CHECK, assert_error
 from worker.requests import MAX_DELIVERIES
 
 RUN = "/v1/fine_tuning/alpha/graders/run"
+
+# Dry runs touch no database (but for the key's check): one backend is enough here.
+pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 
 def python_grader(source: str) -> dict[str, Any]:

@@ -150,6 +150,7 @@ def test_no_user_namespace_of_its_own_where_bubblewrap_makes_one() -> None:
     refused(escape(box, body), "[Errno 28]", "[Errno 1]")  # ENOSPC: max_user_namespaces is 0 there
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # its file is the one to hide
 def test_the_service_files_are_out_of_sight(box, secrets_of_the_service) -> None:
     settings = secrets_of_the_service
     targets = [str(settings.artifacts_dir / "secret.txt"), str(settings.home_dir), str(settings.models_dir)]
