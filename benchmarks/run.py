@@ -7,6 +7,8 @@
 3. ``service``: the tiny job through HTTP + Redis + Celery + the database vs ``rloo train``
    (``benchmarks.service``).
 4. ``api``: the API under load against a bare endpoint (``benchmarks.api_load``).
+5. ``isolation``: what keeping tenants apart costs: python graders' sandboxes, a dry run through the
+   graders worker, the JSON door, streamed checkpoint downloads (``benchmarks.isolation``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -159,7 +161,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--engine-case"]:
         _engine_case(sys.argv[2])
         return
-    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api"]
+    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api", "isolation"]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",
@@ -175,12 +177,12 @@ def main() -> None:
             proc = subprocess.run([sys.executable, "-m", "benchmarks.service"], capture_output=True, text=True,
                                   cwd=ROOT, check=True)
             result["service"] = json.loads(proc.stdout)
-        elif section == "api":
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.api_load"], capture_output=True, text=True,
-                                  cwd=ROOT, check=True)
-            result["api"] = json.loads(proc.stdout)
+        elif section in ("api", "isolation"):
+            module = "benchmarks.api_load" if section == "api" else "benchmarks.isolation"
+            proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, cwd=ROOT, check=True)
+            result[section] = json.loads(proc.stdout)
         else:
-            raise SystemExit(f"unknown section '{section}': engine, reference_memory, service, api")
+            raise SystemExit(f"unknown section '{section}': engine, reference_memory, service, api, isolation")
     print(json.dumps(result, indent=2))
 
 

@@ -149,12 +149,14 @@ def get_job_by_id(*, session: Session, job_id: str) -> Job | None:
 WAITING = ("validating_files", "queued")
 
 
-def waiting_jobs(*, session: Session, project_seq: int) -> int:
-    """The project's jobs that wait for a worker, counted with the project's row locked (PostgreSQL)
-    so that two creations racing for its last place cannot both take it."""
+def waiting_jobs(*, session: Session, project_seq: int, up_to: int) -> int:
+    """The project's jobs that wait for a worker, counted up to ``up_to`` (the cap is all a caller
+    needs to know: the count costs at most that many rows), with the project's row locked
+    (PostgreSQL) so that two creations racing for its last place cannot both take it."""
     # FOR NO KEY UPDATE: it waits for another creation, not for rows that merely point at the project.
     session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update(key_share=True))
-    return session.scalar(select(func.count()).where(Job.project_seq == project_seq, Job.status.in_(WAITING))) or 0
+    waiting = select(Job.seq).where(Job.project_seq == project_seq, Job.status.in_(WAITING)).limit(up_to)
+    return session.scalar(select(func.count()).select_from(waiting.subquery())) or 0
 
 
 def add_event(

@@ -145,7 +145,7 @@ def create_job(
 
 
 def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
-    waiting = crud.waiting_jobs(session=session, project_seq=project.seq)
+    waiting = crud.waiting_jobs(session=session, project_seq=project.seq, up_to=cap)
     if waiting >= cap:
         session.rollback()
         raise APIError(
