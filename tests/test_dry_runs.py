@@ -109,25 +109,37 @@ def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) ->
 def test_every_grader_is_graded_on_the_worker_never_in_the_api(client, auth, monkeypatch) -> None:
     """Without a graders worker (this test's queue has none) even a string_check waits and times out:
     the API grades nothing itself."""
-    from service.db import reset_caches
-
-    monkeypatch.setenv("RLOO_GRADER_RUN_SECONDS", "1")
-    reset_caches()
+    _setting(monkeypatch, RLOO_GRADER_RUN_SECONDS="1")
     resp = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "r"}})
     assert_error(resp, 504, code="grader_timeout")
 
 
-def test_a_project_past_its_dry_run_cap_gets_a_429(client, auth, other_auth, dry_runs, monkeypatch) -> None:
+def _setting(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
     from service.db import reset_caches
 
-    monkeypatch.setenv("RLOO_MAX_DRY_RUNS", "1")
-    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
     reset_caches()
-    slow = {"grader": python_grader("import time\ndef grade(sample, item):\n    time.sleep(2)\n    return 1.0\n"),
-            "model_sample": "a"}
-    first: list[Any] = []
-    thread = threading.Thread(target=lambda: first.append(client.post(RUN, headers=auth, json=slow)))
+
+
+def _sleeping(seconds: float) -> dict[str, Any]:
+    """A dry run of a python grader that takes ``seconds``."""
+    source = f"import time\ndef grade(sample, item):\n    time.sleep({seconds})\n    return 1.0\n"
+    return {"grader": python_grader(source), "model_sample": "a"}
+
+
+def _in_background(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
+    """``fn(*args, **kwargs)`` in a thread; its result lands in the list."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)))
     thread.start()
+    return thread, out
+
+
+def test_a_project_past_its_dry_run_cap_gets_a_429(client, auth, other_auth, dry_runs, monkeypatch) -> None:
+    _setting(monkeypatch, RLOO_MAX_DRY_RUNS="1", RLOO_ALLOW_PYTHON_GRADER="1")
+    slow = _sleeping(2)
+    thread, first = _in_background(client.post, RUN, headers=auth, json=slow)
     time.sleep(0.5)
     err = assert_error(client.post(RUN, headers=auth, json=slow), 429, code="too_many_dry_runs")
     assert "RLOO_MAX_DRY_RUNS" in err["message"]
@@ -138,11 +150,9 @@ def test_a_project_past_its_dry_run_cap_gets_a_429(client, auth, other_auth, dry
 
 
 def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, auth, dry_runs, monkeypatch) -> None:
-    from service.db import reset_caches
     from service.settings import get_settings
 
-    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
-    reset_caches()
+    _setting(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1")
     database = get_settings().database_url.split("///", 1)[-1]
     attempts = {
         # Switch the audit hook off through the runner's module globals, then run a program.
@@ -167,15 +177,8 @@ def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, a
 
 def test_a_dry_run_that_kills_its_worker_process_is_answered_once_and_set_aside(client, auth, dry_runs,
                                                                                monkeypatch) -> None:
-    from service.db import reset_caches
-
-    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
-    reset_caches()
-    body = {"grader": python_grader("import time\ndef grade(sample, item):\n    time.sleep(20)\n    return 1.0\n"),
-            "model_sample": "a"}
-    answer: list[Any] = []
-    thread = threading.Thread(target=lambda: answer.append(client.post(RUN, headers=auth, json=body)))
-    thread.start()
+    _setting(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1")
+    thread, answer = _in_background(client.post, RUN, headers=auth, json=_sleeping(20))
     pool_process = _wait_for_the_pool_process_of_a_sandbox(int(dry_runs["pid"]))
     os.kill(pool_process, signal.SIGKILL)  # as the out-of-memory killer would
     thread.join(60)
