@@ -30,19 +30,19 @@ import secrets
 import time
 from typing import Any
 
+import anyio
+
 from service.settings import get_settings
 
 DEAD_LETTERS_KEPT = 1000
-HOLD_SECONDS = 960.0
-"""How long a dry run a worker took keeps its project's place at most: past the worker's hard
-time limit for a dry run (RLOO_GRADER_RUN_SECONDS, at most 900, and a minute)."""
 
 # Admit one dry run unless the project has `cap` in flight (entries past their deadline dropped).
 _ADMIT = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
-redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 60)
+local keep = math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 60
+if redis.call('TTL', KEYS[1]) < keep then redis.call('EXPIRE', KEYS[1], keep) end  -- never shorter
 return 1
 """
 # Queue a dry run; a project new to the rotation keeps the place its last service gave it.
@@ -104,7 +104,7 @@ async def run(*, project: str, payload: dict[str, Any], queue: str, timeout: flo
             return await _queue_and_wait(conn, ns, queue, run_id, project, payload, deadline, timeout, state)
         finally:
             if not state["held"]:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception), anyio.CancelScope(shield=True):
                     await conn.zrem(active, run_id)
     finally:
         await conn.aclose()
@@ -114,8 +114,6 @@ async def _queue_and_wait(
     conn: Any, ns: str, queue: str, run_id: str, project: str, payload: dict[str, Any], deadline: float,
     timeout: float, state: dict[str, bool],
 ) -> dict[str, Any]:
-    from anyio import to_thread
-
     from service import queue as celery_queue
 
     reply = f"{ns}:reply:{run_id}"
@@ -125,12 +123,13 @@ async def _queue_and_wait(
     await conn.eval(_PUSH, 3, pending, f"{ns}:projects", f"{ns}:served", project, envelope)
     answer = None
     try:
-        await to_thread.run_sync(celery_queue.wake_grader, queue, timeout)
+        await anyio.to_thread.run_sync(celery_queue.wake_grader, queue, timeout)
         answer = await conn.blpop([reply], timeout=max(1, int(timeout)))
     finally:
         # Not answered (no worker came, the broker failed, the client went away): take it back
-        # unless a worker holds it already.
-        state["held"] = answer is None and not await conn.lrem(pending, 1, envelope)
+        # unless a worker holds it already. Shielded: a client that went away cancels this request.
+        with anyio.CancelScope(shield=True):
+            state["held"] = answer is None and not await conn.lrem(pending, 1, envelope)
     if answer is None:
         raise NoAnswer(
             f"no worker answered on queue '{queue}' within {timeout:g} s; graders run on a worker started with "
@@ -158,8 +157,10 @@ def take(conn: Any, queue: str, task_id: str) -> dict[str, Any] | None:
         envelope: dict[str, Any] = json.loads(raw)
         if envelope["deadline"] > time.time():
             conn.set(marker, raw, ex=max(1, int(envelope["deadline"] - time.time()) + 60))
-            # The project's place stays taken while this is graded, however long that takes.
-            conn.zadd(f"{ns}:active:{envelope['project']}", {envelope["id"]: time.time() + HOLD_SECONDS}, xx=True)
+            # The project's place stays taken while this is graded, up to this worker's hard limit.
+            active, hold = f"{ns}:active:{envelope['project']}", get_settings().grader_run_seconds + 60
+            if conn.zadd(active, {envelope["id"]: time.time() + hold}, xx=True, ch=True) and conn.ttl(active) < hold:
+                conn.expire(active, int(hold) + 60)
             return envelope
 
 

@@ -5,8 +5,8 @@ The grader's code runs in ``service/sandbox_runner.py``, in a sandbox of its own
 
 * ``bwrap`` (the default; Debian's ``bubblewrap``): new PID, network, IPC, UTS and mount namespaces,
   so no process, socket or file of the host is in sight. The file system holds only a read-only
-  view of the interpreter, its standard library (its ``site-packages`` hidden) and the system's
-  shared libraries, an empty 16 MiB ``/tmp`` and no ``/proc``: no database, artifacts, models,
+  view of the interpreter, its standard library (installed packages hidden) and the shared
+  libraries they load, a read-only ``/dev``, an empty 16 MiB ``/tmp`` and no ``/proc``: no database, artifacts, models,
   settings or other process. It runs as an unprivileged uid (``RLOO_PYTHON_GRADER_UID``, 65534):
   started by root, bubblewrap needs no user namespace and the runner drops to that uid with no
   capabilities; started by another user, a user namespace maps it. It dies with its parent, and
@@ -189,7 +189,9 @@ def _file_system() -> list[str]:
         for packages in ("site-packages", "dist-packages"):
             if os.path.isdir(os.path.join(path, packages)):
                 args += ["--tmpfs", os.path.join(path, packages)]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--ro-bind", str(RUNNER), RUNNER_IN_BOX,
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+             "--ro-bind-try", "/usr/lib/locale/C.utf8", "/usr/lib/locale/C.utf8",  # locale.setlocale's C.UTF-8
+             "--ro-bind", str(RUNNER), RUNNER_IN_BOX,
              "--dev", "/dev", "--remount-ro", "/dev",  # its devices, and no writable /dev/shm
              "--size", str(16 * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/"]
     return args
@@ -260,8 +262,9 @@ def _run_batch(box: Sandbox, source: str, batch: list[dict[str, Any]], limits: L
         first = next((i for i in range(start, len(batch)) if outcomes[i] is None), len(batch))
         if first == len(batch) or ended.batch_over:
             break
-        if not read.ready:  # the source itself hangs or crashes: every sample would meet it again
-            message = f"not graded: the grader's source did not finish loading ({ended.message})"
+        if not read.ready:  # the source itself hangs or crashes (or the sandbox cannot start): every
+            # sample would meet it again
+            message = f"not graded: the sandbox ended before the grader's source had loaded ({ended.message})"
             return [o if o is not None else Outcome(float("nan"), message) for o in outcomes]
         outcomes[first] = Outcome(float("nan"), ended.message)
         start = first + 1

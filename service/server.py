@@ -23,78 +23,94 @@ MAX_HEADER_BYTES = 64 * 1024
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline and a size limit on each request's headers, and
-    a deadline on a body that is still coming after its answer was sent (a 401 or 413 before an
-    upload is read): past it the connection is closed (uvicorn would wait for that body for ever)."""
+    """uvicorn's httptools protocol with a deadline on the connection whenever it waits on the
+    client: for a request's headers (at most 64 KiB of them), between requests, and for a body still
+    coming after its answer was sent (a 401 or 413 before an upload is read). Past it the connection
+    is closed: with a 408 if a request had begun, quietly if not. uvicorn alone waits for ever once a
+    client keeps sending something (a byte of headers, a blank line, a body nobody reads)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = get_settings().header_timeout_seconds
         self.guard: asyncio.TimerHandle | None = None
-        self.header_bytes: int | None = 0  # None once the request's headers are complete
-        self.body_coming = False
+        # Bytes of the current request's headers, None once they are complete (the count of a request
+        # that begins in the chunk that ended the one before starts with the next chunk).
+        self.header_bytes: int | None = 0
+        self.in_headers = False  # a request has begun, its headers are not complete
+        self.body_coming = False  # the current request's headers are in, its body is not
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm(b"408 Request Timeout")
+        self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.header_bytes is not None:
-            self.header_bytes += len(data)
-        super().data_received(data)
-        # Still in the headers after this chunk (one that completes them may bring a body too).
-        if self.header_bytes is not None and self.header_bytes > MAX_HEADER_BYTES:
-            self._refuse(b"431 Request Header Fields Too Large")
+        while data and not self.transport.is_closing():
+            if self.header_bytes is None:  # a body, or what comes before the next request begins
+                super().data_received(data)
+                return
+            room = MAX_HEADER_BYTES - self.header_bytes
+            if room <= 0:
+                self._expire(b"431 Request Header Fields Too Large")
+                return
+            # The parser sees at most what the headers may still take; the rest after it finished them.
+            head, data = data[:room], data[room:]
+            self.header_bytes += len(head)
+            super().data_received(head)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self.header_bytes is None:  # the next request on a kept-alive connection: its headers count
+        self.in_headers = True
+        if self.header_bytes is None:
             self.header_bytes = 0
         if self.guard is None:
-            self._arm(b"408 Request Timeout")
+            self._arm()
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self.in_headers, self.body_coming = False, True
         self.header_bytes = None  # the body is not counted (an answer may come before it is all sent)
-        self.body_coming = True
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self.body_coming = False
         super().on_message_complete()
-        if self.cycle is not None and self.cycle.response_complete and self.guard is not None:
-            # The body of an answered request is in: kept alive from now, as after any response.
-            self._disarm()
-            if self.timeout_keep_alive_task is None and not self.pipeline and not self.transport.is_closing():
+        if self.cycle is not None and self.cycle.response_complete and not self.transport.is_closing():
+            self._arm()  # the body of an answered request is in: the next request has its deadline
+            if self.timeout_keep_alive_task is None and not self.pipeline:  # (the body's bytes stopped it)
                 self.timeout_keep_alive_task = self.loop.call_later(
                     self.timeout_keep_alive, self.timeout_keep_alive_handler
                 )
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.body_coming and not self.transport.is_closing():
-            self._arm(None)  # answered already: the rest of the body has until the deadline
+        if self.transport.is_closing() or self.pipeline or self.cycle is None or not self.cycle.response_complete:
+            return  # (a pipelined request is being served: its headers are in)
+        # Either the rest of this request's body, or the next request, has until the deadline.
+        self._arm()
 
-    def _arm(self, status: bytes | None) -> None:
+    def _arm(self) -> None:
         self._disarm()
-        self.guard = self.loop.call_later(self.header_timeout, self._refuse, status)
+        self.guard = self.loop.call_later(self.header_timeout, self._expire, None)
 
     def _disarm(self) -> None:
         if self.guard is not None:
             self.guard.cancel()
             self.guard = None
 
-    def _refuse(self, status: bytes | None) -> None:
-        """Answer ``status`` (None: nothing more to say) and close the connection."""
+    def _expire(self, status: bytes | None) -> None:
+        """Close the connection; with ``status``, or a 408 if a request's headers had begun."""
         self._disarm()
-        if not self.transport.is_closing():
-            if status is not None:
-                self.transport.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            self.transport.close()
+        if self.transport.is_closing():
+            return
+        if status is None and self.in_headers:
+            status = b"408 Request Timeout"
+        if status is not None:
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        self.transport.close()
 
 
 def serve(*, host: str, port: int, workers: int) -> None:

@@ -112,6 +112,20 @@ def slowloris(port: int, base: str) -> None:
     stuck = socket.create_connection(("127.0.0.1", port))
     stuck.sendall(post + b"x" * 10_000)
     assert _until_closed(stuck).startswith(b"HTTP/1.1 401")
+    # A kept-alive connection fed blank lines (no request ever begins) is closed all the same.
+    idle = socket.create_connection(("127.0.0.1", port))
+    idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle.settimeout(0.5)
+    closed_after = None
+    for tick in range(16):  # 8 s; the deadline is 2 s
+        with contextlib.suppress(socket.timeout):
+            if idle.recv(65536) == b"":
+                closed_after = tick * 0.5
+                break
+        with contextlib.suppress(OSError):
+            idle.sendall(b"\r\n")
+    idle.close()
+    assert closed_after is not None, "a blank-line drip kept the connection open"
 
 
 def _until_closed(sock: socket.socket) -> bytes:

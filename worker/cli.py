@@ -280,6 +280,7 @@ class Stack:
         self.host, self.port, self.quiet = host, port, quiet
         self.parts: dict[str, _Part] = {}
         self.redis: subprocess.Popen[bytes] | None = None  # the embedded Redis, when we started it
+        self.owns_redis = False  # we started the embedded Redis (not one already running): we stop it
 
     @property
     def url(self) -> str:
@@ -294,6 +295,7 @@ class Stack:
         upgrade()
         key = ensure_local_key()
         self._keep_redis()
+        self.owns_redis = self.redis is not None
         (settings.home_dir / "logs").mkdir(exist_ok=True)
         for name, args in (
             ("api", ["api", "--host", self.host, "--port", str(self.port)]),
@@ -345,14 +347,17 @@ class Stack:
                 self.parts[name] = _Part(part.args, self._spawn(name, part.args), now, part.backoff)
         if self.redis is not None and self.redis.poll() is not None:
             typer.echo("the embedded Redis exited; starting it again", err=True)
-            self._keep_redis()
+            try:
+                self._keep_redis()
+            except RuntimeError as exc:  # next round, again (a worker's reconciler may win the race)
+                typer.echo(str(exc), err=True)
 
     def stop(self) -> None:
         """The parts first (a worker hands its job back through the broker), then the broker."""
         _terminate([part.proc for part in reversed(self.parts.values())])
         _terminate([self.redis] if self.redis else [])
         settings = get_settings()
-        if settings.embedded_redis:  # one a worker's reconciler started again is no child of ours
+        if settings.embedded_redis and self.owns_redis:  # ours, which a reconciler may have started again
             from service import embedded
 
             embedded.stop_daemon(settings)

@@ -110,7 +110,7 @@ def create_job(
     )
     with write_lock(session):
         _check_room(session, project, settings.max_queued_jobs)
-        wanted = {training.id: "training_file", **({validation.id: "validation_file"} if validation else {})}
+        wanted = {**({validation.id: "validation_file"} if validation else {}), training.id: "training_file"}
         gone = sorted(set(wanted) - crud.lock_files(session=session, project_seq=project.seq, file_ids=list(wanted)))
         if gone:
             session.rollback()
