@@ -30,7 +30,7 @@ def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path)
     # 512 reads with one key in a second or two: far past the per-key rate limit, which is not what
     # this test is about (tests/test_rate_limit.py is).
     env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "RLOO_RATE_LIMIT": "0",
-                "RLOO_HEADER_TIMEOUT_SECONDS": "2"})
+                "RLOO_HEADER_TIMEOUT_SECONDS": "1"})
     cli = [sys.executable, "-m", "worker.cli"]
     subprocess.run([*cli, "db", "upgrade"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
     made = subprocess.run([*cli, "keys", "create", "--project", "load"], env=env, cwd=ROOT, check=True,
@@ -117,7 +117,7 @@ def slowloris(port: int, base: str) -> None:
     idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     idle.settimeout(0.5)
     closed_after = None
-    for tick in range(16):  # 8 s; the deadline is 2 s
+    for tick in range(16):  # 8 s; the deadline is 1 s
         with contextlib.suppress(socket.timeout):
             if idle.recv(65536) == b"":
                 closed_after = tick * 0.5

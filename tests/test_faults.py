@@ -125,7 +125,7 @@ def test_redis_restarted_without_its_data_loses_no_job(broker: str, tmp_path: Pa
         with live_stack("embedded", tmp_path, models_dir, env=env) as stack:
             http = stack.http
             file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-            running = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=16)).json()["id"]
+            running = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=12)).json()["id"]
             # Seen running first, then the queued ones (on a busy machine the two requests can take
             # longer than a short job's whole run).
             wait_for(http, running, {"running"}, 120, stack, min_step=1)
@@ -153,7 +153,7 @@ def test_redis_restarted_without_its_data_loses_no_job(broker: str, tmp_path: Pa
                     time.sleep(0.2)
                 assert http.get(stack.url + "/readyz").status_code == 200, stack.log_tail()
 
-            assert_succeeded_once(http, running, 16, stack)
+            assert_succeeded_once(http, running, 12, stack)
             for job_id in [*queued, late]:
                 assert_succeeded_once(http, job_id, 2, stack)
                 started = [e for e in events_of(http, job_id) if e.startswith("Job started")]
