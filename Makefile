@@ -47,6 +47,7 @@ bench: $(BENCH_STAMP)
 
 lint: install
 	$(BIN)/ruff check service worker tests benchmarks
+	$(BIN)/ruff format --check service worker tests benchmarks migrations
 	$(BIN)/mypy service worker
 
 clean:

@@ -57,12 +57,34 @@ def trl(models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS,
     model = AutoModelForCausalLM.from_pretrained(models / config, dtype=torch.float32)
     dataset = Dataset.from_list(load_items(data))
     args = RLOOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, fp16=False, seed=seed, max_steps=steps, learning_rate=LR,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=K * PROMPTS, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=K, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, beta=KL,
-        num_iterations=1, gradient_checkpointing=False, disable_dropout=True, logging_steps=1, report_to="none",
-        save_strategy="no", dataloader_num_workers=0, remove_unused_columns=False,
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=seed,
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=K * PROMPTS,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=K,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=KL,
+        num_iterations=1,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
     )
     trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok)
     t0 = time.perf_counter()
@@ -106,10 +128,20 @@ def main() -> None:
     import trl as trl_pkg
 
     configs = sys.argv[1:] or list(CONFIGS)
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "settings": SETTINGS, "torch": torch.__version__,
-                      "transformers": transformers.__version__, "trl": trl_pkg.__version__,
-                      "torch_threads": torch.get_num_threads(),
-                      **{c: compare(c) for c in configs}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "settings": SETTINGS,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "trl": trl_pkg.__version__,
+                "torch_threads": torch.get_num_threads(),
+                **{c: compare(c) for c in configs},
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,10 +30,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def load(url: str, *, path: str, connections: int, key: str, seconds: float, method: str = "GET",
-         body: str = "") -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.loadgen", url, "--method", method, "--path", path,
-           "--connections", str(connections), "--seconds", str(seconds), "--header", f"Authorization: Bearer {key}"]
+def load(
+    url: str, *, path: str, connections: int, key: str, seconds: float, method: str = "GET", body: str = ""
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.loadgen",
+        url,
+        "--method",
+        method,
+        "--path",
+        path,
+        "--connections",
+        str(connections),
+        "--seconds",
+        str(seconds),
+        "--header",
+        f"Authorization: Bearer {key}",
+    ]
     if body:
         cmd += ["--body", body]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
@@ -78,20 +93,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             proc = embedded.start(settings, daemonize=False)
             if proc is not None:
                 children.append(proc)
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "api", "--port", str(port)], cwd=ROOT,
-            stdout=open(home / "api.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        ))
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", "api", "--port", str(port)],
+                cwd=ROOT,
+                stdout=open(home / "api.log", "wb"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+            )
+        )
         wait_until_ready(url)
         http = httpx.Client(base_url=url + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        file_id = http.post("/files", files={"file": ("train.jsonl", DEMO_DATA.read_bytes())},
-                            data={"purpose": "fine-tune"}).json()["id"]
-        job_body = json.dumps({"model": "tiny", "training_file": file_id, "method": {
-            "type": "reinforcement", "reinforcement": {
-                "grader": {"type": "string_check", "name": "a", "input": "{{ sample.output_text }}",
-                           "reference": "a", "operation": "like"}}}})
-        jobs = [http.post("/fine_tuning/jobs", content=job_body, headers={"Content-Type": "application/json"})
-                for _ in range(25)]
+        file_id = http.post(
+            "/files", files={"file": ("train.jsonl", DEMO_DATA.read_bytes())}, data={"purpose": "fine-tune"}
+        ).json()["id"]
+        job_body = json.dumps(
+            {
+                "model": "tiny",
+                "training_file": file_id,
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {
+                        "grader": {
+                            "type": "string_check",
+                            "name": "a",
+                            "input": "{{ sample.output_text }}",
+                            "reference": "a",
+                            "operation": "like",
+                        }
+                    },
+                },
+            }
+        )
+        jobs = [
+            http.post("/fine_tuning/jobs", content=job_body, headers={"Content-Type": "application/json"})
+            for _ in range(25)
+        ]
         if any(r.status_code != 200 for r in jobs):
             raise RuntimeError(f"job creation failed: {jobs[0].text}")
         job_id = jobs[-1].json()["id"]
@@ -102,8 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         out: dict[str, Any] = {
             "config": f"rloo api (1 process) on {settings.database_url.split(':')[0]} + "
-                      f"{'embedded ' if settings.embedded_redis else ''}Redis; loadgen in its own process; "
-                      f"{args.seconds} s a case after 1 s of warm-up",
+            f"{'embedded ' if settings.embedded_redis else ''}Redis; loadgen in its own process; "
+            f"{args.seconds} s a case after 1 s of warm-up",
         }
         for connections in (32, 128):
             for name, case in cases.items():

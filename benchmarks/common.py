@@ -28,8 +28,13 @@ SETTINGS = (
     "fp32 CPU, one pass, no dropout, reward = number of 'a' characters"
 )
 # Our engine needs a grader spec; the reward itself is replaced by count_reward (see counting_reward).
-PLACEHOLDER_GRADER = {"type": "string_check", "name": "count_a", "input": "{{ sample.output_text }}",
-                      "reference": "a", "operation": "like"}
+PLACEHOLDER_GRADER = {
+    "type": "string_check",
+    "name": "count_a",
+    "input": "{{ sample.output_text }}",
+    "reference": "a",
+    "operation": "like",
+}
 
 
 def count_reward(texts: list[str]) -> list[float]:
@@ -105,17 +110,37 @@ def ours(
     from worker.config import TrainConfig
     from worker.train import train
 
-    hyper = Hyperparameters(rloo_k=K, batch_size=PROMPTS, max_new_tokens=NEW_TOKENS, learning_rate=LR, kl_coef=KL,
-                            max_steps=steps, n_epochs=1000, **hp).resolved()
-    cfg = TrainConfig(model=config, training_file=data, grader=PLACEHOLDER_GRADER, hyperparameters=hyper,
-                      output_dir=out, models_dir=models, seed=seed, device="cpu")
+    hyper = Hyperparameters(
+        rloo_k=K,
+        batch_size=PROMPTS,
+        max_new_tokens=NEW_TOKENS,
+        learning_rate=LR,
+        kl_coef=KL,
+        max_steps=steps,
+        n_epochs=1000,
+        **hp,
+    ).resolved()
+    cfg = TrainConfig(
+        model=config,
+        training_file=data,
+        grader=PLACEHOLDER_GRADER,
+        hyperparameters=hyper,
+        output_dir=out,
+        models_dir=models,
+        seed=seed,
+        device="cpu",
+    )
     rec = Collect(quiet=True)
     with counting_reward():
         t0 = time.perf_counter()
         train(cfg, rec)  # type: ignore[arg-type]
         wall = time.perf_counter() - t0
-    return {"wall_s": wall, "steps": rec.steps, "handed_at": rec.handed_at,
-            "rewards": [m["train_reward_mean"] for m in rec.steps]}
+    return {
+        "wall_s": wall,
+        "steps": rec.steps,
+        "handed_at": rec.handed_at,
+        "rewards": [m["train_reward_mean"] for m in rec.steps],
+    }
 
 
 def first_last(rewards: list[float], n: int = 5) -> tuple[float, float]:

@@ -51,15 +51,21 @@ def python_grader() -> dict[str, Any]:
     source = "def grade(sample, item):\n    return float(len(sample['output_text']))\n"
     samples = [{"output_text": "x" * i} for i in range(64)]
     out: dict[str, Any] = {}
-    boxes = {"bwrap": dict(kind="bwrap"), "bwrap_user_namespace": dict(kind="bwrap", user_namespace=True),
-             "process": dict(kind="process")}
+    boxes = {
+        "bwrap": dict(kind="bwrap"),
+        "bwrap_user_namespace": dict(kind="bwrap", user_namespace=True),
+        "process": dict(kind="process"),
+    }
     for name, how in boxes.items():
         box = sandbox.current(how["kind"], 65534, user_namespace=how.get("user_namespace"))  # type: ignore[arg-type]
 
         def batch(n: int, box: sandbox.Sandbox = box) -> None:
             sandbox.run_python_grader(source, samples[:n], [{}] * n, sandbox=box)
 
-        out[name] = {"batch_of_64_ms": _median_ms(lambda: batch(64), 15), "batch_of_1_ms": _median_ms(lambda: batch(1), 15)}
+        out[name] = {
+            "batch_of_64_ms": _median_ms(lambda: batch(64), 15),
+            "batch_of_1_ms": _median_ms(lambda: batch(1), 15),
+        }
     return out
 
 
@@ -74,10 +80,20 @@ def dry_run() -> dict[str, Any]:
         env = {**os.environ, "RLOO_HOME": home, "REDIS_URL": settings.redis_url, "RLOO_QUEUE": "bench"}
         os.environ.update({"RLOO_HOME": home, "REDIS_URL": settings.redis_url})
         reset_caches()
-        worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--queue", "bench-graders"],
-                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        grader = {"type": "string_check", "name": "s", "input": "{{ sample.output_text }}",
-                  "reference": "{{ item.answer }}", "operation": "eq"}
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "worker", "--queue", "bench-graders"],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        grader = {
+            "type": "string_check",
+            "name": "s",
+            "input": "{{ sample.output_text }}",
+            "reference": "{{ item.answer }}",
+            "operation": "eq",
+        }
         payload = {"grader": grader, "model_sample": "red", "item": {"answer": "red"}}
 
         async def runs() -> list[float]:
@@ -98,8 +114,12 @@ def dry_run() -> dict[str, Any]:
             if redis_proc is not None:
                 redis_proc.terminate()
                 redis_proc.wait(timeout=10)
-    return {"string_check_ms": {"p50": round(times[len(times) // 2] * 1000, 1),
-                                "p95": round(times[int(len(times) * 0.95)] * 1000, 1)}}
+    return {
+        "string_check_ms": {
+            "p50": round(times[len(times) // 2] * 1000, 1),
+            "p95": round(times[int(len(times) * 0.95)] * 1000, 1),
+        }
+    }
 
 
 def json_door() -> dict[str, Any]:
@@ -141,14 +161,27 @@ def checkpoint_download() -> dict[str, Any]:
             for name, path in files:
                 tar.add(path, arcname=name)
         copied = time.perf_counter() - t0
-    return {"size_mib": 256, "streamed_first_byte_ms": round(first * 1000, 2),
-            "streamed_whole_s": round(streamed, 3), "copy_first_then_serve_first_byte_s": round(copied, 3),
-            "disk_written_mib": {"streamed": 0, "copy_first": 256}}
+    return {
+        "size_mib": 256,
+        "streamed_first_byte_ms": round(first * 1000, 2),
+        "streamed_whole_s": round(streamed, 3),
+        "copy_first_then_serve_first_byte_s": round(copied, 3),
+        "disk_written_mib": {"streamed": 0, "copy_first": 256},
+    }
 
 
 def main() -> None:
-    print(json.dumps({"python_grader": python_grader(), "dry_run": dry_run(), "json_door": json_door(),
-                      "checkpoint_download": checkpoint_download()}, indent=2))
+    print(
+        json.dumps(
+            {
+                "python_grader": python_grader(),
+                "dry_run": dry_run(),
+                "json_door": json_door(),
+                "checkpoint_download": checkpoint_download(),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

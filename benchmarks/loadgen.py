@@ -44,8 +44,16 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
-async def _connection(host: str, port: int, payload: bytes, deadline: float, warmup_until: float,
-                      latencies: list[float], statuses: dict[int, int], errors: list[str]) -> None:
+async def _connection(
+    host: str,
+    port: int,
+    payload: bytes,
+    deadline: float,
+    warmup_until: float,
+    latencies: list[float],
+    statuses: dict[int, int],
+    errors: list[str],
+) -> None:
     reader = writer = None
     while time.perf_counter() < deadline:
         try:
@@ -68,8 +76,17 @@ async def _connection(host: str, port: int, payload: bytes, deadline: float, war
         writer.close()
 
 
-async def run(url: str, *, method: str, path: str, connections: int, seconds: float, warmup: float,
-              headers: list[str], body: bytes) -> dict[str, object]:
+async def run(
+    url: str,
+    *,
+    method: str,
+    path: str,
+    connections: int,
+    seconds: float,
+    warmup: float,
+    headers: list[str],
+    body: bytes,
+) -> dict[str, object]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     payload = _request(method, path, f"{host}:{port}", headers, body)
@@ -78,10 +95,12 @@ async def run(url: str, *, method: str, path: str, connections: int, seconds: fl
     errors: list[str] = []
     start = time.perf_counter()
     warmup_until, deadline = start + warmup, start + warmup + seconds
-    await asyncio.gather(*(
-        _connection(host, port, payload, deadline, warmup_until, latencies, statuses, errors)
-        for _ in range(connections)
-    ))
+    await asyncio.gather(
+        *(
+            _connection(host, port, payload, deadline, warmup_until, latencies, statuses, errors)
+            for _ in range(connections)
+        )
+    )
     measured = time.perf_counter() - warmup_until
     latencies.sort()
     n = len(latencies)
@@ -89,8 +108,14 @@ async def run(url: str, *, method: str, path: str, connections: int, seconds: fl
     def pct(q: float) -> float:
         return round(latencies[min(n - 1, int(q * n))] * 1000, 2) if n else float("nan")
 
-    return {"requests": n, "requests_per_s": round(n / measured, 1), "p50_ms": pct(0.50), "p99_ms": pct(0.99),
-            "statuses": {str(k): v for k, v in sorted(statuses.items())}, "errors": len(errors)}
+    return {
+        "requests": n,
+        "requests_per_s": round(n / measured, 1),
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "errors": len(errors),
+    }
 
 
 def main() -> None:
@@ -104,8 +129,18 @@ def main() -> None:
     ap.add_argument("--header", action="append", default=[])
     ap.add_argument("--body", default="")
     a = ap.parse_args()
-    result = asyncio.run(run(a.url, method=a.method, path=a.path, connections=a.connections, seconds=a.seconds,
-                             warmup=a.warmup, headers=a.header, body=a.body.encode()))
+    result = asyncio.run(
+        run(
+            a.url,
+            method=a.method,
+            path=a.path,
+            connections=a.connections,
+            seconds=a.seconds,
+            warmup=a.warmup,
+            headers=a.header,
+            body=a.body.encode(),
+        )
+    )
     print(json.dumps(result))
 
 

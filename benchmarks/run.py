@@ -61,32 +61,43 @@ def _engine_case(config: str) -> None:
     handed = run["handed_at"]
     outside = [b - a - m["time_step"] for a, b, m in zip(handed[2:-1], handed[3:], timed[1:], strict=True)]
     first, last = first_last(run["rewards"])
-    print(json.dumps({
-        "config": f"{config}: {CONFIGS[config]}, vocab 512",
-        "steps": len(steps),
-        "wall_s": round(run["wall_s"], 2),
-        "completions_per_s": round(len(timed) * K * PROMPTS / step_time, 1),
-        "completions_per_s_wall": round(len(steps) * K * PROMPTS / run["wall_s"], 1),
-        "generated_tokens_per_s": round(sum(m["tokens_per_s"] * m["time_step"] for m in timed) / step_time, 1),
-        "step_split_s_median": {
-            **{k.removeprefix("time_"): round(statistics.median(m[k] for m in timed), 4)
-               for k in ("time_generate", "time_score", "time_reference", "time_update")},
-            "record": round(statistics.median(outside), 5),
-            "step": round(statistics.median(m["time_step"] for m in timed), 4),
-        },
-        "completion_length_mean": round(statistics.mean(m["completion_length_mean"] for m in steps), 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "reward_first5": first,
-        "reward_last5": last,
-    }))
+    print(
+        json.dumps(
+            {
+                "config": f"{config}: {CONFIGS[config]}, vocab 512",
+                "steps": len(steps),
+                "wall_s": round(run["wall_s"], 2),
+                "completions_per_s": round(len(timed) * K * PROMPTS / step_time, 1),
+                "completions_per_s_wall": round(len(steps) * K * PROMPTS / run["wall_s"], 1),
+                "generated_tokens_per_s": round(sum(m["tokens_per_s"] * m["time_step"] for m in timed) / step_time, 1),
+                "step_split_s_median": {
+                    **{
+                        k.removeprefix("time_"): round(statistics.median(m[k] for m in timed), 4)
+                        for k in ("time_generate", "time_score", "time_reference", "time_update")
+                    },
+                    "record": round(statistics.median(outside), 5),
+                    "step": round(statistics.median(m["time_step"] for m in timed), 4),
+                },
+                "completion_length_mean": round(statistics.mean(m["completion_length_mean"] for m in steps), 1),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "reward_first5": first,
+                "reward_last5": last,
+            }
+        )
+    )
 
 
 def engine() -> dict[str, Any]:
     out: dict[str, Any] = {"settings": f"{SETTINGS}, {STEPS} steps, seed 0"}
     for config in CONFIGS:
         print(f"engine: {config}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--engine-case", config],
-                              capture_output=True, text=True, cwd=ROOT, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.run", "--engine-case", config],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=True,
+        )
         out[config] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
@@ -104,13 +115,27 @@ MEMORY_CASES: dict[str, dict[str, Any]] = {
 
 
 def _memory_case(models: str, case: str) -> None:
-    hp = Hyperparameters(rloo_k=4, batch_size=8, max_new_tokens=32, learning_rate=1e-4, max_steps=2,
-                         **MEMORY_CASES[case]).resolved()
-    grader = {"type": "string_check", "name": "a", "input": "{{ sample.output_text }}", "reference": "a",
-              "operation": "like"}
+    hp = Hyperparameters(
+        rloo_k=4, batch_size=8, max_new_tokens=32, learning_rate=1e-4, max_steps=2, **MEMORY_CASES[case]
+    ).resolved()
+    grader = {
+        "type": "string_check",
+        "name": "a",
+        "input": "{{ sample.output_text }}",
+        "reference": "a",
+        "operation": "like",
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(model="small", training_file=ROOT / "examples" / "demo" / "train.jsonl", grader=grader,
-                          hyperparameters=hp, output_dir=Path(tmp), models_dir=Path(models), seed=0, device="cpu")
+        cfg = TrainConfig(
+            model="small",
+            training_file=ROOT / "examples" / "demo" / "train.jsonl",
+            grader=grader,
+            hyperparameters=hp,
+            output_dir=Path(tmp),
+            models_dir=Path(models),
+            seed=0,
+            device="cpu",
+        )
         train(cfg, Collect())  # type: ignore[arg-type]
     peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     # The tensors each case holds for the whole run, counted on the same model: the reference's weights
@@ -125,11 +150,15 @@ def _memory_case(models: str, case: str) -> None:
         model = add_lora(model, hp["lora"], resume_from=None)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     reference = weights if hp["kl_coef"] > 0 and not hp["lora"] else 0
-    print(json.dumps({
-        "peak_rss_mib": peak,
-        "reference_weights_mib": round(reference / 2**20, 1),
-        "optimizer_state_mib": round(2 * trainable / 2**20, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "peak_rss_mib": peak,
+                "reference_weights_mib": round(reference / 2**20, 1),
+                "optimizer_state_mib": round(2 * trainable / 2**20, 1),
+            }
+        )
+    )
 
 
 def reference_memory() -> dict[str, Any]:
@@ -148,8 +177,13 @@ def reference_memory() -> dict[str, Any]:
             "model_parameters_mib": round(param_mib, 1),
         }
         for case in MEMORY_CASES:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--memory-case", tmp, case],
-                                  capture_output=True, text=True, cwd=ROOT, check=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.run", "--memory-case", tmp, case],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                check=True,
+            )
             out[case] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
@@ -174,8 +208,9 @@ def main() -> None:
         elif section == "reference_memory":
             result["reference_memory"] = reference_memory()
         elif section == "service":
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.service"], capture_output=True, text=True,
-                                  cwd=ROOT, check=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.service"], capture_output=True, text=True, cwd=ROOT, check=True
+            )
             result["service"] = json.loads(proc.stdout)
         elif section in ("api", "isolation"):
             module = "benchmarks.api_load" if section == "api" else "benchmarks.isolation"

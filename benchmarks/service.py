@@ -30,10 +30,22 @@ from typing import Any
 
 from benchmarks.common import DEMO_DATA, KL, LR, NEW_TOKENS, PROMPTS, STEPS, K, build
 
-GRADER = {"type": "text_similarity", "name": "answer", "input": "{{ sample.output_text }}",
-          "reference": "{{ item.answer }}", "evaluation_metric": "fuzzy_match"}
-HYPERPARAMETERS = {"rloo_k": K, "batch_size": PROMPTS, "max_new_tokens": NEW_TOKENS, "learning_rate": LR,
-                   "kl_coef": KL, "max_steps": STEPS, "n_epochs": 100}
+GRADER = {
+    "type": "text_similarity",
+    "name": "answer",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "evaluation_metric": "fuzzy_match",
+}
+HYPERPARAMETERS = {
+    "rloo_k": K,
+    "batch_size": PROMPTS,
+    "max_new_tokens": NEW_TOKENS,
+    "learning_rate": LR,
+    "kl_coef": KL,
+    "max_steps": STEPS,
+    "n_epochs": 100,
+}
 
 
 def _free_port() -> int:
@@ -44,15 +56,23 @@ def _free_port() -> int:
 
 def foreground(spec: Path, home: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "worker.cli", "train", str(spec), "--output-dir", str(home / "fg")],
-                          capture_output=True, text=True, check=True, env=os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "train", str(spec), "--output-dir", str(home / "fg")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=os.environ,
+    )
     wall = time.perf_counter() - t0
     shutil.rmtree(home / "fg", ignore_errors=True)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     steps = [m for m in lines if "time_step" in m]
     summary = next(m for m in reversed(lines) if "status" in m)
-    return {"wall_s": wall, "train_s": summary["wall_s"],
-            "time_step_median": statistics.median(m["time_step"] for m in steps)}
+    return {
+        "wall_s": wall,
+        "train_s": summary["wall_s"],
+        "time_step_median": statistics.median(m["time_step"] for m in steps),
+    }
 
 
 def through_service(http: Any, file_id: str) -> dict[str, Any]:
@@ -78,9 +98,14 @@ def through_service(http: Any, file_id: str) -> dict[str, Any]:
     metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
     events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
     ready = [re.search(r" ready on \w+ in ([\d.]+) s", e["message"]) for e in events]
-    return {"job_id": job_id, "wall_s": now - t0, "submit_to_running_s": running, "submit_to_first_step_s": first_step,
-            "model_ready_s": float(next(m for m in ready if m).group(1)),
-            "time_step_median": statistics.median(m["time_step"] for m in metrics)}
+    return {
+        "job_id": job_id,
+        "wall_s": now - t0,
+        "submit_to_running_s": running,
+        "submit_to_first_step_s": first_step,
+        "model_ready_s": float(next(m for m in ready if m).group(1)),
+        "time_step_median": statistics.median(m["time_step"] for m in metrics),
+    }
 
 
 def recording_cost(job_id: str, n: int = 200) -> dict[str, Any]:
@@ -111,8 +136,14 @@ def recording_cost(job_id: str, n: int = 200) -> dict[str, Any]:
 def main(rounds: int = 2) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="rloo-bench-service-"))
     # The embedded defaults in a fresh home, whatever this shell points at.
-    for name in ("DATABASE_URL", "RLOO_DATABASE_URL", "REDIS_URL", "RLOO_REDIS_URL", "RLOO_MODELS_DIR",
-                 "RLOO_ARTIFACTS_DIR"):
+    for name in (
+        "DATABASE_URL",
+        "RLOO_DATABASE_URL",
+        "REDIS_URL",
+        "RLOO_REDIS_URL",
+        "RLOO_MODELS_DIR",
+        "RLOO_ARTIFACTS_DIR",
+    ):
         os.environ.pop(name, None)
     os.environ["RLOO_HOME"] = str(home)
     # The stack's API inherits this: the poller asks every 10 ms until the first step, past the per-key
@@ -128,16 +159,28 @@ def main(rounds: int = 2) -> dict[str, Any]:
         spec_dir.mkdir()
         shutil.copy(DEMO_DATA, spec_dir / "train.jsonl")
         spec = spec_dir / "job.json"
-        spec.write_text(json.dumps({"model": "tiny", "training_file": "train.jsonl", "seed": 0, "method": {
-            "type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": HYPERPARAMETERS}}}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "training_file": "train.jsonl",
+                    "seed": 0,
+                    "method": {
+                        "type": "reinforcement",
+                        "reinforcement": {"grader": GRADER, "hyperparameters": HYPERPARAMETERS},
+                    },
+                }
+            )
+        )
 
         stack = Stack("127.0.0.1", _free_port(), quiet=True)
         key = stack.start()
         runs: dict[str, list[dict[str, Any]]] = {"rloo_train": [], "service": []}
         try:
             http = httpx.Client(base_url=stack.url + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=60)
-            upload = http.post("/files", files={"file": ("train.jsonl", DEMO_DATA.read_bytes())},
-                               data={"purpose": "fine-tune"})
+            upload = http.post(
+                "/files", files={"file": ("train.jsonl", DEMO_DATA.read_bytes())}, data={"purpose": "fine-tune"}
+            )
             upload.raise_for_status()
             time.sleep(8)  # the worker's pool child preloads torch while idle, as it would between jobs
             for r in range(rounds):
@@ -158,7 +201,7 @@ def main(rounds: int = 2) -> dict[str, Any]:
     step = med("service", "time_step_median")
     return {
         "config": f"tiny, {STEPS} steps, k={K}, {PROMPTS} prompts, {NEW_TOKENS} new tokens; SQLite + embedded Redis, "
-                  f"one Celery worker; medians of {rounds} alternating rounds",
+        f"one Celery worker; medians of {rounds} alternating rounds",
         "rloo_train_wall_s": med("rloo_train", "wall_s"),
         "rloo_train_in_train_s": med("rloo_train", "train_s"),
         "service_submit_to_succeeded_s": med("service", "wall_s"),

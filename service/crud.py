@@ -196,10 +196,7 @@ def set_status(
     if held_by is not None:
         where.append(Job.worker == held_by)
     result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-        update(Job)
-        .where(*where)
-        .values(status=to, **values)
-        .execution_options(synchronize_session=False)
+        update(Job).where(*where).values(status=to, **values).execution_options(synchronize_session=False)
     )
     if result.rowcount and event:
         add_event(session=session, job=job, message=event, level=level)

@@ -93,8 +93,9 @@ async def run(*, project: str, payload: dict[str, Any], queue: str, timeout: flo
     now = time.time()
     deadline = now + timeout
     active = f"{ns}:active:{project}"
-    conn = redis.asyncio.Redis.from_url(get_settings().redis_client_url, socket_timeout=timeout + 5,
-                                        socket_connect_timeout=5)
+    conn = redis.asyncio.Redis.from_url(
+        get_settings().redis_client_url, socket_timeout=timeout + 5, socket_connect_timeout=5
+    )
     try:
         if not await conn.eval(_ADMIT, 1, active, now, deadline, run_id, cap):  # type: ignore[misc]
             raise Busy()
@@ -111,14 +112,24 @@ async def run(*, project: str, payload: dict[str, Any], queue: str, timeout: flo
 
 
 async def _queue_and_wait(
-    conn: Any, ns: str, queue: str, run_id: str, project: str, payload: dict[str, Any], deadline: float,
-    timeout: float, state: dict[str, bool],
+    conn: Any,
+    ns: str,
+    queue: str,
+    run_id: str,
+    project: str,
+    payload: dict[str, Any],
+    deadline: float,
+    timeout: float,
+    state: dict[str, bool],
 ) -> dict[str, Any]:
     from service import queue as celery_queue
 
     reply = f"{ns}:reply:{run_id}"
-    envelope = json.dumps({"id": run_id, "project": project, "deadline": deadline, "reply": reply,
-                           "payload": payload}, ensure_ascii=False, allow_nan=False)
+    envelope = json.dumps(
+        {"id": run_id, "project": project, "deadline": deadline, "reply": reply, "payload": payload},
+        ensure_ascii=False,
+        allow_nan=False,
+    )
     pending = f"{ns}:pending:{project}"
     await conn.eval(_PUSH, 3, pending, f"{ns}:projects", f"{ns}:served", project, envelope)
     answer = None
@@ -182,7 +193,11 @@ def bury(conn: Any, queue: str, raw: str) -> None:
     except ValueError:
         return
     conn.zrem(f"{ns}:active:{envelope['project']}", envelope["id"])
-    error = {"error": "the grader ended the worker process that ran it (killed, or out of memory); it was set "
-                      "aside and will not be run again", "code": "grader_crashed", "status": 502}
+    error = {
+        "error": "the grader ended the worker process that ran it (killed, or out of memory); it was set "
+        "aside and will not be run again",
+        "code": "grader_crashed",
+        "status": 502,
+    }
     conn.rpush(envelope["reply"], json.dumps(error))
     conn.expire(envelope["reply"], 300)

@@ -828,7 +828,12 @@ ModelScorer = Callable[[Any, list[Sample], list[Mapping[str, object]]], list[flo
 _GRADER_CLASSES: dict[str, type[Grader]] = {
     cls.type: cls
     for cls in (
-        StringCheckGrader, TextSimilarityGrader, RewardModelGrader, ScoreModelGrader, MultiGrader, PythonGrader,
+        StringCheckGrader,
+        TextSimilarityGrader,
+        RewardModelGrader,
+        ScoreModelGrader,
+        MultiGrader,
+        PythonGrader,
         HttpGrader,
     )
 }
@@ -978,9 +983,7 @@ def _parse_score_model(spec: Mapping[str, object], *, name: str, param: str) -> 
             raise GraderError('each input message is {"role": ..., "content": "..."}', param=where)
         role, content = message.get("role", "user"), message["content"]
         if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
-            raise GraderError(
-                "role must be system, developer, user or assistant, and content a string", param=where
-            )
+            raise GraderError("role must be system, developer, user or assistant, and content a string", param=where)
         _validate_template(content, param=f"{where}.content")
         parsed.append(("system" if role == "developer" else role, content))
     low_high = spec.get("range", [0, 1])
@@ -995,14 +998,21 @@ def _parse_score_model(spec: Mapping[str, object], *, name: str, param: str) -> 
         )
     sampling = spec.get("sampling_params", {})
     if not isinstance(sampling, Mapping) or set(sampling) - {"max_tokens", "max_completions_tokens"}:
-        raise GraderError("sampling_params may set max_tokens only (the judge answers greedily)",
-                          param=f"{param}.sampling_params")
+        raise GraderError(
+            "sampling_params may set max_tokens only (the judge answers greedily)", param=f"{param}.sampling_params"
+        )
     max_tokens = sampling.get("max_tokens", sampling.get("max_completions_tokens", 16))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
-        raise GraderError("sampling_params.max_tokens must be an integer in 1..256",
-                          param=f"{param}.sampling_params.max_tokens")
-    return ScoreModelGrader(name=name, model=model, input=tuple(parsed), range=(float(low_high[0]),
-                            float(low_high[1])), max_tokens=max_tokens)
+        raise GraderError(
+            "sampling_params.max_tokens must be an integer in 1..256", param=f"{param}.sampling_params.max_tokens"
+        )
+    return ScoreModelGrader(
+        name=name,
+        model=model,
+        input=tuple(parsed),
+        range=(float(low_high[0]), float(low_high[1])),
+        max_tokens=max_tokens,
+    )
 
 
 def render_judge_messages(
@@ -1012,8 +1022,9 @@ def render_judge_messages(
     out: list[list[dict[str, str]] | None] = []
     for sample, item in zip(samples, items, strict=True):
         try:
-            out.append([{"role": role, "content": render(content, sample=sample, item=item)}
-                        for role, content in grader.input])
+            out.append(
+                [{"role": role, "content": render(content, sample=sample, item=item)} for role, content in grader.input]
+            )
         except TemplateKeyError:
             out.append(None)
     return out
@@ -1405,8 +1416,10 @@ def _grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[M
             chunk = range(start, min(start + HTTP_GRADER_BATCH, len(samples)))
             body = {
                 "samples": [
-                    {"sample": {"output_text": samples[i].output_text, "output_json": samples[i].output_json},
-                     "item": dict(items[i])}
+                    {
+                        "sample": {"output_text": samples[i].output_text, "output_json": samples[i].output_json},
+                        "item": dict(items[i]),
+                    }
                     for i in chunk
                 ]
             }

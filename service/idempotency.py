@@ -55,8 +55,9 @@ def replay(session: Session, *, project_seq: int, route: str, key: str, digest: 
 
 
 def remember(session: Session, *, project_seq: int, route: str, key: str, digest: str, response: Any) -> None:
-    session.add(IdempotentRequest(project_seq=project_seq, route=route, key=key, request_hash=digest,
-                                  response=response))
+    session.add(
+        IdempotentRequest(project_seq=project_seq, route=route, key=key, request_hash=digest, response=response)
+    )
 
 
 def replay_after_conflict(session: Session, *, project_seq: int, route: str, key: str | None, digest: str) -> JSON:

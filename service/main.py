@@ -100,10 +100,16 @@ def create_app() -> FastAPI:
 
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=PlainTextResponse, responses={
-        401: {"description": "RLOO_METRICS_TOKEN is set, and this is not it.", **error},
-        403: {"description": "Not this host's loopback, and RLOO_METRICS_TOKEN is not set.", **error},
-    })
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={
+            401: {"description": "RLOO_METRICS_TOKEN is set, and this is not it.", **error},
+            403: {"description": "Not this host's loopback, and RLOO_METRICS_TOKEN is not set.", **error},
+        },
+    )
     def metrics(request: Request) -> PlainTextResponse:
         _metrics_allowed(request, settings.metrics_token)
         lines = ["# HELP rloo_jobs Jobs by status.", "# TYPE rloo_jobs gauge"]
@@ -124,8 +130,12 @@ def _metrics_allowed(request: Request, token: str | None) -> None:
     if token:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise APIError(401, "/metrics wants the operator's token (RLOO_METRICS_TOKEN) as 'Authorization: Bearer'.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "/metrics wants the operator's token (RLOO_METRICS_TOKEN) as 'Authorization: Bearer'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return
     host = request.client.host if request.client else ""
     try:
@@ -133,8 +143,12 @@ def _metrics_allowed(request: Request, token: str | None) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise APIError(403, "/metrics answers this host's loopback only; set RLOO_METRICS_TOKEN to scrape it from "
-                       "elsewhere with that token.", code="metrics_forbidden")
+        raise APIError(
+            403,
+            "/metrics answers this host's loopback only; set RLOO_METRICS_TOKEN to scrape it from "
+            "elsewhere with that token.",
+            code="metrics_forbidden",
+        )
 
 
 app = create_app()

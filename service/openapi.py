@@ -91,9 +91,7 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
 def install(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(
-                title=app.title, version=app.version, description=app.description, routes=app.routes
-            )
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             app.openapi_schema = document_errors(schema)
         return app.openapi_schema
 

@@ -39,8 +39,9 @@ def _parse(body: bytes) -> Any:
     try:
         text = body.decode("utf-8")  # strictly: no surrogates smuggled as bytes, no UTF-16
     except UnicodeDecodeError as exc:
-        raise bad_request(f"The request body is not UTF-8 text (byte {exc.start + 1}); JSON is sent as UTF-8.",
-                          None) from None
+        raise bad_request(
+            f"The request body is not UTF-8 text (byte {exc.start + 1}); JSON is sent as UTF-8.", None
+        ) from None
     try:
         return strictjson.loads(text.removeprefix("\ufeff"))  # a byte-order mark, as json.loads(bytes) skips it
     except strictjson.InvalidJSON as exc:

@@ -114,8 +114,12 @@ def current(kind: str, uid: int, *, user_namespace: bool | None = None) -> Sandb
 @functools.cache
 def _probed(kind: str, uid: int, user_namespace: bool) -> Sandbox:
     box = _process_sandbox() if kind == "process" else _bwrap_sandbox(uid, user_namespace)
-    probe = _run_batch(box, "def grade(sample, item):\n    return 1.0\n", [{"sample": {}, "item": {}}],
-                       Limits(per_sample_seconds=10, batch_seconds=20))
+    probe = _run_batch(
+        box,
+        "def grade(sample, item):\n    return 1.0\n",
+        [{"sample": {}, "item": {}}],
+        Limits(per_sample_seconds=10, batch_seconds=20),
+    )
     if probe[0].error is not None or probe[0].score != 1.0:
         raise SandboxUnavailable(f"the {kind} sandbox does not run here: {probe[0].error}. {_ADVICE}")
     return box
@@ -136,8 +140,21 @@ def _bwrap_sandbox(uid: int, user_namespace: bool) -> Sandbox:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(f"python graders run in bubblewrap's sandbox, and bwrap is not installed. {_ADVICE}")
-    argv = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox", "--cap-drop", "ALL"]
+    argv = [
+        bwrap,
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--hostname",
+        "sandbox",
+        "--cap-drop",
+        "ALL",
+    ]
     if user_namespace:  # `uid` inside, our own uid outside; no user namespace of its own (bwrap 0.8+)
         argv += ["--unshare-user", "--uid", str(uid), "--gid", str(uid)]
         argv += ["--disable-userns"] if _bwrap_has(bwrap, "--disable-userns") else []
@@ -189,11 +206,31 @@ def _file_system() -> list[str]:
         for packages in ("site-packages", "dist-packages"):
             if os.path.isdir(os.path.join(path, packages)):
                 args += ["--tmpfs", os.path.join(path, packages)]
-    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
-             "--ro-bind-try", "/usr/lib/locale/C.utf8", "/usr/lib/locale/C.utf8",  # locale.setlocale's C.UTF-8
-             "--ro-bind", str(RUNNER), RUNNER_IN_BOX,
-             "--dev", "/dev", "--remount-ro", "/dev",  # its devices, and no writable /dev/shm
-             "--size", str(16 * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/"]
+    args += [
+        "--ro-bind-try",
+        "/etc/ld.so.cache",
+        "/etc/ld.so.cache",
+        "--ro-bind-try",
+        "/usr/lib/locale/C.utf8",
+        "/usr/lib/locale/C.utf8",  # locale.setlocale's C.UTF-8
+        "--ro-bind",
+        str(RUNNER),
+        RUNNER_IN_BOX,
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/dev",  # its devices, and no writable /dev/shm
+        "--size",
+        str(16 * 2**20),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--chdir",
+        "/tmp",
+        "--remount-ro",
+        "/",
+    ]
     return args
 
 
@@ -232,7 +269,11 @@ def _through_dirs(path: str) -> str:
 
 # Running a batch --------------------------------------------------------------------------------
 def run_python_grader(
-    source: str, samples: list[dict[str, Any]], items: list[Any], limits: Limits | None = None, *,
+    source: str,
+    samples: list[dict[str, Any]],
+    items: list[Any],
+    limits: Limits | None = None,
+    *,
     sandbox: Sandbox | None = None,
 ) -> list[Outcome]:
     """Scores of ``grade(sample, item)`` for each pair; NaN with an error where it failed. Uses the
@@ -291,9 +332,14 @@ class _Read:
 def _run_once(
     box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits, batch_deadline: float
 ) -> tuple[_Read, _Ended]:
-    request = {"source": source, "batch": batch, "per_sample_seconds": limits.per_sample_seconds,
-               "memory_mb": limits.memory_mb, "cpu_seconds": int(limits.batch_seconds) + 1,
-               "audit_hook": limits.audit_hook}
+    request = {
+        "source": source,
+        "batch": batch,
+        "per_sample_seconds": limits.per_sample_seconds,
+        "memory_mb": limits.memory_mb,
+        "cpu_seconds": int(limits.batch_seconds) + 1,
+        "audit_hook": limits.audit_hook,
+    }
     # The request and the log are unnamed files (the request cannot block us on a pipe, RLIMIT_FSIZE
     # caps the log, and a worker killed mid-batch leaves neither behind); the results come on a
     # pipe, read against the clock. The process sandbox's working directory is a fresh empty one.
@@ -303,7 +349,11 @@ def _run_once(
         stdin.seek(0)
         proc = subprocess.Popen(
             [*box.argv, "-" if box.uid is None else str(box.uid)],
-            stdin=stdin, stdout=subprocess.PIPE, stderr=log, cwd=work, env={},
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            cwd=work,
+            env={},
             start_new_session=True,  # its own process group: killed whole
         )
         read = _Read()

@@ -23,14 +23,55 @@ import sys
 # What a grader may not import (processes, sockets, foreign code, the garbage collector's view of
 # every object, threads) and the audit events it may not raise. Defence in depth: the sandbox's
 # namespaces, not this list, keep a grader from the service.
-NO_IMPORT = frozenset({
-    "_posixsubprocess", "subprocess", "multiprocessing", "_multiprocessing", "socket", "_socket", "ssl", "_ssl",
-    "ctypes", "_ctypes", "gc", "pty", "fcntl", "mmap", "_thread", "threading", "resource", "signal", "_signal",
-    "sqlite3", "_sqlite3", "urllib", "http", "asyncio", "_xxsubinterpreters", "_testcapi", "_testinternalcapi",
-})
-NO_EVENTS = ("os.", "socket.", "subprocess.", "ctypes.", "shutil.", "sqlite3.", "urllib.", "signal.", "sys.settrace",
-             "sys.setprofile", "sys.addaudithook", "sys._current_frames", "gc.", "builtins.input", "webbrowser.",
-             "glob.")
+NO_IMPORT = frozenset(
+    {
+        "_posixsubprocess",
+        "subprocess",
+        "multiprocessing",
+        "_multiprocessing",
+        "socket",
+        "_socket",
+        "ssl",
+        "_ssl",
+        "ctypes",
+        "_ctypes",
+        "gc",
+        "pty",
+        "fcntl",
+        "mmap",
+        "_thread",
+        "threading",
+        "resource",
+        "signal",
+        "_signal",
+        "sqlite3",
+        "_sqlite3",
+        "urllib",
+        "http",
+        "asyncio",
+        "_xxsubinterpreters",
+        "_testcapi",
+        "_testinternalcapi",
+    }
+)
+NO_EVENTS = (
+    "os.",
+    "socket.",
+    "subprocess.",
+    "ctypes.",
+    "shutil.",
+    "sqlite3.",
+    "urllib.",
+    "signal.",
+    "sys.settrace",
+    "sys.setprofile",
+    "sys.addaudithook",
+    "sys._current_frames",
+    "gc.",
+    "builtins.input",
+    "webbrowser.",
+    "glob.",
+)
 OS_OK = frozenset({"os.listdir", "os.scandir"})  # the import system lists directories
 
 
@@ -78,9 +119,14 @@ def drop_privileges(uid):
 
 
 def set_limits(memory_mb, cpu_seconds):
-    for what, value in ((resource.RLIMIT_AS, memory_mb * 2**20), (resource.RLIMIT_CPU, cpu_seconds),
-                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64),
-                        (resource.RLIMIT_FSIZE, 16 * 2**20), (resource.RLIMIT_NPROC, 1)):
+    for what, value in (
+        (resource.RLIMIT_AS, memory_mb * 2**20),
+        (resource.RLIMIT_CPU, cpu_seconds),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_NOFILE, 64),
+        (resource.RLIMIT_FSIZE, 16 * 2**20),
+        (resource.RLIMIT_NPROC, 1),
+    ):
         resource.setrlimit(what, (value, value))
 
 

@@ -49,7 +49,9 @@ class Settings(BaseSettings):
         default=120.0, gt=0, le=900, description="How long a grader's dry run may wait for a worker's answer."
     )
     grader_concurrency: int = Field(
-        default=2, ge=1, le=64,
+        default=2,
+        ge=1,
+        le=64,
         description="Dry runs a graders worker (rloo worker --queue <queue>-graders) runs at once.",
     )
     max_dry_runs: int = Field(
@@ -238,8 +240,12 @@ def redact_url(url: str) -> str:
             # "https://TOKEN@host" is a credential too; "postgresql://user@host" is only a name.
             hidden = f"{user}:***" if colon else ("***" if scheme.lower() in ("http", "https") else user)
             rest = hidden + rest[at:]
-        return scheme + sep + re.sub(
-            r"(?i)([?&](?:password|passwd|pwd|secret|token|api_key|apikey|access_token)=)[^&#;]*", r"\1***", rest
+        return (
+            scheme
+            + sep
+            + re.sub(
+                r"(?i)([?&](?:password|passwd|pwd|secret|token|api_key|apikey|access_token)=)[^&#;]*", r"\1***", rest
+            )
         )
 
     return ";".join(one(part) for part in url.split(";"))

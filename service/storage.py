@@ -295,8 +295,9 @@ def resolve_model(models_dir: Path, name: str, *, hub_offline: bool, param: str)
             f"Model '{name}' points outside the models root; name a directory inside it.", param
         ) from None
     except OSError as exc:  # a name the file system refuses (ELOOP, ENAMETOOLONG, …)
-        raise bad_request(f"Model '{name}' is not a directory name this server can use ({exc.strerror}).",
-                          param) from None
+        raise bad_request(
+            f"Model '{name}' is not a directory name this server can use ({exc.strerror}).", param
+        ) from None
     if is_dir:
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise bad_request(f"Model directory '{name}' has no config.json; it is not a Hugging Face model.", param)

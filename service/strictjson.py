@@ -89,8 +89,9 @@ def _walk(obj: Any, max_depth: int) -> None:
             _check_text(node, path)
         elif isinstance(node, (dict, list)):
             if depth > max_depth:
-                raise InvalidJSON(f"it nests arrays or objects more than {max_depth} levels deep; flatten it",
-                                  path or None)
+                raise InvalidJSON(
+                    f"it nests arrays or objects more than {max_depth} levels deep; flatten it", path or None
+                )
             children = []
             if isinstance(node, dict):
                 for key, value in node.items():
@@ -110,5 +111,6 @@ def _check_text(text: str, path: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         code = f"\\u{ord(text[exc.start]):04x}"
-        raise InvalidJSON(f"a string holds a lone surrogate ({code}), which is not Unicode text; pair it or remove "
-                          "it", path or None) from None
+        raise InvalidJSON(
+            f"a string holds a lone surrogate ({code}), which is not Unicode text; pair it or remove it", path or None
+        ) from None

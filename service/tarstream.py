@@ -43,8 +43,11 @@ class TarLayout:
             info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
             header = info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
             padding = -stat.st_size % BLOCK
-            for part in (_Part(offset, len(header), data=header), _Part(offset + len(header), stat.st_size, path=path),
-                         _Part(offset + len(header) + stat.st_size, padding, data=bytes(padding))):
+            for part in (
+                _Part(offset, len(header), data=header),
+                _Part(offset + len(header), stat.st_size, path=path),
+                _Part(offset + len(header) + stat.st_size, padding, data=bytes(padding)),
+            ):
                 if part.length:
                     parts.append(part)
             offset += len(header) + stat.st_size + padding
@@ -102,8 +105,11 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
 def tar_response(layout: TarLayout, *, filename: str, range_header: str | None, if_range: str | None) -> Response:
     """The archive, or the byte range asked for (206; 416 past its end); ``If-Range`` naming
     another version of it gets it whole."""
-    headers = {"Accept-Ranges": "bytes", "ETag": layout.etag,
-               "Content-Disposition": f'attachment; filename="{filename}"'}
+    headers = {
+        "Accept-Ranges": "bytes",
+        "ETag": layout.etag,
+        "Content-Disposition": f'attachment; filename="{filename}"',
+    }
     wanted = byte_range(range_header, layout.size) if if_range in (None, layout.etag) else None
     if wanted == "unsatisfiable":
         return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{layout.size}"})
@@ -113,5 +119,6 @@ def tar_response(layout: TarLayout, *, filename: str, range_header: str | None, 
     if isinstance(wanted, tuple):
         status = 206
         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{layout.size}"
-    return StreamingResponse(layout.read(start, stop), status_code=status, headers=headers,
-                             media_type="application/x-tar")
+    return StreamingResponse(
+        layout.read(start, stop), status_code=status, headers=headers, media_type="application/x-tar"
+    )

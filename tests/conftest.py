@@ -162,7 +162,11 @@ def graders_worker(
     log = open(home / "worker.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "worker", "--queue", f"{queue}-graders"],
-        env={**os.environ, **values}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **values},
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     yield {**values, "http_port": str(http_port), "log": str(home / "worker.log"), "pid": str(proc.pid)}
     os.killpg(proc.pid, 15)

@@ -657,8 +657,12 @@ def test_lora_hyperparameter_of_rloo_md(client, auth) -> None:
     assert job["hyperparameters"]["lora"] is None
     body["method"]["reinforcement"]["hyperparameters"]["lora"] = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
     job = create_job(client, auth, body)
-    assert job["hyperparameters"]["lora"] == {"r": 8, "alpha": 32.0, "dropout": 0.0,
-                                              "target_modules": ["q_proj", "v_proj"]}
+    assert job["hyperparameters"]["lora"] == {
+        "r": 8,
+        "alpha": 32.0,
+        "dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+    }
     body["method"]["reinforcement"]["hyperparameters"]["lora"] = {}
     assert create_job(client, auth, body)["hyperparameters"]["lora"]["target_modules"] == "all-linear"
 
@@ -846,7 +850,9 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "kl_estimator_unknown": (_hp(kl_estimator="k2"), f"{HP}.kl_estimator", None),
     "eval_interval_without_validation": (_hp(eval_interval=5), f"{HP}.eval_interval", "validation_file"),
     "accumulation_not_dividing_batch": (
-        _hp(batch_size=8, gradient_accumulation_steps=3), f"{HP}.gradient_accumulation_steps", "divide"
+        _hp(batch_size=8, gradient_accumulation_steps=3),
+        f"{HP}.gradient_accumulation_steps",
+        "divide",
     ),
     "k1_as_a_loss_term": (_hp(kl_in_reward=False, kl_estimator="k1"), f"{HP}.kl_estimator", "k3"),
     "lora_rank_0": (_hp(lora={"r": 0}), f"{HP}.lora.r", None),
@@ -1490,8 +1496,12 @@ def test_idempotency_key_returns_the_first_answer(client, auth, other_auth, env)
     from concurrent.futures import ThreadPoolExecutor
 
     def upload_with(key: str, content: bytes = TRAIN_JSONL, headers: dict | None = None) -> Any:
-        return client.post("/v1/files", headers={**(headers or auth), "Idempotency-Key": key},
-                           files={"file": ("train.jsonl", content)}, data={"purpose": "fine-tune"})
+        return client.post(
+            "/v1/files",
+            headers={**(headers or auth), "Idempotency-Key": key},
+            files={"file": ("train.jsonl", content)},
+            data={"purpose": "fine-tune"},
+        )
 
     first, again = upload_with("up-1"), upload_with("up-1")
     assert first.status_code == again.status_code == 200 and first.json() == again.json()
@@ -1512,8 +1522,12 @@ def test_idempotency_key_returns_the_first_answer(client, auth, other_auth, env)
     assert len({r.json()["id"] for r in answers}) == 1
     jobs = client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"]
     assert [j["id"] for j in jobs] == [answers[0].json()["id"]]
-    assert_error(client.post("/v1/fine_tuning/jobs", headers=headers, json={**body, "seed": 7}), 409,
-                 param="Idempotency-Key", code="idempotency_key_reused")
+    assert_error(
+        client.post("/v1/fine_tuning/jobs", headers=headers, json={**body, "seed": 7}),
+        409,
+        param="Idempotency-Key",
+        code="idempotency_key_reused",
+    )
 
 
 # Uploads: the edges that are accepted, and read by the worker exactly as they were validated -------
@@ -1585,8 +1599,10 @@ def test_default_line_limit_is_1_mib(client, auth, env) -> None:
 
     each(
         {
-            "one_byte_over_with_newline": (small + b"\n" + line(limit + 1) + b"\n" + small + b"\n",
-                                           ["Line 2", "1 MiB", "shorten it"]),
+            "one_byte_over_with_newline": (
+                small + b"\n" + line(limit + 1) + b"\n" + small + b"\n",
+                ["Line 2", "1 MiB", "shorten it"],
+            ),
             "one_byte_over_as_last_line": (small + b"\n" + small + b"\n" + line(limit + 1), ["Line 3", "1 MiB"]),
             "far_over": (small + b"\n" + line(3 * limit) + b"\n", ["Line 2", "shorten it"]),
         },

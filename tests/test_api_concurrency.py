@@ -29,23 +29,38 @@ def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path)
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     # 512 reads with one key in a second or two: far past the per-key rate limit, which is not what
     # this test is about (tests/test_rate_limit.py is).
-    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "RLOO_RATE_LIMIT": "0",
-                "RLOO_HEADER_TIMEOUT_SECONDS": "1"})
+    env.update(
+        {
+            "RLOO_HOME": str(tmp_path / "var"),
+            "RLOO_MODELS_DIR": str(models_dir),
+            "RLOO_RATE_LIMIT": "0",
+            "RLOO_HEADER_TIMEOUT_SECONDS": "1",
+        }
+    )
     cli = [sys.executable, "-m", "worker.cli"]
     subprocess.run([*cli, "db", "upgrade"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
-    made = subprocess.run([*cli, "keys", "create", "--project", "load"], env=env, cwd=ROOT, check=True,
-                          capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [*cli, "keys", "create", "--project", "load"],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     headers = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with open(tmp_path / "api.log", "wb") as log:
-        server = subprocess.Popen([*cli, "api", "--port", str(port)], env=env, cwd=ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            [*cli, "api", "--port", str(port)], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             wait_until_ready(base)
             with open(EXAMPLES / "demo" / "train.jsonl", "rb") as f:
-                file_id = httpx.post(f"{base}/v1/files", headers=headers, files={"file": f},
-                                     data={"purpose": "fine-tune"}, timeout=60).json()["id"]
+                file_id = httpx.post(
+                    f"{base}/v1/files", headers=headers, files={"file": f}, data={"purpose": "fine-tune"}, timeout=60
+                ).json()["id"]
             body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
             body["training_file"] = file_id
             job_id = httpx.post(f"{base}/v1/fine_tuning/jobs", headers=headers, json=body, timeout=60).json()["id"]

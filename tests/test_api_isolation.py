@@ -267,8 +267,12 @@ def test_idempotency_keys_are_per_project(client, auth, other_auth, env) -> None
     409 that would tell the key is in use."""
 
     def post_file(headers: dict[str, str], content: bytes = TRAIN_JSONL) -> Any:
-        return client.post("/v1/files", headers={**headers, "Idempotency-Key": "shared-key"},
-                           files={"file": ("train.jsonl", content)}, data={"purpose": "fine-tune"})
+        return client.post(
+            "/v1/files",
+            headers={**headers, "Idempotency-Key": "shared-key"},
+            files={"file": ("train.jsonl", content)},
+            data={"purpose": "fine-tune"},
+        )
 
     mine = post_file(auth)
     assert mine.status_code == 200, mine.text

@@ -12,8 +12,13 @@ import torch
 from service.graders import GraderError, Sample, grade_batch, is_model_grader, parse_grader
 from worker.rewards import EMBEDDING_PACKAGE, RewardModels, embedding_model_path, score_batch
 
-COSINE = {"type": "text_similarity", "name": "cos", "input": "{{ sample.output_text }}",
-          "reference": "{{ item.answer }}", "evaluation_metric": "cosine"}
+COSINE = {
+    "type": "text_similarity",
+    "name": "cos",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "evaluation_metric": "cosine",
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +35,20 @@ def test_cosine_is_a_model_grader_that_rule_grading_refuses() -> None:
 
 
 def test_cosine_of_sentence_embeddings(models: RewardModels) -> None:
-    samples = [Sample("The cat sat on the mat."), Sample("A cat was sitting on a mat."),
-               Sample("Stock markets fell sharply today."), Sample("anything")]
+    samples = [
+        Sample("The cat sat on the mat."),
+        Sample("A cat was sitting on a mat."),
+        Sample("Stock markets fell sharply today."),
+        Sample("anything"),
+    ]
     items: list[dict[str, object]] = [{"answer": "The cat sat on the mat."}] * 3 + [{}]  # the last lacks answer
-    result = score_batch(parse_grader(COSINE), prompts=[""] * 4, texts=[s.output_text for s in samples],
-                         items=items, reward_models=models)  # type: ignore[arg-type]
+    result = score_batch(
+        parse_grader(COSINE),
+        prompts=[""] * 4,
+        texts=[s.output_text for s in samples],
+        items=items,
+        reward_models=models,
+    )  # type: ignore[arg-type]
     same, paraphrase, unrelated, missing = result.rewards
     assert same == pytest.approx(1.0, abs=1e-5)
     assert paraphrase > 0.8 and unrelated < 0.3  # all-MiniLM-L6-v2: 0.94 and 0.04
@@ -42,12 +56,22 @@ def test_cosine_of_sentence_embeddings(models: RewardModels) -> None:
 
 
 def test_cosine_inside_a_multi_with_per_grader_scores(models: RewardModels) -> None:
-    exact = {"type": "string_check", "name": "exact", "operation": "eq", "input": "{{ sample.output_text }}",
-             "reference": "{{ item.answer }}"}
-    spec = {"type": "multi", "name": "m", "calculate_output": "0.5 * cos + 0.5 * exact",
-            "graders": {"cos": COSINE, "exact": exact}}
-    result = score_batch(parse_grader(spec), prompts=[""], texts=["Paris"], items=[{"answer": "Paris"}],
-                         reward_models=models)
+    exact = {
+        "type": "string_check",
+        "name": "exact",
+        "operation": "eq",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.answer }}",
+    }
+    spec = {
+        "type": "multi",
+        "name": "m",
+        "calculate_output": "0.5 * cos + 0.5 * exact",
+        "graders": {"cos": COSINE, "exact": exact},
+    }
+    result = score_batch(
+        parse_grader(spec), prompts=[""], texts=["Paris"], items=[{"answer": "Paris"}], reward_models=models
+    )
     assert result.sub_rewards["exact"] == [1.0] and result.sub_rewards["cos"][0] == pytest.approx(1.0, abs=1e-5)
     assert result.rewards[0] == pytest.approx(1.0, abs=1e-5)
 

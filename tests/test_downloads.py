@@ -44,11 +44,23 @@ def test_the_archive_is_a_tar_of_the_files_and_every_range_is_its_slice(tmp_path
 @pytest.mark.parametrize(
     ("header", "expected"),
     [
-        (None, None), ("", None), ("bytes=abc", None), ("items=0-5", None), ("bytes=0-1,4-5", None),
-        ("bytes=0-99", (0, 100)), ("bytes=100-", (100, 1000)), ("bytes=-10", (990, 1000)),
-        ("bytes=900-5000", (900, 1000)), ("bytes=-5000", (0, 1000)), ("bytes=999999999-", "unsatisfiable"),
-        ("bytes=1000-", "unsatisfiable"), ("bytes=-0", "unsatisfiable"), ("bytes=50-10", None),
-        ("BYTES=0-9", (0, 10)), ("bytes=0-" + "9" * 5000, None), ("bytes=" + "9" * 5000 + "-", None),
+        (None, None),
+        ("", None),
+        ("bytes=abc", None),
+        ("items=0-5", None),
+        ("bytes=0-1,4-5", None),
+        ("bytes=0-99", (0, 100)),
+        ("bytes=100-", (100, 1000)),
+        ("bytes=-10", (990, 1000)),
+        ("bytes=900-5000", (900, 1000)),
+        ("bytes=-5000", (0, 1000)),
+        ("bytes=999999999-", "unsatisfiable"),
+        ("bytes=1000-", "unsatisfiable"),
+        ("bytes=-0", "unsatisfiable"),
+        ("bytes=50-10", None),
+        ("BYTES=0-9", (0, 10)),
+        ("bytes=0-" + "9" * 5000, None),
+        ("bytes=" + "9" * 5000 + "-", None),
     ],
 )
 def test_range_headers(header: str | None, expected: Any) -> None:
@@ -67,8 +79,14 @@ def test_a_download_with_any_range_leaves_nothing_on_disk(client, auth, env) -> 
     (directory / "training_state.pt").write_bytes(b"optimizer")  # stays server-side
     with session_scope() as session:
         job = crud.get_job_by_id(session=session, job_id=job_id)
-        ckpt = crud.add_checkpoint(session=session, job=job, step=1, path=str(directory.relative_to(artifacts)),
-                                   name="tiny:ft:step-1", metrics={})
+        ckpt = crud.add_checkpoint(
+            session=session,
+            job=job,
+            step=1,
+            path=str(directory.relative_to(artifacts)),
+            name="tiny:ft:step-1",
+            metrics={},
+        )
         session.commit()
         ckpt_id = ckpt.id
     before = sorted(p for p in artifacts.rglob("*"))

@@ -99,8 +99,11 @@ def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) ->
 
     monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # no worker: admission only
     assert asyncio.run(scenario()) == [
-        "a: busy", "b: no answer", "a: no answer",  # the first, withdrawn at its deadline
-        "a: no answer", "a: busy",  # held by the slow worker
+        "a: busy",
+        "b: no answer",
+        "a: no answer",  # the first, withdrawn at its deadline
+        "a: no answer",
+        "a: busy",  # held by the slow worker
         "a: no answer",  # answered at last: a's place is free
     ]
 
@@ -157,13 +160,13 @@ def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, a
     attempts = {
         # Switch the audit hook off through the runner's module globals, then run a program.
         "rebind": "import sys\nm = sys.modules['__main__']\nm.NO_EVENTS = ()\nm.NO_IMPORT = frozenset()\n"
-                  "def grade(sample, item):\n    import subprocess\n"
-                  "    return float(len(subprocess.run(['id'], capture_output=True).stdout))\n",
+        "def grade(sample, item):\n    import subprocess\n"
+        "    return float(len(subprocess.run(['id'], capture_output=True).stdout))\n",
         # Fool the hook (it is no boundary) and read the service's database and the API's environment.
         "fooled": "import posixpath, sysconfig\nstd = sysconfig.get_paths()['stdlib']\n"
-                  "posixpath.abspath = lambda p: std + '/os.py'\n"
-                  f"def grade(sample, item):\n    open({database!r}, 'rb')\n"
-                  "    return float(len(open('/proc/1/environ').read()))\n",
+        "posixpath.abspath = lambda p: std + '/os.py'\n"
+        f"def grade(sample, item):\n    open({database!r}, 'rb')\n"
+        "    return float(len(open('/proc/1/environ').read()))\n",
     }
     for name, source in attempts.items():
         resp = client.post(RUN, headers=auth, json={"grader": python_grader(source), "model_sample": "a"})
@@ -175,8 +178,9 @@ def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, a
     assert client.get("/healthz").status_code == 200
 
 
-def test_a_dry_run_that_kills_its_worker_process_is_answered_once_and_set_aside(client, auth, dry_runs,
-                                                                               monkeypatch) -> None:
+def test_a_dry_run_that_kills_its_worker_process_is_answered_once_and_set_aside(
+    client, auth, dry_runs, monkeypatch
+) -> None:
     _setting(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1")
     thread, answer = _in_background(client.post, RUN, headers=auth, json=_sleeping(20))
     pool_process = _wait_for_the_pool_process_of_a_sandbox(int(dry_runs["pid"]))
@@ -236,9 +240,15 @@ def test_messages_that_cannot_be_run_never_stop_the_graders_worker(client, auth,
 
 def test_a_huge_sample_is_graded_within_the_cap(client, auth, dry_runs) -> None:
     """200k characters against 400k (fuzzy_match read all of it: 10 s, and at 2M the API froze)."""
-    grader = {"type": "text_similarity", "name": "sim", "input": "{{ sample.output_text }}",
-              "reference": "{{ item.ref }}", "evaluation_metric": "fuzzy_match"}
-    resp = client.post(RUN, headers=auth, json={"grader": grader, "model_sample": "word " * 40_000,
-                                                 "item": {"ref": "other " * 66_000}})
+    grader = {
+        "type": "text_similarity",
+        "name": "sim",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.ref }}",
+        "evaluation_metric": "fuzzy_match",
+    }
+    resp = client.post(
+        RUN, headers=auth, json={"grader": grader, "model_sample": "word " * 40_000, "item": {"ref": "other " * 66_000}}
+    )
     assert resp.status_code == 200, resp.text
     assert 0.0 <= resp.json()["reward"] < 1.0

@@ -356,7 +356,9 @@ def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_
         file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
         broken = job_body(file_id, max_steps=3)
         broken["method"]["reinforcement"]["grader"] = {
-            "type": "python", "name": "nan", "source": "def grade(sample, item):\n    return float('nan')\n"
+            "type": "python",
+            "name": "nan",
+            "source": "def grade(sample, item):\n    return float('nan')\n",
         }
         bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
         good = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()["id"]
@@ -388,8 +390,11 @@ def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Pat
             started = [e["message"] for e in events if e["message"].startswith("Job started")]
             assert started == ["Job started"], started  # once, and no host or process of ours in it
             # Which worker ran it: the operator's log says.
-            ran_on = [name for name in ("worker", "worker2")
-                      if f"job {job_id} started on worker" in (stack.logs / f"{name}.log").read_text()]
+            ran_on = [
+                name
+                for name in ("worker", "worker2")
+                if f"job {job_id} started on worker" in (stack.logs / f"{name}.log").read_text()
+            ]
             assert len(ran_on) == 1, ran_on
             workers.add(ran_on[0])
             metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]

@@ -22,14 +22,28 @@ from worker.checkpoints import TRAINING_INFO, TRAINING_STATE, latest_resumable
 from worker.records import JobError
 from worker.train import train
 
-TIMING = {"time_generate", "time_score", "time_reference", "time_update", "time_step", "completions_per_s",
-          "tokens_per_s"}
+TIMING = {
+    "time_generate",
+    "time_score",
+    "time_reference",
+    "time_update",
+    "time_step",
+    "completions_per_s",
+    "tokens_per_s",
+}
 # A LoRA the tiny model learns with: its reward signal lives mostly in the (tied) output head.
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["lm_head", "q_proj", "v_proj"]}
 
 
-def run(tmp_path: Path, models_dir: Path, rec: ListRecorder | None = None, *, cfg: dict[str, Any] | None = None,
-        grader: dict[str, Any] = ANSWER, **hp: Any) -> tuple[Any, ListRecorder]:
+def run(
+    tmp_path: Path,
+    models_dir: Path,
+    rec: ListRecorder | None = None,
+    *,
+    cfg: dict[str, Any] | None = None,
+    grader: dict[str, Any] = ANSWER,
+    **hp: Any,
+) -> tuple[Any, ListRecorder]:
     rec = rec or ListRecorder()
     result = train(config(tmp_path, models_dir, grader, cfg=cfg, **hp), rec)
     return result, rec
@@ -52,10 +66,22 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- resume and determinism
 RESUME_CASES = {
-    "full": {"ppo_epochs": 2, "gradient_accumulation_steps": 2, "lr_scheduler": "cosine", "warmup_ratio": 0.2,
-             "kl_estimator": "k3", "normalize_advantages": True},
-    "lora": {"lora": {**LORA, "dropout": 0.1}, "learning_rate": 0.02, "lr_scheduler": "linear", "warmup_ratio": 0.2,
-             "kl_in_reward": False, "kl_estimator": "k3"},
+    "full": {
+        "ppo_epochs": 2,
+        "gradient_accumulation_steps": 2,
+        "lr_scheduler": "cosine",
+        "warmup_ratio": 0.2,
+        "kl_estimator": "k3",
+        "normalize_advantages": True,
+    },
+    "lora": {
+        "lora": {**LORA, "dropout": 0.1},
+        "learning_rate": 0.02,
+        "lr_scheduler": "linear",
+        "warmup_ratio": 0.2,
+        "kl_in_reward": False,
+        "kl_estimator": "k3",
+    },
 }
 
 
@@ -105,8 +131,13 @@ def test_resume_refuses_a_changed_algorithm_but_allows_more_steps(tmp_path, mode
     (tmp_path / "lin").mkdir()
     run(tmp_path / "lin", models_dir, ListRecorder(stop_at=2, stop_as="paused"), max_steps=4, lr_scheduler="linear")
     with pytest.raises(JobError, match="schedule"):
-        run(tmp_path / "lin", models_dir, cfg={"resume_from": tmp_path / "lin" / "out" / "step-2"}, max_steps=5,
-            lr_scheduler="linear")
+        run(
+            tmp_path / "lin",
+            models_dir,
+            cfg={"resume_from": tmp_path / "lin" / "out" / "step-2"},
+            max_steps=5,
+            lr_scheduler="linear",
+        )
     result, rec = run(tmp_path, models_dir, cfg={"resume_from": ckpt}, max_steps=5)
     assert [m["step"] for m in rec.steps] == [3, 4, 5] and result.stopped is None
     # The run's directory now holds steps past 2: resuming from step 2 again would mix two futures.
@@ -210,8 +241,9 @@ def test_one_pass_spends_no_forward_on_old_logprobs_and_its_ratio_is_exactly_one
     assert calls.count(True) == 2 and calls.count(False) == 2  # one policy and one reference forward a step
     assert series(one, "clip_frac") == [0.0, 0.0]  # even a 1e-6 clip never bites: the ratio is exactly 1
     calls.clear()
-    _, three = run(tmp_path / "three", models_dir, max_steps=2, clip_epsilon=1e-6, ppo_epochs=3,
-                   gradient_accumulation_steps=2)
+    _, three = run(
+        tmp_path / "three", models_dir, max_steps=2, clip_epsilon=1e-6, ppo_epochs=3, gradient_accumulation_steps=2
+    )
     assert calls.count(True) == 2 * 3 * 2  # steps x passes x micro-batches
     assert all(c > 0 for c in series(three, "clip_frac"))  # later passes move the ratio off 1
     calls.clear()
@@ -219,8 +251,15 @@ def test_one_pass_spends_no_forward_on_old_logprobs_and_its_ratio_is_exactly_one
     assert calls.count(True) == 2 + 2  # whitening a KL-shaped reward over micro-batches needs one no-grad pass
 
 
-@pytest.mark.parametrize("extra", [{}, {"normalize_advantages": True}, {"kl_in_reward": False, "kl_estimator": "k3"},
-                                   {"loss_aggregation": "token_mean", "mask_truncated_completions": True}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"normalize_advantages": True},
+        {"kl_in_reward": False, "kl_estimator": "k3"},
+        {"loss_aggregation": "token_mean", "mask_truncated_completions": True},
+    ],
+)
 def test_gradient_accumulation_gives_the_same_update(tmp_path, models_dir, extra):
     keys = ("train_reward_mean", "loss", "grad_norm", "kl", "advantage_std", "entropy")
     _, whole = run(tmp_path / "a", models_dir, max_steps=3, **extra)
@@ -260,8 +299,15 @@ def test_normalize_advantages_whitens_and_reward_clip_bounds_them(tmp_path, mode
 def test_mask_truncated_completions_takes_their_gradient_away(tmp_path, models_dir):
     # One new token: nearly every completion is cut at max_new_tokens.
     _, kept = run(tmp_path / "kept", models_dir, max_steps=1, max_new_tokens=1, kl_coef=0.0)
-    _, masked = run(tmp_path / "masked", models_dir, max_steps=1, max_new_tokens=1, kl_coef=0.0,
-                    mask_truncated_completions=True, weight_decay=0.1)
+    _, masked = run(
+        tmp_path / "masked",
+        models_dir,
+        max_steps=1,
+        max_new_tokens=1,
+        kl_coef=0.0,
+        mask_truncated_completions=True,
+        weight_decay=0.1,
+    )
     assert masked.steps[0]["clipped_ratio"] == 1.0 == kept.steps[0]["clipped_ratio"]
     assert kept.steps[0]["grad_norm"] > 0 and masked.steps[0]["grad_norm"] == 0.0 and masked.steps[0]["loss"] == 0.0
     # No token carried loss, so the optimizer did not step: not even weight decay moved the weights.
@@ -305,8 +351,9 @@ def test_weight_decay_reaches_the_weights(tmp_path, models_dir):
     ],
 )
 def test_lr_scheduler_with_warmup(tmp_path, models_dir, name, expected):
-    _, rec = run(tmp_path, models_dir, max_steps=8, learning_rate=0.01, lr_scheduler=name, warmup_ratio=0.25,
-                 max_new_tokens=2)
+    _, rec = run(
+        tmp_path, models_dir, max_steps=8, learning_rate=0.01, lr_scheduler=name, warmup_ratio=0.25, max_new_tokens=2
+    )
     assert series(rec, "learning_rate") == pytest.approx([0.01 * e for e in expected])
 
 
@@ -371,12 +418,14 @@ def test_stop_strings_end_completions(tmp_path, models_dir):
 def test_validation_scores_on_its_steps_and_leaves_training_unchanged(tmp_path, models_dir):
     valid = {"validation_file": EXAMPLES / "demo" / "valid.jsonl"}
     _, plain = run(tmp_path / "plain", models_dir, max_steps=5)
-    _, rec = run(tmp_path / "eval", models_dir, cfg=valid, max_steps=5, eval_interval=2, eval_samples=8,
-                 checkpoint_interval=2)
+    _, rec = run(
+        tmp_path / "eval", models_dir, cfg=valid, max_steps=5, eval_interval=2, eval_samples=8, checkpoint_interval=2
+    )
     assert [m["step"] for m in rec.steps if "valid_reward_mean" in m] == [2, 4, 5]  # and the last step
     assert all(0 <= m["valid_reward_mean"] <= 1 for m in rec.steps if "valid_reward_mean" in m)
-    assert comparable([{k: v for k, v in m.items() if k != "valid_reward_mean"} for m in rec.steps]) == \
-        comparable(plain.steps)  # the eval passes draw no random numbers from the run
+    assert comparable([{k: v for k, v in m.items() if k != "valid_reward_mean"} for m in rec.steps]) == comparable(
+        plain.steps
+    )  # the eval passes draw no random numbers from the run
     assert rec.checkpoint_metrics[2]["valid_reward_mean"] == rec.steps[1]["valid_reward_mean"]
     assert rec.checkpoint_metrics[5]["valid_reward_mean"] == rec.steps[4]["valid_reward_mean"]
 

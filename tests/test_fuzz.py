@@ -122,12 +122,22 @@ def _bucket(text: str, n: int) -> int:
 # fuzzed rest of the body reaches the grading code (templates over a fuzzed item, the text metrics
 # over fuzzed text).
 RULE_GRADERS = [
-    {"type": "string_check", "name": f"check_{op}", "input": "{{ sample.output_text }}",
-     "reference": "{{ item.answer }}", "operation": op}
+    {
+        "type": "string_check",
+        "name": f"check_{op}",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.answer }}",
+        "operation": op,
+    }
     for op in ("eq", "ne", "like", "ilike")
 ] + [
-    {"type": "text_similarity", "name": f"sim_{metric}", "input": "{{ sample.output_text }}",
-     "reference": "{{ item.reference_answer }}", "evaluation_metric": metric}
+    {
+        "type": "text_similarity",
+        "name": f"sim_{metric}",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.reference_answer }}",
+        "evaluation_metric": metric,
+    }
     for metric in ("fuzzy_match", "bleu", "gleu", "meteor", "rouge_1", "rouge_l")
 ]
 
@@ -362,10 +372,14 @@ def test_nul_in_an_upload_filename_is_replaced(client, auth: dict[str, str]) -> 
     cleaned like a path separator is."""
     boundary = "rloo-fuzz-boundary"
     body = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a\x00b/c.jsonl"\r\n'
-        "Content-Type: application/jsonl\r\n\r\n"
-    ).encode() + TRAIN_JSONL + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a\x00b/c.jsonl"\r\n'
+            "Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        + TRAIN_JSONL
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     headers = {**auth, "Content-Type": f"multipart/form-data; boundary={boundary}"}
     resp = client.post("/v1/files", headers=headers, content=body)
     assert resp.status_code == 200, resp.text
@@ -387,9 +401,9 @@ def test_the_schema_documents_the_errors_the_api_answers(client) -> None:
                 continue
             for status in ("400", "401", "429", "503"):
                 assert op["responses"][status]["content"]["application/json"]["schema"] == error_ref
-            assert ("404" in op["responses"]) == ("{" in path or any(
-                p["name"] == "after" for p in op.get("parameters", [])
-            )), (method, path)
+            assert ("404" in op["responses"]) == (
+                "{" in path or any(p["name"] == "after" for p in op.get("parameters", []))
+            ), (method, path)
     job_ops = doc["paths"]["/v1/fine_tuning/jobs/{job_id}/cancel"]["post"]["responses"]
     assert {"404", "409", "413"} <= set(job_ops)
     assert {"502", "504"} <= set(doc["paths"]["/v1/fine_tuning/alpha/graders/run"]["post"]["responses"])

@@ -201,9 +201,7 @@ def test_render_nested_keys_whitespace_and_literal_text() -> None:
 
 def test_render_non_strings_as_json_and_strings_as_is() -> None:
     item = {"n": 42, "ok": True, "none": None, "obj": {"a": [1, 2]}, "s": 'say "hi"'}
-    out = render(
-        "{{ item.n }}|{{ item.ok }}|{{ item.none }}|{{ item.obj }}|{{ item.s }}", sample=Sample(""), item=item
-    )
+    out = render("{{ item.n }}|{{ item.ok }}|{{ item.none }}|{{ item.obj }}|{{ item.s }}", sample=Sample(""), item=item)
     assert out == '42|true|null|{"a": [1, 2]}|say "hi"'
 
 
@@ -233,9 +231,7 @@ def test_sample_output_json_is_none_when_not_json_and_cached() -> None:
         ("{{ sample.output_json.score }}", '{"other": 1}', {}, "score"),
     ],
 )
-def test_render_missing_key_raises_template_key_error(
-    template: str, sample: str, item: dict, mentions: str
-) -> None:
+def test_render_missing_key_raises_template_key_error(template: str, sample: str, item: dict, mentions: str) -> None:
     with pytest.raises(TemplateKeyError) as info:
         render(template, sample=Sample(sample), item=item)
     assert isinstance(info.value, KeyError)
@@ -336,18 +332,14 @@ def test_multi_weighted_sum_with_sub_rewards() -> None:
     assert reward == pytest.approx(0.3 * 8 / 13)
 
 
-@pytest.mark.parametrize(
-    "formula", ["a + b", "min(a, b)", "min(b, a)", "max(b, a)", "clip(a, b, 1)", "0 * b"]
-)
+@pytest.mark.parametrize("formula", ["a + b", "min(a, b)", "min(b, a)", "max(b, a)", "clip(a, b, 1)", "0 * b"])
 def test_nan_sub_grader_makes_reward_nan(formula: str) -> None:
     # Python's own min(1.0, nan) is 1.0 but min(nan, 1.0) is nan; the formula must not depend on order.
     assert math.isnan(formula_value(formula, a=1.0, b=float("nan")))
 
 
 def test_nan_in_batch_counts_per_sub_grader() -> None:
-    spec = multi(
-        "a + b", {"a": string_check("a", "eq"), "b": string_check("b", "eq", ref="{{ item.other }}")}
-    )
+    spec = multi("a + b", {"a": string_check("a", "eq"), "b": string_check("b", "eq", ref="{{ item.other }}")})
     result = grade_batch(
         parse_grader(spec), [Sample("1"), Sample("1")], [{"answer": "1", "other": "1"}, {"answer": "1"}]
     )
@@ -617,8 +609,7 @@ def test_python_grader_disabled_by_default() -> None:
         parse_grader(PYTHON_SPEC)
     assert info.value.param == "grader.type"
     assert info.value.message == (
-        "the python grader is disabled on this server; "
-        "the operator enables it with RLOO_ALLOW_PYTHON_GRADER=1"
+        "the python grader is disabled on this server; the operator enables it with RLOO_ALLOW_PYTHON_GRADER=1"
     )
 
 
@@ -629,12 +620,16 @@ def test_python_grader_disabled_inside_multi() -> None:
 
 
 def test_python_grader_runs_when_allowed_and_reports_each_samples_error() -> None:
-    spec = {"type": "python", "name": "py", "source": (
-        "def grade(sample, item):\n"
-        "    if sample['output_json'] is not None:\n"
-        "        return float(sample['output_json']['n'] == item['n'])\n"
-        "    return len(sample['output_text']) / item['n']\n"
-    )}
+    spec = {
+        "type": "python",
+        "name": "py",
+        "source": (
+            "def grade(sample, item):\n"
+            "    if sample['output_json'] is not None:\n"
+            "        return float(sample['output_json']['n'] == item['n'])\n"
+            "    return len(sample['output_text']) / item['n']\n"
+        ),
+    }
     grader = parse_grader(spec, allow_python=True)
     assert isinstance(grader, PythonGrader) and grader_to_dict(grader) == spec
     samples = [Sample('{"n": 3}'), Sample("abcd"), Sample("ab")]
@@ -701,9 +696,7 @@ def test_render_reward_model_inputs() -> None:
 def test_is_model_grader() -> None:
     assert not is_model_grader(parse_grader(string_check("c", "eq")))
     assert is_model_grader(parse_grader(reward_model("rm")))
-    nested = multi(
-        "m", {"m": multi("rm + c", {"rm": reward_model("rm"), "c": string_check("c", "eq")}, name="m")}
-    )
+    nested = multi("m", {"m": multi("rm + c", {"rm": reward_model("rm"), "c": string_check("c", "eq")}, name="m")})
     assert is_model_grader(parse_grader(nested))
 
 

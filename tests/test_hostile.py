@@ -41,7 +41,8 @@ def test_values_json_cannot_hold_are_refused_and_no_job_is_made(client, auth) ->
         "method.reinforcement.hyperparameters.reward_clip": _job_text(file_id, '"reward_clip": 1e309'),
         "method.reinforcement.hyperparameters.max_grad_norm": _job_text(file_id, '"max_grad_norm": Infinity'),
         "method.reinforcement.hyperparameters.learning_rate_multiplier": _job_text(
-            file_id, '"learning_rate_multiplier": NaN'),
+            file_id, '"learning_rate_multiplier": NaN'
+        ),
         "integrations": _job_text(file_id).replace('"seed"', f'"integrations": {deep}, "seed"'),
     }
 
@@ -76,12 +77,22 @@ def test_a_body_that_is_not_utf8_cannot_smuggle_them_past(client, auth) -> None:
 
 def test_grader_dry_runs_and_validation_refuse_them_too(client, auth) -> None:
     cases = [
-        ("/v1/fine_tuning/alpha/graders/run", json.dumps({"grader": {**STRING_CHECK, "name": "X"}, "model_sample": "a"})
-         .replace('"X"', '"\\ud800"'), "grader.name"),
-        ("/v1/fine_tuning/alpha/graders/validate", json.dumps({"grader": {**STRING_CHECK, "X": 1}})
-         .replace('"X"', '"\\ud800"'), "grader.\\ud800"),
-        ("/v1/fine_tuning/alpha/graders/run", '{"grader": ' + json.dumps(STRING_CHECK) + ', "model_sample": "a", '
-         '"item": {"x": ' + "[" * 500 + "]" * 500 + "}}", None),
+        (
+            "/v1/fine_tuning/alpha/graders/run",
+            json.dumps({"grader": {**STRING_CHECK, "name": "X"}, "model_sample": "a"}).replace('"X"', '"\\ud800"'),
+            "grader.name",
+        ),
+        (
+            "/v1/fine_tuning/alpha/graders/validate",
+            json.dumps({"grader": {**STRING_CHECK, "X": 1}}).replace('"X"', '"\\ud800"'),
+            "grader.\\ud800",
+        ),
+        (
+            "/v1/fine_tuning/alpha/graders/run",
+            '{"grader": ' + json.dumps(STRING_CHECK) + ', "model_sample": "a", '
+            '"item": {"x": ' + "[" * 500 + "]" * 500 + "}}",
+            None,
+        ),
     ]
 
     def check(url: str, text: str, param: str | None) -> None:
@@ -134,8 +145,10 @@ def test_a_stored_row_that_cannot_be_rendered_never_breaks_a_page(client, auth, 
     file_id = upload_ok(client, auth)["id"]
     bad, good = (create_job(client, auth, job_body(file_id, seed=i))["id"] for i in range(2))
     with session_scope() as session:
-        session.execute(text("UPDATE jobs SET metadata = :m, hyperparameters = :h WHERE id = :id"),
-                        {"m": '{"k": "\\udfff"}', "h": '{"reward_clip": NaN}', "id": bad})
+        session.execute(
+            text("UPDATE jobs SET metadata = :m, hyperparameters = :h WHERE id = :id"),
+            {"m": '{"k": "\\udfff"}', "h": '{"reward_clip": NaN}', "id": bad},
+        )
         session.commit()
     page = client.get(JOBS, headers=auth)
     assert page.status_code == 200, page.text
@@ -150,8 +163,11 @@ def test_a_model_name_the_file_system_refuses_is_a_400(client, auth) -> None:
     reward_model = {"type": "reward_model", "name": "rm", "model": "r" * 300}
     body = job_body(file_id)
     body["method"]["reinforcement"]["grader"] = reward_model
-    cases = [("model", job_body(file_id, model="m" * 300)), ("method.reinforcement.grader.model", body),
-             ("model", job_body(file_id, model="a/" + "b" * 256 + "/c"))]
+    cases = [
+        ("model", job_body(file_id, model="m" * 300)),
+        ("method.reinforcement.grader.model", body),
+        ("model", job_body(file_id, model="a/" + "b" * 256 + "/c")),
+    ]
 
     def check(param: str, job: dict[str, Any]) -> None:
         assert_error(client.post(JOBS, headers=auth, json=job), 400, param=param, contains="255 bytes")

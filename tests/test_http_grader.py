@@ -84,8 +84,10 @@ def test_the_batch_goes_in_one_post_and_scores_come_back_in_order(serve) -> None
     result = grade_batch(grader, [Sample("ab"), Sample('{"k": 1}'), Sample("")], [{"n": 4}, {"n": 8}, {"n": 1}])
     assert result.rewards == [0.5, 1.0, 0.0]
     assert len(endpoint.calls) == 1
-    assert endpoint.calls[0]["samples"][1] == {"sample": {"output_text": '{"k": 1}', "output_json": {"k": 1}},
-                                               "item": {"n": 8}}
+    assert endpoint.calls[0]["samples"][1] == {
+        "sample": {"output_text": '{"k": 1}', "output_json": {"k": 1}},
+        "item": {"n": 8},
+    }
 
 
 def test_null_scores_are_nan_and_counted(serve) -> None:

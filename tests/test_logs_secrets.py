@@ -54,7 +54,10 @@ def log_texts(stack: LiveStack, home: Path) -> dict[str, str]:
     ("url", "shown"),
     [
         ("postgresql://u:s3cret@h/db", "postgresql://u:***@h/db"),
-        ("postgresql+psycopg://u:s3cret@h:5432/db?sslmode=require", "postgresql+psycopg://u:***@h:5432/db?sslmode=require"),
+        (
+            "postgresql+psycopg://u:s3cret@h:5432/db?sslmode=require",
+            "postgresql+psycopg://u:***@h:5432/db?sslmode=require",
+        ),
         ("postgresql://u:p@s3cret@h/db", "postgresql://u:***@h/db"),  # a raw "@": make_url shows "s3cret@h"
         ("postgresql://u:s3/cret@h/db", "postgresql://u:***@h/db"),  # a raw "/"
         ("postgresql://h/db?password=s3cret&sslmode=require", "postgresql://h/db?password=***&sslmode=require"),
@@ -165,8 +168,12 @@ def test_no_key_or_password_in_any_log_or_event(
         ok = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2))
         assert ok.status_code == 200, ok.text
         body = job_body(file_id, max_steps=2)
-        body["method"]["reinforcement"]["grader"] = {"type": "http", "name": "remote", "url": grader_url,
-                                                     "timeout_seconds": 1}
+        body["method"]["reinforcement"]["grader"] = {
+            "type": "http",
+            "name": "remote",
+            "url": grader_url,
+            "timeout_seconds": 1,
+        }
         dead = http.post("/fine_tuning/jobs", json=body)
         assert dead.status_code == 200, dead.text
 
@@ -230,9 +237,25 @@ def redis_with_password(tmp_path: Path) -> Iterator[tuple[str, str, subprocess.P
     data = tmp_path / "redis-pw"
     data.mkdir()
     proc = subprocess.Popen(
-        [redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--requirepass", password, "--save", "",
-         "--appendonly", "no", "--dir", str(data), "--logfile", str(data / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            redis_executable(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--requirepass",
+            password,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+            "--logfile",
+            str(data / "redis.log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"redis://:{password}@127.0.0.1:{port}/0"
     deadline = time.monotonic() + 15
@@ -288,8 +311,7 @@ def test_a_broker_password_is_masked_in_the_worker_banner_and_in_broker_errors(
         home = Path(stack.env["RLOO_HOME"])
     texts = log_texts(stack, home)
     texts["the broker's own log"] = (tmp_path / "redis-pw" / "redis.log").read_text(errors="replace")
-    assert_absent({"broker password": password, **{f"key ({i})": s for i, s in enumerate(key_forms(stack.key))}},
-                  texts)
+    assert_absent({"broker password": password, **{f"key ({i})": s for i, s in enumerate(key_forms(stack.key))}}, texts)
 
 
 def test_a_database_error_during_the_key_check_does_not_log_the_keys_digest(tmp_path: Path) -> None:

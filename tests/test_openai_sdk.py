@@ -26,8 +26,9 @@ def test_sdk_files_and_jobs_round_trip(sdk: openai.OpenAI) -> None:
     assert sdk.files.content(f.id).read() == data
 
     spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    job = sdk.fine_tuning.jobs.create(model=spec["model"], training_file=f.id, method=spec["method"], seed=3,
-                                      suffix="demo", metadata={"team": "rl"})
+    job = sdk.fine_tuning.jobs.create(
+        model=spec["model"], training_file=f.id, method=spec["method"], seed=3, suffix="demo", metadata={"team": "rl"}
+    )
     assert job.id.startswith("ftjob-") and job.status == "queued" and job.seed == 3
     assert job.method.type == "reinforcement"
     assert job.method.reinforcement.grader.type == "text_similarity"
@@ -57,8 +58,9 @@ def test_sdk_sees_openai_shaped_errors(sdk: openai.OpenAI) -> None:
     assert err.value.code == "invalid_value"
     # RLOO-only keys pass through the SDK's extra_body.
     spec["method"]["reinforcement"]["hyperparameters"]["rloo_k"] = 4
-    job = sdk.fine_tuning.jobs.create(model=spec["model"], training_file=f.id, method=spec["method"],
-                                      extra_body={"validation_file": f.id})
+    job = sdk.fine_tuning.jobs.create(
+        model=spec["model"], training_file=f.id, method=spec["method"], extra_body={"validation_file": f.id}
+    )
     assert job.validation_file == f.id
 
 

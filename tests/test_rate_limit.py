@@ -57,8 +57,9 @@ def assert_rate_limited(r: Any) -> float:
 @pytest.mark.parametrize("auth_cache", ["5", "0"])  # a key trusted from the cache, and one read each time
 def test_the_request_after_the_burst_is_429_for_that_key_only(monkeypatch, env, auth_cache: str) -> None:
     alpha, alpha2, beta = _auth("alpha"), _auth("alpha"), _auth("beta")
-    with _client(monkeypatch, RLOO_RATE_LIMIT="0.5", RLOO_RATE_LIMIT_BURST="3",
-                 RLOO_AUTH_CACHE_SECONDS=auth_cache) as client:
+    with _client(
+        monkeypatch, RLOO_RATE_LIMIT="0.5", RLOO_RATE_LIMIT_BURST="3", RLOO_AUTH_CACHE_SECONDS=auth_cache
+    ) as client:
         remaining = []
         for _ in range(3):
             r = client.get("/v1/files", headers=alpha)
@@ -70,8 +71,9 @@ def test_the_request_after_the_burst_is_429_for_that_key_only(monkeypatch, env, 
 
         wait = assert_rate_limited(client.get("/v1/files", headers=alpha))
         # Refused before the handler: a refused upload stores nothing.
-        refused = client.post("/v1/files", headers=alpha, files={"file": ("a.jsonl", b'{"prompt": "p"}\n')},
-                              data={"purpose": "fine-tune"})
+        refused = client.post(
+            "/v1/files", headers=alpha, files={"file": ("a.jsonl", b'{"prompt": "p"}\n')}, data={"purpose": "fine-tune"}
+        )
         assert_rate_limited(refused)
 
         # Another key of the same project, and a key of another project: their own buckets.
@@ -101,8 +103,9 @@ def test_every_v1_answer_carries_the_limit_headers(monkeypatch, env) -> None:
             client.get("/v1/files", headers=auth),  # 200
             client.get("/v1/files/file-nope", headers=auth),  # 404 from the route
             client.get("/v1/fine_tuning/jobs", headers=auth, params={"limit": 0}),  # 400
-            client.post("/v1/fine_tuning/jobs", headers={**auth, "Content-Type": "application/json"},
-                        content=b"{not json"),  # 400 from the body's parsing
+            client.post(
+                "/v1/fine_tuning/jobs", headers={**auth, "Content-Type": "application/json"}, content=b"{not json"
+            ),  # 400 from the body's parsing
         ]
         assert [r.status_code for r in answers] == [200, 404, 400, 400]
         assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["9", "8", "7", "6"]
@@ -137,8 +140,9 @@ def test_the_defaults_let_a_burst_of_100_through(monkeypatch, env) -> None:
 def test_the_limit_holds_and_the_api_answers_with_redis_down(monkeypatch, env) -> None:
     """Counted in the process, not in Redis: a dead broker changes nothing for reads and the limit."""
     auth = _auth("alpha")
-    with _client(monkeypatch, REDIS_URL="redis://127.0.0.1:9/0", RLOO_RATE_LIMIT="0.5",
-                 RLOO_RATE_LIMIT_BURST="2") as client:
+    with _client(
+        monkeypatch, REDIS_URL="redis://127.0.0.1:9/0", RLOO_RATE_LIMIT="0.5", RLOO_RATE_LIMIT_BURST="2"
+    ) as client:
         assert [client.get("/v1/files", headers=auth).status_code for _ in range(2)] == [200, 200]
         assert_rate_limited(client.get("/v1/files", headers=auth))
 

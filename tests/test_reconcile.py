@@ -136,8 +136,9 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatc
     rows = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", headers=auth).json()["data"]
     assert [m["step"] for m in rows] == [1]
     with session_scope() as session:
-        assert not crud.set_status(session=session, job=_row(job_id), to="succeeded", from_=("running",),
-                                   held_by=worker_name())
+        assert not crud.set_status(
+            session=session, job=_row(job_id), to="succeeded", from_=("running",), held_by=worker_name()
+        )
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "running" and job["progress"]["step"] == 1
 

@@ -36,11 +36,21 @@ def test_a_chat_reward_model_reads_the_conversation_with_its_own_template(models
     items = [{"messages": [{"role": "user", "content": "What color is the sky?"}]}, {"prompt": "Grass?"}]
     got = rm.score(parse_grader(RM), [Sample("Blue."), Sample("Green.")], items, ["policy prompt 1", "policy prompt 2"])
     want = [
-        logit(models_dir, "tiny-reward", tok.apply_chat_template(
-            [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "Blue."}],
-            tokenize=False)),
-        logit(models_dir, "tiny-reward", tok.apply_chat_template(
-            [{"role": "user", "content": "Grass?"}, {"role": "assistant", "content": "Green."}], tokenize=False)),
+        logit(
+            models_dir,
+            "tiny-reward",
+            tok.apply_chat_template(
+                [{"role": "user", "content": "What color is the sky?"}, {"role": "assistant", "content": "Blue."}],
+                tokenize=False,
+            ),
+        ),
+        logit(
+            models_dir,
+            "tiny-reward",
+            tok.apply_chat_template(
+                [{"role": "user", "content": "Grass?"}, {"role": "assistant", "content": "Green."}], tokenize=False
+            ),
+        ),
     ]
     assert got == pytest.approx(want, abs=1e-5)
 

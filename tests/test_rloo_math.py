@@ -15,8 +15,7 @@ def t(x, **kw):
 
 
 def close(got, want, atol=1e-6):
-    torch.testing.assert_close(got, t(want) if not isinstance(want, torch.Tensor) else want,
-                               atol=atol, rtol=0.0)
+    torch.testing.assert_close(got, t(want) if not isinstance(want, torch.Tensor) else want, atol=atol, rtol=0.0)
 
 
 # ---------------------------------------------------------------- rloo_advantages
@@ -64,10 +63,14 @@ def test_non_finite_reward_left_out_of_baseline(bad):
 
 
 def test_groups_with_fewer_than_two_finite_rewards_get_zero():
-    r = t([[NAN, 2.0, NAN, NAN],     # one finite -> all 0
-           [NAN, NAN, NAN, NAN],     # none finite -> all 0
-           [INF, 7.0, -INF, NAN],    # one finite (infs count as NaN) -> all 0
-           [4.0, NAN, 2.0, INF]])    # finite {4, 2}: A = 4-2 = 2, 2-4 = -2
+    r = t(
+        [
+            [NAN, 2.0, NAN, NAN],  # one finite -> all 0
+            [NAN, NAN, NAN, NAN],  # none finite -> all 0
+            [INF, 7.0, -INF, NAN],  # one finite (infs count as NaN) -> all 0
+            [4.0, NAN, 2.0, INF],
+        ]
+    )  # finite {4, 2}: A = 4-2 = 2, 2-4 = -2
     adv = rloo.rloo_advantages(r)
     close(adv, [[0.0] * 4, [0.0] * 4, [0.0] * 4, [2.0, 0.0, -2.0, 0.0]])
     assert torch.isfinite(adv).all()
@@ -122,9 +125,9 @@ def test_kl_loss_aggregations_by_hand():
     logp = t([[0.5, -0.1, 9.0], [0.3, 9.0, 9.0]])
     ref, mask = torch.zeros_like(logp), t([[1, 1, 0], [1, 0, 0]])
     kl = lambda agg, est="k1": rloo.kl_loss(logp, ref, mask, estimator=est, aggregation=agg)  # noqa: E731
-    close(kl("token_mean"), 0.7 / 3)        # (0.5 - 0.1 + 0.3) / 3 tokens
-    close(kl("sequence_sum"), 0.35)         # mean(0.4, 0.3)
-    close(kl("sequence_mean"), 0.25)        # mean(0.4/2, 0.3/1)
+    close(kl("token_mean"), 0.7 / 3)  # (0.5 - 0.1 + 0.3) / 3 tokens
+    close(kl("sequence_sum"), 0.35)  # mean(0.4, 0.3)
+    close(kl("sequence_mean"), 0.25)  # mean(0.4/2, 0.3/1)
     # k3 (the default): 0.10653066 + (exp(0.1) - 1.1 = 0.00517092) ; exp(-0.3) - 0.7 = 0.04081822
     close(rloo.kl_loss(logp, ref, mask), (0.11170158 + 0.04081822) / 2)
 
@@ -152,11 +155,14 @@ def test_first_pass_ratio_is_one(agg):
     close(loss.detach(), -0.75 if agg == "token_mean" else -0.5)
 
 
-@pytest.mark.parametrize("agg,denom", [
-    ("sequence_sum", [[3.0], [3.0], [3.0]]),     # N
-    ("token_mean", [[6.0], [6.0], [6.0]]),       # total mask
-    ("sequence_mean", [[9.0], [3.0], [6.0]]),    # N * len_n = 3*3, 3*1, 3*2
-])
+@pytest.mark.parametrize(
+    "agg,denom",
+    [
+        ("sequence_sum", [[3.0], [3.0], [3.0]]),  # N
+        ("token_mean", [[6.0], [6.0], [6.0]]),  # total mask
+        ("sequence_mean", [[9.0], [3.0], [6.0]]),  # N * len_n = 3*3, 3*1, 3*2
+    ],
+)
 def test_first_pass_gradient_is_reinforce(agg, denom):
     # d loss / d logp[n, t] = -A[n] * mask[n, t] / denom[n]
     logp = logps()
@@ -186,8 +192,7 @@ def test_prompt_and_padding_positions_carry_no_loss(agg):
 def one_seq(ratio, adv, agg="sequence_sum", **kw):
     # one completion of 2 tokens; all the log-ratio on token 0
     logp = t([[math.log(ratio), 0.0]], requires_grad=True)
-    loss, stats = rloo.policy_loss(logp, torch.zeros_like(logp), t([adv]), t([[1, 1]]),
-                                   aggregation=agg, **kw)
+    loss, stats = rloo.policy_loss(logp, torch.zeros_like(logp), t([adv]), t([[1, 1]]), aggregation=agg, **kw)
     loss.backward()
     return loss.detach(), logp.grad[0], stats
 
@@ -255,7 +260,7 @@ def test_whiten_masked():
     close(rloo.whiten(t([1.0, 2.0, 3.0, 100.0]), mask), [-1.0, 0.0, 1.0, 0.0])
     # masked {0, 4}: mean 2, std sqrt((4+4)/1) = 2*sqrt(2) -> -+1/sqrt(2); unmasked 7 -> 0
     out = rloo.whiten(t([0.0, 7.0, 4.0]), torch.tensor([True, False, True]))
-    close(out, [-2 ** -0.5, 0.0, 2 ** -0.5])
+    close(out, [-(2**-0.5), 0.0, 2**-0.5])
     v = torch.rand(10, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 5 + 3
     m = torch.arange(10) % 3 != 0
     w = rloo.whiten(v, m)
@@ -314,16 +319,20 @@ def test_micro_batches_add_up_to_the_full_batch(agg):
     full, _ = rloo.policy_loss(logp, old, adv, mask, aggregation=agg)
     (full_grad,) = torch.autograd.grad(full, logp)
     norm = rloo.loss_normalizer(mask, agg)
-    parts = [rloo.policy_loss(logp[s], old[s], adv[s], mask[s], aggregation=agg, normalizer=norm)[0]
-             for s in (slice(0, 2), slice(2, 4), slice(4, 6))]
+    parts = [
+        rloo.policy_loss(logp[s], old[s], adv[s], mask[s], aggregation=agg, normalizer=norm)[0]
+        for s in (slice(0, 2), slice(2, 4), slice(4, 6))
+    ]
     (acc_grad,) = torch.autograd.grad(sum(parts), logp)
     torch.testing.assert_close(sum(parts), full)
     torch.testing.assert_close(acc_grad, full_grad)
     # The KL term too.
     ref = old - 0.2
     full_kl = rloo.kl_loss(logp, ref, mask, estimator="k3", aggregation=agg)
-    acc_kl = sum(rloo.kl_loss(logp[s], ref[s], mask[s], estimator="k3", aggregation=agg, normalizer=norm)
-                 for s in (slice(0, 3), slice(3, 6)))
+    acc_kl = sum(
+        rloo.kl_loss(logp[s], ref[s], mask[s], estimator="k3", aggregation=agg, normalizer=norm)
+        for s in (slice(0, 3), slice(3, 6))
+    )
     torch.testing.assert_close(acc_kl, full_kl)
 
 

@@ -149,8 +149,13 @@ def test_sampling_at_a_low_temperature_is_greedy_decoding(policy) -> None:
     for b, prompt in enumerate(PROMPTS):
         ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
         with torch.no_grad():
-            want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=8, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :]
+            want = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=8,
+                pad_token_id=tok.pad_token_id,
+            )[0, ids.shape[1] :]
         for row in (2 * b, 2 * b + 1):
             n = int(ro.completion_mask[row].sum())
             assert ro.completion_ids[row, :n].tolist() == want[:n].tolist()
@@ -210,6 +215,7 @@ def test_nan_logits_fail_the_rollout_clearly_and_never_index_past_the_vocabulary
     with torch.no_grad():
         broken.model.norm.weight.fill_(float("nan"))  # diverged weights
     with pytest.raises(JobError) as exc:
-        TransformersBackend(broken, tok, Sampling(max_new_tokens=4, temperature=1.0, top_p=1.0,
-                                                  max_prompt_length=64)).generate(PROMPTS, k=2, generator_seed=0)
+        TransformersBackend(
+            broken, tok, Sampling(max_new_tokens=4, temperature=1.0, top_p=1.0, max_prompt_length=64)
+        ).generate(PROMPTS, k=2, generator_seed=0)
     assert exc.value.code == "non_finite_logits" and "learning_rate" in exc.value.message

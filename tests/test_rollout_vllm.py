@@ -50,8 +50,10 @@ def test_vllm_rollout_layout_eos_and_truncation(fake_vllm, policy) -> None:
     backend = make_backend("vllm", model, tok, SAMPLING, device=torch.device("cpu"))
     assert backend.name == "vllm"
     # Chat-rendered, as jobs send them: the tiny policy answers, then ends with its EOS.
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in PROMPTS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in PROMPTS
+    ]
     ro = backend.generate(prompts, k=8, generator_seed=2)  # a seed where some rows end
     llm = fake_vllm.LLM.instances[-1]
     assert len(llm.runner.pushes) == 1  # the policy's weights went in before the first sample
@@ -94,8 +96,12 @@ def test_a_lora_job_on_vllm_pushes_merged_weights_under_the_base_names(fake_vllm
     from tests.test_engine import LORA
     from tests.test_train import ListRecorder, config
 
-    train(config(tmp_path, models_dir, max_steps=2, learning_rate=0.05, lora=LORA,
-                 cfg={"extra": {"rollout_backend": "vllm"}}), ListRecorder())
+    train(
+        config(
+            tmp_path, models_dir, max_steps=2, learning_rate=0.05, lora=LORA, cfg={"extra": {"rollout_backend": "vllm"}}
+        ),
+        ListRecorder(),
+    )
     pushes = fake_vllm.LLM.instances[-1].runner.pushes
     assert len(pushes) == 2
     base_names = set(fake_vllm.LLM.instances[-1].hf.state_dict())

@@ -29,8 +29,13 @@ ROOT = os.geteuid() == 0
 
 
 def run(source: str, n: int = 1, box: sandbox.Sandbox | None = None, **limits: object) -> list[sandbox.Outcome]:
-    return run_python_grader(source, [{"output_text": f"s{i}"} for i in range(n)], [{"i": i} for i in range(n)],
-                             Limits(**limits), sandbox=box or sandbox.current("bwrap", 65534))  # type: ignore[arg-type]
+    return run_python_grader(
+        source,
+        [{"output_text": f"s{i}"} for i in range(n)],
+        [{"i": i} for i in range(n)],
+        Limits(**limits),
+        sandbox=box or sandbox.current("bwrap", 65534),
+    )  # type: ignore[arg-type]
 
 
 def grade_body(body: str) -> str:
@@ -74,16 +79,25 @@ def secrets_of_the_service(env, tmp_path):  # type: ignore[no-untyped-def]
 def test_the_grader_runs_as_an_unprivileged_user_with_nothing_of_the_host_in_view(box) -> None:
     assert escape(box, "import os\nreturn float(os.getuid() + os.geteuid() + os.getgid())").score == 3 * 65534
     # Only the sandbox's own file system: no /proc, /home, /work, /var, /etc (but the loader's cache).
-    listed = escape(box, "import os\nreturn float(len(set(os.listdir('/')) - {'usr', 'lib', 'lib64', 'tmp', "
-                         "'dev', 'sandbox', 'root', 'etc', 'lib32', 'libx32'}))")
+    listed = escape(
+        box,
+        "import os\nreturn float(len(set(os.listdir('/')) - {'usr', 'lib', 'lib64', 'tmp', "
+        "'dev', 'sandbox', 'root', 'etc', 'lib32', 'libx32'}))",
+    )
     assert listed.score == 0.0, listed
 
 
 def test_every_file_in_view_is_the_interpreter_its_library_or_a_shared_library(box) -> None:
     """Nothing else of the host, no installed package either: only the standard library imports."""
-    allowed = ("/dev/", "/sandbox/runner.py", "/etc/ld.so.cache", "/tmp/", "/usr/lib/locale/C.utf8/",
-               sandbox._interpreter(),
-               os.path.realpath(sysconfig.get_paths()["stdlib"]) + "/")
+    allowed = (
+        "/dev/",
+        "/sandbox/runner.py",
+        "/etc/ld.so.cache",
+        "/tmp/",
+        "/usr/lib/locale/C.utf8/",
+        sandbox._interpreter(),
+        os.path.realpath(sysconfig.get_paths()["stdlib"]) + "/",
+    )
     body = (
         "import os, re\n"
         "bad = []\n"
@@ -104,34 +118,67 @@ def test_every_file_in_view_is_the_interpreter_its_library_or_a_shared_library(b
 @pytest.mark.parametrize(
     ("what", "body", "errors"),
     [
-        ("run a program", "import subprocess\nsubprocess.run(['id'])\nreturn 1.0",
-         ("No such file", "Resource temporarily unavailable", "BlockingIOError")),
-        ("run the interpreter", "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'])\nreturn 1.0",
-         ("Resource temporarily unavailable", "BlockingIOError")),
+        (
+            "run a program",
+            "import subprocess\nsubprocess.run(['id'])\nreturn 1.0",
+            ("No such file", "Resource temporarily unavailable", "BlockingIOError"),
+        ),
+        (
+            "run the interpreter",
+            "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'])\nreturn 1.0",
+            ("Resource temporarily unavailable", "BlockingIOError"),
+        ),
         ("fork bomb", "import os\nwhile True:\n    os.fork()", ("Resource temporarily unavailable",)),
-        ("start a thread", "import threading\nt = threading.Thread(target=print)\nt.start()\nreturn 1.0",
-         ("can't start new thread",)),
-        ("read the parent's environment", "import os\nreturn float(len(open(f'/proc/{os.getppid()}/environ').read()))",
-         ("No such file",)),
+        (
+            "start a thread",
+            "import threading\nt = threading.Thread(target=print)\nt.start()\nreturn 1.0",
+            ("can't start new thread",),
+        ),
+        (
+            "read the parent's environment",
+            "import os\nreturn float(len(open(f'/proc/{os.getppid()}/environ').read()))",
+            ("No such file",),
+        ),
         ("read its own process table", "import os\nreturn float(len(os.listdir('/proc')))", ("No such file",)),
-        ("reach PostgreSQL", "import socket\nsocket.create_connection(('127.0.0.1', 5432), timeout=2)\nreturn 1.0",
-         ("Network is unreachable", "Cannot assign requested address", "Connection refused")),
-        ("reach Redis", "import socket\nsocket.create_connection(('127.0.0.1', 6379), timeout=2)\nreturn 1.0",
-         ("Network is unreachable", "Cannot assign requested address", "Connection refused")),
-        ("reach the internet", "import socket\nsocket.create_connection(('1.1.1.1', 443), timeout=2)\nreturn 1.0",
-         ("Network is unreachable",)),
-        ("fill the disk", "open('/tmp/x', 'wb').write(b'x' * 2**26)\nreturn 1.0",
-         ("File too large", "No space left")),
+        (
+            "reach PostgreSQL",
+            "import socket\nsocket.create_connection(('127.0.0.1', 5432), timeout=2)\nreturn 1.0",
+            ("Network is unreachable", "Cannot assign requested address", "Connection refused"),
+        ),
+        (
+            "reach Redis",
+            "import socket\nsocket.create_connection(('127.0.0.1', 6379), timeout=2)\nreturn 1.0",
+            ("Network is unreachable", "Cannot assign requested address", "Connection refused"),
+        ),
+        (
+            "reach the internet",
+            "import socket\nsocket.create_connection(('1.1.1.1', 443), timeout=2)\nreturn 1.0",
+            ("Network is unreachable",),
+        ),
+        ("fill the disk", "open('/tmp/x', 'wb').write(b'x' * 2**26)\nreturn 1.0", ("File too large", "No space left")),
         ("write outside /tmp", "open('/x', 'w').write('x')\nreturn 1.0", ("Read-only", "Permission denied")),
-        ("fill /dev/shm", "open('/dev/shm/x', 'wb').write(b'x' * 2**26)\nreturn 1.0",
-         ("Read-only", "Permission denied", "No such file")),
-        ("write into the standard library", "import os\nopen(os.__file__, 'a').write('x')\nreturn 1.0",
-         ("Read-only", "Permission denied")),
-        ("become root", "import ctypes\nif ctypes.CDLL(None).setuid(0) != 0:\n    raise OSError('setuid refused')\n"
-         "return 1.0", ("setuid refused",)),
-        ("mount a file system", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-         "if libc.mount(b'none', b'/tmp', b'proc', 0, None) != 0:\n    raise OSError(ctypes.get_errno(), 'mount')\n"
-         "return 1.0", ("[Errno 1]",)),
+        (
+            "fill /dev/shm",
+            "open('/dev/shm/x', 'wb').write(b'x' * 2**26)\nreturn 1.0",
+            ("Read-only", "Permission denied", "No such file"),
+        ),
+        (
+            "write into the standard library",
+            "import os\nopen(os.__file__, 'a').write('x')\nreturn 1.0",
+            ("Read-only", "Permission denied"),
+        ),
+        (
+            "become root",
+            "import ctypes\nif ctypes.CDLL(None).setuid(0) != 0:\n    raise OSError('setuid refused')\nreturn 1.0",
+            ("setuid refused",),
+        ),
+        (
+            "mount a file system",
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "if libc.mount(b'none', b'/tmp', b'proc', 0, None) != 0:\n    raise OSError(ctypes.get_errno(), 'mount')\n"
+            "return 1.0",
+            ("[Errno 1]",),
+        ),
         ("allocate without bound", "x = []\nwhile True:\n    x.append(bytearray(10**7))", ("memory",)),
     ],
 )
@@ -146,8 +193,10 @@ def test_escapes_are_refused_by_the_sandbox_alone(box, what: str, body: str, err
 
 def test_no_user_namespace_of_its_own_where_bubblewrap_makes_one() -> None:
     box = sandbox.current("bwrap", 65534, user_namespace=True)
-    body = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\nreturn 1.0")
+    body = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\nreturn 1.0"
+    )
     refused(escape(box, body), "[Errno 28]", "[Errno 1]")  # ENOSPC: max_user_namespaces is 0 there
 
 
@@ -160,9 +209,11 @@ def test_the_service_files_are_out_of_sight(box, secrets_of_the_service) -> None
     for target in targets:
         refused(escape(box, f"import os\nos.stat({target!r})\nreturn 1.0"), "No such file")
     if settings.redis_client_url.startswith("unix://"):
-        path = settings.redis_client_url[len("unix://"):]
-        refused(escape(box, f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\nreturn 1.0"),
-                "No such file")
+        path = settings.redis_client_url[len("unix://") :]
+        refused(
+            escape(box, f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\nreturn 1.0"),
+            "No such file",
+        )
 
 
 def test_no_process_of_the_host_can_be_signalled(box) -> None:
@@ -180,8 +231,10 @@ def test_no_process_of_the_host_can_be_signalled(box) -> None:
 
 
 def test_an_ignored_alarm_does_not_buy_time() -> None:
-    source = ("import sys\nsig = sys.modules['signal']\nsig.signal(sig.SIGALRM, sig.SIG_IGN)\n"
-              "def grade(sample, item):\n    while item['i'] == 1:\n        pass\n    return 1.0\n")
+    source = (
+        "import sys\nsig = sys.modules['signal']\nsig.signal(sig.SIGALRM, sig.SIG_IGN)\n"
+        "def grade(sample, item):\n    while item['i'] == 1:\n        pass\n    return 1.0\n"
+    )
     t0 = time.monotonic()
     out = run(source, 3, per_sample_seconds=0.5, audit_hook=False)
     assert time.monotonic() - t0 < 8
@@ -192,15 +245,17 @@ def test_an_ignored_alarm_does_not_buy_time() -> None:
 def test_forged_lines_on_the_results_descriptor_buy_no_time() -> None:
     """The results descriptor is the grader's to write: announcing 'ready' again and again, or an
     answer to a later sample, does not move the clock of the sample in turn."""
-    source = ("import os, time\n"
-              "def grade(sample, item):\n"
-              "    os.write(3, b'{\"i\": 1, \"score\": 5}\\n')\n"
-              "    while True:\n"
-              "        try:\n"
-              "            os.write(3, b'{\"ready\": true}\\n')\n"
-              "            time.sleep(0.1)\n"
-              "        except BaseException:\n"
-              "            pass\n")
+    source = (
+        "import os, time\n"
+        "def grade(sample, item):\n"
+        '    os.write(3, b\'{"i": 1, "score": 5}\\n\')\n'
+        "    while True:\n"
+        "        try:\n"
+        "            os.write(3, b'{\"ready\": true}\\n')\n"
+        "            time.sleep(0.1)\n"
+        "        except BaseException:\n"
+        "            pass\n"
+    )
     t0 = time.monotonic()
     out = run(source, 2, per_sample_seconds=0.5, batch_seconds=30, audit_hook=False)
     assert time.monotonic() - t0 < 8
@@ -212,8 +267,11 @@ def test_a_source_that_never_loads_fails_the_batch_once() -> None:
     t0 = time.monotonic()
     out = run("x = sum(range(10**12))\ndef grade(sample, item):\n    return 1.0\n", 5, per_sample_seconds=0.3)
     assert time.monotonic() - t0 < 6
-    assert all(o.error == "not graded: the sandbox ended before the grader's source had loaded (grade() ran past "
-               "0.3 s and its sandbox was stopped)" for o in out), out
+    assert all(
+        o.error == "not graded: the sandbox ended before the grader's source had loaded (grade() ran past "
+        "0.3 s and its sandbox was stopped)"
+        for o in out
+    ), out
 
 
 def test_a_sample_that_kills_its_sandbox_loses_only_itself() -> None:
@@ -247,8 +305,10 @@ def test_fooling_the_hook_still_meets_the_sandbox() -> None:
     """The hook is no boundary (CPython's documentation says so): a grader that makes realpath lie
     to it opens what it likes, and finds nothing there."""
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
-    source = (f"import posixpath\nposixpath.abspath = lambda p: {stdlib!r} + '/os.py'\n"
-              "def grade(sample, item):\n    return float(len(open('/proc/self/environ').read()))\n")
+    source = (
+        f"import posixpath\nposixpath.abspath = lambda p: {stdlib!r} + '/os.py'\n"
+        "def grade(sample, item):\n    return float(len(open('/proc/self/environ').read()))\n"
+    )
     out = run(source, 1)
     assert math.isnan(out[0].score) and "No such file" in (out[0].error or ""), out
 
@@ -267,14 +327,16 @@ def test_fooling_the_hook_still_meets_the_sandbox() -> None:
         ("import subprocess\nsubprocess.run(['true'])\nreturn 1.0", "may not import subprocess"),
         ("import os\nos.system('true')\nreturn 1.0", "may not use os.system"),
         ("import ctypes\nctypes.CDLL(None)\nreturn 1.0", "may not import ctypes"),
-        ("import sysconfig\nreturn float(len(open(sysconfig.get_paths()['stdlib'] + "
-         "'/../../../../../../proc/self/environ').read()))", "may not open /proc/"),
+        (
+            "import sysconfig\nreturn float(len(open(sysconfig.get_paths()['stdlib'] + "
+            "'/../../../../../../proc/self/environ').read()))",
+            "may not open /proc/",
+        ),
         ("import os\nos.open('x', os.O_WRONLY | os.O_CREAT)\nreturn 1.0", "may not open"),
         ("import _posixsubprocess\nreturn 1.0", "may not import _posixsubprocess"),
         ("import gc\nreturn float(len(gc.get_objects()))", "may not import gc"),
         ("import sys\nsys.settrace(lambda *a: None)\nreturn 1.0", "may not use sys.settrace"),
-        ("class P:\n    def __fspath__(self): return '/etc/passwd'\nopen(P())\nreturn 1.0",
-         "may not open /etc/passwd"),
+        ("class P:\n    def __fspath__(self): return '/etc/passwd'\nopen(P())\nreturn 1.0", "may not open /etc/passwd"),
         ("import os\nos.truncate('/tmp/x', 0)\nreturn 1.0", "may not use os.truncate"),
         ("import os\nos.kill(os.getppid(), 9)\nreturn 1.0", "may not use os.kill"),
     ],
@@ -332,9 +394,11 @@ def test_bad_graders_say_what_is_wrong(source: str, says: str) -> None:
 
 
 def test_the_standard_library_is_available() -> None:
-    source = ("import json, math, re, statistics, collections, dataclasses\n"
-              "P = collections.namedtuple('P', 'x')\n"
-              "def grade(sample, item):\n    return statistics.mean([1, 2, 3]) + P(0).x\n")
+    source = (
+        "import json, math, re, statistics, collections, dataclasses\n"
+        "P = collections.namedtuple('P', 'x')\n"
+        "def grade(sample, item):\n    return statistics.mean([1, 2, 3]) + P(0).x\n"
+    )
     assert [o.score for o in run(source, 2)] == [2.0, 2.0]
 
 
@@ -345,7 +409,7 @@ def test_what_a_grader_prints_cannot_confuse_or_crash_the_parent() -> None:
         "import sys, os\n"
         "def grade(sample, item):\n"
         "    print(1)\n"
-        "    sys.stdout.write('{\"i\": 1, \"score\": 99}')\n"
+        '    sys.stdout.write(\'{"i": 1, "score": 99}\')\n'
         "    os.write(2, b'\\xff\\xfe not utf-8')\n"
         "    return float(item['i'])\n"
     )
@@ -357,8 +421,10 @@ def test_the_process_sandbox_keeps_the_limits_and_the_hook() -> None:
     limits and the hook hold."""
     box = sandbox.current("process", 65534)
     assert box.kind == "process" and "process limits only" in box.describe()
-    source = ("import sys\nsig = sys.modules['signal']\nsig.signal(sig.SIGALRM, sig.SIG_IGN)\n"
-              "def grade(sample, item):\n    while item['i'] == 1:\n        pass\n    import socket\n    return 1.0\n")
+    source = (
+        "import sys\nsig = sys.modules['signal']\nsig.signal(sig.SIGALRM, sig.SIG_IGN)\n"
+        "def grade(sample, item):\n    while item['i'] == 1:\n        pass\n    import socket\n    return 1.0\n"
+    )
     out = run(source, 2, box, per_sample_seconds=0.5)
     assert "may not import socket" in (out[0].error or "") and "its sandbox was stopped" in (out[1].error or "")
 

@@ -40,10 +40,13 @@ def judge_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     words = ["sky", "blue", "grass", "green", "what", "color", "is", "the", "answer", "rate"]
     answer = tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     for _ in range(80):  # teach it one reply: "7", then EOS, after any rendered conversation
-        texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),)))
-                 for n in torch.randint(1, 12, (8,))]
-        chats = [[{"role": "system", "content": "Rate the answer from 0 to 10."}, {"role": "user", "content": t}]
-                 for t in texts]
+        texts = [
+            " ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),))) for n in torch.randint(1, 12, (8,))
+        ]
+        chats = [
+            [{"role": "system", "content": "Rate the answer from 0 to 10."}, {"role": "user", "content": t}]
+            for t in texts
+        ]
         ids = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True) for c in chats]
         ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
         loss = torch.zeros(())
@@ -60,8 +63,15 @@ def judge_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     ("answer", "low", "high", "expected"),
-    [("7", 0, 10, 7.0), ("Score: 8.5/10", 0, 10, 8.5), ("-3", 0, 1, 0.0), ("12", 1, 10, 10.0),
-     ("I cannot rate this.", 0, 1, math.nan), ("0.25 then 0.75", 0, 1, 0.25), ("1e-1", 0, 1, 0.1)],
+    [
+        ("7", 0, 10, 7.0),
+        ("Score: 8.5/10", 0, 10, 8.5),
+        ("-3", 0, 1, 0.0),
+        ("12", 1, 10, 10.0),
+        ("I cannot rate this.", 0, 1, math.nan),
+        ("0.25 then 0.75", 0, 1, 0.25),
+        ("1e-1", 0, 1, 0.1),
+    ],
 )
 def test_the_first_number_of_the_answer_clamped_into_the_range(answer, low, high, expected) -> None:
     got = parse_judge_score(answer, low, high)
@@ -71,12 +81,15 @@ def test_the_first_number_of_the_answer_clamped_into_the_range(answer, low, high
 def test_the_spec_round_trips_and_bad_specs_name_their_field() -> None:
     grader = parse_grader(JUDGE)
     assert grader_to_dict(grader) == {**JUDGE, "sampling_params": {"max_tokens": 16}}
-    for bad, param in (({"input": []}, "grader.input"),
-                       ({"input": [{"role": "robot", "content": "x"}]}, "grader.input.0"),
-                       ({"input": [{"content": "{{ item.x"}]}, "grader.input.0.content"),
-                       ({"range": [5, 1]}, "grader.range"), ({"range": [0, "10"]}, "grader.range"),
-                       ({"sampling_params": {"temperature": 1}}, "grader.sampling_params"),
-                       ({"sampling_params": {"max_tokens": 0}}, "grader.sampling_params.max_tokens")):
+    for bad, param in (
+        ({"input": []}, "grader.input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "grader.input.0"),
+        ({"input": [{"content": "{{ item.x"}]}, "grader.input.0.content"),
+        ({"range": [5, 1]}, "grader.range"),
+        ({"range": [0, "10"]}, "grader.range"),
+        ({"sampling_params": {"temperature": 1}}, "grader.sampling_params"),
+        ({"sampling_params": {"max_tokens": 0}}, "grader.sampling_params.max_tokens"),
+    ):
         with pytest.raises(GraderError) as info:
             parse_grader({**JUDGE, **bad})
         assert info.value.param == param, (bad, info.value)
@@ -85,8 +98,9 @@ def test_the_spec_round_trips_and_bad_specs_name_their_field() -> None:
 def test_the_judge_scores_each_sample(judge_models: Path) -> None:
     models = RewardModels(models_dir=judge_models, device=torch.device("cpu"))
     items = [{"question": "What color is the sky?"}, {"question": "Grass?"}, {}]  # the last lacks question
-    result = score_batch(parse_grader(JUDGE), prompts=[""] * 3, texts=["blue", "green", "x"], items=items,
-                         reward_models=models)
+    result = score_batch(
+        parse_grader(JUDGE), prompts=[""] * 3, texts=["blue", "green", "x"], items=items, reward_models=models
+    )
     assert result.rewards[:2] == [7.0, 7.0] and math.isnan(result.rewards[2])
     narrow = parse_grader({**JUDGE, "range": [0, 5]})
     assert score_batch(narrow, prompts=[""], texts=["blue"], items=items[:1], reward_models=models).rewards == [5.0]
@@ -107,8 +121,11 @@ def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth) -> 
     resp = create({**JUDGE, "model": "tiny-policy"})
     err = assert_error(resp, 400, param="method.reinforcement.grader")
     assert "item.question" in err["message"], err
-    ok = {**JUDGE, "model": "tiny-policy",
-          "input": [{"role": "user", "content": "Q: {{ item.answer }} A: {{ sample.output_text }}"}]}
+    ok = {
+        **JUDGE,
+        "model": "tiny-policy",
+        "input": [{"role": "user", "content": "Q: {{ item.answer }} A: {{ sample.output_text }}"}],
+    }
     assert create(ok).status_code == 200
 
 

@@ -60,8 +60,9 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
     metrics = _metrics(client, auth, job_id)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # every step exactly once
     assert metrics == _metrics(client, auth, twin)
-    events = [e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth)
-              .json()["data"]]
+    events = [
+        e["message"] for e in client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth).json()["data"]
+    ]
     assert any("Resumed from the checkpoint at step 3" in m for m in events)
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "succeeded" and job["fine_tuned_model"]

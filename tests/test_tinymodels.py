@@ -209,9 +209,7 @@ def test_reward_model_shares_policy_tokenizer(models: dict[str, Path]) -> None:
 
 
 def test_reward_model_without_policy_tokenizer(tmp_path: Path) -> None:
-    path = tm.build_tiny_reward_model(
-        tmp_path / "rm", hidden_size=32, num_heads=2, num_layers=1, vocab_size=300
-    )
+    path = tm.build_tiny_reward_model(tmp_path / "rm", hidden_size=32, num_heads=2, num_layers=1, vocab_size=300)
     rm = AutoModelForSequenceClassification.from_pretrained(path)
     assert rm.config.vocab_size == len(AutoTokenizer.from_pretrained(path)) == 300
 

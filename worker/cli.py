@@ -320,8 +320,11 @@ class Stack:
         out = open(settings.home_dir / "logs" / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
         try:
             return subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", *args], env=env, stdout=out,
-                stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                [sys.executable, "-m", "worker.cli", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
             )
         finally:
             if out is not None:
@@ -341,8 +344,9 @@ class Stack:
                 stable = now - part.started_at >= self.STABLE_SECONDS
                 part.backoff = 1.0 if stable else min(30.0, 2 * part.backoff)
                 part.due = now + part.backoff
-                typer.echo(f"{name} exited with {part.proc.returncode}; starting it again in {part.backoff:.0f} s",
-                           err=True)
+                typer.echo(
+                    f"{name} exited with {part.proc.returncode}; starting it again in {part.backoff:.0f} s", err=True
+                )
             elif part.due is not None and part.due <= now:
                 self.parts[name] = _Part(part.args, self._spawn(name, part.args), now, part.backoff)
         if self.redis is not None and self.redis.poll() is not None:

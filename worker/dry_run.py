@@ -64,8 +64,9 @@ def _models() -> Any:
 
     if _reward_models is None or len(_reward_models._loaded) >= MODELS_KEPT:
         settings = get_settings()
-        _reward_models = RewardModels(models_dir=settings.models_dir, device=pick_device(None),
-                                      embedding_model=settings.embedding_model)
+        _reward_models = RewardModels(
+            models_dir=settings.models_dir, device=pick_device(None), embedding_model=settings.embedding_model
+        )
     return _reward_models
 
 

@@ -129,8 +129,13 @@ def _too_often(task_id: str) -> str | None:
 
 def _dead_letter(request: Request, reason: str) -> None:
     queue = request.delivery_info.get("routing_key") or "unknown"
-    record = {"task": request.name, "id": request.id, "args": request.argsrepr[:1000], "reason": reason,
-              "at": time.time()}
+    record = {
+        "task": request.name,
+        "id": request.id,
+        "args": request.argsrepr[:1000],
+        "reason": reason,
+        "at": time.time(),
+    }
     try:
         _redis().lpush(f"rloo:dead-letters:{queue}", json.dumps(record))
         _redis().ltrim(f"rloo:dead-letters:{queue}", 0, 999)

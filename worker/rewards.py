@@ -41,9 +41,7 @@ class RewardModels:
         return self._loaded[name]
 
     @torch.inference_mode()
-    def cosine(
-        self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]
-    ) -> list[float]:
+    def cosine(self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]) -> list[float]:
         """Cosine similarity of the sentence embeddings of each sample's input and reference."""
         pairs = graders.render_pairs(leaf, samples, items)
         todo = [(i, pair) for i, pair in enumerate(pairs) if pair is not None]
@@ -69,9 +67,7 @@ class RewardModels:
             chunk = todo[start : start + self.batch_size]
             if tok.chat_template:
                 try:
-                    prompts = [
-                        tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for _, c in chunk
-                    ]
+                    prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for _, c in chunk]
                 except Exception as exc:  # a template that refuses these roles: unscored, not a crash
                     raise graders.GraderUnavailable(
                         f"score_model grader '{leaf.name}': the chat template of '{leaf.model}' refused the "

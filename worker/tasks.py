@@ -21,6 +21,7 @@ from worker.records import JobError, json_safe
 
 log = logging.getLogger("rloo.worker")
 
+
 def worker_name() -> str:
     """``host#pid-namespace:pid`` of this process: the pool process that claims a job (computed when
     called, since pool processes are forked from the worker after this module is imported)."""
@@ -275,8 +276,12 @@ def _finish(session: Any, job: Job, result: Any) -> None:
     session.commit()
 
 
-@app.task(name=RUN_GRADER_TASK, bind=True, Request="worker.requests:WakeUpRequest",
-          time_limit=get_settings().grader_run_seconds + 60)
+@app.task(
+    name=RUN_GRADER_TASK,
+    bind=True,
+    Request="worker.requests:WakeUpRequest",
+    time_limit=get_settings().grader_run_seconds + 60,
+)
 def run_grader(self: Any) -> str:
     """A wake-up for one dry run (``service.dryruns``): take the next dry run, fairly between
     projects, grade it, push the answer where the API waits. Never raises: errors are answers too."""
@@ -296,8 +301,11 @@ def run_grader(self: Any) -> str:
             answer = grade(envelope["payload"])
         except Exception as exc:
             log.warning("grader dry run failed: %s", exc)
-            answer = {"error": f"the grader could not run on the worker: {type(exc).__name__}: {exc}",
-                      "code": "grader_failed", "status": 502}
+            answer = {
+                "error": f"the grader could not run on the worker: {type(exc).__name__}: {exc}",
+                "code": "grader_failed",
+                "status": 502,
+            }
         dryruns.answer(conn, queue, self.request.id, envelope, answer)
         return "error" if "error" in answer else "ok"
     finally:

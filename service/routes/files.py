@@ -86,8 +86,9 @@ def create_file(
             session.add(row)
             if key is not None:  # the answer, in the same transaction as the row
                 session.flush()  # its created_at
-                idempotency.remember(session, project_seq=project.seq, route="files", key=key, digest=digest,
-                                     response=file_object(row))
+                idempotency.remember(
+                    session, project_seq=project.seq, route="files", key=key, digest=digest, response=file_object(row)
+                )
             committing = True  # from here the row may exist even if commit() raises
             session.commit()
     except IntegrityError:
@@ -118,18 +119,18 @@ def _sha256(path: Path) -> str:
 
 @router.get("", summary="List files")
 @ends_session
-def list_files(
-    session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None
-) -> JSON:
+def list_files(session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None) -> JSON:
     scope = [File.project_seq == project.seq] + ([File.purpose == purpose] if purpose else [])
     rows, has_more = paging.apply(session, File, scope, "file")
-    return JSON({
-        "object": "list",
-        "data": [file_object(f) for f in rows],
-        "has_more": has_more,
-        "first_id": rows[0].id if rows else None,
-        "last_id": rows[-1].id if rows else None,
-    })
+    return JSON(
+        {
+            "object": "list",
+            "data": [file_object(f) for f in rows],
+            "has_more": has_more,
+            "first_id": rows[0].id if rows else None,
+            "last_id": rows[-1].id if rows else None,
+        }
+    )
 
 
 def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:

@@ -44,40 +44,66 @@ async def run_grader(project: ProjectDep, settings: SettingsDep, body: GraderRun
     payload = {"grader": graders.grader_to_dict(grader), "model_sample": body.model_sample, "item": item}
     answer = await _run_on_worker(project.id, payload, settings)
     if "error" in answer:
-        raise APIError(int(answer.get("status", 502)), str(answer["error"]), param="grader",
-                       code=str(answer.get("code", "grader_failed")))
+        raise APIError(
+            int(answer.get("status", 502)),
+            str(answer["error"]),
+            param="grader",
+            code=str(answer.get("code", "grader_failed")),
+        )
     reward = answer["reward"]
-    return JSON({
-        "reward": reward,
-        "sub_rewards": answer["sub_rewards"],
-        "metadata": {"errors": answer["errors"], "error_messages": answer["messages"], "name": grader.name,
-                     "type": grader.type},
-    })
+    return JSON(
+        {
+            "reward": reward,
+            "sub_rewards": answer["sub_rewards"],
+            "metadata": {
+                "errors": answer["errors"],
+                "error_messages": answer["messages"],
+                "name": grader.name,
+                "type": grader.type,
+            },
+        }
+    )
 
 
 def _check_item(item: dict[str, Any], max_bytes: int) -> None:
     """An item is a line of a training file: the same limits as an upload's line."""
     if depth(item, MAX_DEPTH) > MAX_DEPTH:
-        raise bad_request(f"item nests arrays or objects more than {MAX_DEPTH} levels deep, as no line of a "
-                          "training file may; flatten it.", "item")
+        raise bad_request(
+            f"item nests arrays or objects more than {MAX_DEPTH} levels deep, as no line of a "
+            "training file may; flatten it.",
+            "item",
+        )
     if len(json.dumps(item, ensure_ascii=False).encode()) > max_bytes:
-        raise bad_request(f"item is larger than a training file's line may be ({max_bytes} bytes, "
-                          "RLOO_MAX_LINE_BYTES).", "item")
+        raise bad_request(
+            f"item is larger than a training file's line may be ({max_bytes} bytes, RLOO_MAX_LINE_BYTES).", "item"
+        )
 
 
 async def _run_on_worker(project: str, payload: dict[str, Any], settings: Settings) -> dict[str, Any]:
     from service import dryruns, queue
 
     try:
-        return await dryruns.run(project=project, payload=payload, queue=queue.grader_queue(),
-                                 timeout=settings.grader_run_seconds, cap=settings.max_dry_runs)
+        return await dryruns.run(
+            project=project,
+            payload=payload,
+            queue=queue.grader_queue(),
+            timeout=settings.grader_run_seconds,
+            cap=settings.max_dry_runs,
+        )
     except dryruns.Busy:
         raise APIError(
-            429, f"This project already has {settings.max_dry_runs} grader runs in progress (RLOO_MAX_DRY_RUNS); "
-            "wait for one to finish.", code="too_many_dry_runs", headers={"Retry-After": "1"},
+            429,
+            f"This project already has {settings.max_dry_runs} grader runs in progress (RLOO_MAX_DRY_RUNS); "
+            "wait for one to finish.",
+            code="too_many_dry_runs",
+            headers={"Retry-After": "1"},
         ) from None
     except dryruns.NoAnswer as exc:
         raise APIError(504, str(exc), param="grader", code="grader_timeout") from None
     except Exception as exc:  # the broker is down
-        raise APIError(503, f"the queue is unreachable ({type(exc).__name__}); try again shortly",
-                       param=None, code="queue_unavailable") from None
+        raise APIError(
+            503,
+            f"the queue is unreachable ({type(exc).__name__}); try again shortly",
+            param=None,
+            code="queue_unavailable",
+        ) from None

@@ -79,9 +79,9 @@ def create_job(
 ) -> JSON:
     key = idempotency.check_key(idempotency_key)
     digest = idempotency.request_hash(body.model_dump(mode="json"))
-    if key is not None and (replayed := idempotency.replay(
-        session, project_seq=project.seq, route="jobs", key=key, digest=digest
-    )):
+    if key is not None and (
+        replayed := idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
+    ):
         return replayed
     grader, hp = jobspec.check_spec(body, settings=settings)
     training = _file(session, project, body.training_file, "training_file")
@@ -114,8 +114,11 @@ def create_job(
         gone = sorted(set(wanted) - crud.lock_files(session=session, project_seq=project.seq, file_ids=list(wanted)))
         if gone:
             session.rollback()
-            raise bad_request(f"File '{gone[0]}' was deleted while the job was being created; upload it again.",
-                              wanted[gone[0]], "file_not_found")
+            raise bad_request(
+                f"File '{gone[0]}' was deleted while the job was being created; upload it again.",
+                wanted[gone[0]],
+                "file_not_found",
+            )
         session.add(job)
         session.flush()
         crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
@@ -125,8 +128,14 @@ def create_job(
             message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
         )
         if key is not None:  # the answer, in the same transaction as the job
-            idempotency.remember(session, project_seq=project.seq, route="jobs", key=key, digest=digest,
-                                 response=job_object(job, project))
+            idempotency.remember(
+                session,
+                project_seq=project.seq,
+                route="jobs",
+                key=key,
+                digest=digest,
+                response=job_object(job, project),
+            )
         try:
             session.commit()  # the row exists before the task does: a worker always finds it
         except IntegrityError:
@@ -149,9 +158,11 @@ def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
     if waiting >= cap:
         session.rollback()
         raise APIError(
-            429, f"This project has {waiting} jobs waiting for a worker, the most it may have (RLOO_MAX_QUEUED_JOBS="
+            429,
+            f"This project has {waiting} jobs waiting for a worker, the most it may have (RLOO_MAX_QUEUED_JOBS="
             f"{cap}); create this one when one of them has started, or cancel one.",
-            code="too_many_queued_jobs", headers={"Retry-After": "10"},
+            code="too_many_queued_jobs",
+            headers={"Retry-After": "10"},
         )
 
 
@@ -224,7 +235,9 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
         raise APIError(409, f"Job {job_id} is {job.status}; only a paused job can be resumed.", code="invalid_state")
     if not queue.enqueue_job(job.id):
         crud.add_event(
-            session=session, job=job, level="warn",
+            session=session,
+            job=job,
+            level="warn",
             message="The queue is unreachable; the job will be queued when it is back.",
         )
         session.commit()
@@ -285,8 +298,10 @@ def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep
     "/{job_id}/checkpoints/{checkpoint_id}/content",
     summary="Download a checkpoint (tar archive; byte ranges served)",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/x-tar": {}}},
-               206: {"description": "The byte range asked for (`Range`)", "content": {"application/x-tar": {}}}},
+    responses={
+        200: {"content": {"application/x-tar": {}}},
+        206: {"description": "The byte range asked for (`Range`)", "content": {"application/x-tar": {}}},
+    },
 )
 @ends_session
 def read_checkpoint_content(
@@ -312,5 +327,6 @@ def read_checkpoint_content(
         for item in sorted(directory.iterdir())
         if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX)
     ]
-    return tar_response(TarLayout(files), filename=f"{job.id}-step-{ckpt.step_number}.tar", range_header=range_,
-                        if_range=if_range)
+    return tar_response(
+        TarLayout(files), filename=f"{job.id}-step-{ckpt.step_number}.tar", range_header=range_, if_range=if_range
+    )

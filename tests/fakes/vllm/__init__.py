@@ -16,9 +16,17 @@ import torch
 
 
 class SamplingParams:
-    def __init__(self, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, max_tokens: int = 16,
-                 stop: list[str] | None = None, stop_token_ids: list[int] | None = None, seed: int | None = None,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 16,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.n, self.temperature, self.top_p, self.max_tokens = n, temperature, top_p, max_tokens
         self.stop, self.stop_token_ids, self.seed = stop or [], stop_token_ids or [], seed
 
@@ -47,8 +55,14 @@ class _Runner:
     def load_weights(self, weights: Any) -> None:
         state = {name: tensor.detach().clone() for name, tensor in weights}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        self.pushes.append({"names": sorted(state), "missing": list(missing), "unexpected": list(unexpected),
-                            "checksum": float(sum(t.double().sum() for t in state.values()))})
+        self.pushes.append(
+            {
+                "names": sorted(state),
+                "missing": list(missing),
+                "unexpected": list(unexpected),
+                "checksum": float(sum(t.double().sum() for t in state.values())),
+            }
+        )
 
 
 class LLM:
@@ -70,8 +84,9 @@ class LLM:
         self.prefix_cache_resets += 1
 
     @torch.no_grad()
-    def generate(self, prompts: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool = True
-                 ) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         outputs = []
         for prompt, p in zip(prompts, params, strict=True):
             gen = torch.Generator().manual_seed(p.seed or 0)
