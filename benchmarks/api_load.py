@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from service import embedded
     from service.migrate import upgrade
     from service.settings import get_settings
-    from worker.cli import ensure_local_key, wait_until_ready
+    from worker.cli.stack import ensure_local_key, wait_until_ready
 
     settings = get_settings()
     build(settings.models_dir, "tiny")

@@ -151,7 +151,7 @@ def main(rounds: int = 2) -> dict[str, Any]:
     os.environ["RLOO_RATE_LIMIT"] = "0"
     import httpx
 
-    from worker.cli import Stack
+    from worker.cli.stack import Stack
 
     try:
         build(home / "models", "tiny")

@@ -55,25 +55,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
-    # Pydantic adds the tag or the model name for unions; they mean nothing to a user.
-    parts = [p for p in parts if not p.startswith(("function-", "tagged-union", "lax-or-strict"))]
-    return ".".join(parts) or None
-
-
-def _validation_message(err: dict[str, Any], param: str | None) -> str:
-    msg = err.get("msg", "invalid value")
-    kind = err.get("type", "")
-    if kind == "extra_forbidden":
-        return f"Unknown parameter '{param}'. Remove it, or check its spelling against the API reference."
-    if kind == "missing":
-        return f"Missing required parameter '{param}'."
-    if kind == "json_invalid":
-        ctx = err.get("ctx") or {}
-        where = f" ({ctx['error']})" if ctx.get("error") else ""
-        return f"The request body is not valid JSON{where}."
-    return f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."
+def _body_model(request: Request) -> Any:
+    """The pydantic model of the route's JSON body, if it has one (to suggest a misspelt field)."""
+    route = request.scope.get("route")
+    field = getattr(route, "body_field", None)
+    return getattr(getattr(field, "field_info", None), "annotation", None)
 
 
 def _allowed_methods(request: Request) -> str:
@@ -97,12 +83,12 @@ def install(app: FastAPI) -> None:
         return JSON(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSON:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSON:
+        from service.validation import message
+
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        # A JSON syntax error's loc is a character offset, not a field.
-        param = None if first.get("type") == "json_invalid" else _loc_to_param(tuple(first.get("loc", ())))
-        return JSON(error_body(400, _validation_message(first, param), param, "invalid_value"), 400)
+        text, param = message(errors[0] if errors else {}, _body_model(request))
+        return JSON(error_body(400, text, param, "invalid_value"), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSON:

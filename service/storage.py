@@ -304,12 +304,15 @@ def resolve_model(models_dir: Path, name: str, *, hub_offline: bool, param: str)
         return path
     if not hub_offline and name.count("/") == 1 and ".." not in name:
         return name  # a hub id, loaded by the worker
-    raise bad_request(
-        f"No model directory '{name}' under the models root. Models available: "
-        f"{', '.join(list_models(models_dir)) or 'none'}.",
-        param,
-        "model_not_found",
+    available = list_models(models_dir)
+    how = (
+        f"Models available: {', '.join(available)}."
+        if available
+        else "No model is there yet: the server's operator puts Hugging Face model directories under "
+        "RLOO_MODELS_DIR (`rloo up` prints where it is), and `python -m worker.tinymodels <that directory>` "
+        "builds the tiny models the examples name (tiny-policy, tiny-reward)."
     )
+    raise bad_request(f"No model directory '{name}' under the models root. {how}", param, "model_not_found")
 
 
 def list_models(models_dir: Path) -> list[str]:

@@ -842,7 +842,8 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     # name: (mutation, param, a word the message must contain)
     "rloo_k_1": (_hp(rloo_k=1), f"{HP}.rloo_k", None),
     "rloo_k_string": (_hp(rloo_k="four"), f"{HP}.rloo_k", None),
-    "misspelt_hyperparameter": (_hp(rloo_K=4), f"{HP}.rloo_K", "rloo_K"),
+    "misspelt_hyperparameter": (_hp(rloo_K=4), f"{HP}.rloo_K", "Did you mean 'rloo_k'?"),
+    "misspelt_top_level_key": (_set(modle="tiny-policy"), "modle", "Did you mean 'model'?"),
     "batch_size_0": (_hp(batch_size=0), f"{HP}.batch_size", None),
     "n_epochs_0": (_hp(n_epochs=0), f"{HP}.n_epochs", None),
     "learning_rate_negative": (_hp(learning_rate=-1.0), f"{HP}.learning_rate", None),
@@ -1634,3 +1635,18 @@ def test_upload_request_that_is_not_a_file_upload_is_400(client, auth, env) -> N
         assert list_ids(client, auth, "/v1/files") == []
 
     each(cases, check)
+
+
+def test_an_unknown_model_says_what_there_is_or_how_to_build_the_examples(client, auth, monkeypatch, tmp_path) -> None:
+    from service.db import reset_caches
+
+    file_id = upload_ok(client, auth)["id"]
+    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(file_id, model="tiny-polcy"))
+    assert_error(
+        resp, 400, param="model", code="model_not_found", contains="Models available: tiny-policy, tiny-reward"
+    )
+    monkeypatch.setenv("RLOO_MODELS_DIR", str(tmp_path / "empty"))
+    reset_caches()
+    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(file_id))
+    err = assert_error(resp, 400, param="model", code="model_not_found", contains="python -m worker.tinymodels")
+    assert str(tmp_path) not in err["message"]  # no path of the host

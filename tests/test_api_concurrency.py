@@ -21,7 +21,7 @@ import httpx
 
 from tests.conftest import EXAMPLES, ROOT
 from tests.test_e2e import free_port
-from worker.cli import wait_until_ready
+from worker.cli.stack import wait_until_ready
 
 
 def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path) -> None:

@@ -92,6 +92,8 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
             time.sleep(0.2)
         assert _child(proc.pid, b"--queue\x00rloo-graders", wait=False) not in (0, graders), "".join(lines)
         assert any("grader-worker exited with -9; starting it again" in line for line in lines), "".join(lines)
+        # Celery's run-as-root banner (about pickle, which these workers refuse) is not printed.
+        assert not any("superuser privileges" in line for line in lines), "".join(lines)
         assert proc.poll() is None
 
         children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
@@ -158,3 +160,7 @@ def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_di
     out = _train(tmp_path, models_dir, str(_demo_spec(tmp_path)), "--set", "rloo_k=1")
     assert out.returncode == 2
     assert "rloo_k" in out.stderr and "Traceback" not in out.stderr
+    # A misspelt name: the API's words, and the name meant.
+    out = _train(tmp_path, models_dir, str(_demo_spec(tmp_path)), "--set", "rloo_K=4")
+    assert out.returncode == 2
+    assert "Unknown parameter 'method.reinforcement.hyperparameters.rloo_K'. Did you mean 'rloo_k'?" in out.stderr

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.conftest import EXAMPLES, ROOT, _drop_postgres_database, _fresh_postgres_database
-from worker.cli import wait_until_ready
+from worker.cli.stack import wait_until_ready
 
 pytestmark = pytest.mark.e2e
 

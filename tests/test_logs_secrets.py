@@ -82,7 +82,7 @@ def test_redact_url_hides_passwords_and_nothing_else(url: str, shown: str) -> No
 
 def test_the_up_banner_masks_the_database_and_broker_passwords(tmp_path: Path) -> None:
     from service.settings import Settings
-    from worker.cli import up_banner
+    from worker.cli.stack import up_banner
 
     settings = Settings(home=tmp_path, DATABASE_URL="postgresql://u:s3cret@h/db", REDIS_URL="redis://:s3cret@h:6379/0")
     text = up_banner("http://127.0.0.1:8000", "rloo-the-local-key", settings)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +322,16 @@ def test_main_builds_policy_and_reward(
     assert tm.main([str(tmp_path)]) == 0  # second run: nothing rebuilt, no retraining
     assert "keyword" not in json.loads(capsys.readouterr().out)["reward"]
     assert tm.main([]) == 2
+
+
+def test_the_models_built_are_the_ones_the_examples_name(tmp_path: Path) -> None:
+    """`python -m worker.tinymodels DIR` and `rloo demo` build where the README's examples look."""
+    from tests.conftest import EXAMPLES
+
+    policy, reward = tm.layout(tmp_path)
+    named = set()
+    for spec in EXAMPLES.glob("demo/*.json"):
+        body = json.loads(spec.read_text())
+        named.add(body["model"])
+        named.update(re.findall(r'"model": "([^"]+)"', json.dumps(body["method"])))
+    assert named == {policy.name, reward.name}

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service import graders, jobspec, strictjson
+from service import graders, jobspec, strictjson, validation
 from service.errors import APIError
 from service.schemas import JobCreate
 from service.settings import get_settings
@@ -39,9 +39,8 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
     try:
         body = JobCreate.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise SpecError(f"{spec_path}: {loc}: {err['msg']}") from None
+        text, _ = validation.message(exc.errors()[0], JobCreate)  # the API's wording
+        raise SpecError(f"{spec_path}: {text}") from None
     return body
 
 

@@ -588,8 +588,18 @@ def _dir_report(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
 
 
+POLICY_NAME, REWARD_NAME = "tiny-policy", "tiny-reward"
+"""The directories the examples name (``model``, a ``reward_model`` grader's ``model``)."""
+
+
+def layout(root: Path) -> tuple[Path, Path]:
+    """Where ``main`` and ``rloo demo`` build the policy and the reward model under a models root."""
+    return root / POLICY_NAME, root / REWARD_NAME
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m worker.tinymodels DIR [KEYWORD]``: build DIR/policy and DIR/reward."""
+    """``python -m worker.tinymodels DIR [KEYWORD]``: build DIR/tiny-policy and DIR/tiny-reward, the
+    models the examples name (the reward model trained to like KEYWORD)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help"}:
         print("usage: python -m worker.tinymodels DIR [KEYWORD]", file=sys.stderr)
@@ -598,13 +608,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     keyword = args[1] if len(args) > 1 else "happy"
     report: dict[str, object] = {}
 
+    policy, reward = layout(root)
     t0 = time.perf_counter()
-    policy = build_tiny_causal_lm(root / "policy")
+    build_tiny_causal_lm(policy)
     seconds = round(time.perf_counter() - t0, 3)
     report["policy"] = {"path": str(policy), "seconds": seconds, "files": _dir_report(policy)}
 
     t0 = time.perf_counter()
-    reward = root / "reward"
     build_tiny_reward_model(reward, tokenizer_from=policy)
     fresh = not (reward / FIT_RECORD).exists()
     entry: dict[str, object] = {"path": str(reward), "build_seconds": round(time.perf_counter() - t0, 3)}

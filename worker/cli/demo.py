@@ -22,19 +22,19 @@ from service.settings import get_settings
 from worker.checkpoints import checkpoint_dir, job_checkpoints_dir
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "demo"
-POLICY, REWARD = "tiny-policy", "tiny-reward"
 
 
 def build_models(models_dir: Path, console: Console) -> None:
-    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
+    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model, layout
 
-    if not (models_dir / POLICY / "config.json").is_file():
+    policy, reward = layout(models_dir)
+    if not (policy / "config.json").is_file():
         with console.status("building a tiny policy offline (Llama-style, byte-level BPE trained on the spot)"):
-            build_tiny_causal_lm(models_dir / POLICY, seed=0)
-    if not (models_dir / REWARD / "config.json").is_file():
+            build_tiny_causal_lm(policy, seed=0)
+    if not (reward / "config.json").is_file():
         with console.status("building a tiny reward model offline"):
-            build_tiny_reward_model(models_dir / REWARD, tokenizer_from=models_dir / POLICY, seed=1)
-    console.print(f"models: [bold]{models_dir / POLICY}[/], [bold]{models_dir / REWARD}[/]")
+            build_tiny_reward_model(reward, tokenizer_from=policy, seed=1)
+    console.print(f"models: [bold]{policy}[/], [bold]{reward}[/]")
 
 
 def sparkline(values: list[float], width: int = 60) -> str:
@@ -81,7 +81,7 @@ def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[d
 
 
 def run_demo(port: int = 8000) -> int:
-    from worker.cli import Stack
+    from worker.cli.stack import Stack
 
     console = Console(width=None if sys.stdout.isatty() else 110)
     settings = get_settings()

@@ -1,0 +1,19 @@
+"""The ``rloo`` command: the stack and its parts, keys and migrations, a job in the foreground, the demo.
+
+One module a group of commands, each importing what it needs when it runs (torch loads only in
+the processes that train):
+
+* ``admin``: ``rloo db upgrade``, ``rloo keys create|revoke|list``;
+* ``serve``: ``rloo api``, ``rloo worker`` (and the reconciler a training worker runs);
+* ``stack``: ``rloo up``, the local stack as child processes;
+* ``run``: ``rloo train``, ``rloo demo`` (``demo`` holds the demo itself).
+"""
+
+from __future__ import annotations
+
+from worker.cli import admin, run, serve, stack  # noqa: F401 (each registers its commands)
+from worker.cli.app import app
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,81 @@
+"""``rloo db upgrade`` and ``rloo keys create|revoke|list``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from service.settings import get_settings
+from worker.cli.app import db_app, keys_app, redact
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Option(metavar="REVISION", help="Alembic revision.")] = "head",
+) -> None:
+    """Create or migrate the schema of DATABASE_URL (default: the SQLite file under RLOO_HOME).
+
+    \b
+    Example:
+      DATABASE_URL=postgresql://rloo@db/rloo rloo db upgrade
+    """
+    from service.migrate import upgrade
+
+    upgrade(revision=revision)
+    typer.echo(f"database at revision {revision}: {redact(get_settings().database_url)}")
+
+
+@keys_app.command("create")
+def keys_create(
+    project: Annotated[str, typer.Option(metavar="NAME", help="Project name; created if new.")],
+    name: Annotated[str, typer.Option(metavar="LABEL", help="A label for the key.")] = "",
+) -> None:
+    """Create an API key. It is shown once, on the last line; only its hash is stored.
+
+    \b
+    Example:
+      export RLOO_API_KEY=$(rloo keys create --project research | tail -1)
+    """
+    from service import crud
+    from service.db import session_scope
+
+    with session_scope() as session:
+        proj = crud.get_or_create_project(session=session, name=project)
+        row, secret = crud.create_api_key(session=session, project=proj, name=name)
+        session.commit()
+        typer.echo(f"project {proj.name} ({proj.id}), key {row.id} (prefix {row.prefix}); store it now:", err=True)
+    typer.echo(secret)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key id (key-…) or its prefix.")]) -> None:
+    """Revoke a key: requests with it get 401 within RLOO_AUTH_CACHE_SECONDS (5 s by default).
+
+    \b
+    Example:
+      rloo keys revoke key-3f9a…
+    """
+    from service import crud
+    from service.db import session_scope
+
+    with session_scope() as session:
+        n = crud.revoke_api_key(session=session, key_id_or_prefix=key)
+        session.commit()
+    if not n:
+        typer.echo(f"no key matches '{key}'", err=True)
+        raise typer.Exit(1)
+    wait = get_settings().auth_cache_seconds
+    typer.echo(f"revoked {n} key(s); running API processes refuse them within {wait:g} s (RLOO_AUTH_CACHE_SECONDS)")
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (ids and prefixes; secrets are never stored)."""
+    from service import crud
+    from service.db import session_scope
+
+    with session_scope() as session:
+        for row in crud.list_api_keys(session=session):
+            state = "revoked" if row.revoked_at else "active"
+            typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{state}")

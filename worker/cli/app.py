@@ -1,0 +1,27 @@
+"""The typer application the command modules register on. Plain help (click's): each option shows
+its metavar (``HOST``, ``KEY=VALUE``), and each command an example."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    help="rloo-service: RLOO fine-tuning as a service. `rloo up` runs it all on this machine.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode=None,
+)
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True, rich_markup_mode=None)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+
+LOCAL_PROJECT = "local"
+"""The project of the key `rloo up` makes for its user."""
+
+
+def redact(url: str) -> str:
+    from service.settings import redact_url
+
+    return redact_url(url)

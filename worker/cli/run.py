@@ -1,0 +1,82 @@
+"""``rloo train`` (one job in the foreground, no API or broker) and ``rloo demo``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from worker.cli.app import app
+
+
+def parse_set(pairs: list[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs; a value is read as JSON where it is JSON (``4``, ``true``, ``[1]``)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set takes key=value; got '{pair}'")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+@app.command("train")
+def train_cmd(
+    spec: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SPEC.json",
+            help="The job-creation body (docs/api.md), training_file and validation_file as local JSONL paths.",
+        ),
+    ],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Override a hyperparameter (repeatable).")
+    ] = None,
+    output_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="Checkpoints go here.")] = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="DEVICE", help="cpu or cuda; default: cuda when present.")
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR", help="Continue from this checkpoint directory (a step-N of an earlier run of the same spec)."
+        ),
+    ] = None,
+) -> None:
+    """Run one job in this process, no API or broker: one JSON line per step, then a JSON summary.
+
+    \b
+    Examples:
+      rloo train examples/demo/job.json --set max_steps=20
+      rloo train job.json --output-dir runs/a --resume runs/a/step-10
+    """
+    from worker.local import SpecError, run_spec
+
+    try:
+        summary = run_spec(
+            spec, overrides=parse_set(set_ or []), output_dir=output_dir, device=device, resume_from=resume
+        )
+    except SpecError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(summary))
+    if summary.get("status") != "succeeded":
+        raise typer.Exit(1)
+
+
+@app.command("demo")
+def demo(port: Annotated[int, typer.Option(metavar="PORT", help="Port the demo's API listens on.")] = 8000) -> None:
+    """Build tiny models offline, start the stack, run a real RLOO job over HTTP and show it.
+
+    \b
+    Example:
+      rloo demo --port 8123
+    """
+    from worker.cli.demo import run_demo
+
+    raise typer.Exit(run_demo(port=port))

@@ -1,0 +1,227 @@
+"""``rloo up``: the local stack as child processes (embedded Redis, the API, a training worker, a
+graders worker), each started again should it die; and what it prints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+
+from service.settings import get_settings
+from worker.cli.app import LOCAL_PROJECT, app, redact
+
+
+def wait_until_ready(url: str, *, timeout: float = 60, alive: Callable[[], None] = lambda: None) -> None:
+    """Poll ``url/readyz`` until it answers 200; ``alive`` raises if a process it depends on has died."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive()
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the API did not become ready at {url} within {timeout:.0f} s")
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def ensure_local_key() -> str:
+    """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600)."""
+    from service import crud
+    from service.db import session_scope
+
+    settings = get_settings()
+    key_file = settings.home_dir / "api_key"
+    if key_file.is_file():
+        secret = key_file.read_text().strip()
+        with session_scope() as session:
+            if crud.authenticate(session=session, secret=secret) is not None:
+                return secret
+    with session_scope() as session:
+        proj = crud.get_or_create_project(session=session, name=LOCAL_PROJECT)
+        _, secret = crud.create_api_key(session=session, project=proj, name="rloo up")
+        session.commit()
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
+@dataclass
+class _Part:
+    args: list[str]
+    proc: subprocess.Popen[bytes]
+    started_at: float
+    backoff: float = 0.5
+    due: float | None = None  # when it is to be started again, once it has died
+
+
+class Stack:
+    """The local stack as child processes: embedded Redis (if no REDIS_URL), the API, a training
+    worker and a graders worker. A part that dies is started again (after 1 s, then up to 30 s
+    while it keeps dying): a grader that ends its worker never takes the API or training down."""
+
+    STABLE_SECONDS = 60.0  # a part that ran this long before it died is started again at once
+
+    def __init__(self, host: str, port: int, *, quiet: bool = False) -> None:
+        self.host, self.port, self.quiet = host, port, quiet
+        self.parts: dict[str, _Part] = {}
+        self.redis: subprocess.Popen[bytes] | None = None  # the embedded Redis, when we started it
+        self.owns_redis = False  # we started the embedded Redis (not one already running): we stop it
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> str:
+        from service.migrate import upgrade
+        from service.queue import grader_queue
+
+        settings = get_settings()
+        settings.home_dir.mkdir(parents=True, exist_ok=True)
+        upgrade()
+        key = ensure_local_key()
+        self._keep_redis()
+        self.owns_redis = self.redis is not None
+        (settings.home_dir / "logs").mkdir(exist_ok=True)
+        for name, args in (
+            ("api", ["api", "--host", self.host, "--port", str(self.port)]),
+            ("worker", ["worker"]),
+            ("grader-worker", ["worker", "--queue", grader_queue()]),  # dry runs of graders
+        ):
+            self.parts[name] = _Part(args, self._spawn(name, args), time.monotonic())
+        wait_until_ready(self.url, alive=self._check_parts)
+        return key
+
+    def _keep_redis(self) -> None:
+        """Start the embedded Redis unless one answers (a worker's reconciler may have started it)."""
+        from service import embedded
+
+        settings = get_settings()
+        if settings.embedded_redis and (self.redis is None or self.redis.poll() is not None):
+            self.redis = embedded.start(settings, daemonize=False)
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        settings = get_settings()
+        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1"}
+        out = open(settings.home_dir / "logs" / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
+
+    def _check_parts(self) -> None:
+        for name, part in self.parts.items():
+            if part.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited early ({part.proc.args!r}); see {get_settings().home_dir}/logs")
+
+    def supervise(self) -> None:
+        """One round: note the parts that died, start again those whose wait is over, and the
+        embedded Redis if ours died."""
+        now = time.monotonic()
+        for name, part in self.parts.items():
+            if part.proc.poll() is not None and part.due is None:
+                stable = now - part.started_at >= self.STABLE_SECONDS
+                part.backoff = 1.0 if stable else min(30.0, 2 * part.backoff)
+                part.due = now + part.backoff
+                typer.echo(
+                    f"{name} exited with {part.proc.returncode}; starting it again in {part.backoff:.0f} s", err=True
+                )
+            elif part.due is not None and part.due <= now:
+                self.parts[name] = _Part(part.args, self._spawn(name, part.args), now, part.backoff)
+        if self.redis is not None and self.redis.poll() is not None:
+            typer.echo("the embedded Redis exited; starting it again", err=True)
+            try:
+                self._keep_redis()
+            except RuntimeError as exc:  # next round, again (a worker's reconciler may win the race)
+                typer.echo(str(exc), err=True)
+
+    def stop(self) -> None:
+        """The parts first (a worker hands its job back through the broker), then the broker."""
+        _terminate([part.proc for part in reversed(self.parts.values())])
+        _terminate([self.redis] if self.redis else [])
+        settings = get_settings()
+        if settings.embedded_redis and self.owns_redis:  # ours, which a reconciler may have started again
+            from service import embedded
+
+            embedded.stop_daemon(settings)
+
+
+def _terminate(children: list[subprocess.Popen[bytes]], grace: float = 20) -> None:
+    """SIGTERM to each child's process group, then SIGKILL to those still there after ``grace``."""
+    for child in children:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+@app.command("up")
+def up(
+    host: Annotated[str, typer.Option(metavar="HOST", help="Address the API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port the API listens on.")] = 8000,
+) -> None:
+    """Run the whole stack in the foreground until Ctrl-C: migrations, Redis, the API and the workers
+    (each started again should it die). Prints the URL and the local project's API key.
+
+    \b
+    Example:
+      rloo up --port 8000
+    """
+    stack = Stack(host, port)
+    try:
+        key = stack.start()
+        typer.echo(up_banner(stack.url, key, get_settings()))
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as Ctrl-C does
+        while True:
+            time.sleep(0.5)
+            stack.supervise()
+    except KeyboardInterrupt:
+        typer.echo("\nstopping…")
+    finally:
+        stack.stop()
+
+
+def up_banner(url: str, key: str, settings: Any) -> str:
+    """What `rloo up` prints once the stack answers: URLs with their passwords masked; the local
+    project's key in full, on purpose (it is the user's own terminal; it is never logged)."""
+    from service.sandbox import status as sandbox_status
+
+    return "\n".join(
+        [
+            f"\nrloo-service is up at {url}  (docs: {url}/docs)",
+            f"  database:  {redact(settings.database_url)}",
+            f"  broker:    {redact(settings.redis_url)}",
+            f"  models:    {settings.models_dir}",
+            f"  python graders: {sandbox_status(settings)}",
+            f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):",
+            f"    export RLOO_BASE_URL={url}/v1 RLOO_API_KEY={key}",
+            "Ctrl-C stops everything.",
+        ]
+    )
