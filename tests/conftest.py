@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
+from tests.helpers.api import LOCAL, make_key
+from tests.helpers.data import ROOT
+from tests.helpers.databases import drop_postgres_database, fresh_postgres_database
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,33 +34,6 @@ def postgres_server() -> str | None:
     return _postgres_url()
 
 
-def _fresh_postgres_database(server_url: str) -> tuple[str, str]:
-    """Create a throw-away database on the test server; returns (url, name)."""
-    import sqlalchemy as sa
-
-    from service.settings import Settings
-
-    url = Settings(DATABASE_URL=server_url).database_url
-    name = f"rloo_test_{secrets.token_hex(6)}"
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    engine.dispose()
-    return url.rsplit("/", 1)[0] + "/" + name, name
-
-
-def _drop_postgres_database(server_url: str, name: str) -> None:
-    import sqlalchemy as sa
-
-    from service.settings import Settings
-
-    url = Settings(DATABASE_URL=server_url).database_url
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    engine.dispose()
-
-
 DB_BACKENDS = ["sqlite", "postgresql"]
 
 
@@ -71,14 +46,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
     server = _postgres_url()
     if not server:
         pytest.skip("TEST_DATABASE_URL not set (the CI sets it to a PostgreSQL server)")
-    url, name = _fresh_postgres_database(server)
+    url, name = fresh_postgres_database(server)
     try:
         yield url
     finally:
         from service.db import reset_caches
 
         reset_caches()
-        _drop_postgres_database(server, name)
+        drop_postgres_database(server, name)
 
 
 # Models ------------------------------------------------------------------------------------------
@@ -191,28 +166,12 @@ def app(env: dict[str, str]):  # type: ignore[no-untyped-def]
     return create_app()
 
 
-LOCAL = ("127.0.0.1", 50000)
-"""The test client's address: a caller on this host's loopback (``/metrics`` answers only those,
-unless RLOO_METRICS_TOKEN is set)."""
-
-
 @pytest.fixture
 def client(app):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
 
     with TestClient(app, client=LOCAL) as c:
         yield c
-
-
-def make_key(project: str) -> str:
-    from service import crud
-    from service.db import session_scope
-
-    with session_scope() as session:
-        proj = crud.get_or_create_project(session=session, name=project)
-        _, secret = crud.create_api_key(session=session, project=proj)
-        session.commit()
-    return secret
 
 
 @pytest.fixture
@@ -227,12 +186,19 @@ def other_auth(env: dict[str, str]) -> dict[str, str]:
     return {"Authorization": f"Bearer {make_key('beta')}"}
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "worker.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-        cwd=ROOT,
-    )
+@pytest.fixture
+def unique_model_path(models_dir: Path) -> Iterator[Callable[[str], Path]]:
+    """Unique names under the session-shared models root, removed afterwards."""
+    made: list[Path] = []
+
+    def make(stem: str) -> Path:
+        path = models_dir / f"{stem}-{secrets.token_hex(4)}"
+        made.append(path)
+        return path
+
+    yield make
+    for path in made:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import EXAMPLES, ROOT
-from tests.test_e2e import free_port
+from tests.helpers.data import EXAMPLES, ROOT
+from tests.helpers.live import free_port
 from worker.cli.stack import wait_until_ready
 
 

@@ -18,7 +18,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from tests.test_api import TRAIN_JSONL, assert_error, create_job, job_body, list_ids, upload_ok
+from tests.helpers.api import assert_error, create_job, list_ids, upload_ok
+from tests.helpers.data import TRAIN_JSONL, job_body
 
 FAKE = {
     "file_id": "file-" + "0" * 24,

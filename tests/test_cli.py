@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT
-from tests.test_e2e import free_port
+from tests.helpers.data import EXAMPLES, ROOT
+from tests.helpers.live import free_port
 
 
 def _env(tmp_path: Path, models_dir: Path) -> dict[str, str]:

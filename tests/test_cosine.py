@@ -87,7 +87,7 @@ def test_the_embedding_model_is_the_package_or_a_directory_under_the_models_root
 
 
 def test_a_job_trains_on_a_cosine_reward(tmp_path: Path, models_dir: Path) -> None:
-    from tests.test_train import ListRecorder, config
+    from tests.helpers.training import ListRecorder, config
     from worker.train import train
 
     rec = ListRecorder()

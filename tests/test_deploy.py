@@ -6,7 +6,7 @@ import re
 
 import yaml
 
-from tests.conftest import ROOT
+from tests.helpers.data import ROOT
 
 
 def test_compose_has_the_production_stack() -> None:

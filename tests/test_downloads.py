@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from service.tarstream import TarLayout, byte_range
-from tests.test_api import assert_error, create_job, job_body, upload_ok
+from tests.helpers.api import assert_error, create_job, upload_ok
+from tests.helpers.data import job_body
 
 SIZES = {"empty.txt": 0, "one.bin": 1, "block.bin": 512, "over.bin": 513, "config.json": 100, "big.bin": 70_001}
 

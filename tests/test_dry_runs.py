@@ -21,7 +21,8 @@ import pytest
 import redis
 
 from service import dryruns
-from tests.test_api import STRING_CHECK, assert_error
+from tests.helpers.api import assert_error
+from tests.helpers.data import STRING_CHECK
 from worker.requests import MAX_DELIVERIES
 
 RUN = "/v1/fine_tuning/alpha/graders/run"

@@ -7,26 +7,21 @@ TEST_DATABASE_URL and TEST_REDIS_URL are set (the CI sets both).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
-import secrets
 import signal
-import socket
-import subprocess
-import sys
 import tarfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT, _drop_postgres_database, _fresh_postgres_database
-from worker.cli.stack import wait_until_ready
+from tests.helpers.data import EXAMPLES, job_body
+from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
+from tests.helpers.scoring import Endpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -54,157 +49,16 @@ RLOO_METRICS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveStack:
-    def __init__(self, env: dict[str, str], port: int, logs: Path) -> None:
-        self.env, self.port, self.logs = env, port, logs
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.url = f"http://127.0.0.1:{port}"
-        self.key = ""
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=ROOT,
-            timeout=120,
-        )
-        assert out.returncode == 0, out.stderr
-        return out
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *args],
-            env=self.env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.procs[name] = proc
-        return proc
-
-    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
-        proc = self.procs.pop(name)
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        try:
-            wait_until_ready(self.url, timeout=timeout)
-        except TimeoutError:
-            raise AssertionError(f"API not ready; log:\n{(self.logs / 'api.log').read_text()[-3000:]}") from None
-
-    @property
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url + "/v1", headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
-
-    def log_tail(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.logs.glob("*.log")))
-
-
-@contextlib.contextmanager
-def live_stack(
-    kind: str,
-    tmp_path: Path,
-    models_dir: Path,
-    *,
-    env: dict[str, str] | None = None,
-    worker: bool = True,
-    database_url: Callable[[str], str] = lambda url: url,
-) -> Iterator[LiveStack]:
-    """The API (and one worker) as processes on the embedded defaults, or on the CI's PostgreSQL and
-    Redis (``production``; ``database_url`` may route its fresh database's URL, e.g. through a proxy)."""
-    full = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    full.update(
-        {
-            "RLOO_HOME": str(tmp_path / "var"),
-            "RLOO_MODELS_DIR": str(models_dir),
-            "PYTHONUNBUFFERED": "1",
-            "RLOO_HEARTBEAT_SECONDS": "1",
-            **(env or {}),
-        }
-    )
-    pg_name = None
-    if kind == "production":
-        server, broker = os.environ.get("TEST_DATABASE_URL"), os.environ.get("TEST_REDIS_URL")
-        if not (server and broker):
-            pytest.skip("TEST_DATABASE_URL and TEST_REDIS_URL not set (the CI sets them)")
-        url, pg_name = _fresh_postgres_database(server)
-        queue = f"e2e-{secrets.token_hex(4)}"
-        full.update({"DATABASE_URL": database_url(url), "REDIS_URL": broker, "RLOO_QUEUE": queue})
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    s = LiveStack(full, free_port(), logs)
-    s.cli("db", "upgrade")
-    s.key = s.cli("keys", "create", "--project", "e2e").stdout.strip().splitlines()[-1]
-    s.start("api", "api", "--port", str(s.port))
-    if worker:
-        s.start("worker", "worker", "--loglevel", "INFO")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        for name in list(s.procs):
-            s.stop(name)
-        if kind == "embedded":
-            from service import embedded
-            from service.settings import Settings
-
-            embedded.stop_daemon(Settings(home=tmp_path / "var"))
-        if pg_name:
-            _drop_postgres_database(os.environ["TEST_DATABASE_URL"], pg_name)
-
-
 @pytest.fixture(params=["embedded", "production"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
     with live_stack(request.param, tmp_path, models_dir) as s:
         yield s
 
 
-def upload(http: httpx.Client, path: Path) -> str:
-    r = http.post("/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "fine-tune"})
-    assert r.status_code == 200, r.text
-    return r.json()["id"]
-
-
-def job_body(file_id: str, **hp: Any) -> dict[str, Any]:
-    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    body["training_file"] = file_id
-    body["method"]["reinforcement"]["hyperparameters"].update(hp)
-    return body
-
-
-def wait_for(
-    http: httpx.Client, job_id: str, statuses: set[str], timeout: float, stack: LiveStack, min_step: int = 0
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = http.get(f"/fine_tuning/jobs/{job_id}").json()
-        if job["status"] in statuses and job["progress"]["step"] >= min_step:
-            return job
-        time.sleep(0.25)
-    raise AssertionError(f"job {job_id} is {job.get('status')} after {timeout}s\n{stack.log_tail()}")
-
-
 def test_job_runs_end_to_end(stack: LiveStack) -> None:
     http = stack.http
-    file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-    r = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=4, checkpoint_interval=2))
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    r = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 4, "checkpoint_interval": 2}))
     assert r.status_code == 200, r.text
     job_id = r.json()["id"]
 
@@ -248,8 +102,8 @@ def test_job_runs_end_to_end(stack: LiveStack) -> None:
 
 def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
     http = stack.http
-    file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-    long_job = http.post("/fine_tuning/jobs", json=job_body(file_id, n_epochs=100)).json()
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    long_job = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"n_epochs": 100})).json()
     wait_for(http, long_job["id"], {"running"}, 120, stack, min_step=1)
     # Create-and-cancel churn behind it: those tasks must cost the worker nothing (its main process
     # drops them; a pool process, once used, is replaced at the cost of torch's import).
@@ -274,7 +128,7 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
     assert http.get(f"/fine_tuning/jobs/{long_job['id']}/checkpoints").json()["data"]
 
     # The worker survives and takes the next job.
-    short = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()
+    short = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()
     assert wait_for(http, short["id"], {"succeeded", "failed"}, 180, stack)["status"] == "succeeded"
     log = (stack.logs / "worker.log").read_text()
     for job_id in churn:
@@ -282,42 +136,64 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
         assert f"job {job_id} not claimed" not in log  # never reached a pool process
 
 
-def test_pause_then_resume_continues_from_the_checkpoint(stack: LiveStack) -> None:
+@pytest.mark.parametrize("kind", ["embedded", "production"])
+def test_pause_then_resume_continues_from_the_checkpoint(kind: str, tmp_path: Path, models_dir: Path) -> None:
     """running -> paused (the worker saves a checkpoint after its step and lets go), a resume that
-    comes too early is 409, then paused -> queued -> running -> succeeded: every step recorded once."""
-    http = stack.http
-    file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-    job_id = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=12)).json()["id"]
-    wait_for(http, job_id, {"running"}, 120, stack, min_step=2)
-    r = http.post(f"/fine_tuning/jobs/{job_id}/pause")
-    assert r.status_code == 200 and r.json()["status"] == "paused", r.text
-    assert http.post(f"/fine_tuning/jobs/{job_id}/pause").status_code == 409  # already paused
+    comes too early is 409, then paused -> queued -> running -> succeeded: every step recorded once.
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the worker has let go, a resume is refused
-        events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
-        if any(e["message"].startswith("Training stopped") for e in events):
-            break
-        early = http.post(f"/fine_tuning/jobs/{job_id}/resume")
-        assert early.status_code == 409 and "pausing" in early.json()["error"]["message"], early.text
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
-    paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
-    assert paused["status"] == "paused"
-    stopped_at = paused["progress"]["step"]
-    ckpts = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
-    assert [c["step_number"] for c in ckpts] == [stopped_at]  # the pause's checkpoint
+    Deterministic: the job's grader is an http grader whose server holds step 3's scoring until the
+    test has paused the job and tried an early resume, so the worker is surely still in that step."""
+    held, scoring = threading.Event(), threading.Event()
 
-    r = http.post(f"/fine_tuning/jobs/{job_id}/resume")
-    assert r.status_code == 200 and r.json()["status"] == "queued", r.text
-    job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
-    assert job["status"] == "succeeded", (job["error"], stack.log_tail())
-    metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
-    assert [m["step"] for m in metrics] == list(range(1, 13))
-    events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
-    assert any(f"Resumed from the checkpoint at step {stopped_at}" in e["message"] for e in events)
-    assert http.post(f"/fine_tuning/jobs/{job_id}/resume").status_code == 409  # succeeded
+    def score(n: int, body: dict[str, Any]) -> tuple[int, Any]:
+        if n == 3:  # step 3
+            scoring.set()
+            held.wait(60)
+        return 200, {"scores": [len(s["sample"]["output_text"]) % 3 / 2 for s in body["samples"]]}
+
+    server = Endpoint(score)
+    env = {"RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{server.server.server_port}/"])}
+    try:
+        with live_stack(kind, tmp_path, models_dir, env=env) as stack:
+            http = stack.http
+            file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+            grader = {"type": "http", "name": "held", "url": server.url}
+            body = job_body(file_id, hp={"max_steps": 6})
+            body["method"]["reinforcement"]["grader"] = grader
+            job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+            assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
+            r = http.post(f"/fine_tuning/jobs/{job_id}/pause")
+            assert r.status_code == 200 and r.json()["status"] == "paused", r.text
+            assert http.post(f"/fine_tuning/jobs/{job_id}/pause").status_code == 409  # already paused
+            early = http.post(f"/fine_tuning/jobs/{job_id}/resume")  # the worker is still in step 3
+            assert early.status_code == 409 and "pausing" in early.json()["error"]["message"], early.text
+            held.set()
+
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the worker finishes step 3, saves, lets go
+                events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+                if any(e["message"].startswith("Training stopped") for e in events):
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
+            paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
+            assert paused["status"] == "paused" and paused["progress"]["step"] == 3
+            ckpts = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+            assert [c["step_number"] for c in ckpts] == [3]  # the pause's checkpoint
+
+            r = http.post(f"/fine_tuning/jobs/{job_id}/resume")
+            assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+            job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+            assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+            metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+            assert [m["step"] for m in metrics] == list(range(1, 7))
+            events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+            assert any("Resumed from the checkpoint at step 3" in e["message"] for e in events)
+            assert http.post(f"/fine_tuning/jobs/{job_id}/resume").status_code == 409  # succeeded
+    finally:
+        held.set()
+        server.close()
 
 
 @pytest.mark.parametrize("kind", ["embedded", "production"])
@@ -330,8 +206,8 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
     env = {"RLOO_RECONCILE_SECONDS": "1", "RLOO_STALE_SECONDS": "8"}
     with live_stack(kind, tmp_path, models_dir, env=env) as stack:
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-        body = job_body(file_id, max_steps=16, checkpoint_interval=2)
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        body = job_body(file_id, hp={"max_steps": 16, "checkpoint_interval": 2})
         job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
         wait_for(http, job_id, {"running"}, 120, stack, min_step=5)
         stack.stop("worker", signal.SIGKILL)
@@ -353,15 +229,15 @@ def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_
 ) -> None:
     with live_stack("embedded", tmp_path, models_dir, env={"RLOO_ALLOW_PYTHON_GRADER": "1"}) as stack:
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-        broken = job_body(file_id, max_steps=3)
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        broken = job_body(file_id, hp={"max_steps": 3})
         broken["method"]["reinforcement"]["grader"] = {
             "type": "python",
             "name": "nan",
             "source": "def grade(sample, item):\n    return float('nan')\n",
         }
         bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
-        good = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()["id"]
+        good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
         failed = wait_for(http, bad, {"succeeded", "failed", "cancelled"}, 120, stack)
         assert failed["status"] == "failed" and failed["error"]["code"] == "reward_not_finite", failed
         assert "graders/run" in failed["error"]["message"]  # says where to try the grader
@@ -380,8 +256,10 @@ def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Pat
                 break
             time.sleep(0.2)
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-        ids = [http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=3)).json()["id"] for _ in range(4)]
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        ids = [
+            http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 3})).json()["id"] for _ in range(4)
+        ]
         workers = set()
         for job_id in ids:
             job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)

@@ -15,24 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import EXAMPLES
-from tests.test_train import ANSWER, ListRecorder, config
+from tests.helpers.data import EXAMPLES
+from tests.helpers.training import ANSWER, LORA, TIMING, ListRecorder, config
 from worker import train as train_mod
 from worker.checkpoints import TRAINING_INFO, TRAINING_STATE, latest_resumable
 from worker.records import JobError
 from worker.train import train
-
-TIMING = {
-    "time_generate",
-    "time_score",
-    "time_reference",
-    "time_update",
-    "time_step",
-    "completions_per_s",
-    "tokens_per_s",
-}
-# A LoRA the tiny model learns with: its reward signal lives mostly in the (tied) output head.
-LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["lm_head", "q_proj", "v_proj"]}
 
 
 def run(

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_e2e import EXAMPLES, LiveStack, free_port, job_body, live_stack, upload, wait_for
+from tests.helpers.data import EXAMPLES, job_body
+from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 
 FINAL = {"succeeded", "failed", "cancelled"}
 
@@ -124,12 +125,14 @@ def test_redis_restarted_without_its_data_loses_no_job(broker: str, tmp_path: Pa
     try:
         with live_stack("embedded", tmp_path, models_dir, env=env) as stack:
             http = stack.http
-            file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-            running = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=12)).json()["id"]
+            file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+            running = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 12})).json()["id"]
             # Seen running first, then the queued ones (on a busy machine the two requests can take
             # longer than a short job's whole run).
             wait_for(http, running, {"running"}, 120, stack, min_step=1)
-            queued = [http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()["id"] for _ in "ab"]
+            queued = [
+                http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"] for _ in "ab"
+            ]
             assert [http.get(f"/fine_tuning/jobs/{j}").json()["status"] for j in queued] == ["queued", "queued"]
 
             if server is not None:
@@ -141,7 +144,7 @@ def test_redis_restarted_without_its_data_loses_no_job(broker: str, tmp_path: Pa
                 for leftover in home.iterdir():
                     if leftover.name.startswith("appendonly"):
                         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-            r = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2))
+            r = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2}))
             assert r.status_code == 200, r.text  # the job row is the truth; its task is sent later
             late = r.json()["id"]
             if server is not None:
@@ -172,7 +175,7 @@ def test_api_killed_while_clients_submit_loses_no_answered_request(tmp_path: Pat
     # Three clients in tight loops with one key: past the per-key rate limit, not what this is about.
     with live_stack("embedded", tmp_path, models_dir, worker=False, env={"RLOO_RATE_LIMIT": "0"}) as stack:
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
         content = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
         answered: dict[str, list[str]] = {"jobs": [], "files": []}
         failures: list[str] = []
@@ -194,7 +197,7 @@ def test_api_killed_while_clients_submit_loses_no_answered_request(tmp_path: Pat
                         answered[kind].append(r.json()["id"])
 
         def submit_jobs() -> None:
-            keep_posting("jobs", lambda c: c.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=1)))
+            keep_posting("jobs", lambda c: c.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 1})))
 
         def upload_files() -> None:
             files = {"file": ("t.jsonl", content)}
@@ -340,8 +343,8 @@ def test_database_unreachable_gives_503_and_everything_recovers_without_a_restar
     try:
         with live_stack("production", tmp_path, models_dir, env=env, database_url=via_proxy) as stack:
             http = stack.http
-            file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-            job_id = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=30)).json()["id"]
+            file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+            job_id = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 30})).json()["id"]
             wait_for(http, job_id, {"running"}, 120, stack, min_step=2)
             api_pid = stack.procs["api"].pid
 
@@ -353,7 +356,7 @@ def test_database_unreachable_gives_503_and_everything_recovers_without_a_restar
             for method, url, body in (
                 ("GET", f"/fine_tuning/jobs/{job_id}", None),
                 ("GET", "/fine_tuning/jobs", None),
-                ("POST", "/fine_tuning/jobs", job_body(file_id, max_steps=2)),
+                ("POST", "/fine_tuning/jobs", job_body(file_id, hp={"max_steps": 2})),
             ):
                 r = http.request(method, url, json=body)
                 assert r.status_code == 503, (method, url, r.status_code, r.text)
@@ -366,7 +369,7 @@ def test_database_unreachable_gives_503_and_everything_recovers_without_a_restar
                 time.sleep(0.2)
             assert httpx.get(stack.url + "/readyz").status_code == 200
             assert stack.procs["api"].pid == api_pid and stack.procs["api"].poll() is None  # no restart
-            later = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2))
+            later = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2}))
             assert later.status_code == 200, later.text
             assert_succeeded_once(http, job_id, 30, stack)
             assert_succeeded_once(http, later.json()["id"], 2, stack)
@@ -382,12 +385,12 @@ def test_a_job_out_of_memory_fails_clearly_and_the_worker_takes_the_next(tmp_pat
     the next job to success."""
     with live_stack("embedded", tmp_path, models_dir, env={"RLOO_JOB_MEMORY_MB": "2048"}) as stack:
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
         # 32 prompts x 256 samples x 32k new tokens: the KV cache alone is tens of GB.
-        hungry = job_body(file_id, max_steps=1, batch_size=32, rloo_k=256, max_new_tokens=32768)
+        hungry = job_body(file_id, hp={"max_steps": 1, "batch_size": 32, "rloo_k": 256, "max_new_tokens": 32768})
         bad = http.post("/fine_tuning/jobs", json=hungry)
         assert bad.status_code == 200, bad.text
-        good = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()["id"]
+        good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
         failed = wait_for(http, bad.json()["id"], FINAL, 180, stack)
         assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory", failed
         assert "batch_size" in failed["error"]["message"] and "max_new_tokens" in failed["error"]["message"]
@@ -403,8 +406,8 @@ def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(tmp_p
     env = {"RLOO_MAX_JOB_CRASHES": "3", "RLOO_STALE_SECONDS": "120"}  # no help from the heartbeat rule
     with live_stack("embedded", tmp_path, models_dir, env=env) as stack:
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-        body = job_body(file_id, n_epochs=100, checkpoint_interval=4)
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        body = job_body(file_id, hp={"n_epochs": 100, "checkpoint_interval": 4})
         job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
         for crash in (1, 2, 3):
             deadline = time.monotonic() + 120
@@ -432,5 +435,5 @@ def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(tmp_p
         assert len(resumed) == 2  # crashes 1 and 2 continued from the checkpoint, not from scratch
         assert len({e.split(" at step ")[1].split(";")[0] for e in resumed}) == 1, resumed  # the same one
         assert stack.procs["worker"].poll() is None  # the worker itself lives on
-        nxt = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2)).json()["id"]
+        nxt = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
         assert_succeeded_once(http, nxt, 2, stack)

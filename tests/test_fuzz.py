@@ -28,7 +28,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.test_api import ERROR_TYPES, JOB_JSON, TRAIN_JSONL, assert_error, create_job, each, job_body, upload_ok
+from tests.helpers.api import ERROR_TYPES, assert_error, create_job, each, upload_ok
+from tests.helpers.data import JOB_JSON, TRAIN_JSONL, job_body
 
 # The fuzzing phase's budget per operation (the examples and coverage phases add a fixed set of
 # cases derived from the schema, about 2000 requests in all). Small enough that the file runs in

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_e2e import LiveStack, live_stack
+from tests.helpers.live import LiveStack, live_stack
 
 pytestmark = pytest.mark.e2e
 

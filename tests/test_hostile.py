@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import make_key
-from tests.test_api import JOB_JSON, STRING_CHECK, assert_error, create_job, each, job_body, upload, upload_ok
+from tests.helpers.api import assert_error, create_job, each, make_key, upload, upload_ok
+from tests.helpers.data import JOB_JSON, STRING_CHECK, job_body
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -176,9 +176,9 @@ def test_a_model_name_the_file_system_refuses_is_a_400(client, auth) -> None:
 
 
 def test_metrics_answer_loopback_or_the_operators_token(env, monkeypatch) -> None:
-    from tests.test_api import _fresh_client
+    from tests.helpers.api import fresh_client
 
-    with _fresh_client(monkeypatch) as local:  # conftest's LOCAL address
+    with fresh_client(monkeypatch) as local:  # conftest's LOCAL address
         assert local.get("/metrics").status_code == 200
     from fastapi.testclient import TestClient
 
@@ -215,9 +215,9 @@ def test_a_project_has_a_cap_of_waiting_jobs(client, auth, monkeypatch) -> None:
 
 def test_a_file_deleted_while_a_job_using_it_is_created_one_of_the_two_loses(env, auth, monkeypatch) -> None:
     """Both at once, 31 times: never a job on a deleted file (it would fail later with file_not_found)."""
-    from tests.test_api import _fresh_client
+    from tests.helpers.api import fresh_client
 
-    with _fresh_client(monkeypatch, RLOO_RATE_LIMIT="0") as client, ThreadPoolExecutor(2) as pool:
+    with fresh_client(monkeypatch, RLOO_RATE_LIMIT="0") as client, ThreadPoolExecutor(2) as pool:
         for _ in range(31):
             file_id = upload_ok(client, auth)["id"]
             create = pool.submit(client.post, JOBS, headers=auth, json=job_body(file_id))

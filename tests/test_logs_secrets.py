@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from service.crud import hash_key
-from tests.conftest import EXAMPLES
-from tests.test_e2e import LiveStack, free_port, job_body, live_stack, upload, wait_for
+from tests.helpers.data import EXAMPLES, job_body
+from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 
 GRADER_PASSWORD = "gr4der-" + secrets.token_hex(8)
 INJECTED_DB_PASSWORD = "db-" + secrets.token_hex(8)
@@ -164,10 +164,10 @@ def test_no_key_or_password_in_any_log_or_event(
         base = stack.url + "/v1"
 
         # A short job to success, and one whose http grader (with credentials) is down.
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
-        ok = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2))
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        ok = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2}))
         assert ok.status_code == 200, ok.text
-        body = job_body(file_id, max_steps=2)
+        body = job_body(file_id, hp={"max_steps": 2})
         body["method"]["reinforcement"]["grader"] = {
             "type": "http",
             "name": "remote",
@@ -183,7 +183,7 @@ def test_no_key_or_password_in_any_log_or_event(
             r = httpx.get(base + "/files", params={name: key})
             assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key", r.text
         assert httpx.get(base + "/files", params={"api_key": wrong}).status_code == 401
-        bad = job_body(file_id, rloo_k=1)
+        bad = job_body(file_id, hp={"rloo_k": 1})
         assert http.post("/fine_tuning/jobs", json=bad, params={"api_key": key}).status_code == 400
         assert http.get("/fine_tuning/jobs/ftjob-nope", params={"api_key": wrong}).status_code == 404
         assert http.get("/no/such/route", params={"api_key": key}).status_code == 404
@@ -298,12 +298,12 @@ def test_a_broker_password_is_masked_in_the_worker_banner_and_in_broker_errors(
         _wait_for_text(worker_log, "ready.", 90, stack)
         assert f"transport:   {masked}" in worker_log.read_text()
         http = stack.http
-        file_id = upload(http, EXAMPLES / "demo" / "train.jsonl")
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
 
         redis_proc.terminate()  # the broker goes away
         redis_proc.wait(timeout=10)
         _wait_for_text(worker_log, f"Cannot connect to {masked}", 60, stack)
-        r = http.post("/fine_tuning/jobs", json=job_body(file_id, max_steps=2))
+        r = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2}))
         assert r.status_code == 200, r.text  # stored; queued again by a reconciler once the broker is back
         assert httpx.get(stack.url + "/readyz").json()["checks"]["broker"].startswith("unreachable")
         _wait_for_text(stack.logs / "api.log", f"could not queue {r.json()['id']}", 30, stack)

@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from tests.conftest import EXAMPLES
+from tests.helpers.data import EXAMPLES
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import LOCAL, make_key
+from tests.helpers.api import LOCAL, make_key
 
 LIMIT_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
 

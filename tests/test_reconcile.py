@@ -8,7 +8,8 @@ import time
 from service.db import session_scope
 from service.models import Job
 from service.reconcile import reconcile
-from tests.test_api import create_job, job_body, upload_ok
+from tests.helpers.api import create_job, upload_ok
+from tests.helpers.data import job_body
 
 
 def test_reconcile_requeues_the_dead_releases_the_paused_and_resends_the_lost(client, auth, monkeypatch) -> None:

@@ -80,7 +80,7 @@ def test_vllm_rollout_layout_eos_and_truncation(fake_vllm, policy) -> None:
 
 
 def test_a_job_on_vllm_pushes_the_updated_policy_every_step(fake_vllm, tmp_path, models_dir) -> None:
-    from tests.test_train import ListRecorder, config
+    from tests.helpers.training import ListRecorder, config
 
     rec = ListRecorder()
     train(config(tmp_path, models_dir, max_steps=3, cfg={"extra": {"rollout_backend": "vllm"}}), rec)
@@ -93,8 +93,7 @@ def test_a_job_on_vllm_pushes_the_updated_policy_every_step(fake_vllm, tmp_path,
 
 
 def test_a_lora_job_on_vllm_pushes_merged_weights_under_the_base_names(fake_vllm, tmp_path, models_dir) -> None:
-    from tests.test_engine import LORA
-    from tests.test_train import ListRecorder, config
+    from tests.helpers.training import LORA, ListRecorder, config
 
     train(
         config(

@@ -107,7 +107,8 @@ def test_the_judge_scores_each_sample(judge_models: Path) -> None:
 
 
 def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth) -> None:
-    from tests.test_api import assert_error, job_body, upload_ok
+    from tests.helpers.api import assert_error, upload_ok
+    from tests.helpers.data import job_body
 
     file_id = upload_ok(client, auth)["id"]
 
@@ -130,7 +131,7 @@ def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth) -> 
 
 
 def test_a_job_trains_on_a_judge(judge_models: Path, tmp_path: Path) -> None:
-    from tests.test_train import ListRecorder, config
+    from tests.helpers.training import ListRecorder, config
     from worker.tinymodels import build_tiny_causal_lm
     from worker.train import train
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from service import crud
 from service.db import session_scope
-from tests.conftest import EXAMPLES
-from tests.test_api import upload_ok
-from tests.test_engine import TIMING
+from tests.helpers.api import upload_ok
+from tests.helpers.data import EXAMPLES
+from tests.helpers.training import TIMING
 
 
 def _job(client: Any, auth: dict[str, str], file_id: str) -> str:

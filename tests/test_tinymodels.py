@@ -326,7 +326,7 @@ def test_main_builds_policy_and_reward(
 
 def test_the_models_built_are_the_ones_the_examples_name(tmp_path: Path) -> None:
     """`python -m worker.tinymodels DIR` and `rloo demo` build where the README's examples look."""
-    from tests.conftest import EXAMPLES
+    from tests.helpers.data import EXAMPLES
 
     policy, reward = tm.layout(tmp_path)
     named = set()

@@ -2,70 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from service.schemas import Hyperparameters
-from tests.conftest import EXAMPLES
-from worker.config import TrainConfig
+from tests.helpers.training import ANSWER, ListRecorder, config
 from worker.train import JobError, train
-
-ANSWER = {
-    "type": "text_similarity",
-    "name": "answer",
-    "input": "{{ sample.output_text }}",
-    "reference": "{{ item.answer }}",
-    "evaluation_metric": "fuzzy_match",
-}
-
-
-class ListRecorder:
-    """Keeps what a run reports; answers ``stop_as`` ("cancelled" or "paused") after step ``stop_at``."""
-
-    def __init__(self, stop_at: int | None = None, stop_as: str = "cancelled") -> None:
-        self.steps: list[dict[str, Any]] = []
-        self.checkpoints: list[tuple[int, Path, bool]] = []
-        self.checkpoint_metrics: dict[int, dict[str, Any]] = {}
-        self.events: list[str] = []
-        self.stop_at, self.stop_as = stop_at, stop_as
-        self.removed: list[int] = []
-
-    def event(self, message: str, level: str = "info") -> None:
-        self.events.append(message)
-
-    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
-        self.steps.append(metrics)
-        return self.stop_as if self.stop_at == step else None
-
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
-        self.checkpoints.append((step, path, final))
-        self.checkpoint_metrics[step] = metrics
-
-    def checkpoint_removed(self, step: int) -> None:
-        self.removed.append(step)
-
-
-def config(
-    tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, *, cfg: dict[str, Any] | None = None, **hp: Any
-) -> TrainConfig:
-    """The demo job on the tiny policy, with ``hp`` overriding its hyperparameters and ``cfg`` the
-    TrainConfig's other fields (``resume_from``, ``validation_file``)."""
-    demo = json.loads((EXAMPLES / "demo" / "job.json").read_text())["method"]["reinforcement"]["hyperparameters"]
-    return TrainConfig(
-        model="tiny-policy",
-        training_file=EXAMPLES / "demo" / "train.jsonl",
-        grader=grader,
-        hyperparameters=Hyperparameters(**{**demo, **hp}).resolved(),
-        output_dir=tmp_path / "out",
-        models_dir=models_dir,
-        seed=0,
-        device="cpu",
-        **(cfg or {}),
-    )
 
 
 def test_reward_rises_on_the_demo_task(tmp_path: Path, models_dir: Path) -> None:

@@ -1,0 +1,3 @@
+"""What the tests share, in one place: ``data`` (the example dataset and job bodies), ``api`` (calling
+the API and checking its answers), ``live`` (the stack as real processes), ``training`` (the loop
+in-process on the tiny models). Fixtures live in ``tests/conftest.py``."""

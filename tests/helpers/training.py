@@ -1,0 +1,78 @@
+"""The training loop in-process on the tiny models: a recorder that keeps what a run reports, and
+the demo's job as a TrainConfig."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from service.schemas import Hyperparameters
+from tests.helpers.data import EXAMPLES
+from worker.config import TrainConfig
+
+ANSWER = {
+    "type": "text_similarity",
+    "name": "answer",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "evaluation_metric": "fuzzy_match",
+}
+
+
+class ListRecorder:
+    """Keeps what a run reports; answers ``stop_as`` ("cancelled" or "paused") after step ``stop_at``."""
+
+    def __init__(self, stop_at: int | None = None, stop_as: str = "cancelled") -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.checkpoints: list[tuple[int, Path, bool]] = []
+        self.checkpoint_metrics: dict[int, dict[str, Any]] = {}
+        self.events: list[str] = []
+        self.stop_at, self.stop_as = stop_at, stop_as
+        self.removed: list[int] = []
+
+    def event(self, message: str, level: str = "info") -> None:
+        self.events.append(message)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        self.steps.append(metrics)
+        return self.stop_as if self.stop_at == step else None
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+        self.checkpoints.append((step, path, final))
+        self.checkpoint_metrics[step] = metrics
+
+    def checkpoint_removed(self, step: int) -> None:
+        self.removed.append(step)
+
+
+def config(
+    tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, *, cfg: dict[str, Any] | None = None, **hp: Any
+) -> TrainConfig:
+    """The demo job on the tiny policy, with ``hp`` overriding its hyperparameters and ``cfg`` the
+    TrainConfig's other fields (``resume_from``, ``validation_file``)."""
+    demo = json.loads((EXAMPLES / "demo" / "job.json").read_text())["method"]["reinforcement"]["hyperparameters"]
+    return TrainConfig(
+        model="tiny-policy",
+        training_file=EXAMPLES / "demo" / "train.jsonl",
+        grader=grader,
+        hyperparameters=Hyperparameters(**{**demo, **hp}).resolved(),
+        output_dir=tmp_path / "out",
+        models_dir=models_dir,
+        seed=0,
+        device="cpu",
+        **(cfg or {}),
+    )
+
+
+TIMING = {
+    "time_generate",
+    "time_score",
+    "time_reference",
+    "time_update",
+    "time_step",
+    "completions_per_s",
+    "tokens_per_s",
+}
+# A LoRA the tiny model learns with: its reward signal lives mostly in the (tied) output head.
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["lm_head", "q_proj", "v_proj"]}
