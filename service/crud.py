@@ -1,8 +1,7 @@
 """Data access: keyword-only functions shared by the API, the worker and the CLI.
 
-Functions take a session and never commit unless their name says a state change that must be
-atomic on its own (``claim_job``, ``finish_job`` …): those are single conditional UPDATEs, so two
-processes racing on the same row cannot both win.
+Functions take a session and never commit. What changes a job's status or its worker's hold on it
+lives in ``service.lifecycle``.
 """
 
 from __future__ import annotations
@@ -10,19 +9,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import CursorResult, bindparam, delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from service import lifecycle
 from service.models import ApiKey, Checkpoint, File, Job, JobEvent, JobMetric, Project, now
 
-FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 KEY_PREFIX = "rloo-"
 
 
@@ -128,7 +126,7 @@ def lock_files(*, session: Session, project_seq: int, file_ids: Sequence[str], f
 def files_in_use(*, session: Session, file_id: str) -> bool:
     stmt = select(Job.seq).where(
         (Job.training_file == file_id) | (Job.validation_file == file_id),
-        Job.status.in_(("validating_files", "queued", "running", "paused")),
+        Job.status.in_([s.value for s in lifecycle.UNFINISHED]),
     )
     return session.scalar(stmt.limit(1)) is not None
 
@@ -146,16 +144,14 @@ def get_job_by_id(*, session: Session, job_id: str) -> Job | None:
     return session.scalar(select(Job).where(Job.id == job_id))
 
 
-WAITING = ("validating_files", "queued")
-
-
 def waiting_jobs(*, session: Session, project_seq: int, up_to: int) -> int:
     """The project's jobs that wait for a worker, counted up to ``up_to`` (the cap is all a caller
     needs to know: the count costs at most that many rows), with the project's row locked
     (PostgreSQL) so that two creations racing for its last place cannot both take it."""
     # FOR NO KEY UPDATE: it waits for another creation, not for rows that merely point at the project.
     session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update(key_share=True))
-    waiting = select(Job.seq).where(Job.project_seq == project_seq, Job.status.in_(WAITING)).limit(up_to)
+    statuses = [s.value for s in lifecycle.WAITING]
+    waiting = select(Job.seq).where(Job.project_seq == project_seq, Job.status.in_(statuses)).limit(up_to)
     return session.scalar(select(func.count()).select_from(waiting.subquery())) or 0
 
 
@@ -173,172 +169,6 @@ def add_event(
     return event
 
 
-def set_status(
-    *,
-    session: Session,
-    job: Job,
-    to: str,
-    from_: Sequence[str],
-    event: str | None = None,
-    level: str = "info",
-    held_by: str | None = None,
-    **values: Any,
-) -> bool:
-    """Move ``job`` to ``to`` only if it is in one of ``from_``; one conditional UPDATE, committed
-    together with ``event`` (so a reader never sees the new status without its event).
-
-    Returns False, changing nothing, when another process moved the job first (or, with
-    ``held_by``, when that worker no longer holds it).
-    """
-    if to in FINAL_STATUSES:
-        values.setdefault("finished_at", now())
-    where = [Job.seq == job.seq, Job.status.in_(tuple(from_))]
-    if held_by is not None:
-        where.append(Job.worker == held_by)
-    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-        update(Job).where(*where).values(status=to, **values).execution_options(synchronize_session=False)
-    )
-    if result.rowcount and event:
-        add_event(session=session, job=job, message=event, level=level)
-    session.commit()
-    if job in session:
-        session.refresh(job)
-    else:  # a row loaded by another (closed) session: bring the caller's copy up to date
-        row = session.execute(select(Job.status, Job.error, Job.finished_at).where(Job.seq == job.seq)).one()
-        job.status, job.error, job.finished_at = row.status, row.error, row.finished_at
-    return bool(result.rowcount)
-
-
-def claim_job(*, session: Session, job_id: str, worker: str) -> Job | None:
-    """Atomically take a queued job for this worker: UPDATE … WHERE status = 'queued'.
-
-    A task delivered twice finds the row already running and gets None: redelivery is harmless.
-    """
-    t = time.time()
-    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-        update(Job)
-        .where(Job.id == job_id, Job.status == "queued")
-        .values(
-            status="running",
-            worker=worker,
-            heartbeat_at=t,
-            started_at=int(t),
-            attempts=Job.attempts + 1,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    session.commit()
-    if not result.rowcount:
-        return None
-    return get_job_by_id(session=session, job_id=job_id)
-
-
-def recover_lost_job(
-    *, session: Session, job: Job, worker: str | None, reason: str, max_crashes: int, stale_before: float | None = None
-) -> str | None:
-    """A running job whose worker died (``reason`` says how we know): back to ``queued``, to continue
-    from its last checkpoint, or ``failed`` with ``worker_lost`` once its workers have died
-    ``max_crashes`` times (a job that kills every worker, e.g. by running it out of memory, must not
-    do so forever). One conditional UPDATE, committed with its event: of two reconcilers, or a
-    reconciler and a redelivered task, only one moves the job. Returns the new status, or None."""
-    crashes = job.crashes + 1
-    where = [Job.seq == job.seq, Job.status == "running", Job.crashes == job.crashes]
-    where.append(Job.worker == worker if worker is not None else Job.worker.is_(None))
-    if stale_before is not None:
-        where.append(Job.heartbeat_at < stale_before)
-    if crashes >= max_crashes:
-        message = (
-            f"The job's worker died {crashes} times while running it, the last time at step {job.step} "
-            "(a process killed without a word: most often the operating system's out-of-memory killer). "
-            "Lower batch_size, rloo_k or max_new_tokens, or give the worker more memory; the checkpoints are kept."
-        )
-        values: dict[str, Any] = {
-            "status": "failed",
-            "finished_at": now(),
-            "error": {"code": "worker_lost", "message": message, "param": None},
-        }
-        event, level = f"{reason}. Job failed: {message}", "error"
-    else:
-        values = {"status": "queued"}
-        event = (
-            f"{reason}; the job is queued again and continues from its last checkpoint "
-            f"(crash {crashes} of at most {max_crashes - 1})"
-        )
-        level = "warn"
-    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-        update(Job)
-        .where(*where)
-        .values(worker=None, crashes=crashes, **values)
-        .execution_options(synchronize_session=False)
-    )
-    if not result.rowcount:
-        session.rollback()
-        return None
-    add_event(session=session, job=job, message=event, level=level)
-    session.commit()
-    return str(values["status"])
-
-
-def release_job(*, session: Session, job: Job) -> None:
-    """The worker has stopped on a paused job (its checkpoint is written): no worker holds it now,
-    so it may be resumed."""
-    session.execute(
-        update(Job)
-        .where(Job.seq == job.seq, Job.status == "paused")
-        .values(worker=None)
-        .execution_options(synchronize_session=False)
-    )
-    session.commit()
-
-
-def resume_job(*, session: Session, job: Job, stale_after: float) -> bool:
-    """paused -> queued, only once the worker that paused has stopped, or has sent no heartbeat for
-    ``stale_after`` seconds (it died): one UPDATE, so a job never runs on two workers at once.
-    Returns False, changing nothing, otherwise."""
-    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-        update(Job)
-        .where(
-            Job.seq == job.seq,
-            Job.status == "paused",
-            Job.worker.is_(None) | (Job.heartbeat_at < time.time() - stale_after),
-        )
-        .values(status="queued")
-        .execution_options(synchronize_session=False)
-    )
-    if result.rowcount:
-        add_event(session=session, job=job, message="Job resumed: queued to continue from its last checkpoint")
-    session.commit()
-    session.refresh(job)
-    return bool(result.rowcount)
-
-
-def record_progress(*, session: Session, job: Job, step: int, trained_tokens: int, worker: str | None = None) -> str:
-    """Heartbeat and progress in one UPDATE, committed with what the session holds (the step's
-    metrics); returns the status the row has now.
-
-    The worker calls this between steps and stops when the answer is not ``running`` (a cancel, a
-    pause). With ``worker``, only while that worker still holds the job: after a long database outage
-    a reconciler may have queued it again for another worker, and then nothing is written (the
-    session is rolled back) and the answer is ``lost``: the run must stop, saving nothing.
-    """
-    # Progress is recorded for a job paused or cancelled mid-step too: the step it reached is true either way.
-    where = [Job.seq == job.seq, Job.status.in_(("running", "paused", "cancelled"))]
-    if worker is not None:
-        where.append(Job.worker == worker)
-    result: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-        update(Job)
-        .where(*where)
-        .values(step=step, trained_tokens=trained_tokens, heartbeat_at=time.time())
-        .execution_options(synchronize_session=False)
-    )
-    if worker is not None and not result.rowcount:
-        session.rollback()
-        return "lost"
-    session.commit()
-    return session.scalar(select(Job.status).where(Job.seq == job.seq)) or "missing"
-
-
-# Metrics and checkpoints ---------------------------------------------------------------------------
 def upsert_metrics(*, session: Session, job: Job, step: int, data: dict[str, Any]) -> None:
     """Insert the step's metrics, or overwrite them if the step ran before (a replay after a crash)."""
     dialect = session.get_bind().dialect.name

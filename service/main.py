@@ -17,6 +17,7 @@ from sqlalchemy import func, select, text
 from service import errors, openapi
 from service.db import get_engine, session_scope
 from service.errors import APIError
+from service.lifecycle import JobStatus
 from service.limits import AuthMiddleware, BodyLimitMiddleware
 from service.models import Job
 from service.routes import files, graders, jobs
@@ -115,8 +116,8 @@ def create_app() -> FastAPI:
         lines = ["# HELP rloo_jobs Jobs by status.", "# TYPE rloo_jobs gauge"]
         with session_scope() as session:
             counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-        for status in ("validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"):
-            lines.append(f'rloo_jobs{{status="{status}"}} {counts.get(status, 0)}')
+        for status in JobStatus:
+            lines.append(f'rloo_jobs{{status="{status}"}} {counts.get(status.value, 0)}')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     openapi.install(app)

@@ -16,9 +16,10 @@ import logging
 import time
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from service import crud, queue
+from service import lifecycle, queue
+from service.lifecycle import JobStatus
 from service.models import Job
 
 log = logging.getLogger("rloo.reconcile")
@@ -39,10 +40,11 @@ def reconcile(
     now = time.time()
     cutoff = now - stale_after if judge_heartbeats else 0.0  # no heartbeat is older than 1970
     counts = {"requeued": 0, "failed": 0, "released": 0, "resent": 0}
-    for job in session.scalars(select(Job).where(Job.status == "running", Job.heartbeat_at < cutoff)).all():
+    running = select(Job).where(Job.status == JobStatus.RUNNING.value, Job.heartbeat_at < cutoff)
+    for job in session.scalars(running).all():
         silent = now - (job.heartbeat_at or now)
         log.warning("job %s: worker %s sent no heartbeat for %.0f s", job.id, job.worker, silent)
-        moved = crud.recover_lost_job(
+        moved = lifecycle.recover(
             session=session,
             job=job,
             worker=job.worker,
@@ -51,22 +53,16 @@ def reconcile(
             max_crashes=max_crashes,
             stale_before=cutoff,
         )
-        if moved == "queued":
+        if moved == JobStatus.QUEUED:
             queue.enqueue_job(job.id)
             counts["requeued"] += 1
-        elif moved == "failed":
+        elif moved == JobStatus.FAILED:
             counts["failed"] += 1
-    released = session.execute(
-        update(Job)
-        .where(Job.status == "paused", Job.worker.is_not(None), Job.heartbeat_at < cutoff)
-        .values(worker=None)
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    session.commit()
-    counts["released"] = int(released or 0)
+    counts["released"] = lifecycle.release_dead_paused(session=session, heartbeat_before=cutoff)
     if queue_length == 0:
         waited = int(now - queued_grace)
-        for job in session.scalars(select(Job).where(Job.status == "queued", Job.created_at < waited)).all():
+        queued = select(Job).where(Job.status == JobStatus.QUEUED.value, Job.created_at < waited)
+        for job in session.scalars(queued).all():
             if queue.enqueue_job(job.id):
                 counts["resent"] += 1
     if any(counts.values()):

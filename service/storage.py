@@ -7,12 +7,10 @@ resolved and checked to lie inside that root, so a tampered row cannot point out
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from typing import IO, Any
 
 from service import strictjson
 from service.errors import APIError, bad_request
+from service.identity import process_gone, writer_tag
 
 
 def confined(root: Path, relative: str | Path) -> Path:
@@ -330,38 +329,6 @@ def list_models(models_dir: Path) -> list[str]:
 # committed. A process killed on the way leaves a name that says whose it was: the sweep deletes it,
 # or, when the row was committed, finishes the rename. Nothing is ever left without a row.
 ORPHAN_AGE_SECONDS = 3600.0  # a file of another host: its writer is surely done after an hour
-
-
-@functools.lru_cache(maxsize=1)  # a process keeps its host and namespace (a fork, too)
-def machine_tag() -> str:
-    """This host and PID namespace (``host#namespace``, "-" spelled "_"): processes with equal tags
-    see the same process ids (containers sharing a hostname, e.g. in one pod, do not)."""
-    try:
-        ns = os.readlink("/proc/self/ns/pid").rsplit("[", 1)[-1].rstrip("]")
-    except OSError:
-        ns = "0"
-    return f"{socket.gethostname().replace('-', '_')}#{ns}"
-
-
-def writer_tag() -> str:
-    return f"{machine_tag()}-{os.getpid()}"
-
-
-def process_gone(machine: str, pid: int) -> bool:
-    """Whether process ``pid`` of ``machine`` (a machine_tag) has ended, or is a zombie; False when
-    we cannot tell (another host or namespace)."""
-    if machine.replace("-", "_") != machine_tag() or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def staged_path(dest: Path, file_id: str) -> Path:

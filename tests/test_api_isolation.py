@@ -18,6 +18,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from service import lifecycle
+from service.lifecycle import JobStatus
 from tests.helpers.api import assert_error, create_job, list_ids, upload_ok
 from tests.helpers.data import TRAIN_JSONL, job_body
 
@@ -59,15 +61,16 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
     resume would succeed). Returns the checkpoint's id."""
     from service import crud
     from service.db import session_scope
+    from service.identity import process_name
     from service.models import Checkpoint
     from service.settings import get_settings
     from worker.checkpoints import TRAINING_INFO, checkpoint_dir, job_checkpoints_dir
-    from worker.tasks import DatabaseRecorder, worker_name
+    from worker.recording import DatabaseRecorder
 
     with session_scope() as session:
-        job = crud.claim_job(session=session, job_id=job_id, worker=worker_name())
+        job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())
         assert job is not None, f"{job_id} was not queued"
-        crud.add_event(session=session, job=job, message=f"Job started on worker {worker_name()}")
+        crud.add_event(session=session, job=job, message=f"Job started on worker {process_name()}")
         session.commit()
     recorder = DatabaseRecorder(job)
     for step in range(1, steps + 1):
@@ -82,8 +85,10 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
     recorder.checkpoint(steps, directory, {"train_reward_mean": 0.1 * steps}, final=False)
     if pause:
         with session_scope() as session:
-            assert crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
-            crud.release_job(session=session, job=job)
+            assert lifecycle.move(
+                session=session, job=job, to=JobStatus.PAUSED, from_=(JobStatus.RUNNING,), event="Job paused"
+            )
+            lifecycle.release(session=session, job=job)
     with session_scope() as session:
         return session.query(Checkpoint.id).filter(Checkpoint.job_seq == job.seq).one()[0]
 

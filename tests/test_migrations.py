@@ -10,7 +10,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.orm import Session
 
-from service import crud
+from service import crud, lifecycle
+from service.lifecycle import JobStatus
 from service.migrate import upgrade
 from service.models import Base, Job, JobMetric
 
@@ -78,11 +79,11 @@ def test_claim_is_atomic(engine: sa.Engine) -> None:
     """A task delivered twice: only the first claim gets the job; the second is a no-op."""
     with Session(engine) as a, Session(engine) as b:
         job = _job(a, "queued")
-        first = crud.claim_job(session=a, job_id=job.id, worker="w1")
-        second = crud.claim_job(session=b, job_id=job.id, worker="w2")
+        first = lifecycle.claim(session=a, job_id=job.id, worker="w1")
+        second = lifecycle.claim(session=b, job_id=job.id, worker="w2")
         assert first is not None and first.status == "running" and first.worker == "w1"
         assert second is None
         # Final states are final: a late "succeeded" cannot overwrite a cancel.
-        assert crud.set_status(session=a, job=job, to="cancelled", from_=("running",))
-        assert not crud.set_status(session=b, job=job, to="succeeded", from_=("running",))
+        assert lifecycle.move(session=a, job=job, to=JobStatus.CANCELLED, from_=(JobStatus.RUNNING,))
+        assert not lifecycle.move(session=b, job=job, to=JobStatus.SUCCEEDED, from_=(JobStatus.RUNNING,))
         assert job.status == "cancelled"

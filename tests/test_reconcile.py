@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 
+from service import lifecycle
 from service.db import session_scope
+from service.lifecycle import JobStatus
 from service.models import Job
 from service.reconcile import reconcile
 from tests.helpers.api import create_job, upload_ok
@@ -81,7 +83,6 @@ def test_a_job_whose_worker_keeps_dying_fails_worker_lost(client, auth, monkeypa
 def test_a_live_job_is_never_moved_by_a_stale_read(client, auth) -> None:
     """recover_lost_job moves the job only if it is still as read: a heartbeat that came in since
     (or another reconciler that moved it first) leaves it alone."""
-    from service import crud
 
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     with session_scope() as session:
@@ -95,11 +96,11 @@ def test_a_live_job_is_never_moved_by_a_stale_read(client, auth) -> None:
         session.query(Job).filter(Job.id == job_id).update({"heartbeat_at": time.time()})
         session.commit()
     with session_scope() as session:
-        moved = crud.recover_lost_job(
+        moved = lifecycle.recover(
             session=session, job=job, worker="host:1", reason="r", max_crashes=3, stale_before=time.time() - 30
         )
         assert moved is None
-        wrong_worker = crud.recover_lost_job(session=session, job=job, worker="host:2", reason="r", max_crashes=3)
+        wrong_worker = lifecycle.recover(session=session, job=job, worker="host:2", reason="r", max_crashes=3)
         assert wrong_worker is None
     assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()["status"] == "running"
 
@@ -123,12 +124,13 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatc
     """After a long database outage the reconciler may have queued the job again for another worker:
     the first worker's next step write changes nothing (no metrics, no progress) and tells it
     'lost', so it stops; its succeeded/failed would change nothing either."""
-    from service import crud, queue
-    from worker.tasks import DatabaseRecorder, worker_name
+    from service import queue
+    from service.identity import process_name
+    from worker.recording import DatabaseRecorder
 
     monkeypatch.setattr(queue, "enqueue_job", lambda job_id: True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
-    _running(job_id, worker_name())
+    _running(job_id, process_name())
     recorder = DatabaseRecorder(_row(job_id))
     metrics = {"total_steps": 3, "train_reward_mean": 0.5, "trained_tokens": 10}
     assert recorder.step(1, metrics) is None  # held: written
@@ -137,8 +139,12 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatc
     rows = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", headers=auth).json()["data"]
     assert [m["step"] for m in rows] == [1]
     with session_scope() as session:
-        assert not crud.set_status(
-            session=session, job=_row(job_id), to="succeeded", from_=("running",), held_by=worker_name()
+        assert not lifecycle.move(
+            session=session,
+            job=_row(job_id),
+            to=JobStatus.SUCCEEDED,
+            from_=(JobStatus.RUNNING,),
+            held_by=process_name(),
         )
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "running" and job["progress"]["step"] == 1
@@ -149,10 +155,11 @@ def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
     must not add up to worker_lost."""
     from pathlib import Path
 
-    from worker.tasks import DatabaseRecorder, worker_name
+    from service.identity import process_name
+    from worker.recording import DatabaseRecorder
 
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
-    _running(job_id, worker_name(), crashes=2)
+    _running(job_id, process_name(), crashes=2)
     step_dir = Path(env["RLOO_HOME"]) / "artifacts" / "checkpoints" / job_id / "step-4"
     step_dir.mkdir(parents=True)
     DatabaseRecorder(_row(job_id)).checkpoint(4, step_dir, {"train_reward_mean": 0.1}, final=False)
@@ -203,8 +210,9 @@ def test_sweep_uploads_removes_what_dead_writers_left_and_finishes_committed_ren
     import sys
     from pathlib import Path
 
+    from service.identity import machine_tag, writer_tag
     from service.settings import get_settings
-    from service.storage import ORPHAN_AGE_SECONDS, machine_tag, sweep_uploads, writer_tag
+    from service.storage import ORPHAN_AGE_SECONDS, sweep_uploads
 
     kept = upload_ok(client, auth)
     folder = next((Path(env["RLOO_HOME"]) / "artifacts" / "files").iterdir())

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service import crud
+from service import crud, lifecycle
 from service.db import session_scope
+from service.lifecycle import JobStatus
 from tests.helpers.api import upload_ok
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import TIMING
@@ -37,14 +38,16 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
     twin, job_id = _job(client, auth, file_id), _job(client, auth, file_id)
     assert run_job(twin) == "succeeded"
 
-    real = crud.record_progress
+    real = lifecycle.record_progress
 
     def pause_after_step_3(*, session: Any, job: Any, step: int, **kw: Any) -> str:
         if job.id == job_id and step == 3:
-            crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
+            lifecycle.move(
+                session=session, job=job, to=JobStatus.PAUSED, from_=(JobStatus.RUNNING,), event="Job paused"
+            )
         return real(session=session, job=job, step=step, **kw)
 
-    monkeypatch.setattr(crud, "record_progress", pause_after_step_3)
+    monkeypatch.setattr(lifecycle, "record_progress", pause_after_step_3)
     assert run_job(job_id) == "paused"
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "paused" and job["progress"]["step"] == 3
@@ -54,7 +57,9 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
     with session_scope() as session:
         row = crud.get_job_by_id(session=session, job_id=job_id)
         assert row is not None
-        assert crud.set_status(session=session, job=row, to="queued", from_=("paused",), event="Job resumed")
+        assert lifecycle.move(
+            session=session, job=row, to=JobStatus.QUEUED, from_=(JobStatus.PAUSED,), event="Job resumed"
+        )
     assert run_job(job_id) == "succeeded"
 
     metrics = _metrics(client, auth, job_id)
@@ -95,14 +100,16 @@ def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) ->
     body["training_file"] = file_id
     body["method"]["reinforcement"]["hyperparameters"].update(max_steps=2)
     job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
-    real = crud.record_progress
+    real = lifecycle.record_progress
 
     def pause_at_the_end(*, session: Any, job: Any, step: int, **kw: Any) -> str:
         if step == 2:
-            crud.set_status(session=session, job=job, to="paused", from_=("running",), event="Job paused")
+            lifecycle.move(
+                session=session, job=job, to=JobStatus.PAUSED, from_=(JobStatus.RUNNING,), event="Job paused"
+            )
         return real(session=session, job=job, step=step, **kw)
 
-    monkeypatch.setattr(crud, "record_progress", pause_at_the_end)
+    monkeypatch.setattr(lifecycle, "record_progress", pause_at_the_end)
     assert run_job(job_id) == "succeeded"
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "succeeded" and job["fine_tuned_model"]

@@ -95,11 +95,12 @@ def _still_runnable(job_id: str) -> bool:
     away: the pool process will see)."""
     from service import crud
     from service.db import session_scope
+    from service.lifecycle import JobStatus
 
     try:
         with session_scope() as session:
             job = crud.get_job_by_id(session=session, job_id=job_id)
-            return job is not None and job.status in ("queued", "running")
+            return job is not None and job.status in (JobStatus.QUEUED, JobStatus.RUNNING)
     except Exception:
         return True
 

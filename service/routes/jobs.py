@@ -11,11 +11,12 @@ from fastapi import APIRouter, Header
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, graders, idempotency, jobspec, queue
+from service import crud, graders, idempotency, jobspec, lifecycle, queue
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
+from service.lifecycle import JobStatus
 from service.models import Checkpoint, File, Job, JobEvent
 from service.responses import JSON
 from service.routing import StrictJSONRoute
@@ -26,12 +27,11 @@ from service.tarstream import TarLayout, tar_response
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
 TRAINING_STATE_PREFIX = "training_state"
-CANCELLABLE = ("validating_files", "queued", "running", "paused")
 
 
 def job_object(job: Job, project: Caller) -> dict[str, Any]:
     estimated = None
-    if job.status == "running" and job.started_at and job.step:
+    if job.status == JobStatus.RUNNING and job.started_at and job.step:
         elapsed = time.time() - job.started_at
         estimated = int(job.started_at + elapsed * job.total_steps / job.step)
     return {
@@ -105,7 +105,7 @@ def create_job(
         metadata_=body.metadata,
         method=method,
         hyperparameters=hp,
-        status="queued",
+        status=JobStatus.QUEUED.value,
         total_steps=total_steps,
     )
     with write_lock(session):
@@ -191,9 +191,13 @@ async def read_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSO
 def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     was = job.status
-    note = " The worker stops after the current step; checkpoints are kept." if was == "running" else ""
-    if not crud.set_status(
-        session=session, job=job, to="cancelled", from_=CANCELLABLE, event=f"Job cancelled (was {was}).{note}"
+    note = " The worker stops after the current step; checkpoints are kept." if was == JobStatus.RUNNING else ""
+    if not lifecycle.move(
+        session=session,
+        job=job,
+        to=JobStatus.CANCELLED,
+        from_=lifecycle.UNFINISHED,
+        event=f"Job cancelled (was {was}).{note}",
     ):
         raise APIError(
             409,
@@ -208,11 +212,11 @@ def cancel_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
 def pause_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
     """running -> paused: the worker stops after its current step and saves a checkpoint."""
     job = _job(session, project, job_id)
-    if not crud.set_status(
+    if not lifecycle.move(
         session=session,
         job=job,
-        to="paused",
-        from_=("running",),
+        to=JobStatus.PAUSED,
+        from_=(JobStatus.RUNNING,),
         event="Job paused: the worker stops after the current step and saves a checkpoint",
     ):
         raise APIError(409, f"Job {job_id} is {job.status}; only a running job can be paused.", code="invalid_state")
@@ -224,8 +228,8 @@ def pause_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
 def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str) -> JSON:
     """paused -> queued: a worker continues from the job's last checkpoint."""
     job = _job(session, project, job_id)
-    if not crud.resume_job(session=session, job=job, stale_after=settings.stale_after):
-        if job.status == "paused":
+    if not lifecycle.resume(session=session, job=job, stale_after=settings.stale_after):
+        if job.status == JobStatus.PAUSED:
             raise APIError(
                 409,
                 f"Job {job_id} is pausing: its worker is still finishing the current step and saving a "

@@ -1,0 +1,113 @@
+"""Where a job's run writes what it reports: its rows (``DatabaseRecorder``), and a heartbeat while
+a long step runs. Each write is one transaction, tried again while the database is unreachable
+(``RLOO_DB_RETRY_SECONDS``): a database restart pauses the run instead of failing it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from service import crud, lifecycle
+from service.db import retrying, session_scope
+from service.identity import process_name
+from service.models import Job
+from service.settings import get_settings
+from worker.records import json_safe
+
+log = logging.getLogger("rloo.worker")
+
+
+def write(fn: Any, *, seconds: float, what: str) -> Any:
+    """``fn(session)`` as one transaction, tried again while the database is unreachable."""
+
+    def attempt() -> Any:
+        with session_scope() as session:
+            return fn(session)
+
+    return retrying(attempt, seconds=seconds, what=what)
+
+
+class DatabaseRecorder:
+    """Writes a run's metrics, events, progress and checkpoints to the job's rows."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        settings = get_settings()
+        self.artifacts = settings.artifacts_dir
+        self.retry_seconds = settings.db_retry_seconds
+
+    def _write(self, what: str, fn: Any) -> Any:
+        return write(fn, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
+
+    def event(self, message: str, level: str = "info") -> None:
+        def event(session: Any) -> None:
+            crud.add_event(session=session, job=self.job, message=message, level=level)
+            session.commit()
+
+        self._write("event", event)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """The step's metrics; None to go on, else why to stop (``cancelled``, ``paused``, ``lost``)."""
+        clean = json_safe(metrics)
+
+        def record(session: Any) -> str:
+            crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
+            crud.add_event(
+                session=session,
+                job=self.job,
+                type="metrics",
+                data=clean,
+                message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}",
+            )
+            return lifecycle.record_progress(
+                session=session,
+                job=self.job,
+                step=step,
+                trained_tokens=int(metrics.get("trained_tokens", 0)),
+                worker=process_name(),
+            )
+
+        status = self._write(f"step {step}", record)
+        return None if status == lifecycle.JobStatus.RUNNING else status
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+        rel = str(path.resolve().relative_to(self.artifacts))
+        name = f"{self.job.model}:{self.job.suffix or 'ft'}:{self.job.id}:step-{step}"
+
+        def saved(session: Any) -> None:
+            crud.add_checkpoint(
+                session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
+            )
+            lifecycle.checkpoint_saved(session=session, job=self.job, final_name=name if final else None)
+            crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
+            session.commit()
+
+        self._write(f"checkpoint {step}", saved)
+
+    def checkpoint_removed(self, step: int) -> None:
+        def removed(session: Any) -> None:
+            crud.remove_checkpoint(session=session, job=self.job, step=step)
+            crud.add_event(
+                session=session, job=self.job, message=f"Checkpoint of step {step} removed (keep_checkpoints)"
+            )
+            session.commit()
+
+        self._write(f"checkpoint {step} removed", removed)
+
+
+class Heartbeat(threading.Thread):
+    """Touches the job row's heartbeat while a long step runs, so the reconciler sees a live job."""
+
+    def __init__(self, job: Job, period: float) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{job.id}")
+        self.job, self.period, self.stopped = job, period, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period):
+            try:
+                with session_scope() as session:
+                    lifecycle.heartbeat(session=session, job=self.job, worker=process_name())
+            except Exception as exc:  # a blip in the database must not kill the job
+                log.warning("heartbeat for %s failed: %s", self.job.id, exc)
