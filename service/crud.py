@@ -200,12 +200,6 @@ def get_checkpoint(*, session: Session, job: Job, checkpoint_id: str) -> Checkpo
     return session.scalar(select(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.job_seq == job.seq))
 
 
-def latest_checkpoint(*, session: Session, job: Job) -> Checkpoint | None:
-    return session.scalar(
-        select(Checkpoint).where(Checkpoint.job_seq == job.seq).order_by(Checkpoint.step_number.desc()).limit(1)
-    )
-
-
 def remove_checkpoint(*, session: Session, job: Job, step: int) -> None:
     """Forget the checkpoint of ``step`` (its directory was pruned by ``keep_checkpoints``)."""
     session.execute(delete(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))

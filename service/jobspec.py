@@ -9,9 +9,9 @@ from typing import Any
 
 from service import graders
 from service.errors import bad_request
+from service.modelroot import resolve_model
 from service.schemas import JobCreate
 from service.settings import Settings
-from service.storage import resolve_model
 
 
 def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, dict[str, Any]]:

@@ -253,7 +253,7 @@ def test_unknown_aggregation_raises():
         rloo.policy_loss(x, x, t([1.0]), x, aggregation="sum")
 
 
-# ---------------------------------------------------------------- whiten, masked_mean
+# ---------------------------------------------------------------- whiten
 def test_whiten_masked():
     # masked {1, 2, 3}: mean 2, unbiased std sqrt((1+0+1)/2) = 1 -> [-1, 0, 1]; unmasked 100 -> 0
     mask = torch.tensor([True, True, True, False])
@@ -267,11 +267,6 @@ def test_whiten_masked():
     close(w[m].mean(), 0.0)
     close(w[m].std(), 1.0)
     assert (w[~m] == 0).all()
-
-
-def test_masked_mean():
-    # (1 + 3) / 2; the 100 is masked out
-    close(rloo.masked_mean(t([1.0, 100.0, 3.0]), t([1, 0, 1])), 2.0)
 
 
 def test_whiten_with_one_masked_entry_gives_zero() -> None:

@@ -13,10 +13,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from service import graders, jobspec, strictjson, validation
+from service.datasets import store_jsonl
 from service.errors import APIError
 from service.schemas import JobCreate
 from service.settings import get_settings
-from service.storage import store_jsonl
 from worker.records import JobError, Recorder, StdoutRecorder
 
 

@@ -181,7 +181,3 @@ def kl_loss(
     if aggregation == "sequence_mean":
         per_seq = per_seq / mask.sum(dim=-1).clamp(min=1.0)
     return per_seq.sum() / norm
-
-
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)

@@ -11,13 +11,14 @@ from fastapi.responses import FileResponse
 from sqlalchemy.exc import IntegrityError
 
 from service import crud, idempotency
+from service.datasets import store_jsonl
 from service.db import ends_session, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
 from service.responses import JSON
 from service.routing import StrictJSONRoute
-from service.storage import confined, staged_path, store_jsonl
+from service.storage import confined, staged_path
 
 router = APIRouter(prefix="/v1/files", route_class=StrictJSONRoute, tags=["files"])
 

@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter
 
 from service import graders
+from service.datasets import MAX_DEPTH
 from service.deps import ProjectDep, SettingsDep
 from service.errors import APIError, bad_request
 from service.responses import JSON
 from service.routing import StrictJSONRoute
 from service.schemas import GraderRun, GraderValidate
 from service.settings import Settings
-from service.storage import MAX_DEPTH
 from service.strictjson import depth
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", route_class=StrictJSONRoute, tags=["graders"])
