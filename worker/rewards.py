@@ -41,7 +41,9 @@ class RewardModels:
         return self._loaded[name]
 
     @torch.inference_mode()
-    def cosine(self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]) -> list[float]:
+    def cosine(
+        self, leaf: graders.TextSimilarityGrader, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]
+    ) -> list[float]:
         """Cosine similarity of the sentence embeddings of each sample's input and reference."""
         pairs = graders.render_pairs(leaf, samples, items)
         todo = [(i, pair) for i, pair in enumerate(pairs) if pair is not None]
@@ -57,7 +59,9 @@ class RewardModels:
         return out
 
     @torch.inference_mode()
-    def judge(self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]) -> list[float]:
+    def judge(
+        self, leaf: graders.ScoreModelGrader, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]
+    ) -> list[float]:
         """An LLM judge's scores: its greedy answer to the rendered messages, the first number in it."""
         model, tok = self._load_judge(leaf.model)
         chats = graders.render_judge_messages(leaf, samples, items)
@@ -117,7 +121,11 @@ class RewardModels:
 
     @torch.inference_mode()
     def score(
-        self, leaf: Any, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]], prompts: Sequence[str]
+        self,
+        leaf: graders.RewardModelGrader,
+        samples: Sequence[graders.Sample],
+        items: Sequence[Mapping[str, Any]],
+        prompts: Sequence[str],
     ) -> list[float]:
         """One score per sample: the model's single logit on the conversation (or on ``leaf.input``).
 
@@ -190,8 +198,18 @@ def embedding_model_path(name: str, models_dir: Path) -> Path:
     raise ValueError(f"no embedding model '{name}' under the models root ({models_dir}); set RLOO_EMBEDDING_MODEL")
 
 
+def model_scorers(reward_models: RewardModels, prompts: Sequence[str]) -> dict[type[graders.Grader], graders.Scorer]:
+    """The grader table's entries for graders that need a model, scored here on ``reward_models``
+    (a reward model reads the prompts the completions answer)."""
+    return {
+        graders.RewardModelGrader: lambda leaf, batch: reward_models.score(leaf, batch.samples, batch.items, prompts),
+        graders.ScoreModelGrader: lambda leaf, batch: reward_models.judge(leaf, batch.samples, batch.items),
+        graders.CosineGrader: lambda leaf, batch: reward_models.cosine(leaf, batch.samples, batch.items),
+    }
+
+
 def score_batch(
-    grader: Any,
+    grader: graders.Grader,
     *,
     prompts: list[str],
     texts: list[str],
@@ -200,14 +218,5 @@ def score_batch(
 ) -> graders.GradeResult:
     """Rewards ``(N,)`` (NaN where a completion could not be scored) and per-grader details."""
     samples = [graders.Sample(output_text=t) for t in texts]
-    scorer = None
-    if reward_models is not None:
-
-        def scorer(leaf: Any, s: Sequence[graders.Sample], i: Sequence[Mapping[str, Any]]) -> list[float]:
-            if isinstance(leaf, graders.TextSimilarityGrader):
-                return reward_models.cosine(leaf, s, i)
-            if isinstance(leaf, graders.ScoreModelGrader):
-                return reward_models.judge(leaf, s, i)
-            return reward_models.score(leaf, s, i, prompts)
-
-    return graders.grade_batch(grader, samples, items, model_scorer=scorer)
+    scorers = None if reward_models is None else model_scorers(reward_models, prompts)
+    return graders.grade_batch(grader, samples, items, scorers=scorers)

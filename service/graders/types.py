@@ -1,0 +1,275 @@
+"""The parsed graders: one immutable dataclass per grader type, and the errors grading raises.
+
+Each class says which JSON keys its spec takes (``required``, ``optional``), which templates it
+renders (``templates``: job creation checks every training line has the ``item`` keys they read),
+and its JSON form (``fields``; ``to_dict`` adds ``type`` and ``name``). ``spec`` parses a spec into
+one of these, ``scoring`` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import ClassVar
+
+from service.graders.formula import Expr
+
+NAN = float("nan")
+
+
+class GraderError(ValueError):
+    """A grader spec the user must fix (or a grader that cannot run here).
+
+    ``param`` is the dotted path of the offending field, as the API reports it in its error body
+    (``method.reinforcement.grader.graders.correct.operation``), so a user can find the field.
+    """
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class GraderUnavailable(RuntimeError):
+    """A grader that could not score at all (an http grader's endpoint down or broken): the job
+    fails with ``grader_unavailable`` rather than training on nothing."""
+
+
+def describe(value: object) -> str:
+    """A short, JSON-flavoured name of a value's type for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    return type(value).__name__
+
+
+@dataclass
+class Sample:
+    """One completion to grade, as templates see it (``{{ sample.output_text }}``)."""
+
+    output_text: str
+
+    @cached_property
+    def output_json(self) -> object | None:
+        """The completion parsed as JSON, or None when it is not JSON.
+
+        Cached because every template of every grader in a ``multi`` tree may ask for it.
+        """
+        try:
+            return json.loads(self.output_text)
+        except (ValueError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class Grader:
+    """Base of the parsed, immutable graders. ``name`` labels its scores in metrics and errors."""
+
+    type: ClassVar[str] = ""
+    required: ClassVar[tuple[str, ...]] = ()
+    """Keys its spec must have besides ``type`` and ``name``."""
+    optional: ClassVar[tuple[str, ...]] = ()
+    needs_model: ClassVar[bool] = False
+    """Scored with a model the worker loads (rule graders score anywhere)."""
+    name: str
+
+    def templates(self) -> tuple[str, ...]:
+        """The templates this grader renders (its own, not its sub-graders')."""
+        return ()
+
+    def children(self) -> tuple[tuple[str, Grader], ...]:
+        """``(name, grader)`` of its sub-graders; only ``multi`` has any."""
+        return ()
+
+    def fields(self) -> dict[str, object]:
+        """Its spec's keys besides ``type`` and ``name``, as JSON."""
+        return {}
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form; ``parse_grader(g.to_dict()) == g``."""
+        return {"type": self.type, "name": self.name, **self.fields()}
+
+
+STRING_CHECK_OPERATIONS = ("eq", "ne", "like", "ilike")
+
+
+@dataclass(frozen=True)
+class StringCheckGrader(Grader):
+    """1.0 if ``input`` compares true to ``reference`` under ``operation``, else 0.0.
+
+    ``eq``/``ne``: exact equality / inequality. ``like``: reference is a substring of input;
+    ``ilike``: the same, case-insensitive (OpenAI's semantics).
+    """
+
+    type: ClassVar[str] = "string_check"
+    required: ClassVar[tuple[str, ...]] = ("input", "reference", "operation")
+    input: str
+    reference: str
+    operation: str
+
+    def templates(self) -> tuple[str, ...]:
+        return (self.input, self.reference)
+
+    def fields(self) -> dict[str, object]:
+        return {"input": self.input, "reference": self.reference, "operation": self.operation}
+
+
+@dataclass(frozen=True)
+class TextSimilarityGrader(Grader):
+    """``metrics.TEXT_SIMILARITY_METRICS[evaluation_metric](input, reference)``, a score in 0..1."""
+
+    type: ClassVar[str] = "text_similarity"
+    required: ClassVar[tuple[str, ...]] = ("input", "reference", "evaluation_metric")
+    input: str
+    reference: str
+    evaluation_metric: str
+
+    def templates(self) -> tuple[str, ...]:
+        return (self.input, self.reference)
+
+    def fields(self) -> dict[str, object]:
+        return {"input": self.input, "reference": self.reference, "evaluation_metric": self.evaluation_metric}
+
+
+@dataclass(frozen=True)
+class CosineGrader(TextSimilarityGrader):
+    """``text_similarity`` with ``evaluation_metric: cosine``: the cosine similarity of the sentence
+    embeddings of input and reference, from an embedding model the worker loads."""
+
+    needs_model: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class RewardModelGrader(Grader):
+    """A Hugging Face sequence classifier (one label) scored on the worker.
+
+    ``input`` is an optional template for the text the model scores; None means the completion
+    text. The worker renders it with ``render_reward_model_inputs``.
+    """
+
+    type: ClassVar[str] = "reward_model"
+    required: ClassVar[tuple[str, ...]] = ("model",)
+    optional: ClassVar[tuple[str, ...]] = ("input",)
+    needs_model: ClassVar[bool] = True
+    model: str
+    input: str | None = None
+
+    def templates(self) -> tuple[str, ...]:
+        return () if self.input is None else (self.input,)
+
+    def fields(self) -> dict[str, object]:
+        return {"model": self.model} if self.input is None else {"model": self.model, "input": self.input}
+
+
+@dataclass(frozen=True)
+class ScoreModelGrader(Grader):
+    """An LLM judge: a local causal LM reads ``input`` (chat messages whose contents are templates),
+    answers greedily, and the first number of its answer, clamped into ``range``, is the score.
+    Scored on the worker (``parse_judge_score`` reads the answer)."""
+
+    type: ClassVar[str] = "score_model"
+    required: ClassVar[tuple[str, ...]] = ("model", "input")
+    optional: ClassVar[tuple[str, ...]] = ("range", "sampling_params")
+    needs_model: ClassVar[bool] = True
+    model: str
+    input: tuple[tuple[str, str], ...]
+    """(role, content template) per message."""
+    range: tuple[float, float] = (0.0, 1.0)
+    max_tokens: int = 16
+
+    def templates(self) -> tuple[str, ...]:
+        return tuple(content for _, content in self.input)
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "input": [{"role": role, "content": content} for role, content in self.input],
+            "range": list(self.range),
+            "sampling_params": {"max_tokens": self.max_tokens},
+        }
+
+
+@dataclass(frozen=True)
+class PythonGrader(Grader):
+    """User Python code, ``def grade(sample, item) -> float``; parsed only when the operator allows
+    it, run in a sandboxed process (``service.sandbox``)."""
+
+    type: ClassVar[str] = "python"
+    required: ClassVar[tuple[str, ...]] = ("source",)
+    source: str
+
+    def fields(self) -> dict[str, object]:
+        return {"source": self.source}
+
+
+@dataclass(frozen=True)
+class HttpGrader(Grader):
+    """Scores by an HTTP endpoint of the user's (an operator-allowlisted URL): a POST of the batch,
+    ``{"samples": [{"sample": {...}, "item": {...}}, ...]}``, answered ``{"scores": [number|null]}``."""
+
+    type: ClassVar[str] = "http"
+    required: ClassVar[tuple[str, ...]] = ("url",)
+    optional: ClassVar[tuple[str, ...]] = ("timeout_seconds",)
+    url: str
+    timeout_seconds: float = 10.0
+
+    def fields(self) -> dict[str, object]:
+        return {"url": self.url, "timeout_seconds": self.timeout_seconds}
+
+
+@dataclass(frozen=True)
+class MultiGrader(Grader):
+    """Sub-graders combined by ``calculate_output``, a formula over their names.
+
+    ``graders`` is a tuple of ``(name, grader)`` pairs rather than a dict so the dataclass stays
+    immutable and hashable; ``graders_by_name`` gives the mapping. ``formula`` is the parsed form of
+    ``calculate_output`` and is not part of equality (it is derived from it). Sub-graders always
+    come out of ``to_dict`` as an object keyed by name, whichever form came in.
+    """
+
+    type: ClassVar[str] = "multi"
+    required: ClassVar[tuple[str, ...]] = ("graders", "calculate_output")
+    graders: tuple[tuple[str, Grader], ...]
+    calculate_output: str
+    formula: Expr = field(compare=False, repr=False)
+
+    @property
+    def graders_by_name(self) -> dict[str, Grader]:
+        return dict(self.graders)
+
+    def children(self) -> tuple[tuple[str, Grader], ...]:
+        return self.graders
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "graders": {name: sub.to_dict() for name, sub in self.graders},
+            "calculate_output": self.calculate_output,
+        }
+
+
+def leaves(grader: Grader) -> list[Grader]:
+    """The graders of a tree that score by themselves (every grader but a ``multi``)."""
+    if not grader.children():
+        return [grader]
+    return [leaf for _, sub in grader.children() for leaf in leaves(sub)]
+
+
+def finite_or_nan(value: object) -> float:
+    """``value`` as a float, or NaN when it is none or not finite: a score grading can average."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return NAN
+    return number if math.isfinite(number) else NAN
