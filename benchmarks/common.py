@@ -123,7 +123,7 @@ def ours(
     cfg = TrainConfig(
         model=config,
         training_file=data,
-        grader=PLACEHOLDER_GRADER,
+        grader=graders.parse_grader(PLACEHOLDER_GRADER),
         hyperparameters=hyper,
         output_dir=out,
         models_dir=models,

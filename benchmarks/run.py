@@ -1,4 +1,4 @@
-"""``make bench``: the figures of issue 4, as one JSON object (``benchmarks/RESULTS.md`` keeps them).
+"""``make bench``: the project's speed, memory and isolation figures, as one JSON object (``benchmarks/RESULTS.md`` keeps them).
 
 1. ``engine``: our engine alone on the *tiny* and *small* configs (``benchmarks.common``): completions/s,
    generated tokens/s, the split of a step, peak RSS, and the reward's first-5 and last-5 step means;
@@ -41,6 +41,7 @@ from benchmarks.common import (
     ours,
     plain_prompts,
 )
+from service.graders import parse_grader
 from service.schemas import Hyperparameters
 from worker.config import TrainConfig
 from worker.train import train
@@ -129,7 +130,7 @@ def _memory_case(models: str, case: str) -> None:
         cfg = TrainConfig(
             model="small",
             training_file=ROOT / "examples" / "demo" / "train.jsonl",
-            grader=grader,
+            grader=parse_grader(grader),
             hyperparameters=hp,
             output_dir=Path(tmp),
             models_dir=Path(models),
@@ -144,12 +145,12 @@ def _memory_case(models: str, case: str) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(Path(models) / "small")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if hp["lora"]:
-        from worker.train import add_lora
+    if hp.lora:
+        from worker.modeling import add_lora
 
-        model = add_lora(model, hp["lora"], resume_from=None)
+        model = add_lora(model, hp.lora, resume_from=None)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    reference = weights if hp["kl_coef"] > 0 and not hp["lora"] else 0
+    reference = weights if hp.kl_coef > 0 and not hp.lora else 0
     print(
         json.dumps(
             {

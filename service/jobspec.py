@@ -3,18 +3,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from service import graders
 from service.errors import bad_request
 from service.modelroot import resolve_model
-from service.schemas import JobCreate
+from service.schemas import JobCreate, ResolvedHyperparameters
 from service.settings import Settings
 
 
-def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, dict[str, Any]]:
+def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, ResolvedHyperparameters]:
     """Everything checkable without the dataset: returns the parsed grader and resolved hyperparameters.
 
     Raises a 400 ``APIError`` whose ``param`` names the offending field.
@@ -35,18 +34,18 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, 
     for leaf, leaf_param in graders.model_leaves(grader, f"{prefix}.grader"):
         resolve_model(settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model")
     hp = body.method.config.hyperparameters.resolved()
-    if hp["eval_interval"] and not body.validation_file:
+    if hp.eval_interval and not body.validation_file:
         raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
-    if hp["kl_coef"] > 0 and not hp["kl_in_reward"] and hp["kl_estimator"] == "k1":
+    if hp.kl_coef > 0 and not hp.kl_in_reward and hp.kl_estimator == "k1":
         raise bad_request(
             "kl_in_reward false makes the KL a loss term, and k1's gradient there is zero in expectation (it "
             "would add noise, not a pull to the reference). Set kl_estimator to 'k3', or keep kl_in_reward true.",
             f"{prefix}.hyperparameters.kl_estimator",
         )
-    if hp["batch_size"] % hp["gradient_accumulation_steps"]:
+    if hp.batch_size % hp.gradient_accumulation_steps:
         raise bad_request(
-            f"gradient_accumulation_steps ({hp['gradient_accumulation_steps']}) must divide batch_size "
-            f"({hp['batch_size']}): each micro-batch holds whole groups of rloo_k completions.",
+            f"gradient_accumulation_steps ({hp.gradient_accumulation_steps}) must divide batch_size "
+            f"({hp.batch_size}): each micro-batch holds whole groups of rloo_k completions.",
             f"{prefix}.hyperparameters.gradient_accumulation_steps",
         )
     return grader, hp
@@ -63,9 +62,3 @@ def check_item_keys(grader: graders.Grader, keys_summary: Mapping[str, Any], *, 
             param,
             "missing_item_key",
         )
-
-
-def total_steps(n_items: int, hp: Mapping[str, Any]) -> int:
-    """``ceil(n_items * n_epochs / batch_size)``, capped by ``max_steps``."""
-    steps = math.ceil(n_items * hp["n_epochs"] / hp["batch_size"])
-    return min(steps, hp["max_steps"]) if hp["max_steps"] else steps

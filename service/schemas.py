@@ -6,6 +6,7 @@ Every field a user can set is here with its range; unknown keys are refused (a m
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ class LoraSpec(Strict):
 
 
 class Hyperparameters(Strict):
-    """RLOO.md's knobs. ``"auto"`` (OpenAI's spelling) means the default."""
+    """The RLOO hyperparameters of docs/algorithm.md. ``"auto"`` (OpenAI's spelling) means the default."""
 
     rloo_k: int = Field(4, ge=2, le=256, description="Completions sampled per prompt (group size k).")
     batch_size: int | Auto = Field(8, description="Prompts per step; a step trains on batch_size * rloo_k completions.")
@@ -117,17 +118,33 @@ class Hyperparameters(Strict):
             raise ValueError("must be greater than 0 and at most 1000")
         return v
 
-    def resolved(self) -> dict[str, Any]:
-        """All values concrete (no "auto"), as the worker reads them."""
-        out = self.model_dump()
+    def resolved(self) -> ResolvedHyperparameters:
+        """All values concrete (no "auto"): what a run reads, and what the job stores."""
+        values = self.model_dump()
         for name in ("batch_size", "n_epochs", "learning_rate_multiplier"):
-            if out[name] == "auto":
-                out[name] = type(self).model_fields[name].default
-        return out
+            if values[name] == "auto":
+                values[name] = type(self).model_fields[name].default
+        return ResolvedHyperparameters.model_validate(values)
+
+
+class ResolvedHyperparameters(Hyperparameters):
+    """The hyperparameters of a run, as the worker reads them (``hp.learning_rate``): the fields and
+    ranges the API validated, every value concrete, frozen. ``model_dump()`` is what a job stores."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    batch_size: int = Field(8, ge=1, le=4096, description="Prompts per step.")
+    n_epochs: int = Field(1, ge=1, le=1000, description="Passes over the training file.")
+    learning_rate_multiplier: float = Field(1.0, gt=0, le=1000, description="Scales learning_rate.")
+
+    def total_steps(self, n_items: int) -> int:
+        """``ceil(n_items * n_epochs / batch_size)``, capped by ``max_steps``."""
+        steps = math.ceil(n_items * self.n_epochs / self.batch_size)
+        return min(steps, self.max_steps) if self.max_steps else steps
 
 
 class RLConfig(Strict):
-    grader: dict[str, Any] = Field(description="The reward spec: a grader (see API.md).")
+    grader: dict[str, Any] = Field(description="The reward spec: a grader (see docs/api.md).")
     hyperparameters: Hyperparameters = Hyperparameters()
 
 

@@ -31,7 +31,7 @@ from tests.helpers.data import STRING_CHECK, TRAIN_JSONL, job_body
 
 FILE_FIELDS = {"id", "object", "bytes", "created_at", "filename", "purpose", "status"}
 
-# RLOO.md's defaults table, spelled out here (not read from the schema) so a drifting default fails.
+# docs/algorithm.md's defaults table, spelled out here (not read from the schema) so a drifting default fails.
 
 
 # Files ---------------------------------------------------------------------------------------------

@@ -72,11 +72,11 @@ RLOO_DEFAULTS = {
     "checkpoint_interval": 0,
     "eval_interval": 0,
     "eval_samples": 32,
-    # Beyond RLOO.md's table: the schema's own extensions.
+    # Beyond docs/algorithm.md's table: the schema's own extensions.
     "max_prompt_length": 512,
     "clip_epsilon_high": None,
     "weight_decay": 0.0,
-    "lora": None,  # in RLOO.md's table
+    "lora": None,  # in docs/algorithm.md's table
     "reward_clip": None,
     "mask_truncated_completions": False,
     "stop": None,
@@ -150,7 +150,7 @@ def test_job_defaults_and_random_seed(client, auth) -> None:
 
 
 def test_lora_hyperparameter_of_rloo_md(client, auth) -> None:
-    """RLOO.md's `lora`: null is full fine-tuning; an adapter spec is stored with its defaults filled in."""
+    """docs/algorithm.md's `lora`: null is full fine-tuning; an adapter spec is stored with its defaults filled in."""
     f = upload_ok(client, auth)
     body = job_body(f["id"])
     body["method"]["reinforcement"]["hyperparameters"]["lora"] = None

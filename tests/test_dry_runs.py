@@ -2,7 +2,7 @@
 (``rloo worker --queue <queue>-graders``): fair between projects, capped per project, and a dry run
 or a message that kills or confuses the worker costs one answer, never the worker.
 
-Also the sandbox escape of issue 12 through the API, as a tenant sends it."""
+Also a python grader's sandbox escape through the API, as a tenant sends it."""
 
 from __future__ import annotations
 

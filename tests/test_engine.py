@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import ANSWER, LORA, TIMING, ListRecorder, config
+from worker import modeling
 from worker import train as train_mod
 from worker.checkpoints import TRAINING_INFO, TRAINING_STATE, latest_resumable
 from worker.records import JobError
@@ -224,16 +225,18 @@ def test_one_pass_spends_no_forward_on_old_logprobs_and_its_ratio_is_exactly_one
         calls.append(model.training)  # the policy runs in train mode, the frozen reference in eval mode
         return real(model, *a, **kw)
 
-    monkeypatch.setattr(train_mod, "completion_logprobs", spy)
+    monkeypatch.setattr(train_mod, "completion_logprobs", spy)  # the policy's passes
+    monkeypatch.setattr(modeling, "completion_logprobs", spy)  # the reference's
     _, one = run(tmp_path / "one", models_dir, max_steps=2, clip_epsilon=1e-6)
     assert calls.count(True) == 2 and calls.count(False) == 2  # one policy and one reference forward a step
-    assert series(one, "clip_frac") == [0.0, 0.0]  # even a 1e-6 clip never bites: the ratio is exactly 1
+    assert series(one, "ratio_clip_frac") == [0.0, 0.0]  # even a 1e-6 clip never bites: the ratio is exactly 1
+    assert series(one, "clip_frac") == series(one, "ratio_clip_frac")  # the old name, kept for one release
     calls.clear()
     _, three = run(
         tmp_path / "three", models_dir, max_steps=2, clip_epsilon=1e-6, ppo_epochs=3, gradient_accumulation_steps=2
     )
     assert calls.count(True) == 2 * 3 * 2  # steps x passes x micro-batches
-    assert all(c > 0 for c in series(three, "clip_frac"))  # later passes move the ratio off 1
+    assert all(c > 0 for c in series(three, "ratio_clip_frac"))  # later passes move the ratio off 1
     calls.clear()
     run(tmp_path / "pre", models_dir, max_steps=1, gradient_accumulation_steps=2, normalize_advantages=True)
     assert calls.count(True) == 2 + 2  # whitening a KL-shaped reward over micro-batches needs one no-grad pass

@@ -1,4 +1,4 @@
-"""What a hostile tenant tried against the API (issue 12), each refused at the door with a 400 that
+"""What a hostile tenant tried against the API, each refused at the door with a 400 that
 says where, and nothing stored: values JSON cannot hold, names the file system refuses, nesting
 without end, races between two requests, and a project taking every place in the queue."""
 

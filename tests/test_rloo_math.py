@@ -1,4 +1,4 @@
-"""Hand-worked checks of the RLOO math in worker/rloo.py (spec: docs/RLOO.md). Arithmetic in comments."""
+"""Hand-worked checks of the RLOO math in worker/rloo.py (spec: docs/algorithm.md). Arithmetic in comments."""
 
 import math
 
@@ -150,7 +150,7 @@ def test_first_pass_ratio_is_one(agg):
     logp = logps()
     loss, stats = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg)
     assert stats["ratio_mean"].item() == 1.0
-    assert stats["clip_frac"].item() == 0.0
+    assert stats["ratio_clip_frac"].item() == 0.0
     # sequence_*: -mean(A) = -(0.5 - 1 + 2)/3 = -0.5; token_mean: -(0.5*3 - 1*1 + 2*2)/6 = -0.75
     close(loss.detach(), -0.75 if agg == "token_mean" else -0.5)
 
@@ -202,7 +202,7 @@ def test_clip_high_side_kills_gradient():
     loss, grad, stats = one_seq(1.5, 1.0)
     close(loss, -1.2)
     close(grad, [0.0, 0.0], atol=0.0)
-    assert stats["clip_frac"].item() == 1.0
+    assert stats["ratio_clip_frac"].item() == 1.0
     close(stats["ratio_mean"], 1.5)
 
 
@@ -211,7 +211,7 @@ def test_low_ratio_positive_advantage_is_unclipped():
     loss, grad, stats = one_seq(0.5, 1.0)
     close(loss, -0.5)
     close(grad, [-0.5, -0.5])
-    assert stats["clip_frac"].item() == 0.0
+    assert stats["ratio_clip_frac"].item() == 0.0
 
 
 def test_low_ratio_negative_advantage_is_clipped():
@@ -219,7 +219,7 @@ def test_low_ratio_negative_advantage_is_clipped():
     loss, grad, stats = one_seq(0.5, -1.0)
     close(loss, 0.8)
     close(grad, [0.0, 0.0], atol=0.0)
-    assert stats["clip_frac"].item() == 1.0
+    assert stats["ratio_clip_frac"].item() == 1.0
 
 
 def test_asymmetric_clip_epsilon_high():
@@ -243,7 +243,7 @@ def test_ratio_follows_the_aggregation():
     # token_mean: per-token ratios exp(0.1)=1.10517, exp(0.2)=1.22140 -> 1.2; loss -(1.10517+1.2)/2
     loss, stats = rloo.policy_loss(logp, *args, aggregation="token_mean")
     close(loss, -(math.exp(0.1) + 1.2) / 2)
-    close(stats["clip_frac"], 0.5)
+    close(stats["ratio_clip_frac"], 0.5)
     close(stats["ratio_mean"], (math.exp(0.1) + math.exp(0.2)) / 2)
 
 

@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.training import load_policy
 from worker.rollout import Sampling, TransformersBackend, completion_logprobs, completion_mask_from
-from worker.train import load_policy
 
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
 
 
 @pytest.fixture(scope="module")
 def policy(models_dir: Path) -> tuple[Any, Any]:
-    return load_policy("tiny-policy", models_dir, torch.device("cpu"))
+    return load_policy(models_dir)
 
 
 def backend(policy: tuple[Any, Any], **kw: Any) -> TransformersBackend:

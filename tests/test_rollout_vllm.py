@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from worker.rollout import Sampling, TransformersBackend, make_backend
-from worker.train import load_policy, train
+from tests.helpers.training import load_policy
+from worker.backends import make_backend
+from worker.rollout import Sampling, TransformersBackend
+from worker.train import train
 
 FAKES = Path(__file__).parent / "fakes"
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
@@ -33,7 +35,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture(scope="module")
 def policy(models_dir: Path) -> tuple[Any, Any]:
-    return load_policy("tiny-policy", models_dir, torch.device("cpu"))
+    return load_policy(models_dir)
 
 
 def test_auto_samples_with_transformers_without_a_gpu_even_where_vllm_is_installed(fake_vllm, policy) -> None:

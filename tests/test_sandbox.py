@@ -451,7 +451,7 @@ def test_a_job_with_a_python_grader_trains_counts_its_errors_and_says_the_first(
     )
     grader = {"type": "python", "name": "py", "source": source}
     rec = ListRecorder()
-    train(config(tmp_path, models_dir, grader, max_steps=3, cfg={"extra": {"allow_python_grader": True}}), rec)
+    train(config(tmp_path, models_dir, grader, max_steps=3), rec)
     assert len(rec.steps) == 3
     errors = [m["graders.py.errors"] for m in rec.steps]
     assert sum(errors) > 0 and all(m["nan_rewards"] == e for m, e in zip(rec.steps, errors, strict=True))

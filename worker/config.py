@@ -6,19 +6,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.graders import Grader
+from service.schemas import ResolvedHyperparameters
 
-@dataclass
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """A resolved RLOO run. Hyperparameter names and defaults are RLOO.md's (service.schemas)."""
+    """A resolved RLOO run. Hyperparameter names and defaults are in docs/algorithm.md (and
+    service.schemas, which validates them)."""
 
     model: str
     """Model directory (or hub id) to start from."""
     training_file: Path
     """JSONL prompts; every key besides ``messages``/``prompt`` is ``item.<key>`` to the grader."""
-    grader: dict[str, Any]
-    """The reward spec, already validated (service.graders.parse_grader)."""
-    hyperparameters: dict[str, Any]
-    """Resolved hyperparameters (service.schemas.Hyperparameters.resolved())."""
+    grader: Grader
+    """The reward spec, parsed (``service.graders.parse_grader``) once by whoever built this config."""
+    hyperparameters: ResolvedHyperparameters
+    """Typed and frozen: ``cfg.hyperparameters.learning_rate``."""
     output_dir: Path
     """Where checkpoints go: ``output_dir/step-N``."""
     models_dir: Path
@@ -34,15 +38,12 @@ class TrainConfig:
     resume_from: Path | None = None
     """A checkpoint directory with a training state: continue the run after its step."""
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def hp(self, name: str) -> Any:
-        return self.hyperparameters[name]
+    """The operator's settings a run needs (``worker_extra``)."""
 
 
 def worker_extra(settings: Any) -> dict[str, Any]:
     """The operator's settings a run needs (``TrainConfig.extra``), the same for a job and ``rloo train``."""
     return {
-        "allow_python_grader": settings.allow_python_grader,
         "rollout_backend": settings.rollout_backend,
         "embedding_model": settings.embedding_model,
         "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},

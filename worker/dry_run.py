@@ -59,8 +59,8 @@ def _with_models(grader: Any, sample: str, item: dict[str, Any]) -> graders.Grad
 def _models() -> Any:
     """This process's reward models, kept between dry runs (a fresh set once it holds too many)."""
     global _reward_models
+    from worker.modeling import pick_device
     from worker.rewards import RewardModels
-    from worker.train import pick_device
 
     if _reward_models is None or len(_reward_models._loaded) >= MODELS_KEPT:
         settings = get_settings()

@@ -1,6 +1,6 @@
 """``rloo train SPEC.json``: one job in the foreground, through the same ``train`` as a Celery job.
 
-SPEC is the job-creation body of API.md, with ``training_file``/``validation_file`` as local JSONL
+SPEC is the job-creation body of docs/api.md, with ``training_file``/``validation_file`` as local JSONL
 paths (relative to the spec file). It is validated exactly as the API validates it.
 """
 
@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from service import graders, jobspec, strictjson, validation
 from service.datasets import store_jsonl
 from service.errors import APIError
-from service.schemas import JobCreate
+from service.schemas import JobCreate, ResolvedHyperparameters
 from service.settings import get_settings
 from worker.records import JobError, Recorder, StdoutRecorder
 
@@ -44,7 +44,9 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
     return body
 
 
-def _validate(body: JobCreate, base: Path, out: Path, settings: Any) -> tuple[Any, dict[str, Any], dict[str, Path]]:
+def _validate(
+    body: JobCreate, base: Path, out: Path, settings: Any
+) -> tuple[graders.Grader, ResolvedHyperparameters, dict[str, Path]]:
     """The API's job-creation checks, on the spec's local files; their errors become SpecError."""
     try:
         grader, hp = jobspec.check_spec(body, settings=settings)
@@ -102,7 +104,7 @@ def run_spec(
         model=body.model,
         training_file=files["training_file"],
         validation_file=files.get("validation_file"),
-        grader=graders.grader_to_dict(grader),
+        grader=grader,
         hyperparameters=hp,
         output_dir=out,
         models_dir=settings.models_dir,

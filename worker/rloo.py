@@ -84,6 +84,29 @@ def shape_rewards(
     return out
 
 
+def advantages(
+    rewards: Tensor,
+    kl: Tensor | None,
+    finite: Tensor,
+    *,
+    kl_coef: float = 0.0,
+    reward_clip: float | None = None,
+    normalize: bool = False,
+) -> Tensor:
+    """The advantage recipe: shape the rewards (clip, KL penalty), take leave-one-out advantages,
+    whiten them if asked. ``(B, k)`` in and out; ``finite`` marks the rewards that were scored.
+
+    Whitening covers only advantages that carry signal: groups with fewer than two finite rewards
+    stay at 0. Rows are independent unless ``normalize``: any set of whole groups gives the same
+    values as the whole batch.
+    """
+    shaped = shape_rewards(rewards, kl, kl_coef=kl_coef, reward_clip=reward_clip)
+    out = rloo_advantages(shaped)
+    if normalize:
+        out = whiten(out, finite & (finite.sum(dim=1, keepdim=True) >= 2))
+    return out
+
+
 # exp(20) ~ 5e8: far past any clip range, and never inf (inf * an advantage of 0 would be NaN).
 MAX_LOG_RATIO = 20.0
 
@@ -128,7 +151,8 @@ def policy_loss(
 
     ``normalizer`` (default ``loss_normalizer(mask, aggregation)``) divides the summed loss; pass
     the whole batch's to a micro-batch. Returns the scalar loss and detached statistics
-    (``clip_frac``, ``ratio_mean``), normalised the same way, so micro-batches' statistics add up too.
+    (``ratio_clip_frac``: the share of the loss whose ratio was clipped, and ``ratio_mean``),
+    normalised the same way, so micro-batches' statistics add up too.
     """
     low = clip_epsilon
     high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
@@ -156,7 +180,7 @@ def policy_loss(
     loss = (-torch.minimum(unclipped, clipped) * weight).sum() / norm
     clip_frac = ((clipped < unclipped).to(logp.dtype) * weight).sum() / norm
     ratio_mean = (ratio * weight).sum() / norm
-    return loss, {"clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
+    return loss, {"ratio_clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 
 def kl_loss(

@@ -76,7 +76,7 @@ class RolloutBackend(Protocol):
 
     ``transformers`` (this module) samples with the policy object itself; ``vllm``
     (``worker.rollout_vllm``) runs a vLLM engine beside it on the GPU and receives the weights after
-    each update (``sync``). ``make_backend`` picks one.
+    each update (``sync``). ``worker.backends.make_backend`` picks one.
     """
 
     name: str
@@ -85,34 +85,6 @@ class RolloutBackend(Protocol):
 
     def sync(self) -> None:
         """The policy's weights changed (an optimizer step): sample from the new ones from now on."""
-
-
-BACKENDS = ("auto", "transformers", "vllm")
-
-
-def make_backend(
-    choice: str,
-    model: Any,
-    tokenizer: Any,
-    sampling: Sampling,
-    *,
-    device: Any,
-    vllm_options: dict[str, Any] | None = None,
-) -> RolloutBackend:
-    """``auto``: vLLM when it is installed and the policy is on a CUDA device, else transformers."""
-    if choice not in BACKENDS:
-        raise ValueError(f"unknown rollout backend '{choice}'; choose one of {', '.join(BACKENDS)}")
-    if choice == "vllm" or (choice == "auto" and getattr(device, "type", "") == "cuda" and vllm_installed()):
-        from worker.rollout_vllm import VLLMBackend
-
-        return VLLMBackend(model, tokenizer, sampling, options=vllm_options or {})
-    return TransformersBackend(model, tokenizer, sampling)
-
-
-def vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 class TransformersBackend:

@@ -183,6 +183,8 @@ def _train(job: Job) -> Any:
     from worker.celery_app import wait_for_preload
 
     wait_for_preload()
+    from service import graders
+    from service.schemas import ResolvedHyperparameters
     from worker.config import TrainConfig, worker_extra
     from worker.train import train
 
@@ -205,8 +207,8 @@ def _train(job: Job) -> Any:
         model=job.model,
         training_file=paths[job.training_file],
         validation_file=paths[job.validation_file] if job.validation_file else None,
-        grader=job.method[kind]["grader"],
-        hyperparameters=job.hyperparameters,
+        grader=graders.parse_grader(job.method[kind]["grader"], allow_python=settings.allow_python_grader),
+        hyperparameters=ResolvedHyperparameters.model_validate(job.hyperparameters),
         output_dir=output_dir,
         models_dir=settings.models_dir,
         seed=job.seed,

@@ -92,9 +92,9 @@ def create_job(
             jobspec.check_item_keys(
                 grader, f.keys_summary or {}, source=f"the {which} ({f.id})", param=f"method.{kind}.grader"
             )
-    total_steps = jobspec.total_steps(training.line_count, hp)
-
-    method = {"type": kind, kind: {"grader": graders.grader_to_dict(grader), "hyperparameters": hp}}
+    total_steps = hp.total_steps(training.line_count)
+    stored_hp = hp.model_dump()
+    method = {"type": kind, kind: {"grader": graders.grader_to_dict(grader), "hyperparameters": stored_hp}}
     job = Job(
         project_seq=project.seq,
         model=body.model,
@@ -104,7 +104,7 @@ def create_job(
         suffix=body.suffix,
         metadata_=body.metadata,
         method=method,
-        hyperparameters=hp,
+        hyperparameters=stored_hp,
         status=JobStatus.QUEUED.value,
         total_steps=total_steps,
     )

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from service.graders import parse_grader
 from service.schemas import Hyperparameters
 from tests.helpers.data import EXAMPLES
 from worker.config import TrainConfig
@@ -50,12 +51,13 @@ def config(
     tmp_path: Path, models_dir: Path, grader: dict[str, Any] = ANSWER, *, cfg: dict[str, Any] | None = None, **hp: Any
 ) -> TrainConfig:
     """The demo job on the tiny policy, with ``hp`` overriding its hyperparameters and ``cfg`` the
-    TrainConfig's other fields (``resume_from``, ``validation_file``)."""
+    TrainConfig's other fields (``resume_from``, ``validation_file``). The grader is parsed as an
+    operator who allows python graders would."""
     demo = json.loads((EXAMPLES / "demo" / "job.json").read_text())["method"]["reinforcement"]["hyperparameters"]
     return TrainConfig(
         model="tiny-policy",
         training_file=EXAMPLES / "demo" / "train.jsonl",
-        grader=grader,
+        grader=parse_grader(grader, allow_python=True),
         hyperparameters=Hyperparameters(**{**demo, **hp}).resolved(),
         output_dir=tmp_path / "out",
         models_dir=models_dir,
@@ -63,6 +65,16 @@ def config(
         device="cpu",
         **(cfg or {}),
     )
+
+
+def load_policy(models_dir: Path, name: str = "tiny-policy") -> tuple[Any, Any]:
+    """A policy and its tokenizer on the CPU, loaded as a run loads them."""
+    import torch
+
+    from worker.modeling import load_causal_lm, load_tokenizer, model_path
+
+    path = model_path(name, models_dir)
+    return load_causal_lm(path, torch.device("cpu"), name=name), load_tokenizer(path, name=name)
 
 
 TIMING = {

@@ -1,0 +1,114 @@
+"""A step's metrics, assembled in one place: the names users read in ``GET .../metrics`` and the
+job's events (docs/algorithm.md lists them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from service.graders import GradeResult
+
+DEPRECATED_ALIASES = {"clip_frac": "ratio_clip_frac"}
+"""Old metric name -> its new name. Both are recorded for one release, then the old one goes.
+``clip_frac`` read too much like ``clipped_ratio`` (completions cut at max_new_tokens)."""
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one RLOO update reports, on the device until the step is recorded (no host sync per
+    micro-batch). ``loss`` and ``ratio_clip_frac`` are the last ``ppo_epochs`` pass's."""
+
+    advantages: Tensor
+    kl: Tensor
+    loss: Tensor
+    ratio_clip_frac: Tensor
+    entropy_sum: Tensor
+    grad_norm: Tensor
+    learning_rate: float
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds each phase of a step took."""
+
+    generate: float
+    score: float
+    reference: float
+    update: float
+    step: float
+
+
+def step_metrics(
+    *,
+    step: int,
+    total_steps: int,
+    rewards: Tensor,
+    finite: Tensor,
+    mask: Tensor,
+    truncated: Tensor,
+    update: UpdateStats,
+    timings: Timings,
+    trained_tokens: int,
+) -> dict[str, Any]:
+    """The metrics of one step. ``rewards`` and ``finite`` are ``(B, k)``, at least one finite;
+    ``mask`` ``(N, T)`` marks completion tokens; ``truncated`` ``(N,)`` the completions cut short."""
+    n = rewards.numel()
+    gen_tokens = int(mask.sum().item())
+    finite_rewards = rewards[finite]
+    # A group gives no signal when its finite rewards are all equal (or fewer than two).
+    group_max = torch.where(finite, rewards, -math.inf).amax(dim=1)
+    group_min = torch.where(finite, rewards, math.inf).amin(dim=1)
+    zero_std = (finite.sum(dim=1) < 2) | (group_max == group_min)
+    advantages = update.advantages
+    metrics: dict[str, Any] = {
+        "step": step,
+        "total_steps": total_steps,
+        "train_reward_mean": float(finite_rewards.mean()),
+        "train_reward_std": float(finite_rewards.std(unbiased=False)) if finite_rewards.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float(zero_std.float().mean()),
+        "advantage_std": float(advantages[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
+        "kl": float(update.kl.mean()),
+        "loss": float(update.loss),
+        "entropy": float(update.entropy_sum / mask.sum().clamp(min=1.0)),
+        "grad_norm": float(update.grad_norm),
+        "learning_rate": update.learning_rate,
+        "completion_length_mean": float(mask.sum(dim=1).mean()),
+        "clipped_ratio": float(truncated.float().mean()),
+        "ratio_clip_frac": float(update.ratio_clip_frac),
+        "nan_rewards": int((~finite).sum()),
+        "time_generate": timings.generate,
+        "time_score": timings.score,
+        "time_reference": timings.reference,
+        "time_update": timings.update,
+        "time_step": timings.step,
+        "completions_per_s": n / timings.step,
+        "tokens_per_s": gen_tokens / timings.step,
+        "trained_tokens": trained_tokens,
+    }
+    for old, new in DEPRECATED_ALIASES.items():
+        metrics[old] = metrics[new]
+    return metrics
+
+
+def grader_metrics(graded: GradeResult) -> dict[str, float | int]:
+    """``graders.<name>.mean`` (of its finite scores) and ``graders.<name>.errors`` (its NaN count)
+    for each grader of the tree."""
+    metrics: dict[str, float | int] = {}
+    for name, values in graded.sub_rewards.items():
+        vals = [v for v in values if math.isfinite(v)]
+        metrics[f"graders.{name}.mean"] = sum(vals) / len(vals) if vals else float("nan")
+        metrics[f"graders.{name}.errors"] = graded.errors.get(name, 0)
+    return metrics
+
+
+def checkpoint_metrics(metrics: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
+    """The few metrics a checkpoint carries (the job's ``checkpoints`` list shows them)."""
+    keys = ("step", "train_reward_mean", "kl", "loss", "entropy")
+    out = {key: metrics[key] for key in keys if key in metrics}
+    if counters.get("valid_reward_mean") is not None:
+        out["valid_reward_mean"] = counters["valid_reward_mean"]
+    return out

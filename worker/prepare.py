@@ -1,0 +1,144 @@
+"""Setting a run up: data, reward models, the policy and its reference, optimizer, schedule and
+rollout backend, restored from a checkpoint when the run continues one. ``prepare`` returns a
+``worker.run.Run``, everything the loop in ``worker.train`` reads."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from service import graders
+from worker.backends import make_backend
+from worker.checkpoints import read_training_state
+from worker.config import TrainConfig
+from worker.data import load_items
+from worker.modeling import (
+    Reference,
+    add_lora,
+    autocast_for,
+    enable_gradient_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    model_path,
+    pick_device,
+    without_dropout,
+)
+from worker.records import JobError, Recorder
+from worker.resume import check_resumable, load_full_weights, restore
+from worker.rewards import EMBEDDING_PACKAGE, RewardModels
+from worker.rollout import RolloutBackend, Sampling
+from worker.run import Run
+
+
+def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
+    """Everything before the first step. The order is the seed's: what draws random numbers
+    (initialising a LoRA adapter) draws them in the same order on every run of a seed."""
+    t_setup = time.perf_counter()
+    hp = cfg.hyperparameters
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    items = load_items(cfg.training_file)
+    valid_items = load_items(cfg.validation_file) if cfg.validation_file else []
+    reward_models = None
+    if graders.is_model_grader(cfg.grader):
+        embedding_model = cfg.extra.get("embedding_model") or EMBEDDING_PACKAGE
+        reward_models = RewardModels(models_dir=cfg.models_dir, device=device, embedding_model=embedding_model)
+    total_steps = hp.total_steps(len(items))
+    resumed = None
+    if cfg.resume_from is not None:
+        resumed = read_training_state(cfg.resume_from)
+        check_resumable(cfg, resumed[1], total_steps)
+
+    tokenizer, model, reference = _models(cfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=hp.learning_rate * hp.learning_rate_multiplier,
+        weight_decay=hp.weight_decay,
+        fused=device.type in ("cpu", "cuda"),  # one pass over all parameters, not a Python loop of ops each
+    )
+    run = Run(
+        cfg=cfg,
+        device=device,
+        autocast=autocast_for(hp.precision, device),
+        items=items,
+        valid_items=valid_items,
+        reward_models=reward_models,
+        total_steps=total_steps,
+        tokenizer=tokenizer,
+        model=model,
+        reference=reference,
+        params=params,
+        optimizer=optimizer,
+        scheduler=make_scheduler(optimizer, hp.lr_scheduler, hp.warmup_ratio, total_steps),
+        backend=_backend(cfg, model, tokenizer, device),
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    recorder.event(
+        f"Model '{cfg.model}' ready on {device.type} in {time.perf_counter() - t_setup:.1f} s: "
+        f"{n_params / 1e6:.1f}M parameters, {sum(p.numel() for p in params) / 1e6:.2f}M trained"
+    )
+    if resumed is not None:
+        restore(run, *resumed)
+        recorder.event(f"Resumed from the checkpoint at step {run.start}; continuing at step {run.start + 1}")
+    else:
+        what = f"LoRA r={hp.lora.r}" if hp.lora else "full fine-tuning"
+        recorder.event(
+            f"Training started: {total_steps} steps, {hp.batch_size} prompts x {hp.rloo_k} completions a step, "
+            f"{what}, on {device.type}, rollouts by {run.backend.name}"
+        )
+    return run
+
+
+def _models(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Reference | None]:
+    """The tokenizer, the policy (a LoRA-wrapped base, or the base itself) and the reference (None
+    without a KL penalty); a resumed run's weights loaded."""
+    hp = cfg.hyperparameters
+    base_path = model_path(cfg.model, cfg.models_dir)
+    tokenizer = load_tokenizer(base_path, name=cfg.model)
+    base = load_causal_lm(base_path, device, name=cfg.model)
+    without_dropout(base)
+    if hp.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
+    if hp.lora:
+        model = add_lora(base, hp.lora, resume_from=cfg.resume_from)
+        return tokenizer, model, Reference(model, lora=True) if hp.kl_coef > 0 else None
+    # The reference is the starting weights: copied before a resumed run loads its own.
+    reference = Reference(base, lora=False) if hp.kl_coef > 0 else None
+    if cfg.resume_from is not None:
+        load_full_weights(base, cfg.resume_from, device)
+    return tokenizer, base, reference
+
+
+def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> RolloutBackend:
+    hp = cfg.hyperparameters
+    sampling = Sampling(
+        max_new_tokens=hp.max_new_tokens,
+        temperature=hp.temperature,
+        top_p=hp.top_p,
+        max_prompt_length=hp.max_prompt_length,
+        stop=tuple(hp.stop or ()),
+    )
+    try:
+        return make_backend(
+            cfg.extra.get("rollout_backend", "auto"),
+            model,
+            tokenizer,
+            sampling,
+            device=device,
+            vllm_options=cfg.extra.get("vllm_options"),
+        )
+    except ImportError as exc:
+        raise JobError("rollout_backend_failed", f"the rollout backend could not be loaded: {exc}") from None
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_ratio: float, total_steps: int) -> Any:
+    """Hugging Face's schedules (the curves HF Trainer users know), stepped once per RLOO step."""
+    from transformers import get_scheduler
+
+    hf_name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[name]
+    warmup = math.ceil(warmup_ratio * total_steps)
+    return get_scheduler(hf_name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
