@@ -164,3 +164,25 @@ def test_train_rejects_a_bad_spec_with_a_clear_message(tmp_path: Path, models_di
     out = _train(tmp_path, models_dir, str(_demo_spec(tmp_path)), "--set", "rloo_K=4")
     assert out.returncode == 2
     assert "Unknown parameter 'method.reinforcement.hyperparameters.rloo_K'. Did you mean 'rloo_k'?" in out.stderr
+
+
+@pytest.mark.e2e
+def test_demo_runs_a_job_over_http_and_reports_it(tmp_path: Path, models_dir: Path) -> None:
+    """``rloo demo`` as ``make demo`` runs it (two steps here): the example files found from any
+    working directory, the job run over HTTP, and the report printed; the stack stopped after."""
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "demo", "--port", str(port), "--set", "max_steps=2"],
+        cwd=tmp_path,
+        env={**_env(tmp_path, models_dir), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "uploaded train.jsonl" in out.stdout and "2 steps" in out.stdout
+    assert re.search(r"steps:\s+2\b", out.stdout), out.stdout
+    final = re.search(r"on disk:\s+(\S+)", out.stdout)
+    assert final and (Path(final.group(1)) / "config.json").is_file(), out.stdout
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from service.settings import get_settings
 from worker.checkpoints import checkpoint_dir, job_checkpoints_dir
 
-EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "demo"
+EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
 
 def build_models(models_dir: Path, console: Console) -> None:
@@ -80,7 +80,8 @@ def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[d
             time.sleep(0.5)
 
 
-def run_demo(port: int = 8000) -> int:
+def run_demo(port: int = 8000, overrides: dict[str, Any] | None = None) -> int:
+    """The demo job (examples/demo/job.json, ``overrides`` over its hyperparameters) over HTTP."""
     from worker.cli.stack import Stack
 
     console = Console(width=None if sys.stdout.isatty() else 110)
@@ -104,6 +105,7 @@ def run_demo(port: int = 8000) -> int:
 
         body = json.loads((EXAMPLE_DIR / "job.json").read_text())
         body["training_file"] = file["id"]
+        body["method"][body["method"]["type"]]["hyperparameters"].update(overrides or {})
         r = http.post("/fine_tuning/jobs", json=body)
         if r.status_code != 200:
             console.print(f"[red]job creation failed: {r.json()['error']['message']}")

@@ -25,6 +25,11 @@ def parse_set(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+SetOption = Annotated[
+    list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Override a hyperparameter (repeatable).")
+]
+
+
 @app.command("train")
 def train_cmd(
     spec: Annotated[
@@ -34,9 +39,7 @@ def train_cmd(
             help="The job-creation body (docs/api.md), training_file and validation_file as local JSONL paths.",
         ),
     ],
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Override a hyperparameter (repeatable).")
-    ] = None,
+    set_: SetOption = None,
     output_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="Checkpoints go here.")] = None,
     device: Annotated[
         str | None, typer.Option(metavar="DEVICE", help="cpu or cuda; default: cuda when present.")
@@ -70,13 +73,17 @@ def train_cmd(
 
 
 @app.command("demo")
-def demo(port: Annotated[int, typer.Option(metavar="PORT", help="Port the demo's API listens on.")] = 8000) -> None:
+def demo(
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port the demo's API listens on.")] = 8000,
+    set_: SetOption = None,
+) -> None:
     """Build tiny models offline, start the stack, run a real RLOO job over HTTP and show it.
 
     \b
-    Example:
+    Examples:
       rloo demo --port 8123
+      rloo demo --set max_steps=10
     """
     from worker.cli.demo import run_demo
 
-    raise typer.Exit(run_demo(port=port))
+    raise typer.Exit(run_demo(port=port, overrides=parse_set(set_ or [])))
