@@ -1,0 +1,127 @@
+"""The house's shape, checked: no import cycles among the project's modules (counting imports inside
+functions, which only hide a cycle), and no docstring or comment pointing at a document that is not
+in the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.helpers.data import ROOT
+
+PACKAGES = ("service", "worker")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports anywhere in its file. ``from package import module``
+    counts as importing the module; a package's ``__init__`` is not counted for its submodules."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    return {m for m in out if m in modules and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, name, modules) for name, path in modules.items()}
+    assert graph["worker.prepare"] >= {"worker.resume", "worker.modeling"}  # the scan sees imports
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+DESIGN_DOCS = re.compile(r"\b(API|RLOO|ARCHITECTURE|STYLE)\.md\b|\.\./shared|\bissue \d+")
+
+
+DOCS_PAGE = re.compile(r"\bdocs/([\w-]+\.md)\b")
+
+
+def _text_files() -> list[Path]:
+    files = [ROOT / "README.md"]
+    for folder in (*PACKAGES, "tests", "benchmarks", "docs", "examples", "migrations"):
+        files += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in (".py", ".md", ".json", ".yml")]
+    return [p for p in files if p.is_file() and p.name != "test_layout.py"]
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    """Users read the repository's docs (docs/, README.md): a design note they cannot open, or a docs
+    page that does not exist, is no reference."""
+    offenders = []
+    for path in _text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            missing = [page for page in DOCS_PAGE.findall(line) if not (ROOT / "docs" / page).is_file()]
+            if DESIGN_DOCS.search(line) or missing:
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+REPO_PATH = re.compile(r"`((?:service|worker|tests|benchmarks|docs|examples|docker|migrations|\.ci)/[\w./-]*\w)`")
+
+
+def test_paths_the_docs_name_exist() -> None:
+    """A file or folder the README or docs/ name in backticks (``worker/train.py``) is there."""
+    named = {
+        (doc.relative_to(ROOT), path)
+        for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for path in REPO_PATH.findall(doc.read_text())
+    }
+    assert len(named) > 20  # the scan finds the paths
+    assert sorted(f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists()) == []
