@@ -97,7 +97,7 @@ async def run(*, project: str, payload: dict[str, Any], queue: str, timeout: flo
         get_settings().redis_client_url, socket_timeout=timeout + 5, socket_connect_timeout=5
     )
     try:
-        if not await conn.eval(_ADMIT, 1, active, now, deadline, run_id, cap):  # type: ignore[misc]
+        if not await conn.eval(_ADMIT, 1, active, now, deadline, run_id, cap):
             raise Busy()
         # Held by a worker that took it and has not answered: the place stays taken until it does.
         state = {"held": False}

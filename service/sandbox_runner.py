@@ -13,12 +13,20 @@ Nothing a grader could rebind decides what it may do: the audit hook's tables li
 not in this module's globals (which the grader reaches through ``sys.modules['__main__']``).
 """
 
+from __future__ import annotations
+
 import json
 import math
 import os
 import resource
 import signal
 import sys
+from collections.abc import Callable  # loaded already (json imports re, which imports collections)
+from types import FrameType
+
+TYPE_CHECKING = False  # typing itself is not imported here: a sandbox starts for every batch
+if TYPE_CHECKING:
+    from typing import Any
 
 # What a grader may not import (processes, sockets, foreign code, the garbage collector's view of
 # every object, threads) and the audit events it may not raise. Defence in depth: the sandbox's
@@ -75,13 +83,18 @@ NO_EVENTS = (
 OS_OK = frozenset({"os.listdir", "os.scandir"})  # the import system lists directories
 
 
-def make_hook(prefixes, no_import=NO_IMPORT, no_events=NO_EVENTS, os_ok=OS_OK):
+def make_hook(
+    prefixes: tuple[str, ...],
+    no_import: frozenset[str] = NO_IMPORT,
+    no_events: tuple[str, ...] = NO_EVENTS,
+    os_ok: frozenset[str] = OS_OK,
+) -> Callable[[str, tuple[Any, ...]], None]:
     """The audit hook. Everything it reads is bound here, as defaults and locals: rebinding this
     module's names afterwards changes nothing."""
     realpath, isinstance_, str_, bytes_, int_, any_ = os.path.realpath, isinstance, str, bytes, int, any
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
-    def hook(event, args):
+    def hook(event: str, args: tuple[Any, ...]) -> None:
         if event == "import":
             name = args[0]
             if isinstance_(name, str_) and name.partition(".")[0] in no_import:
@@ -104,7 +117,7 @@ def make_hook(prefixes, no_import=NO_IMPORT, no_events=NO_EVENTS, os_ok=OS_OK):
     return hook
 
 
-def drop_privileges(uid):
+def drop_privileges(uid: int | None) -> None:
     """Started as root (bubblewrap run by root needs no user namespace): become ``uid``, with no
     groups and no capabilities left, before any grader code exists. ``uid`` None: keep ours (the
     ``process`` sandbox)."""
@@ -118,7 +131,7 @@ def drop_privileges(uid):
         raise SystemExit("the sandbox still runs as root; refusing to run grader code")
 
 
-def set_limits(memory_mb, cpu_seconds):
+def set_limits(memory_mb: int, cpu_seconds: int) -> None:
     for what, value in (
         (resource.RLIMIT_AS, memory_mb * 2**20),
         (resource.RLIMIT_CPU, cpu_seconds),
@@ -130,7 +143,7 @@ def set_limits(memory_mb, cpu_seconds):
         resource.setrlimit(what, (value, value))
 
 
-def score_of(value):
+def score_of(value: object) -> dict[str, object]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"grade() returned {type(value).__name__}, not a number")
     value = float(value)
@@ -139,7 +152,7 @@ def score_of(value):
     return {"score": value}
 
 
-def main():
+def main() -> None:
     uid = None if sys.argv[1] == "-" else int(sys.argv[1])
     request = json.loads(sys.stdin.read())
     drop_privileges(uid)
@@ -154,7 +167,7 @@ def main():
     library = ("stdlib", "platstdlib")
     prefixes = tuple({os.path.realpath(p) for key, p in sysconfig.get_paths().items() if key in library})
 
-    def timed_out(signum, frame):
+    def timed_out(signum: int, frame: FrameType | None) -> None:
         raise TimeoutError(f"grade() ran past {per_sample:g} s")
 
     signal.signal(signal.SIGALRM, timed_out)
@@ -163,9 +176,9 @@ def main():
     batch = request["batch"]
     if request.get("audit_hook", True):
         sys.addaudithook(make_hook(prefixes))
-    namespace: dict = {"__name__": "grader"}
+    namespace: dict[str, Any] = {"__name__": "grader"}
 
-    def answer(i, result):
+    def answer(i: int, result: dict[str, object]) -> None:
         write(dumps({"i": i, **result}) + "\n")
         flush()
 

@@ -164,8 +164,8 @@ class Method(Strict):
 
     @property
     def config(self) -> RLConfig:
-        cfg = getattr(self, self.type)
-        assert cfg is not None
+        cfg = self.reinforcement if self.type == "reinforcement" else self.rloo
+        assert cfg is not None  # _one_config made sure
         return cfg
 
 

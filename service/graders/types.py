@@ -68,7 +68,8 @@ class Sample:
         Cached because every template of every grader in a ``multi`` tree may ask for it.
         """
         try:
-            return json.loads(self.output_text)
+            parsed: object = json.loads(self.output_text)
+            return parsed
         except (ValueError, TypeError):
             return None
 
