@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,23 +19,15 @@ from pathlib import Path
 import httpx
 
 from tests.helpers.data import EXAMPLES, ROOT
-from tests.helpers.live import free_port
+from tests.helpers.live import child_env, free_port
 from worker.cli.stack import wait_until_ready
 
 
 def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path) -> None:
     # (RLOO_HEADER_TIMEOUT_SECONDS: for the slowloris part, at the end)
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     # 512 reads with one key in a second or two: far past the per-key rate limit, which is not what
     # this test is about (tests/test_rate_limit.py is).
-    env.update(
-        {
-            "RLOO_HOME": str(tmp_path / "var"),
-            "RLOO_MODELS_DIR": str(models_dir),
-            "RLOO_RATE_LIMIT": "0",
-            "RLOO_HEADER_TIMEOUT_SECONDS": "1",
-        }
-    )
+    env = child_env(tmp_path, models_dir, RLOO_RATE_LIMIT="0", RLOO_HEADER_TIMEOUT_SECONDS="1")
     cli = [sys.executable, "-m", "worker.cli"]
     subprocess.run([*cli, "db", "upgrade"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
     made = subprocess.run(

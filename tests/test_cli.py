@@ -17,13 +17,7 @@ import httpx
 import pytest
 
 from tests.helpers.data import EXAMPLES, ROOT
-from tests.helpers.live import free_port
-
-
-def _env(tmp_path: Path, models_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update({"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1"})
-    return env
+from tests.helpers.live import child_env, free_port
 
 
 def _demo_spec(tmp_path: Path) -> Path:
@@ -57,7 +51,7 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "up", "--port", str(port)],
         cwd=ROOT,
-        env=_env(tmp_path, models_dir),
+        env=child_env(tmp_path, models_dir),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -119,7 +113,7 @@ def _train(tmp_path: Path, models_dir: Path, *args: str) -> subprocess.Completed
     return subprocess.run(
         [sys.executable, "-m", "worker.cli", "train", *args],
         cwd=ROOT,
-        env=_env(tmp_path, models_dir),
+        env=child_env(tmp_path, models_dir),
         capture_output=True,
         text=True,
         timeout=300,
@@ -174,7 +168,7 @@ def test_demo_runs_a_job_over_http_and_reports_it(tmp_path: Path, models_dir: Pa
     out = subprocess.run(
         [sys.executable, "-m", "worker.cli", "demo", "--port", str(port), "--set", "max_steps=2"],
         cwd=tmp_path,
-        env={**_env(tmp_path, models_dir), "PYTHONPATH": str(ROOT)},
+        env={**child_env(tmp_path, models_dir), "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=240,

@@ -23,6 +23,16 @@ from tests.helpers.databases import drop_postgres_database, fresh_postgres_datab
 from worker.cli.stack import wait_until_ready
 
 
+def child_env(tmp_path: Path, models_dir: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child of the stack: on the embedded defaults under
+    ``tmp_path/var`` (no DATABASE_URL or REDIS_URL of ours leaks in), the tests' models, ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(
+        {"RLOO_HOME": str(tmp_path / "var"), "RLOO_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1", **extra}
+    )
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,16 +107,7 @@ def live_stack(
 ) -> Iterator[LiveStack]:
     """The API (and one worker) as processes on the embedded defaults, or on the CI's PostgreSQL and
     Redis (``production``; ``database_url`` may route its fresh database's URL, e.g. through a proxy)."""
-    full = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    full.update(
-        {
-            "RLOO_HOME": str(tmp_path / "var"),
-            "RLOO_MODELS_DIR": str(models_dir),
-            "PYTHONUNBUFFERED": "1",
-            "RLOO_HEARTBEAT_SECONDS": "1",
-            **(env or {}),
-        }
-    )
+    full = child_env(tmp_path, models_dir, RLOO_HEARTBEAT_SECONDS="1", **(env or {}))
     pg_name = None
     if kind == "production":
         server, broker = os.environ.get("TEST_DATABASE_URL"), os.environ.get("TEST_REDIS_URL")
