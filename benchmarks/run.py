@@ -1,4 +1,4 @@
-"""``make bench``: the project's speed, memory and isolation figures, as one JSON object (``benchmarks/RESULTS.md`` keeps them).
+"""``make bench``: the speed, memory and isolation figures, as one JSON object (kept in RESULTS.md).
 
 1. ``engine``: our engine alone on the *tiny* and *small* configs (``benchmarks.common``): completions/s,
    generated tokens/s, the split of a step, peak RSS, and the reward's first-5 and last-5 step means;

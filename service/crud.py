@@ -19,7 +19,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from service import lifecycle
-from service.models import ApiKey, Checkpoint, File, Job, JobEvent, JobMetric, Project, now
+from service.models import ApiKey, Checkpoint, File, Job, JobMetric, Project, now
 
 KEY_PREFIX = "rloo-"
 
@@ -153,20 +153,6 @@ def waiting_jobs(*, session: Session, project_seq: int, up_to: int) -> int:
     statuses = [s.value for s in lifecycle.WAITING]
     waiting = select(Job.seq).where(Job.project_seq == project_seq, Job.status.in_(statuses)).limit(up_to)
     return session.scalar(select(func.count()).select_from(waiting.subquery())) or 0
-
-
-def add_event(
-    *,
-    session: Session,
-    job: Job,
-    message: str,
-    level: str = "info",
-    type: str = "message",
-    data: dict[str, Any] | None = None,
-) -> JobEvent:
-    event = JobEvent(job_seq=job.seq, message=message, level=level, type=type, data=data)
-    session.add(event)
-    return event
 
 
 def upsert_metrics(*, session: Session, job: Job, step: int, data: dict[str, Any]) -> None:

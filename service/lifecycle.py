@@ -58,8 +58,19 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
 """The legal moves; ``move`` refuses any other (a bug, not a race)."""
 
 
-def _event(session: Session, job: Job, message: str, level: str = "info") -> None:
-    session.add(JobEvent(job_seq=job.seq, message=message, level=level, type="message"))
+def add_event(
+    *,
+    session: Session,
+    job: Job,
+    message: str,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    """A line of the job's history (``GET .../events``): a message, or a step's metrics."""
+    event = JobEvent(job_seq=job.seq, message=message, level=level, type=type, data=data)
+    session.add(event)
+    return event
 
 
 def _values(statuses: Iterable[JobStatus]) -> tuple[str, ...]:
@@ -96,7 +107,7 @@ def move(
         where.append(Job.worker == held_by)
     moved = _rows(session, update(Job).where(*where).values(status=to.value, **values))
     if moved and event:
-        _event(session, job, event, level)
+        add_event(session=session, job=job, message=event, level=level)
     session.commit()
     if job in session:
         session.refresh(job)
@@ -200,7 +211,7 @@ def resume(*, session: Session, job: Job, stale_after: float) -> bool:
         .values(status=S.QUEUED.value),
     )
     if resumed:
-        _event(session, job, "Job resumed: queued to continue from its last checkpoint")
+        add_event(session=session, job=job, message="Job resumed: queued to continue from its last checkpoint")
     session.commit()
     session.refresh(job)
     return bool(resumed)
@@ -241,6 +252,6 @@ def recover(
     if not _rows(session, update(Job).where(*where).values(worker=None, crashes=crashes, **values)):
         session.rollback()
         return None
-    _event(session, job, event, level)
+    add_event(session=session, job=job, message=event, level=level)
     session.commit()
     return str(values["status"])

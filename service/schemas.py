@@ -22,6 +22,8 @@ class Strict(BaseModel):
 class LoraSpec(Strict):
     """LoRA adapters through ``peft``; the reference model is the base with the adapter disabled."""
 
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
     r: int = Field(16, ge=1, le=1024, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, le=65536, description="Scale: the update is (alpha / r) * B @ A.")
     dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapter's input.")
@@ -133,9 +135,10 @@ class ResolvedHyperparameters(Hyperparameters):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
-    batch_size: int = Field(8, ge=1, le=4096, description="Prompts per step.")
-    n_epochs: int = Field(1, ge=1, le=1000, description="Passes over the training file.")
-    learning_rate_multiplier: float = Field(1.0, gt=0, le=1000, description="Scales learning_rate.")
+    # Concrete types; the ranges are the validators' above, inherited.
+    batch_size: int = 8
+    n_epochs: int = 1
+    learning_rate_multiplier: float = 1.0
 
     def total_steps(self, n_items: int) -> int:
         """``ceil(n_items * n_epochs / batch_size)``, capped by ``max_steps``."""

@@ -59,7 +59,6 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
     """Claim ``job_id`` as a worker does, record ``steps`` steps (metrics rows and events) and a real
     checkpoint directory at the last step; with ``pause``, pause it and let the worker go (so that a
     resume would succeed). Returns the checkpoint's id."""
-    from service import crud
     from service.db import session_scope
     from service.identity import process_name
     from service.models import Checkpoint
@@ -70,7 +69,7 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
     with session_scope() as session:
         job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())
         assert job is not None, f"{job_id} was not queued"
-        crud.add_event(session=session, job=job, message=f"Job started on worker {process_name()}")
+        lifecycle.add_event(session=session, job=job, message=f"Job started on worker {process_name()}")
         session.commit()
     recorder = DatabaseRecorder(job)
     for step in range(1, steps + 1):

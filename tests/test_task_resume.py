@@ -113,3 +113,23 @@ def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) ->
     assert run_job(job_id) == "succeeded"
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
     assert job["status"] == "succeeded" and job["fine_tuned_model"]
+
+
+def test_a_job_whose_grader_the_operator_turned_off_since_fails_saying_so(client, auth, monkeypatch) -> None:
+    """Created while python graders were allowed, run after the operator turned them off: the job
+    fails with invalid_grader and the reason, not an internal error."""
+    from service.db import reset_caches
+    from worker.tasks import run_job
+
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    reset_caches()
+    file_id = upload_ok(client, auth)["id"]
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = file_id
+    body["method"]["reinforcement"]["grader"] = {"type": "python", "name": "p", "source": "def grade(s, i): return 1"}
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "0")
+    reset_caches()
+    assert run_job(job_id) == "failed"
+    error = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()["error"]
+    assert error["code"] == "invalid_grader" and "RLOO_ALLOW_PYTHON_GRADER" in error["message"], error

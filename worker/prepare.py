@@ -60,6 +60,8 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         weight_decay=hp.weight_decay,
         fused=device.type in ("cpu", "cuda"),  # one pass over all parameters, not a Python loop of ops each
     )
+    scheduler = make_scheduler(optimizer, hp.lr_scheduler, hp.warmup_ratio, total_steps)
+    backend = _backend(cfg, model, tokenizer, device)
     run = Run(
         cfg=cfg,
         device=device,
@@ -73,8 +75,8 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         reference=reference,
         params=params,
         optimizer=optimizer,
-        scheduler=make_scheduler(optimizer, hp.lr_scheduler, hp.warmup_ratio, total_steps),
-        backend=_backend(cfg, model, tokenizer, device),
+        scheduler=scheduler,
+        backend=backend,
     )
     n_params = sum(p.numel() for p in model.parameters())
     recorder.event(
@@ -88,7 +90,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         what = f"LoRA r={hp.lora.r}" if hp.lora else "full fine-tuning"
         recorder.event(
             f"Training started: {total_steps} steps, {hp.batch_size} prompts x {hp.rloo_k} completions a step, "
-            f"{what}, on {device.type}, rollouts by {run.backend.name}"
+            f"{what}, on {device.type}, rollouts by {backend.name}"
         )
     return run
 

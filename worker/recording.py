@@ -43,7 +43,7 @@ class DatabaseRecorder:
 
     def event(self, message: str, level: str = "info") -> None:
         def event(session: Any) -> None:
-            crud.add_event(session=session, job=self.job, message=message, level=level)
+            lifecycle.add_event(session=session, job=self.job, message=message, level=level)
             session.commit()
 
         self._write("event", event)
@@ -54,7 +54,7 @@ class DatabaseRecorder:
 
         def record(session: Any) -> str:
             crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
-            crud.add_event(
+            lifecycle.add_event(
                 session=session,
                 job=self.job,
                 type="metrics",
@@ -81,7 +81,7 @@ class DatabaseRecorder:
                 session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
             )
             lifecycle.checkpoint_saved(session=session, job=self.job, final_name=name if final else None)
-            crud.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
+            lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             session.commit()
 
         self._write(f"checkpoint {step}", saved)
@@ -89,7 +89,7 @@ class DatabaseRecorder:
     def checkpoint_removed(self, step: int) -> None:
         def removed(session: Any) -> None:
             crud.remove_checkpoint(session=session, job=self.job, step=step)
-            crud.add_event(
+            lifecycle.add_event(
                 session=session, job=self.job, message=f"Checkpoint of step {step} removed (keep_checkpoints)"
             )
             session.commit()

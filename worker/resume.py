@@ -1,9 +1,9 @@
-"""Continuing a run: what a checkpoint holds besides the weights, the checks before a run resumes
-from one, and restoring it.
+"""Continuing a run: the state a checkpoint holds besides the weights (written by ``save``, read
+back by ``restore``), and the checks before a run resumes from one.
 
-A checkpoint's training state (``worker.checkpoints``) holds the optimizer, the scheduler, the RNG
-states and the run's counters; its JSON description holds the step, the data position and the
-hyperparameters. A resumed run must be the same run: same model, seed and hyperparameters (but
+A checkpoint's training state (``worker.checkpoints``) holds the optimizer, the scheduler and the
+RNG states; its JSON description holds the step, the data position, the hyperparameters and the
+run's counters. A resumed run must be the same run: same model, seed and hyperparameters (but
 ``RESUMABLE_CHANGES``), the same learning-rate curve, and no newer checkpoints of another run ahead.
 """
 

@@ -54,7 +54,7 @@ def run_job(job_id: str) -> str:
         node = getattr(run_job.request, "hostname", None) or "local"  # the Celery worker (rloo worker)
         # Where it runs is the operator's business (this log); the tenant's event names no host.
         log.info("job %s started on worker %s (process %s)", job_id, node, process_name())
-        crud.add_event(session=session, job=job, message="Job started")
+        lifecycle.add_event(session=session, job=job, message="Job started")
         session.commit()
 
     heartbeat = Heartbeat(job, settings.heartbeat_seconds)
@@ -133,7 +133,7 @@ def _finish(session: Any, job: Job, result: Any) -> None:
             held_by=process_name(),
         )
     else:
-        crud.add_event(
+        lifecycle.add_event(
             session=session, job=job, message=f"Training stopped at step {result.steps}: job {result.stopped}"
         )
         session.commit()
@@ -183,8 +183,6 @@ def _train(job: Job) -> Any:
     from worker.celery_app import wait_for_preload
 
     wait_for_preload()
-    from service import graders
-    from service.schemas import ResolvedHyperparameters
     from worker.config import TrainConfig, worker_extra
     from worker.train import train
 
@@ -201,14 +199,14 @@ def _train(job: Job) -> Any:
         if f is None:
             raise JobError("file_not_found", f"file {file_id} was deleted before the job started")
         paths[file_id] = settings.artifacts_dir / f.path
-    kind = job.method["type"]
+    grader, hyperparameters = _stored_spec(job, settings)
     output_dir = job_checkpoints_dir(settings.artifacts_dir, job.id)
     cfg = TrainConfig(
         model=job.model,
         training_file=paths[job.training_file],
         validation_file=paths[job.validation_file] if job.validation_file else None,
-        grader=graders.parse_grader(job.method[kind]["grader"], allow_python=settings.allow_python_grader),
-        hyperparameters=ResolvedHyperparameters.model_validate(job.hyperparameters),
+        grader=grader,
+        hyperparameters=hyperparameters,
         output_dir=output_dir,
         models_dir=settings.models_dir,
         seed=job.seed,
@@ -218,3 +216,21 @@ def _train(job: Job) -> Any:
         extra=worker_extra(settings),
     )
     return train(cfg, DatabaseRecorder(job))
+
+
+def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
+    """The job's grader and hyperparameters, parsed again in this process. A job created under other
+    settings (the operator turned python graders off since) fails with what to change."""
+    from pydantic import ValidationError
+
+    from service import graders
+    from service.schemas import ResolvedHyperparameters
+
+    kind = job.method["type"]
+    try:
+        grader = graders.parse_grader(job.method[kind]["grader"], allow_python=settings.allow_python_grader)
+        return grader, ResolvedHyperparameters.model_validate(job.hyperparameters)
+    except graders.GraderError as exc:
+        raise JobError("invalid_grader", f"{exc.param}: {exc.message}") from None
+    except ValidationError as exc:
+        raise JobError("invalid_hyperparameters", f"the job's hyperparameters no longer validate: {exc}") from None

@@ -25,8 +25,8 @@ Token conventions (shared by policy and reward model):
 * padding and truncation are on the left (batched generation needs left
   padding; left truncation keeps the end of a prompt or completion).
 
-Run ``python -m worker.tinymodels DIR`` to build ``DIR/policy`` and
-``DIR/reward`` (the reward model fitted to prefer texts containing a keyword).
+Run ``python -m worker.tinymodels DIR`` to build ``DIR/tiny-policy`` and ``DIR/tiny-reward`` (the
+reward model fitted to prefer texts containing a keyword), the models the examples name.
 """
 
 from __future__ import annotations

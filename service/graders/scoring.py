@@ -91,7 +91,7 @@ class Batch:
         scorer = self.scorers.get(type(grader))
         if scorer is None:
             raise TypeError(f"no scorer for {type(grader).__name__}: {grader!r}")
-        if not self.samples:
+        if not self.samples and not grader.children():  # a multi still reports each sub-grader
             return []
         scores = list(scorer(grader, self))
         if len(scores) != len(self.samples):

@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import ClassVar
 
 from service.graders.formula import Expr
+from service.graders.metrics import MODEL_METRICS
 
 NAN = float("nan")
 
@@ -136,6 +137,10 @@ class TextSimilarityGrader(Grader):
     input: str
     reference: str
     evaluation_metric: str
+
+    def __post_init__(self) -> None:
+        if (self.evaluation_metric in MODEL_METRICS) != self.needs_model:
+            raise TypeError(f"a {self.evaluation_metric} similarity is a CosineGrader (parse_grader picks the class)")
 
     def templates(self) -> tuple[str, ...]:
         return (self.input, self.reference)

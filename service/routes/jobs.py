@@ -121,8 +121,8 @@ def create_job(
             )
         session.add(job)
         session.flush()
-        crud.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
-        crud.add_event(
+        lifecycle.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
+        lifecycle.add_event(
             session=session,
             job=job,
             message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
@@ -143,7 +143,7 @@ def create_job(
                 session, project_seq=project.seq, route="jobs", key=key, digest=digest
             )
     if not queue.enqueue_job(job.id):
-        crud.add_event(
+        lifecycle.add_event(
             session=session,
             job=job,
             level="warn",
@@ -238,7 +238,7 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
             )
         raise APIError(409, f"Job {job_id} is {job.status}; only a paused job can be resumed.", code="invalid_state")
     if not queue.enqueue_job(job.id):
-        crud.add_event(
+        lifecycle.add_event(
             session=session,
             job=job,
             level="warn",

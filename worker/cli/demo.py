@@ -111,10 +111,10 @@ def run_demo(port: int = 8000, overrides: dict[str, Any] | None = None) -> int:
             console.print(f"[red]job creation failed: {r.json()['error']['message']}")
             return 1
         job = r.json()
-        hp = job["hyperparameters"]
+        hp, grader = job["hyperparameters"], body["method"][body["method"]["type"]]["grader"]
         console.print(
             f"job {job['id']}: RLOO, k={hp['rloo_k']}, {hp['batch_size']} prompts a step, "
-            f"{job['progress']['total_steps']} steps, grader '{body['method']['reinforcement']['grader']['name']}'"
+            f"{job['progress']['total_steps']} steps, grader '{grader['name']}'"
         )
 
         job, series = follow(http, job, console)
