@@ -316,9 +316,10 @@ def test_main_builds_policy_and_reward(
     assert set(report) == {"policy", "reward"}
     assert report["reward"]["keyword"] == "happy"
     assert "model.safetensors" in report["policy"]["files"]
-    assert (tmp_path / "reward" / tm.FIT_RECORD).is_file()
-    AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
-    AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward")
+    policy, reward = tm.layout(tmp_path)
+    assert (reward / tm.FIT_RECORD).is_file()
+    AutoModelForCausalLM.from_pretrained(policy)
+    AutoModelForSequenceClassification.from_pretrained(reward)
     assert tm.main([str(tmp_path)]) == 0  # second run: nothing rebuilt, no retraining
     assert "keyword" not in json.loads(capsys.readouterr().out)["reward"]
     assert tm.main([]) == 2
