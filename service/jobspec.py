@@ -34,7 +34,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, 
     for leaf, leaf_param in graders.model_leaves(grader, f"{prefix}.grader"):
         resolve_model(settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model")
     hp = body.method.config.hyperparameters.resolved()
-    if hp.eval_interval and not body.validation_file:
+    if hp.eval_interval not in ("auto", 0) and not body.validation_file:
         raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
     if hp.kl_coef > 0 and not hp.kl_in_reward and hp.kl_estimator == "k1":
         raise bad_request(

@@ -37,3 +37,17 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> JSON:
+    """A list page as OpenAI answers one: ``{object, data, first_id, last_id, has_more}`` (the ids
+    of the page's first and last items; null on an empty page)."""
+    return JSON(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )

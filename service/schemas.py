@@ -89,8 +89,12 @@ class Hyperparameters(Strict):
     keep_checkpoints: int | None = Field(
         None, ge=1, le=100_000, description="Keep only the newest N checkpoints (the final one always stays)."
     )
-    eval_interval: int = Field(0, ge=0, description="Steps between validation passes; 0 = none.")
-    eval_samples: int = Field(32, ge=1, le=100_000, description="Validation prompts scored per pass.")
+    eval_interval: int | Auto = Field(
+        "auto",
+        description="Steps between validation passes. auto: ten passes over the run when there is a "
+        "validation_file, none without one; 0 = none.",
+    )
+    eval_samples: int | Auto = Field("auto", description="Validation prompts scored per pass; auto = 32.")
 
     @field_validator("stop")
     @classmethod
@@ -113,6 +117,20 @@ class Hyperparameters(Strict):
             raise ValueError("must be between 1 and 1000")
         return v
 
+    @field_validator("eval_interval")
+    @classmethod
+    def _eval_interval(cls, v: int | str) -> int | str:
+        if v != "auto" and not (0 <= int(v) <= 10_000_000):
+            raise ValueError("must be 'auto', or a number of steps (0 for no validation passes)")
+        return v
+
+    @field_validator("eval_samples")
+    @classmethod
+    def _eval_samples(cls, v: int | str) -> int | str:
+        if v != "auto" and not (1 <= int(v) <= 100_000):
+            raise ValueError("must be 'auto' or between 1 and 100000")
+        return v
+
     @field_validator("learning_rate_multiplier")
     @classmethod
     def _lrm(cls, v: float | str) -> float | str:
@@ -123,9 +141,9 @@ class Hyperparameters(Strict):
     def resolved(self) -> ResolvedHyperparameters:
         """All values concrete (no "auto"): what a run reads, and what the job stores."""
         values = self.model_dump()
-        for name in ("batch_size", "n_epochs", "learning_rate_multiplier"):
+        for name in ("batch_size", "n_epochs", "learning_rate_multiplier", "eval_samples"):
             if values[name] == "auto":
-                values[name] = type(self).model_fields[name].default
+                values[name] = ResolvedHyperparameters.model_fields[name].default
         return ResolvedHyperparameters.model_validate(values)
 
 
@@ -135,10 +153,21 @@ class ResolvedHyperparameters(Hyperparameters):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
-    # Concrete types; the ranges are the validators' above, inherited.
+    # Concrete types; the ranges are the validators' above, inherited. eval_interval stays "auto"
+    # (as OpenAI shows it): what it means depends on the run (``eval_every``).
     batch_size: int = 8
     n_epochs: int = 1
     learning_rate_multiplier: float = 1.0
+    eval_samples: int = 32
+
+    def eval_every(self, total_steps: int, *, has_validation: bool) -> int:
+        """Steps between validation passes (0: none). ``auto``: ten passes over the run, the last at
+        its last step, when there is a validation file."""
+        if not has_validation:
+            return 0
+        if self.eval_interval == "auto":
+            return max(1, math.ceil(total_steps / 10))
+        return int(self.eval_interval)
 
     def total_steps(self, n_items: int) -> int:
         """``ceil(n_items * n_epochs / batch_size)``, capped by ``max_steps``."""

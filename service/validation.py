@@ -38,6 +38,14 @@ def message(err: Mapping[str, Any], model: type[BaseModel] | None = None) -> tup
             close = difflib.get_close_matches(str(fields[-1]), known_names(model, fields[:-1]), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
         return f"Unknown parameter '{param}'.{hint} Remove it, or check its spelling against the API reference.", param
+    if kind == "missing" and param is None and model is not None:  # no body at all
+        required = [name for name, field in model.model_fields.items() if field.is_required()]
+        if required:
+            listed = ", ".join(f"'{name}'" for name in required)
+            return (
+                f"Missing required parameter '{required[0]}': the request has no JSON body; send {listed}.",
+                required[0],
+            )
     if kind == "missing":
         return f"Missing required parameter '{param}'.", param
     msg = err.get("msg", "invalid value")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.api import LOCAL, make_key
+from tests.helpers.conformance import conforms
 from tests.helpers.data import ROOT
 from tests.helpers.databases import drop_postgres_database, fresh_postgres_database
 
@@ -171,6 +172,7 @@ def client(app):  # type: ignore[no-untyped-def]
     from fastapi.testclient import TestClient
 
     with TestClient(app, client=LOCAL) as c:
+        c.event_hooks["response"].append(conforms)
         yield c
 
 

@@ -147,8 +147,14 @@ def test_python_grader_dry_run_over_http(monkeypatch, client, auth, dry_runs) ->
     resp = client.post(url, headers=auth, json={"grader": grader, "model_sample": "abcd", "item": {"n": 0}})
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert body["reward"] is None and body["metadata"]["errors"] == {"p": 1}
+    # Unscored: OpenAI's 0 with the flag saying why (and its message), our count beside them.
+    errors = body["metadata"]["errors"]
+    assert (
+        body["reward"] == 0 and errors["python_grader_runtime_error"] and body["metadata"]["error_counts"] == {"p": 1}
+    )
+    assert errors["python_grader_runtime_error_details"] == "ZeroDivisionError: division by zero"
     assert body["metadata"]["error_messages"] == {"p": "ZeroDivisionError: division by zero"}
+    assert not any(v for k, v in errors.items() if k.endswith("_error") and k != "python_grader_runtime_error")
 
 
 def test_grader_body_unknown_key_is_400(client, auth) -> None:

@@ -173,7 +173,8 @@ def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, a
         resp = client.post(RUN, headers=auth, json={"grader": python_grader(source), "model_sample": "a"})
         assert resp.status_code == 200, resp.text
         body = resp.json()
-        assert body["reward"] is None and body["metadata"]["errors"] == {"py": 1}, (name, body)
+        assert body["reward"] == 0 and body["metadata"]["error_counts"] == {"py": 1}, (name, body)
+        assert body["metadata"]["errors"]["python_grader_runtime_error"], (name, body)
         said = body["metadata"]["error_messages"]["py"]
         assert ("may not import subprocess" if name == "rebind" else "No such file") in said, (name, said)
     assert client.get("/healthz").status_code == 200

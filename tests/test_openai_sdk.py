@@ -14,7 +14,13 @@ from tests.helpers.data import EXAMPLES
 def sdk(client, auth) -> openai.OpenAI:  # type: ignore[no-untyped-def]
     key = auth["Authorization"].removeprefix("Bearer ")
     # TestClient is an httpx.Client: the SDK's own request building and parsing, the app in-process.
-    return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=client, max_retries=0)
+    return openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key=key,
+        http_client=client,
+        max_retries=0,
+        _strict_response_validation=True,
+    )
 
 
 def test_sdk_files_and_jobs_round_trip(sdk: openai.OpenAI) -> None:
@@ -68,3 +74,21 @@ def test_sdk_with_a_bad_key_gets_authentication_error(client) -> None:  # type: 
     bad = openai.OpenAI(base_url="http://testserver/v1", api_key="rloo-nope", http_client=client, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.files.list()
+
+
+def test_sdk_validates_and_runs_graders_in_strict_mode(sdk: openai.OpenAI, dry_runs) -> None:  # type: ignore[no-untyped-def]
+    """graders.validate and graders.run parse in the SDK's strict mode, a score and an unscored
+    sample alike (OpenAI's 0 with the flag saying why)."""
+    grader = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.answer }}",
+        "operation": "eq",
+    }
+    assert sdk.fine_tuning.alpha.graders.validate(grader=grader).grader.type == "string_check"  # type: ignore[arg-type]
+    scored = sdk.fine_tuning.alpha.graders.run(grader=grader, model_sample="Paris", item={"answer": "Paris"})  # type: ignore[arg-type]
+    assert scored.reward == 1.0 and scored.metadata.errors.invalid_variable_error is False
+    assert scored.metadata.name == "exact" and scored.metadata.execution_time > 0
+    unscored = sdk.fine_tuning.alpha.graders.run(grader=grader, model_sample="Paris", item={})  # type: ignore[arg-type]
+    assert unscored.reward == 0.0 and unscored.metadata.errors.invalid_variable_error is True

@@ -59,6 +59,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     run = prepare(cfg, recorder)
     hp, counters = run.hp, run.counters
     k, batch_size = hp.rloo_k, hp.batch_size
+    eval_every = hp.eval_every(run.total_steps, has_validation=bool(run.valid_items))
     rows_per_micro = batch_size // hp.gradient_accumulation_steps
     micro = [slice(m * rows_per_micro * k, (m + 1) * rows_per_micro * k) for m in range(hp.gradient_accumulation_steps)]
     last_reward: float | None = None
@@ -122,7 +123,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         )
         _report_grader_errors(graded, step, counters, recorder)
         metrics.update(grader_metrics(graded))
-        if run.valid_items and hp.eval_interval and (step % hp.eval_interval == 0 or step == run.total_steps):
+        if eval_every and (step % eval_every == 0 or step == run.total_steps):
             with run.autocast:
                 metrics["valid_reward_mean"] = counters["valid_reward_mean"] = evaluate(run)
         if counters["first_reward"] is None:

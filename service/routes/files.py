@@ -16,7 +16,7 @@ from service.db import ends_session, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
-from service.responses import JSON
+from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 from service.storage import confined, staged_path
 
@@ -34,10 +34,8 @@ def file_object(f: File) -> dict[str, Any]:
         "filename": f.filename,
         "purpose": f.purpose,
         "status": f.status,
-        "status_details": None,
-        "expires_at": None,
         "line_count": f.line_count,
-    }
+    }  # no status_details or expires_at: OpenAI's are optional, and a file here never expires
 
 
 @router.post("", summary="Upload a JSONL prompt dataset")
@@ -123,15 +121,7 @@ def _sha256(path: Path) -> str:
 def list_files(session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None) -> JSON:
     scope = [File.project_seq == project.seq] + ([File.purpose == purpose] if purpose else [])
     rows, has_more = paging.apply(session, File, scope, "file")
-    return JSON(
-        {
-            "object": "list",
-            "data": [file_object(f) for f in rows],
-            "has_more": has_more,
-            "first_id": rows[0].id if rows else None,
-            "last_id": rows[-1].id if rows else None,
-        }
-    )
+    return page([file_object(f) for f in rows], has_more)
 
 
 def _get(session: SessionDep, project: ProjectDep, file_id: str) -> File:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from fastapi import APIRouter
@@ -11,6 +12,7 @@ from service import graders
 from service.datasets import MAX_DEPTH
 from service.deps import ProjectDep, SettingsDep
 from service.errors import APIError, bad_request
+from service.graders.report import run_answer
 from service.responses import JSON
 from service.routing import StrictJSONRoute
 from service.schemas import GraderRun, GraderValidate
@@ -42,7 +44,9 @@ async def run_grader(project: ProjectDep, settings: SettingsDep, body: GraderRun
         item.setdefault("reference_answer", body.reference_answer)
     _check_item(item, settings.max_line_bytes)
     payload = {"grader": graders.grader_to_dict(grader), "model_sample": body.model_sample, "item": item}
+    started = time.perf_counter()
     answer = await _run_on_worker(project.id, payload, settings)
+    execution_time = time.perf_counter() - started
     if "error" in answer:
         raise APIError(
             int(answer.get("status", 502)),
@@ -50,19 +54,8 @@ async def run_grader(project: ProjectDep, settings: SettingsDep, body: GraderRun
             param="grader",
             code=str(answer.get("code", "grader_failed")),
         )
-    reward = answer["reward"]
-    return JSON(
-        {
-            "reward": reward,
-            "sub_rewards": answer["sub_rewards"],
-            "metadata": {
-                "errors": answer["errors"],
-                "error_messages": answer["messages"],
-                "name": grader.name,
-                "type": grader.type,
-            },
-        }
-    )
+    sample = graders.Sample(output_text=body.model_sample)
+    return JSON(run_answer(grader, sample, answer, execution_time=execution_time))
 
 
 def _check_item(item: dict[str, Any], max_bytes: int) -> None:

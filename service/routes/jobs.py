@@ -18,7 +18,7 @@ from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.lifecycle import JobStatus
 from service.models import Checkpoint, File, Job, JobEvent
-from service.responses import JSON
+from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 from service.schemas import JobCreate
 from service.storage import confined
@@ -171,7 +171,7 @@ async def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep)
     rows, has_more = await run_db(
         session, paging.apply, session, Job, [Job.project_seq == project.seq], "fine-tuning job"
     )
-    return JSON({"object": "list", "data": [job_object(j, project) for j in rows], "has_more": has_more})
+    return page([job_object(j, project) for j in rows], has_more)
 
 
 def _job(session: SessionDep, project: Caller, job_id: str, param: str | None = None) -> Job:
@@ -267,7 +267,7 @@ async def list_events(session: SessionDep, project: ProjectDep, paging: PagingDe
         }
         for e in rows
     ]
-    return JSON({"object": "list", "data": data, "has_more": has_more})
+    return page(data, has_more)
 
 
 @router.get("/{job_id}/metrics", summary="The per-step metrics series, oldest first")
@@ -295,7 +295,7 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
 def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
     rows, has_more = paging.apply(session, Checkpoint, [Checkpoint.job_seq == job.seq], "checkpoint")
-    return JSON({"object": "list", "data": [checkpoint_object(c, job) for c in rows], "has_more": has_more})
+    return page([checkpoint_object(c, job) for c in rows], has_more)
 
 
 @router.get(
