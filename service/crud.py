@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, select
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -189,3 +189,7 @@ def get_checkpoint(*, session: Session, job: Job, checkpoint_id: str) -> Checkpo
 def remove_checkpoint(*, session: Session, job: Job, step: int) -> None:
     """Forget the checkpoint of ``step`` (its directory was pruned by ``keep_checkpoints``)."""
     session.execute(delete(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))
+
+
+def set_result_files(*, session: Session, job: Job, file_ids: list[str]) -> None:
+    session.execute(update(Job).where(Job.seq == job.seq).values(result_files=file_ids))

@@ -19,6 +19,13 @@ from service import strictjson
 from service.errors import APIError, bad_request
 from service.identity import writer_tag
 
+FORMATS = ("prompt", "chat", "preference")
+"""What a line can be: a ``prompt`` (``prompt``, or ``messages`` ending in a user turn) for
+reinforcement, a ``chat`` example (``messages`` with assistant turns to learn) for supervised, a
+``preference`` pair (``input``, ``preferred_output``, ``non_preferred_output``) for DPO."""
+
+METHOD_FORMAT = {"reinforcement": "prompt", "rloo": "prompt", "supervised": "chat", "dpo": "preference"}
+
 
 class UploadSummary:
     def __init__(self) -> None:
@@ -26,8 +33,10 @@ class UploadSummary:
         self.bytes = 0
         self.key_counts: dict[str, int] = {}
         self.first_missing: dict[str, int] = {}
+        self.formats: dict[str, int] = {}
+        self.first_not: dict[str, int] = {}
 
-    def add(self, lineno: int, keys: set[str]) -> None:
+    def add(self, lineno: int, keys: set[str], kind: str = "prompt") -> None:
         for key in keys:
             if key not in self.key_counts:
                 self.key_counts[key] = 0
@@ -37,9 +46,28 @@ class UploadSummary:
         for key in self.key_counts:
             if key not in keys:
                 self.first_missing.setdefault(key, lineno)
+        self.formats[kind] = self.formats.get(kind, 0) + 1
+        for other in FORMATS:
+            if other != kind:
+                self.first_not.setdefault(other, lineno)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"keys": self.key_counts, "first_missing": self.first_missing}
+        return {
+            "keys": self.key_counts,
+            "first_missing": self.first_missing,
+            "formats": self.formats,
+            "first_not": self.first_not,
+        }
+
+
+def first_line_not(keys_summary: dict[str, Any], method: str) -> tuple[int, str] | None:
+    """The first line of a stored file that is not of the format ``method`` trains on, and the
+    format it needs; None when every line fits. (Files stored before formats were recorded held
+    prompts only.)"""
+    wanted = METHOD_FORMAT[method]
+    first_not = keys_summary.get("first_not", {"chat": 1, "preference": 1})
+    line = first_not.get(wanted)
+    return (int(line), wanted) if line is not None else None
 
 
 def _invalid(message: str) -> APIError:
@@ -52,39 +80,104 @@ _ARRAY_HINT = (
     "between the lines."
 )
 _OBJECT_HINT = ' Each line must be one JSON object, such as {"prompt": "..."}.'
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def check_line(obj: Any, lineno: int) -> set[str]:
-    """Validate one parsed JSONL line; returns the keys graders may use as ``item.<key>``."""
+def _check_message(m: Any, lineno: int, where: str) -> None:
+    """One chat message of OpenAI's format: a role, text content (an assistant's may be null beside
+    ``tool_calls``), an assistant's optional ``weight`` of 0 or 1."""
+    if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
+        # OpenAI's multimodal shape [{"type": "text", "text": ...}]: the chat templates and the
+        # reward models of the worker take a string; joining the parts would guess a separator.
+        raise _invalid(
+            f"Line {lineno}: {where}.content is a list of content parts; only text content "
+            'given as one string is supported: write "content": "..." (join the text parts yourself).'
+        )
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise _invalid(f"Line {lineno}: {where} must be an object with string 'role' and 'content'.")
+    role = m["role"]
+    if role not in ROLES:
+        raise _invalid(f"Line {lineno}: {where}.role is '{role}'; a role is one of {', '.join(ROLES)}.")
+    content = m.get("content")
+    tool_calls = m.get("tool_calls")
+    if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+        raise _invalid(f"Line {lineno}: {where}.tool_calls must be a list, on an assistant message.")
+    if not isinstance(content, str) and not (role == "assistant" and tool_calls and content is None):
+        raise _invalid(f"Line {lineno}: {where} must be an object with string 'role' and 'content'.")
+    if "weight" in m and (role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool)):
+        raise _invalid(f"Line {lineno}: {where}.weight must be 0 or 1, on an assistant message.")
+
+
+def _check_messages(msgs: Any, lineno: int, where: str) -> None:
+    if not isinstance(msgs, list) or not msgs:
+        raise _invalid(f"Line {lineno}: '{where}' must be a non-empty list.")
+    for i, m in enumerate(msgs):
+        _check_message(m, lineno, f"{where}[{i}]")
+
+
+def _conversation_kind(msgs: list[dict[str, Any]], lineno: int) -> str:
+    """``prompt`` (the last turn is the user's: the model answers it) or ``chat`` (assistant turns
+    to learn, weight 1 on at least one)."""
+    last = msgs[-1]["role"]
+    if last == "user":
+        return "prompt"
+    if last == "assistant":
+        if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in msgs):
+            raise _invalid(f"Line {lineno}: every assistant message has weight 0; nothing is left to learn.")
+        return "chat"
+    raise _invalid(
+        f"Line {lineno}: the last message must be a user turn (a prompt, for reinforcement) or an assistant "
+        f"turn (an example, for supervised); got role '{last}'."
+    )
+
+
+def _check_preference(obj: dict[str, Any], lineno: int) -> None:
+    """OpenAI's DPO line: ``input.messages`` (ending in a user turn), and one preferred and one
+    non-preferred assistant output."""
+    missing = [k for k in ("input", "preferred_output", "non_preferred_output") if k not in obj]
+    if missing:
+        raise _invalid(
+            f"Line {lineno}: a preference line needs 'input', 'preferred_output' and 'non_preferred_output'; "
+            f"'{missing[0]}' is missing."
+        )
+    if not isinstance(obj["input"], dict) or "messages" not in obj["input"]:
+        raise _invalid(f"Line {lineno}: 'input' must be an object with 'messages'.")
+    _check_messages(obj["input"]["messages"], lineno, "input.messages")
+    if obj["input"]["messages"][-1]["role"] != "user":
+        raise _invalid(f"Line {lineno}: the last of input.messages must be a user turn (the outputs answer it).")
+    for key in ("preferred_output", "non_preferred_output"):
+        _check_messages(obj[key], lineno, key)
+        if any(m["role"] != "assistant" for m in obj[key]):
+            raise _invalid(f"Line {lineno}: {key} must hold assistant messages only.")
+
+
+def check_line(obj: Any, lineno: int) -> tuple[set[str], str]:
+    """Validate one parsed JSONL line; returns the keys graders may use as ``item.<key>`` and the
+    line's format (``FORMATS``)."""
     if not isinstance(obj, dict):
         kind = "null" if obj is None else _JSON_TYPES.get(type(obj), type(obj).__name__)
         hint = _ARRAY_HINT if lineno == 1 and isinstance(obj, list) else _OBJECT_HINT
         raise _invalid(f"Line {lineno} is a JSON {kind}, not an object.{hint}")
+    if any(k in obj for k in ("preferred_output", "non_preferred_output")) or (
+        "input" in obj and "messages" not in obj and "prompt" not in obj
+    ):
+        _check_preference(obj, lineno)
+        return set(), "preference"
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise _invalid(f"Line {lineno}: 'messages' must be a non-empty list.")
-        for i, m in enumerate(msgs):
-            if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
-                # OpenAI's multimodal shape [{"type": "text", "text": ...}]: the chat templates and the
-                # reward models of the worker take a string; joining the parts would guess a separator.
-                raise _invalid(
-                    f"Line {lineno}: messages[{i}].content is a list of content parts; only text content "
-                    'given as one string is supported: write "content": "..." (join the text parts yourself).'
-                )
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise _invalid(f"Line {lineno}: messages[{i}] must be an object with string 'role' and 'content'.")
-        if msgs[-1]["role"] != "user":
-            raise _invalid(
-                f"Line {lineno}: the last message must be a user turn (the model answers it); "
-                f"got role '{msgs[-1]['role']}'."
-            )
+        _check_messages(obj["messages"], lineno, "messages")
+        if "tools" in obj and not isinstance(obj["tools"], list):
+            raise _invalid(f"Line {lineno}: 'tools' must be a list of tool definitions.")
+        kind = _conversation_kind(obj["messages"], lineno)
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise _invalid(f"Line {lineno}: 'prompt' must be a non-empty string.")
+        kind = "prompt"
     else:
-        raise _invalid(f"Line {lineno} has neither 'messages' nor 'prompt'; each line needs one of them.")
-    return set(obj) - {"messages", "prompt"}
+        raise _invalid(
+            f"Line {lineno} has neither 'messages' nor 'prompt' (nor a preference pair's 'input'); each line "
+            "needs one of them."
+        )
+    return set(obj) - {"messages", "prompt"}, kind
 
 
 # What a line may be: UTF-8 JSON (service.strictjson's), an object, no deeper than MAX_DEPTH.
@@ -243,7 +336,7 @@ def store_jsonl(
                     continue
                 if blank_at is not None:
                     raise _invalid(f"Line {blank_at} is empty; remove blank lines.")
-                summary.add(summary.lines + 1, check_line(parse_line(raw, lineno), lineno))
+                summary.add(summary.lines + 1, *check_line(parse_line(raw, lineno), lineno))
                 summary.lines += 1
         if summary.lines == 0:
             raise _invalid("The file is empty: it needs at least one JSONL line.")

@@ -4,51 +4,125 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from service import graders
+from service import finetuned, graders
+from service.datasets import first_line_not
 from service.errors import bad_request
-from service.modelroot import resolve_model
-from service.schemas import JobCreate, ResolvedHyperparameters
+from service.modelroot import model_context, resolve_model
+from service.schemas import AnyResolved, Hyperparameters, JobCreate, ResolvedHyperparameters
 from service.settings import Settings
 
 
-def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader, ResolvedHyperparameters]:
-    """Everything checkable without the dataset: returns the parsed grader and resolved hyperparameters.
+def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader | None, AnyResolved]:
+    """Everything checkable without the dataset: returns the parsed grader (None for a method
+    without one) and the resolved hyperparameters.
 
     Raises a 400 ``APIError`` whose ``param`` names the offending field.
     """
-    kind = body.method.type
-    prefix = f"method.{kind}"
+    method = body.method_
+    prefix = f"method.{method.type}"
     if body.hyperparameters:
         raise bad_request(f"Put hyperparameters under {prefix}.hyperparameters.", "hyperparameters")
     if body.integrations:
         raise bad_request("Integrations are not supported by this server; remove them.", "integrations")
-    resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
-    try:
-        grader = graders.parse_grader(
-            body.method.config.grader, param=f"{prefix}.grader", allow_python=settings.allow_python_grader
+    if not finetuned.is_fine_tuned(body.model):  # a fine-tuned model's id is the route's to find
+        check_context(
+            body, resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
         )
-    except graders.GraderError as exc:
-        raise bad_request(exc.message, exc.param) from None
-    for leaf, leaf_param in graders.model_leaves(grader, f"{prefix}.grader"):
-        resolve_model(settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model")
-    hp = body.method.config.hyperparameters.resolved()
-    if hp.eval_interval not in ("auto", 0) and not body.validation_file:
-        raise bad_request("eval_interval needs a validation_file to score.", f"{prefix}.hyperparameters.eval_interval")
+    grader = None
+    if method.grader is not None:
+        try:
+            grader = graders.parse_grader(
+                method.grader, param=f"{prefix}.grader", allow_python=settings.allow_python_grader
+            )
+        except graders.GraderError as exc:
+            raise bad_request(exc.message, exc.param) from None
+        for leaf, leaf_param in graders.model_leaves(grader, f"{prefix}.grader"):
+            resolve_model(
+                settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model"
+            )
+    hp = method.config.hyperparameters.resolved()
+    hp_param = f"{prefix}.hyperparameters"
+    if hp.eval_interval != "auto" and not body.validation_file:
+        raise bad_request("eval_interval needs a validation_file to score.", f"{hp_param}.eval_interval")
+    if isinstance(hp, ResolvedHyperparameters):
+        _check_reinforcement(hp, hp_param)
+    if hp.batch_size % hp.gradient_accumulation_steps:
+        raise bad_request(
+            f"gradient_accumulation_steps ({hp.gradient_accumulation_steps}) must divide batch_size "
+            f"({hp.batch_size}): each micro-batch holds whole examples (whole groups of rloo_k completions).",
+            f"{hp_param}.gradient_accumulation_steps",
+        )
+    return grader, hp
+
+
+def check_context(body: JobCreate, model: Path | str) -> None:
+    """Refuse what cannot fit the model's context (``max_position_embeddings`` of its config):
+    ``max_new_tokens`` new tokens after at least one prompt token, or examples of ``max_length``."""
+    context = model_context(model)
+    if context is None:
+        return
+    method = body.method_
+    hp = method.config.hyperparameters
+    param = f"method.{method.type}.hyperparameters"
+    if isinstance(hp, Hyperparameters) and hp.max_new_tokens >= context:
+        raise bad_request(
+            f"max_new_tokens ({hp.max_new_tokens}) plus the prompt exceeds the model's context of {context} tokens "
+            f"(max_position_embeddings); give at most {context - 1} new tokens (prompts are cut to the "
+            "context left, keeping their ends).",
+            f"{param}.max_new_tokens",
+        )
+    length = getattr(hp, "max_length", None)
+    if length is not None and length > context:
+        raise bad_request(
+            f"max_length ({length}) exceeds the model's context of {context} tokens (max_position_embeddings); "
+            f"give at most {context}.",
+            f"{param}.max_length",
+        )
+
+
+def _check_reinforcement(hp: ResolvedHyperparameters, hp_param: str) -> None:
     if hp.kl_coef > 0 and not hp.kl_in_reward and hp.kl_estimator == "k1":
         raise bad_request(
             "kl_in_reward false makes the KL a loss term, and k1's gradient there is zero in expectation (it "
             "would add noise, not a pull to the reference). Set kl_estimator to 'k3', or keep kl_in_reward true.",
-            f"{prefix}.hyperparameters.kl_estimator",
+            f"{hp_param}.kl_estimator",
         )
-    if hp.batch_size % hp.gradient_accumulation_steps:
+
+
+def notes(hp: AnyResolved) -> list[str]:
+    """What a job's creation tells in its events about settings accepted for OpenAI's sake."""
+    out = []
+    if isinstance(hp, ResolvedHyperparameters) and hp.reasoning_effort != "default":
+        out.append(
+            f"reasoning_effort '{hp.reasoning_effort}' is accepted for OpenAI compatibility and has no effect: "
+            "the models trained here have no reasoning mode (max_new_tokens bounds a completion)"
+        )
+    if isinstance(hp, ResolvedHyperparameters) and hp.compute_multiplier != 1.0:
+        out.append(f"compute_multiplier {hp.compute_multiplier:g}: rloo_k is {hp.rloo_k} completions per prompt")
+    return out
+
+
+FORMAT_NEEDS = {
+    "prompt": "a reinforcement job's lines are prompts: 'prompt', or 'messages' ending in a user turn",
+    "chat": "a supervised job's lines are conversations with assistant turns to learn ('messages' ending "
+    "in an assistant turn)",
+    "preference": "a DPO job's lines are preference pairs: 'input', 'preferred_output' and 'non_preferred_output'",
+}
+
+
+def check_format(method: str, keys_summary: Mapping[str, Any], *, source: str, param: str) -> None:
+    """Refuse a file with a line the method cannot train on (``source`` names the file)."""
+    found = first_line_not(dict(keys_summary), method)
+    if found is not None:
+        line, wanted = found
         raise bad_request(
-            f"gradient_accumulation_steps ({hp.gradient_accumulation_steps}) must divide batch_size "
-            f"({hp.batch_size}): each micro-batch holds whole groups of rloo_k completions.",
-            f"{prefix}.hyperparameters.gradient_accumulation_steps",
+            f"Line {line} of {source} is not what this method trains on: {FORMAT_NEEDS[wanted]}.",
+            param,
+            "invalid_file_format",
         )
-    return grader, hp
 
 
 def check_item_keys(grader: graders.Grader, keys_summary: Mapping[str, Any], *, source: str, param: str) -> None:

@@ -94,7 +94,14 @@ class Job(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int] = mapped_column(Integer)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    fine_tuned_model: Mapped[str | None] = mapped_column(String(1024))
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(1024), index=True)
+    # The base model directory the job's weights descend from: its ``model``, or, for a job that
+    # starts from a fine-tuned model, that model's base (null on rows older than fine-tuned models).
+    base_model: Mapped[str | None] = mapped_column(String(512))
+    # The ids of the results files written at the job's end (OpenAI's ``result_files``).
+    result_files: Mapped[list[Any] | None] = mapped_column(JSON)
+    # DELETE /v1/models/{fine_tuned_model}: the model is gone from /v1/models and cannot start jobs.
+    model_deleted_at: Mapped[int | None] = mapped_column(BigInteger)
     worker: Mapped[str | None] = mapped_column(String(256))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # Times its worker died while running it (killed, out of memory, host gone); RLOO_MAX_JOB_CRASHES fails it.
@@ -145,7 +152,7 @@ class Checkpoint(Base):
     step_number: Mapped[int] = mapped_column(Integer)
     # Relative to the artifacts root.
     path: Mapped[str] = mapped_column(String(1024))
-    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(1024))
+    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(1024), index=True)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 

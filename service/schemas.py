@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -45,38 +45,28 @@ class LoraSpec(Strict):
         return v
 
 
-class Hyperparameters(Strict):
-    """The RLOO hyperparameters of docs/algorithm.md. ``"auto"`` (OpenAI's spelling) means the default."""
+class TrainingHyperparameters(Strict):
+    """What every method (supervised, DPO, reinforcement) takes: OpenAI's three, and the engine's
+    optimisation, precision, LoRA, checkpoint and validation settings (docs/algorithm.md).
+    ``"auto"`` (OpenAI's spelling) means the method's default (``AUTO``)."""
 
-    rloo_k: int = Field(4, ge=2, le=256, description="Completions sampled per prompt (group size k).")
-    batch_size: int | Auto = Field(8, description="Prompts per step; a step trains on batch_size * rloo_k completions.")
+    AUTO: ClassVar[dict[str, Any]] = {
+        "batch_size": 8,
+        "n_epochs": 1,
+        "learning_rate_multiplier": 1.0,
+        "eval_samples": 32,
+    }
+    """What ``"auto"`` resolves to, per field."""
+
+    batch_size: int | Auto = Field(8, description="Examples (prompts, conversations, pairs) per step.")
     learning_rate: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate.")
     learning_rate_multiplier: float | Auto = Field(1.0, description="Scales learning_rate (OpenAI's name).")
     n_epochs: int | Auto = Field(1, description="Passes over the training file.")
     max_steps: int | None = Field(None, ge=1, le=10_000_000, description="Caps the number of steps.")
-    max_new_tokens: int = Field(64, ge=1, le=32768, description="Longest completion, in tokens.")
-    max_prompt_length: int = Field(512, ge=1, le=131072, description="Longer prompts keep their last tokens.")
-    temperature: float = Field(1.0, gt=0, le=10.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling.")
-    kl_coef: float = Field(0.05, ge=0, le=100.0, description="KL penalty to the frozen reference; 0 loads none.")
-    kl_estimator: Literal["k1", "k3"] = Field("k1", description="k1: log-ratio; k3: exp(-d) - 1 + d.")
-    kl_in_reward: bool = Field(True, description="Fold the KL into the reward (paper, TRL); false = a loss term.")
-    ppo_epochs: int = Field(1, ge=1, le=64, description="Optimisation passes over one batch of rollouts.")
-    clip_epsilon: float = Field(0.2, gt=0, lt=1.0, description="Ratio clip range (1 - eps, 1 + eps).")
-    clip_epsilon_high: float | None = Field(None, gt=0, le=10.0, description="Upper clip; default clip_epsilon.")
-    loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean"] = Field("sequence_sum")
-    normalize_advantages: bool = Field(False, description="Whiten advantages over the batch.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
-    reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-reward_clip, reward_clip].")
-    mask_truncated_completions: bool = Field(
-        False, description="Completions cut at max_new_tokens give no gradient (they still count in baselines)."
-    )
-    stop: list[str] | None = Field(
-        None, description="Up to 4 strings that end a completion (kept in its tokens, cut from the graded text)."
-    )
     gradient_accumulation_steps: int = Field(
-        1, ge=1, le=4096, description="Micro-batches per update; must divide batch_size (a group stays whole)."
+        1, ge=1, le=4096, description="Micro-batches per update; must divide batch_size."
     )
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule.")
     warmup_ratio: float = Field(0.0, ge=0, lt=1.0, description="Fraction of the steps with a linear warmup.")
@@ -91,17 +81,10 @@ class Hyperparameters(Strict):
     )
     eval_interval: int | Auto = Field(
         "auto",
-        description="Steps between validation passes. auto: ten passes over the run when there is a "
-        "validation_file, none without one; 0 = none.",
+        description="Steps between validation passes (at least 1, as OpenAI's). auto: ten passes over the run; "
+        "there are none without a validation_file.",
     )
-    eval_samples: int | Auto = Field("auto", description="Validation prompts scored per pass; auto = 32.")
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and not (1 <= len(v) <= 4 and all(1 <= len(x) <= 256 for x in v)):
-            raise ValueError("give 1 to 4 stop strings of 1 to 256 characters each")
-        return v
+    eval_samples: int | Auto = Field("auto", description="Validation examples scored per pass; auto = 32.")
 
     @field_validator("batch_size")
     @classmethod
@@ -120,8 +103,8 @@ class Hyperparameters(Strict):
     @field_validator("eval_interval")
     @classmethod
     def _eval_interval(cls, v: int | str) -> int | str:
-        if v != "auto" and not (0 <= int(v) <= 10_000_000):
-            raise ValueError("must be 'auto', or a number of steps (0 for no validation passes)")
+        if v != "auto" and not (1 <= int(v) <= 10_000_000):
+            raise ValueError("must be 'auto', or a number of steps of at least 1 (no validation_file: no passes)")
         return v
 
     @field_validator("eval_samples")
@@ -138,18 +121,112 @@ class Hyperparameters(Strict):
             raise ValueError("must be greater than 0 and at most 1000")
         return v
 
-    def resolved(self) -> ResolvedHyperparameters:
-        """All values concrete (no "auto"): what a run reads, and what the job stores."""
+    def _concrete(self) -> dict[str, Any]:
+        """Every value, "auto" replaced by the method's default."""
         values = self.model_dump()
-        for name in ("batch_size", "n_epochs", "learning_rate_multiplier", "eval_samples"):
-            if values[name] == "auto":
-                values[name] = ResolvedHyperparameters.model_fields[name].default
+        for name, default in self.AUTO.items():
+            if values.get(name) == "auto":
+                values[name] = default
+        return values
+
+
+class Hyperparameters(TrainingHyperparameters):
+    """The reinforcement (RLOO) hyperparameters of docs/algorithm.md."""
+
+    rloo_k: int = Field(4, ge=2, le=256, description="Completions sampled per prompt (group size k).")
+    compute_multiplier: float | Auto = Field(
+        "auto",
+        description="OpenAI's 'compute used for exploring': scales rloo_k (rounded, between 2 and 256); auto = 1.",
+    )
+    reasoning_effort: Literal["default", "low", "medium", "high"] = Field(
+        "default", description="Accepted for OpenAI compatibility; no effect on these models (an event says so)."
+    )
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Longest completion, in tokens.")
+    max_prompt_length: int = Field(512, ge=1, le=131072, description="Longer prompts keep their last tokens.")
+    temperature: float = Field(1.0, gt=0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Nucleus sampling.")
+    kl_coef: float = Field(0.05, ge=0, le=100.0, description="KL penalty to the frozen reference; 0 loads none.")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="k1: log-ratio; k3: exp(-d) - 1 + d.")
+    kl_in_reward: bool = Field(True, description="Fold the KL into the reward (paper, TRL); false = a loss term.")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="Optimisation passes over one batch of rollouts.")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1.0, description="Ratio clip range (1 - eps, 1 + eps).")
+    clip_epsilon_high: float | None = Field(None, gt=0, le=10.0, description="Upper clip; default clip_epsilon.")
+    loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean"] = Field("sequence_sum")
+    normalize_advantages: bool = Field(False, description="Whiten advantages over the batch.")
+    reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-reward_clip, reward_clip].")
+    mask_truncated_completions: bool = Field(
+        False, description="Completions cut at max_new_tokens give no gradient (they still count in baselines)."
+    )
+    stop: list[str] | None = Field(
+        None, description="Up to 4 strings that end a completion (kept in its tokens, cut from the graded text)."
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not (1 <= len(v) <= 4 and all(1 <= len(x) <= 256 for x in v)):
+            raise ValueError("give 1 to 4 stop strings of 1 to 256 characters each")
+        return v
+
+    @field_validator("compute_multiplier")
+    @classmethod
+    def _compute(cls, v: float | str) -> float | str:
+        if v != "auto" and not (0.00001 < float(v) <= 10):
+            raise ValueError("must be 'auto' or greater than 0.00001 and at most 10")
+        return v
+
+    def resolved(self) -> ResolvedHyperparameters:
+        """All values concrete (no "auto"), ``rloo_k`` scaled by ``compute_multiplier``: what a run
+        reads, and what the job stores."""
+        values = self._concrete()
+        if values["compute_multiplier"] == "auto":
+            values["compute_multiplier"] = 1.0
+        values["rloo_k"] = min(256, max(2, round(values["rloo_k"] * values["compute_multiplier"])))
         return ResolvedHyperparameters.model_validate(values)
 
 
-class ResolvedHyperparameters(Hyperparameters):
-    """The hyperparameters of a run, as the worker reads them (``hp.learning_rate``): the fields and
-    ranges the API validated, every value concrete, frozen. ``model_dump()`` is what a job stores."""
+class SupervisedHyperparameters(TrainingHyperparameters):
+    """Supervised fine-tuning on chat examples (docs/algorithm.md): the loss is on assistant tokens."""
+
+    AUTO: ClassVar[dict[str, Any]] = {**TrainingHyperparameters.AUTO, "n_epochs": 3}
+
+    n_epochs: int | Auto = Field("auto", description="Passes over the training file; auto = 3.")
+    max_length: int | None = Field(
+        None, ge=8, le=131072, description="Longer examples keep their first tokens; default: the model's context."
+    )
+    packing: bool = Field(
+        False, description="Pack short examples into rows of max_length (each still attends only to itself)."
+    )
+
+    def resolved(self) -> ResolvedSupervisedHyperparameters:
+        return ResolvedSupervisedHyperparameters.model_validate(self._concrete())
+
+
+class DpoHyperparameters(TrainingHyperparameters):
+    """Direct preference optimisation on preference pairs (docs/algorithm.md)."""
+
+    AUTO: ClassVar[dict[str, Any]] = {**TrainingHyperparameters.AUTO, "n_epochs": 3, "beta": 0.1}
+
+    n_epochs: int | Auto = Field("auto", description="Passes over the training file; auto = 3.")
+    beta: float | Auto = Field("auto", description="Strength of the pull to the reference (0 < beta <= 2); auto = 0.1.")
+    max_length: int | None = Field(
+        None, ge=8, le=131072, description="Longest prompt plus output, in tokens; default: the model's context."
+    )
+
+    @field_validator("beta")
+    @classmethod
+    def _beta(cls, v: float | str) -> float | str:
+        if v != "auto" and not (0 < float(v) <= 2):
+            raise ValueError("must be 'auto', or greater than 0 and at most 2")
+        return v
+
+    def resolved(self) -> ResolvedDpoHyperparameters:
+        return ResolvedDpoHyperparameters.model_validate(self._concrete())
+
+
+class _Resolved(TrainingHyperparameters):
+    """A run's hyperparameters as the worker reads them (``hp.learning_rate``): the fields and ranges
+    the API validated, every value concrete, frozen. ``model_dump()`` is what a job stores."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
@@ -175,30 +252,103 @@ class ResolvedHyperparameters(Hyperparameters):
         return min(steps, self.max_steps) if self.max_steps else steps
 
 
+class ResolvedHyperparameters(_Resolved, Hyperparameters):
+    """A reinforcement run's hyperparameters, concrete (``rloo_k`` already scaled)."""
+
+    compute_multiplier: float = 1.0
+
+
+class ResolvedSupervisedHyperparameters(_Resolved, SupervisedHyperparameters):
+    """A supervised run's hyperparameters, concrete."""
+
+    n_epochs: int = 3
+
+
+class ResolvedDpoHyperparameters(_Resolved, DpoHyperparameters):
+    """A DPO run's hyperparameters, concrete."""
+
+    n_epochs: int = 3
+    beta: float = 0.1
+
+
+AnyResolved = ResolvedHyperparameters | ResolvedSupervisedHyperparameters | ResolvedDpoHyperparameters
+
+
 class RLConfig(Strict):
     grader: dict[str, Any] = Field(description="The reward spec: a grader (see docs/api.md).")
     hyperparameters: Hyperparameters = Hyperparameters()
 
 
+class SupervisedConfig(Strict):
+    hyperparameters: SupervisedHyperparameters = SupervisedHyperparameters()
+
+
+class DpoConfig(Strict):
+    hyperparameters: DpoHyperparameters = DpoHyperparameters()
+
+
+MethodType = Literal["supervised", "dpo", "reinforcement", "rloo"]
+METHOD_TYPES: tuple[str, ...] = ("supervised", "dpo", "reinforcement", "rloo")
+HYPERPARAMETERS: dict[str, type[TrainingHyperparameters]] = {
+    "supervised": SupervisedHyperparameters,
+    "dpo": DpoHyperparameters,
+    "reinforcement": Hyperparameters,
+    "rloo": Hyperparameters,
+}
+"""Each method's hyperparameters (``rloo`` is our name for ``reinforcement``)."""
+RESOLVED: dict[str, type[_Resolved]] = {
+    "supervised": ResolvedSupervisedHyperparameters,
+    "dpo": ResolvedDpoHyperparameters,
+    "reinforcement": ResolvedHyperparameters,
+    "rloo": ResolvedHyperparameters,
+}
+
+
 class Method(Strict):
-    type: Literal["reinforcement", "rloo"]
+    """OpenAI's ``method``: its ``type``, and that method's settings under the key of the same name
+    (optional for ``supervised`` and ``dpo``, which have defaults for everything)."""
+
+    type: MethodType
+    supervised: SupervisedConfig | None = None
+    dpo: DpoConfig | None = None
     reinforcement: RLConfig | None = None
     rloo: RLConfig | None = None
 
     @model_validator(mode="after")
     def _one_config(self) -> Method:
-        if getattr(self, self.type) is None:
+        if self.type in ("reinforcement", "rloo") and getattr(self, self.type) is None:
             raise ValueError(f"method.type is '{self.type}', so method.{self.type} must hold the grader")
-        other = "rloo" if self.type == "reinforcement" else "reinforcement"
-        if getattr(self, other) is not None:
-            raise ValueError(f"method.type is '{self.type}'; remove method.{other}")
+        for other in METHOD_TYPES:
+            if other != self.type and getattr(self, other) is not None:
+                raise ValueError(f"method.type is '{self.type}'; remove method.{other}")
         return self
 
     @property
-    def config(self) -> RLConfig:
-        cfg = self.reinforcement if self.type == "reinforcement" else self.rloo
-        assert cfg is not None  # _one_config made sure
-        return cfg
+    def family(self) -> str:
+        """``supervised``, ``dpo`` or ``reinforcement`` (which ``rloo`` is)."""
+        return method_family(self.type)
+
+    @property
+    def config(self) -> SupervisedConfig | DpoConfig | RLConfig:
+        cfg = getattr(self, self.type)
+        if cfg is None:  # supervised or dpo without settings: every default
+            cfg = SupervisedConfig() if self.type == "supervised" else DpoConfig()
+        return cfg  # type: ignore[no-any-return]
+
+    @property
+    def grader(self) -> dict[str, Any] | None:
+        cfg = self.config
+        return cfg.grader if isinstance(cfg, RLConfig) else None
+
+
+def method_family(method_type: str) -> str:
+    """``supervised``, ``dpo`` or ``reinforcement`` (``rloo`` is our name for it)."""
+    return "reinforcement" if method_type == "rloo" else method_type
+
+
+def reinforcement_only(name: str) -> bool:
+    """A hyperparameter only reinforcement takes (``rloo_k``): named as such when another method gets it."""
+    return name in Hyperparameters.model_fields and name not in TrainingHyperparameters.model_fields
 
 
 class JobCreate(Strict):
@@ -208,10 +358,27 @@ class JobCreate(Strict):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, max_length=64)
     metadata: dict[str, str] | None = None
-    method: Method
-    # Accepted for OpenAI compatibility and refused with a clear message when used.
+    method: Method | None = Field(None, description="How to train; none at all means supervised (OpenAI's default).")
+    # OpenAI's deprecated spelling of a supervised job's hyperparameters (method.supervised.hyperparameters).
     hyperparameters: dict[str, Any] | None = None
     integrations: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_method(cls, data: Any) -> Any:
+        """No ``method``: a supervised job, as at OpenAI, whose hyperparameters may come in the
+        deprecated top-level ``hyperparameters``."""
+        if isinstance(data, dict) and data.get("method") is None:
+            hp = data.get("hyperparameters")
+            data = {k: v for k, v in data.items() if k != "hyperparameters"}
+            data["method"] = {"type": "supervised", "supervised": {"hyperparameters": hp or {}}}
+        return data
+
+    @property
+    def method_(self) -> Method:
+        """The method (always set once validated)."""
+        assert self.method is not None  # _default_method made sure
+        return self.method
 
     @field_validator("model", "training_file", "validation_file", "suffix")
     @classmethod

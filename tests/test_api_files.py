@@ -105,9 +105,29 @@ BAD_UPLOADS = {
     "line_is_a_list": (b'{"prompt": "a"}\n["prompt", "b"]\n', "Line 2"),
     "line_is_a_string": (b'"just a string"\n', "Line 1"),
     "no_messages_or_prompt": (b'{"prompt": "a"}\n{"prompt": "b"}\n{"question": "c"}\n', "Line 3"),
-    "last_turn_not_user": (
-        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
+    "last_turn_neither_user_nor_assistant": (
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}]}\n',
         "Line 1",
+    ),
+    "unknown_role": (b'{"messages": [{"role": "robot", "content": "hi"}]}\n', "role"),
+    "weight_not_0_or_1": (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 2}]}\n',
+        "weight",
+    ),
+    "only_weight_0": (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}\n',
+        "nothing is left to learn",
+    ),
+    "preference_without_rejected": (
+        b'{"input": {"messages": [{"role": "user", "content": "q"}]}, '
+        b'"preferred_output": [{"role": "assistant", "content": "a"}]}\n',
+        "non_preferred_output",
+    ),
+    "preference_output_not_assistant": (
+        b'{"input": {"messages": [{"role": "user", "content": "q"}]}, '
+        b'"preferred_output": [{"role": "user", "content": "a"}], '
+        b'"non_preferred_output": [{"role": "assistant", "content": "b"}]}\n',
+        "assistant messages only",
     ),
     "empty_messages": (b'{"messages": []}\n', "Line 1"),
     "message_without_content": (b'{"messages": [{"role": "user"}]}\n', "Line 1"),

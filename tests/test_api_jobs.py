@@ -53,6 +53,8 @@ JOB_FIELDS = {
 
 RLOO_DEFAULTS = {
     "rloo_k": 4,
+    "compute_multiplier": 1.0,
+    "reasoning_effort": "default",
     "batch_size": 8,
     "learning_rate": 1e-5,
     "learning_rate_multiplier": 1.0,

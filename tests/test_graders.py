@@ -769,3 +769,49 @@ def test_empty_batch_calls_no_model() -> None:
     result = grade_batch(parse_grader(reward_model("rm")), [], [], scorers={RewardModelGrader: scorer})
     assert result.rewards == []
     assert scorer.calls == []
+
+
+# --------------------------------------------------------------------------------------------------
+# what /graders/run answers (OpenAI's RunGraderResponse)
+# --------------------------------------------------------------------------------------------------
+
+
+def _dry_run(spec: dict[str, Any], output: str, item: dict[str, Any]) -> dict[str, Any]:
+    """A dry run's answer as the worker gives it, turned into the API's."""
+    from service.graders.report import run_answer
+
+    grader = parse_grader(spec, allow_python=True)
+    result = grade_batch(grader, [Sample(output)], [item])
+
+    def finite(v: float) -> float | None:
+        return None if math.isnan(v) else v
+
+    scores = {
+        "reward": finite(result.rewards[0]),
+        "sub_rewards": {k: finite(v[0]) for k, v in result.sub_rewards.items()},
+        "errors": result.errors,
+        "messages": result.messages,
+    }
+    return run_answer(grader, Sample(output), scores, execution_time=0.01)
+
+
+def _flags(answer: dict[str, Any]) -> set[str]:
+    return {k for k, v in answer["metadata"]["errors"].items() if k.endswith("_error") and v is True}
+
+
+def test_a_scored_sample_raises_no_flag() -> None:
+    answer = _dry_run(string_check("c", "eq"), "Paris", {"answer": "Paris"})
+    assert answer["reward"] == 1.0 and _flags(answer) == set()
+    assert answer["metadata"]["scores"] == {"c": 1.0} and answer["model_grader_token_usage_per_model"] == {}
+
+
+def test_unscored_samples_are_0_with_the_flag_that_says_why() -> None:
+    missing = _dry_run(string_check("c", "eq"), "Paris", {})
+    assert missing["reward"] == 0.0 and _flags(missing) == {"invalid_variable_error"}
+    assert missing["metadata"]["error_counts"] == {"c": 1}
+    not_json = _dry_run(string_check("c", "eq", inp="{{ sample.output_json.city }}"), "Paris", {"answer": "Paris"})
+    assert _flags(not_json) == {"sample_parse_error"}
+    divided = _dry_run(
+        multi("a / b", {"a": string_check("a", "eq"), "b": string_check("b", "ne")}), "x", {"answer": "x"}
+    )
+    assert divided["sub_rewards"] == {"a": 1.0, "b": 0.0} and _flags(divided) == {"other_error"}

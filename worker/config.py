@@ -7,21 +7,23 @@ from pathlib import Path
 from typing import Any
 
 from service.graders import Grader
-from service.schemas import ResolvedHyperparameters
+from service.schemas import AnyResolved
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A resolved RLOO run. Hyperparameter names and defaults are in docs/algorithm.md (and
+    """A resolved run of any method. Hyperparameter names and defaults are in docs/algorithm.md (and
     service.schemas, which validates them)."""
 
     model: str
     """Model directory (or hub id) to start from."""
     training_file: Path
-    """JSONL prompts; every key besides ``messages``/``prompt`` is ``item.<key>`` to the grader."""
-    grader: Grader
-    """The reward spec, parsed (``service.graders.parse_grader``) once by whoever built this config."""
-    hyperparameters: ResolvedHyperparameters
+    """JSONL lines of the method's format: prompts (every key besides ``messages``/``prompt`` is
+    ``item.<key>`` to the grader), conversations (supervised) or preference pairs (DPO)."""
+    grader: Grader | None
+    """The reward spec, parsed (``service.graders.parse_grader``) once by whoever built this config;
+    None for supervised and DPO."""
+    hyperparameters: AnyResolved
     """Typed and frozen: ``cfg.hyperparameters.learning_rate``."""
     output_dir: Path
     """Where checkpoints go: ``output_dir/step-N``."""
@@ -39,6 +41,11 @@ class TrainConfig:
     """A checkpoint directory with a training state: continue the run after its step."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The operator's settings a run needs (``worker_extra``)."""
+    method: str = "reinforcement"
+    """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
+    init_from: Path | None = None
+    """A checkpoint directory of a fine-tuned model to start from instead of ``model``'s weights
+    (a LoRA adapter is merged into its base first)."""
 
 
 def worker_extra(settings: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from service import graders, jobspec, strictjson, validation
 from service.datasets import store_jsonl
 from service.errors import APIError
-from service.schemas import JobCreate, ResolvedHyperparameters
+from service.schemas import AnyResolved, JobCreate
 from service.settings import get_settings
 from worker.records import JobError, Recorder, StdoutRecorder
 
@@ -33,9 +33,18 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
         raise SpecError(f"cannot read {spec_path}: {exc}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{spec_path} must hold a JSON object (the job-creation body)")
-    method = raw.get("method") or {}
+    method = raw.get("method")
+    if method is None:  # a supervised job, as at OpenAI
+        method = raw["method"] = {
+            "type": "supervised",
+            "supervised": {"hyperparameters": raw.pop("hyperparameters", {})},
+        }
     kind = method.get("type", "reinforcement")
-    method.setdefault(kind, {}).setdefault("hyperparameters", {}).update(overrides)
+    if overrides:
+        if method.get(kind) is None:
+            method[kind] = {}
+        if isinstance(method[kind], dict):
+            method[kind].setdefault("hyperparameters", {}).update(overrides)
     try:
         body = JobCreate.model_validate(raw)
     except ValidationError as exc:
@@ -46,7 +55,7 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
 
 def _validate(
     body: JobCreate, base: Path, out: Path, settings: Any
-) -> tuple[graders.Grader, ResolvedHyperparameters, dict[str, Path]]:
+) -> tuple[graders.Grader | None, AnyResolved, dict[str, Path]]:
     """The API's job-creation checks, on the spec's local files; their errors become SpecError."""
     try:
         grader, hp = jobspec.check_spec(body, settings=settings)
@@ -67,9 +76,11 @@ def _validate(
                     )
             except OSError as exc:
                 raise SpecError(f"{which}: cannot read {path}: {exc.strerror}") from None
-            jobspec.check_item_keys(
-                grader, summary.as_dict(), source=str(path), param=f"method.{body.method.type}.grader"
-            )
+            jobspec.check_format(body.method_.family, summary.as_dict(), source=str(path), param=which)
+            if grader is not None:
+                jobspec.check_item_keys(
+                    grader, summary.as_dict(), source=str(path), param=f"method.{body.method_.type}.grader"
+                )
             files[which] = path
     except APIError as exc:
         hint = f" (models root: {settings.models_dir}; set RLOO_MODELS_DIR)" if exc.code == "model_not_found" else ""
@@ -112,6 +123,7 @@ def run_spec(
         device=device,
         resume_from=resume_from,
         extra=worker_extra(settings),
+        method=body.method_.family,
     )
     rec = recorder or StdoutRecorder()
     t0 = time.perf_counter()
@@ -123,9 +135,14 @@ def run_spec(
         "status": "succeeded" if result.stopped is None else result.stopped,
         "steps": result.steps,
         "resumed_from": result.resumed_from,
-        "first_reward": result.first_reward,
-        "last_reward": result.last_reward,
+        f"first_{_short(result.headline)}": result.first,
+        f"last_{_short(result.headline)}": result.last,
         "trained_tokens": result.trained_tokens,
         "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
         "wall_s": round(time.perf_counter() - t0, 3),
     }
+
+
+def _short(headline: str) -> str:
+    """``first_reward``/``last_reward`` for RLOO, ``first_loss``/``last_loss`` for the others."""
+    return "reward" if headline == "train_reward_mean" else "loss"

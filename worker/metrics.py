@@ -105,10 +105,32 @@ def grader_metrics(graded: GradeResult) -> dict[str, float | int]:
     return metrics
 
 
+OPENAI_CHECKPOINT_KEYS = (
+    "train_loss",
+    "train_mean_token_accuracy",
+    "valid_loss",
+    "valid_mean_token_accuracy",
+    "full_valid_loss",
+    "full_valid_mean_token_accuracy",
+)
+"""OpenAI's checkpoint metrics: each checkpoint carries all of them, null where its method has none."""
+OUR_CHECKPOINT_KEYS = ("train_reward_mean", "kl", "loss", "entropy", "reward_margin", "reward_accuracy")
+VALID_KEYS = (
+    "valid_reward_mean",
+    "valid_loss",
+    "valid_mean_token_accuracy",
+    "full_valid_loss",
+    "full_valid_mean_token_accuracy",
+)
+
+
 def checkpoint_metrics(metrics: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
-    """The few metrics a checkpoint carries (the job's ``checkpoints`` list shows them)."""
-    keys = ("step", "train_reward_mean", "kl", "loss", "entropy")
-    out = {key: metrics[key] for key in keys if key in metrics}
-    if counters.get("valid_reward_mean") is not None:
-        out["valid_reward_mean"] = counters["valid_reward_mean"]
+    """What a checkpoint carries (the job's ``checkpoints`` list shows it): OpenAI's keys, then ours
+    that the step has; validation figures are the newest pass's. RLOO's ``train_loss`` is its loss."""
+    out: dict[str, Any] = dict.fromkeys(OPENAI_CHECKPOINT_KEYS)
+    out["step"] = metrics["step"]
+    out["train_loss"] = metrics.get("train_loss", metrics.get("loss"))
+    out["train_mean_token_accuracy"] = metrics.get("train_mean_token_accuracy")
+    out.update({key: metrics[key] for key in OUR_CHECKPOINT_KEYS if key in metrics})
+    out.update({key: counters[key] for key in VALID_KEYS if counters.get(key) is not None})
     return out

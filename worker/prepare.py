@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from service import graders
+from service.schemas import ResolvedHyperparameters
 from worker.backends import make_backend
 from worker.checkpoints import read_training_state
 from worker.config import TrainConfig
@@ -43,7 +45,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     items = load_items(cfg.training_file)
     valid_items = load_items(cfg.validation_file) if cfg.validation_file else []
     reward_models = None
-    if graders.is_model_grader(cfg.grader):
+    if cfg.grader is not None and graders.is_model_grader(cfg.grader):
         embedding_model = cfg.extra.get("embedding_model") or EMBEDDING_PACKAGE
         reward_models = RewardModels(models_dir=cfg.models_dir, device=device, embedding_model=embedding_model)
     total_steps = hp.total_steps(len(items))
@@ -61,7 +63,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         fused=device.type in ("cpu", "cuda"),  # one pass over all parameters, not a Python loop of ops each
     )
     scheduler = make_scheduler(optimizer, hp.lr_scheduler, hp.warmup_ratio, total_steps)
-    backend = _backend(cfg, model, tokenizer, device)
+    backend = _backend(cfg, model, tokenizer, device) if cfg.method == "reinforcement" else None
     run = Run(
         cfg=cfg,
         device=device,
@@ -87,12 +89,30 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         restore(run, *resumed)
         recorder.event(f"Resumed from the checkpoint at step {run.start}; continuing at step {run.start + 1}")
     else:
-        what = f"LoRA r={hp.lora.r}" if hp.lora else "full fine-tuning"
-        recorder.event(
-            f"Training started: {total_steps} steps, {hp.batch_size} prompts x {hp.rloo_k} completions a step, "
-            f"{what}, on {device.type}, rollouts by {backend.name}"
-        )
+        recorder.event(f"Training started: {total_steps} steps, {_what_a_step(run)}, on {device.type}")
     return run
+
+
+def _what_a_step(run: Run) -> str:
+    hp = run.hp
+    how = f"LoRA r={hp.lora.r}" if hp.lora else "full fine-tuning"
+    if run.backend is not None:
+        return f"{hp.batch_size} prompts x {run.rl.rloo_k} completions a step, {how}, rollouts by {run.backend.name}"
+    unit = "preference pairs" if run.cfg.method == "dpo" else "examples"
+    return f"{hp.batch_size} {unit} a step, {how}"
+
+
+def max_length(run: Run) -> int:
+    """The longest example a supervised or DPO run trains on: ``max_length``, or the model's context."""
+    given = getattr(run.hp, "max_length", None)
+    return int(given or getattr(run.model.config, "max_position_embeddings", None) or 1024)
+
+
+def needs_reference(cfg: TrainConfig) -> bool:
+    """DPO always compares with the reference; RLOO when it has a KL penalty; supervised never."""
+    if cfg.method == "dpo":
+        return True
+    return cfg.method == "reinforcement" and getattr(cfg.hyperparameters, "kl_coef", 0) > 0
 
 
 def _models(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Reference | None]:
@@ -100,28 +120,49 @@ def _models(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Reference
     without a KL penalty); a resumed run's weights loaded."""
     hp = cfg.hyperparameters
     base_path = model_path(cfg.model, cfg.models_dir)
-    tokenizer = load_tokenizer(base_path, name=cfg.model)
+    tokenizer = load_tokenizer(cfg.init_from or base_path, name=cfg.model)
     base = load_causal_lm(base_path, device, name=cfg.model)
+    if cfg.init_from is not None:
+        base = start_from(base, cfg.init_from, device)
     without_dropout(base)
     if hp.gradient_checkpointing:
         enable_gradient_checkpointing(base)
+    reference_needed = needs_reference(cfg)
     if hp.lora:
         model = add_lora(base, hp.lora, resume_from=cfg.resume_from)
-        return tokenizer, model, Reference(model, lora=True) if hp.kl_coef > 0 else None
+        return tokenizer, model, Reference(model, lora=True) if reference_needed else None
     # The reference is the starting weights: copied before a resumed run loads its own.
-    reference = Reference(base, lora=False) if hp.kl_coef > 0 else None
+    reference = Reference(base, lora=False) if reference_needed else None
     if cfg.resume_from is not None:
         load_full_weights(base, cfg.resume_from, device)
     return tokenizer, base, reference
 
 
+def start_from(base: Any, checkpoint: Path, device: torch.device) -> Any:
+    """``base`` with a fine-tuned checkpoint's weights: a full model's loaded into it, a LoRA
+    adapter merged into it (a new job trains on the merged weights)."""
+    if (checkpoint / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        try:
+            return PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+        except (OSError, ValueError) as exc:
+            raise JobError("model_load_failed", f"could not apply the fine-tuned adapter: {exc}") from None
+    load_full_weights(base, checkpoint, device, code="model_load_failed")
+    return base
+
+
 def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> RolloutBackend:
     hp = cfg.hyperparameters
+    assert isinstance(hp, ResolvedHyperparameters)
+    context = getattr(model.config, "max_position_embeddings", None)
+    # A prompt keeps its last tokens: as many as max_prompt_length, and no more than the context leaves.
+    prompt_room = min(hp.max_prompt_length, context - hp.max_new_tokens) if context else hp.max_prompt_length
     sampling = Sampling(
         max_new_tokens=hp.max_new_tokens,
         temperature=hp.temperature,
         top_p=hp.top_p,
-        max_prompt_length=hp.max_prompt_length,
+        max_prompt_length=max(prompt_room, 1),
         stop=tuple(hp.stop or ()),
     )
     try:

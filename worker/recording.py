@@ -9,12 +9,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from service import crud, lifecycle
+from service import crud, finetuned, lifecycle
 from service.db import retrying, session_scope
 from service.identity import process_name
 from service.models import Job
 from service.settings import get_settings
-from worker.records import json_safe
+from worker.records import json_safe, step_message
 
 log = logging.getLogger("rloo.worker")
 
@@ -37,6 +37,7 @@ class DatabaseRecorder:
         settings = get_settings()
         self.artifacts = settings.artifacts_dir
         self.retry_seconds = settings.db_retry_seconds
+        self.model_id: str | None = None
 
     def _write(self, what: str, fn: Any) -> Any:
         return write(fn, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
@@ -59,7 +60,7 @@ class DatabaseRecorder:
                 job=self.job,
                 type="metrics",
                 data=clean,
-                message=f"Step {step}/{metrics['total_steps']}: reward {metrics['train_reward_mean']:.4f}",
+                message=step_message(metrics),
             )
             return lifecycle.record_progress(
                 session=session,
@@ -72,15 +73,25 @@ class DatabaseRecorder:
         status = self._write(f"step {step}", record)
         return None if status == lifecycle.JobStatus.RUNNING else status
 
+    def _model_id(self, session: Any) -> str:
+        """The job's fine-tuned model id (``service.finetuned``), read once."""
+        if self.model_id is None:
+            job = self.job
+            project = finetuned.project_name(session=session, project_seq=job.project_seq)
+            base = job.base_model or job.model
+            self.model_id = finetuned.model_id(base=base, project=project, suffix=job.suffix, job_id=job.id)
+        return self.model_id
+
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         rel = str(path.resolve().relative_to(self.artifacts))
-        name = f"{self.job.model}:{self.job.suffix or 'ft'}:{self.job.id}:step-{step}"
 
         def saved(session: Any) -> None:
+            model = self._model_id(session)
+            name = finetuned.checkpoint_id(model, step)
             crud.add_checkpoint(
                 session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
             )
-            lifecycle.checkpoint_saved(session=session, job=self.job, final_name=name if final else None)
+            lifecycle.checkpoint_saved(session=session, job=self.job, final_name=model if final else None)
             lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             session.commit()
 

@@ -45,6 +45,7 @@ def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, fi
         "total_steps": run.total_steps,
         "seed": cfg.seed,
         "model": cfg.model,
+        "method": cfg.method,
         "adapter": "lora" if hp.lora else None,
         "data_position": {"epoch": epoch, "offset": offset, "n_items": len(run.items)},
         "hyperparameters": hp.model_dump(),
@@ -66,6 +67,9 @@ def restore(run: Run, state: dict[str, Any], info: dict[str, Any]) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.device)
     run.counters.update(info["counters"])
+    if "first_reward" in run.counters:  # written before every method had a headline metric
+        first = run.counters.pop("first_reward")
+        run.counters["first"] = first if run.counters.get("first") is None else run.counters["first"]
     run.start = int(info["step"])
 
 
@@ -112,13 +116,13 @@ def check_resumable(cfg: TrainConfig, info: dict[str, Any], total_steps: int) ->
         )
 
 
-def load_full_weights(model: Any, path: Path, device: torch.device) -> None:
+def load_full_weights(model: Any, path: Path, device: torch.device, *, code: str = "resume_failed") -> None:
     """A full checkpoint's weights into ``model`` (loaded from the base, so tied weights stay tied)."""
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise JobError("resume_failed", f"{path} holds no model weights")
+        raise JobError(code, f"{path} holds no model weights")
     state: dict[str, Tensor] = {}
     for f in files:
         state.update(load_file(f, device=str(device)))
@@ -127,7 +131,7 @@ def load_full_weights(model: Any, path: Path, device: torch.device) -> None:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     missing = [m for m in missing if not (tied and m.endswith("lm_head.weight"))]
     if missing or unexpected:
-        raise JobError("resume_failed", f"{path} does not match the model: missing {missing}, unexpected {unexpected}")
+        raise JobError(code, f"{path} does not match the model: missing {missing}, unexpected {unexpected}")
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

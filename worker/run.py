@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from service import graders
-from service.schemas import ResolvedHyperparameters
+from service.schemas import AnyResolved, ResolvedHyperparameters
 from worker.config import TrainConfig
 from worker.modeling import Reference
 from worker.rewards import RewardModels
@@ -34,16 +34,29 @@ class Run:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    backend: RolloutBackend
+    backend: RolloutBackend | None = None
+    """Who samples completions (reinforcement only)."""
     start: int = 0
-    counters: dict[str, Any] = field(
-        default_factory=lambda: {"trained_tokens": 0, "first_reward": None, "valid_reward_mean": None}
-    )
+    counters: dict[str, Any] = field(default_factory=lambda: {"trained_tokens": 0, "first": None})
 
     @property
-    def hp(self) -> ResolvedHyperparameters:
+    def hp(self) -> AnyResolved:
         return self.cfg.hyperparameters
 
     @property
-    def grader(self) -> graders.Grader:
+    def rl(self) -> ResolvedHyperparameters:
+        """The hyperparameters of a reinforcement run."""
+        assert isinstance(self.cfg.hyperparameters, ResolvedHyperparameters)
+        return self.cfg.hyperparameters
+
+    @property
+    def sampler(self) -> RolloutBackend:
+        """The rollout backend of a reinforcement run."""
+        assert self.backend is not None
+        return self.backend
+
+    @property
+    def scorer(self) -> graders.Grader:
+        """The grader of a reinforcement run."""
+        assert self.cfg.grader is not None
         return self.cfg.grader

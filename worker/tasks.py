@@ -16,6 +16,7 @@ from service.identity import died_here, process_name
 from service.lifecycle import JobStatus
 from service.models import Job
 from service.queue import RUN_GRADER_TASK, RUN_JOB_TASK
+from service.schemas import method_family
 from service.settings import get_settings
 from worker.celery_app import app
 from worker.checkpoints import job_checkpoints_dir, latest_resumable
@@ -123,6 +124,10 @@ def _finish(session: Any, job: Job, result: Any) -> None:
         log.warning("job %s: another worker holds it now; stopped at step %s, saving nothing", job.id, result.steps)
         return
     if result.stopped is None:
+        from service.results import write_results
+
+        result_file = write_results(session=session, job=job, artifacts_dir=get_settings().artifacts_dir)
+        crud.set_result_files(session=session, job=job, file_ids=[result_file])
         lifecycle.move(
             session=session,
             job=job,
@@ -201,8 +206,9 @@ def _train(job: Job) -> Any:
         paths[file_id] = settings.artifacts_dir / f.path
     grader, hyperparameters = _stored_spec(job, settings)
     output_dir = job_checkpoints_dir(settings.artifacts_dir, job.id)
+    base, init_from = _starting_point(job, settings)
     cfg = TrainConfig(
-        model=job.model,
+        model=base,
         training_file=paths[job.training_file],
         validation_file=paths[job.validation_file] if job.validation_file else None,
         grader=grader,
@@ -214,8 +220,24 @@ def _train(job: Job) -> Any:
         # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
         resume_from=latest_resumable(output_dir),
         extra=worker_extra(settings),
+        method=method_family(job.method["type"]),
+        init_from=init_from,
     )
     return train(cfg, DatabaseRecorder(job))
+
+
+def _starting_point(job: Job, settings: Any) -> tuple[str, Any]:
+    """The base model directory and, for a job that starts from a fine-tuned model or checkpoint of
+    its project, that checkpoint's directory."""
+    from service import finetuned
+
+    if not finetuned.is_fine_tuned(job.model):
+        return job.model, None
+    with session_scope() as session:
+        source = finetuned.find(session=session, project_seq=job.project_seq, name=job.model)
+    if source is None:
+        raise JobError("model_load_failed", f"the fine-tuned model '{job.model}' was deleted before the job started")
+    return source.base_model, settings.artifacts_dir / source.path
 
 
 def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
@@ -224,12 +246,13 @@ def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
     from pydantic import ValidationError
 
     from service import graders
-    from service.schemas import ResolvedHyperparameters
+    from service.schemas import RESOLVED
 
     kind = job.method["type"]
     try:
-        grader = graders.parse_grader(job.method[kind]["grader"], allow_python=settings.allow_python_grader)
-        return grader, ResolvedHyperparameters.model_validate(job.hyperparameters)
+        spec = job.method[kind].get("grader")
+        grader = graders.parse_grader(spec, allow_python=settings.allow_python_grader) if spec is not None else None
+        return grader, RESOLVED[kind].model_validate(job.hyperparameters)
     except graders.GraderError as exc:
         raise JobError("invalid_grader", f"{exc.param}: {exc.message}") from None
     except ValidationError as exc:

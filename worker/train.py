@@ -24,8 +24,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,38 +33,37 @@ from service import graders
 from worker import rloo
 from worker.config import TrainConfig
 from worker.data import batch_indices, prompt_text
+from worker.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
 from worker.metrics import Timings, UpdateStats, grader_metrics, step_metrics
 from worker.prepare import prepare
 from worker.records import JobError, Recorder
-from worker.resume import preserved_rng, save
+from worker.resume import preserved_rng
 from worker.rewards import score_batch
 from worker.rollout import Rollout, completion_logprobs
 from worker.run import Run
 
 
-@dataclass
-class TrainResult:
-    steps: int
-    stopped: str | None
-    final_checkpoint: Path | None
-    first_reward: float | None
-    last_reward: float | None
-    trained_tokens: int
-    resumed_from: int | None = None
-
-
 def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
+    """Run ``cfg`` to its end (or a pause, a cancel): the loop of its method."""
+    if cfg.method == "supervised":
+        from worker.supervised import train_supervised
+
+        return train_supervised(cfg, recorder)
+    if cfg.method == "dpo":
+        from worker.dpo import train_dpo
+
+        return train_dpo(cfg, recorder)
+    return train_rloo(cfg, recorder)
+
+
+def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     run = prepare(cfg, recorder)
-    hp, counters = run.hp, run.counters
+    hp, counters = run.rl, run.counters
+    backend = run.sampler
     k, batch_size = hp.rloo_k, hp.batch_size
-    eval_every = hp.eval_every(run.total_steps, has_validation=bool(run.valid_items))
     rows_per_micro = batch_size // hp.gradient_accumulation_steps
     micro = [slice(m * rows_per_micro * k, (m + 1) * rows_per_micro * k) for m in range(hp.gradient_accumulation_steps)]
-    last_reward: float | None = None
-    stopped: str | None = None
-    final_ckpt: Path | None = None
-    step = run.start
-    metrics: dict[str, Any] = {}
+    stop = Stop(run.start, {})
     for step in range(run.start + 1, run.total_steps + 1):
         t_step = time.perf_counter()
 
@@ -75,7 +72,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         batch = [run.items[i] for i in indices]
         prompts = [prompt_text(item, run.tokenizer) for item in batch]
         with run.autocast:
-            ro = run.backend.generate(prompts, k=k, generator_seed=cfg.seed * 1_000_003 + step)
+            ro = backend.generate(prompts, k=k, generator_seed=cfg.seed * 1_000_003 + step)
         mask = ro.completion_mask.to(torch.float32)
         t_generate = time.perf_counter() - t_step
 
@@ -107,7 +104,7 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         update = rloo_update(run, ro, mask, rewards, finite, ref_logp, micro)
         t_update = time.perf_counter() - t0
 
-        # 6. Record -----------------------------------------------------------------------------
+        # 6. Record, evaluate, checkpoint -------------------------------------------------------------
         counters["trained_tokens"] += int(mask.sum().item()) + int(ro.prompt_mask.sum().item())
         timings = Timings(t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step)
         metrics = step_metrics(
@@ -123,47 +120,23 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         )
         _report_grader_errors(graded, step, counters, recorder)
         metrics.update(grader_metrics(graded))
-        if eval_every and (step % eval_every == 0 or step == run.total_steps):
+        if is_eval_step(run, step):
             with run.autocast:
                 metrics["valid_reward_mean"] = counters["valid_reward_mean"] = evaluate(run)
-        if counters["first_reward"] is None:
-            counters["first_reward"] = metrics["train_reward_mean"]
-        last_reward = metrics["train_reward_mean"]
-        stopped = recorder.step(step, metrics)
-        if stopped == "paused" and step == run.total_steps:
-            stopped = None  # nothing is left to pause: finish
-
-        # 7. Checkpoint: at the interval, and where a pause or cancel stops the run ------------------
-        if stopped in ("paused", "cancelled"):
-            final_ckpt = save(run, step, metrics, recorder, final=False)
+        if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
-        if stopped is not None:  # "lost": the job is another worker's now; write nothing more
-            break
-        if hp.checkpoint_interval and step % hp.checkpoint_interval == 0 and step < run.total_steps:
-            save(run, step, metrics, recorder, final=False)
+    return finish(run, stop, recorder, headline=HEADLINE)
 
-    if stopped is None:
-        if step > run.start:
-            final_ckpt = save(run, step, metrics, recorder, final=True)
-        else:
-            recorder.event(f"Nothing to do: the run already reached its last step ({run.total_steps})")
-    return TrainResult(
-        step,
-        stopped,
-        final_ckpt,
-        counters["first_reward"],
-        last_reward,
-        counters["trained_tokens"],
-        run.start or None,
-    )
+
+HEADLINE = "train_reward_mean"
 
 
 def _score(run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]], ro: Rollout) -> graders.GradeResult:
     """The grader's scores of the step's completions (each prompt and item repeated k times)."""
-    k = run.hp.rloo_k
+    k = run.rl.rloo_k
     try:
         return score_batch(
-            run.grader,
+            run.scorer,
             prompts=[p for p in prompts for _ in range(k)],
             texts=ro.texts,
             items=[item for item in batch for _ in range(k)],
@@ -183,7 +156,7 @@ def rloo_update(
     micro: list[slice],
 ) -> UpdateStats:
     """Advantages, then ``ppo_epochs`` passes of micro-batched loss, backward and optimizer step."""
-    hp, model, device = run.hp, run.model, run.device
+    hp, model, device = run.rl, run.model, run.device
     k, batch_size, temperature = hp.rloo_k, hp.batch_size, hp.temperature
     rows_per_micro = batch_size // len(micro)
     loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
@@ -255,7 +228,7 @@ def rloo_update(
         grad_norm = torch.nn.utils.clip_grad_norm_(run.params, hp.max_grad_norm)
         if has_loss:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
             run.optimizer.step()
-    run.backend.sync()  # the next rollouts come from the updated weights
+    run.sampler.sync()  # the next rollouts come from the updated weights
     learning_rate = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
     return UpdateStats(advantages, kl_seq, loss_sum, clip_sum, entropy_sum, grad_norm, learning_rate)
@@ -285,9 +258,9 @@ def evaluate(run: Run) -> float:
     rewards: list[float] = []
     with preserved_rng(run.device):
         for i in range(0, len(batch), 64):
-            ro = run.backend.generate(prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919 + i)
+            ro = run.sampler.generate(prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919 + i)
             graded = score_batch(
-                run.grader,
+                run.scorer,
                 prompts=prompts[i : i + 64],
                 texts=ro.texts,
                 items=batch[i : i + 64],

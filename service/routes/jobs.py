@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, graders, idempotency, jobspec, lifecycle, queue
+from service import crud, finetuned, graders, idempotency, jobspec, lifecycle, queue
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -48,7 +48,7 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
         "suffix": job.suffix,
         "metadata": job.metadata_,
         "organization_id": project.id,
-        "result_files": [],
+        "result_files": job.result_files or [],
         "trained_tokens": job.trained_tokens,
         "fine_tuned_model": job.fine_tuned_model,
         "finished_at": job.finished_at,
@@ -84,26 +84,34 @@ def create_job(
     ):
         return replayed
     grader, hp = jobspec.check_spec(body, settings=settings)
+    base_model = _base_model(session, project, settings, body)
+    method = body.method_
+    kind = method.type
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
-    kind = body.method.type
-    for f, which in ((training, "training file"), (validation, "validation file")):
-        if f is not None:
-            jobspec.check_item_keys(
-                grader, f.keys_summary or {}, source=f"the {which} ({f.id})", param=f"method.{kind}.grader"
-            )
+    for f, which in ((training, "training_file"), (validation, "validation_file")):
+        if f is None:
+            continue
+        source = f"the {which.replace('_', ' ')} ({f.id})"
+        jobspec.check_format(method.family, f.keys_summary or {}, source=source, param=which)
+        if grader is not None:
+            jobspec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{kind}.grader")
     total_steps = hp.total_steps(training.line_count)
     stored_hp = hp.model_dump()
-    method = {"type": kind, kind: {"grader": graders.grader_to_dict(grader), "hyperparameters": stored_hp}}
+    config: dict[str, Any] = {"hyperparameters": stored_hp}
+    if grader is not None:
+        config = {"grader": graders.grader_to_dict(grader), **config}
+    method_object = {"type": kind, kind: config}
     job = Job(
         project_seq=project.seq,
         model=body.model,
+        base_model=base_model,
         training_file=training.id,
         validation_file=validation.id if validation else None,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
         suffix=body.suffix,
         metadata_=body.metadata,
-        method=method,
+        method=method_object,
         hyperparameters=stored_hp,
         status=JobStatus.QUEUED.value,
         total_steps=total_steps,
@@ -125,8 +133,10 @@ def create_job(
         lifecycle.add_event(
             session=session,
             job=job,
-            message=f"Validated training file: {training.id} ({training.line_count} prompts, {total_steps} steps)",
+            message=f"Validated training file: {training.id} ({training.line_count} lines, {total_steps} steps)",
         )
+        for note in jobspec.notes(hp):
+            lifecycle.add_event(session=session, job=job, message=note)
         if key is not None:  # the answer, in the same transaction as the job
             idempotency.remember(
                 session,
@@ -151,6 +161,23 @@ def create_job(
         )
         session.commit()
     return JSON(job_object(job, project))
+
+
+def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, body: JobCreate) -> str:
+    """The base model directory of a new job: its ``model``, or the base of the fine-tuned model or
+    checkpoint of this project it names (another project's: 404, as at OpenAI)."""
+    if not finetuned.is_fine_tuned(body.model):
+        return body.model
+    source = finetuned.find(session=session, project_seq=project.seq, name=body.model)
+    if source is None:
+        raise APIError(
+            404,
+            f"The model '{body.model}' does not exist in this project (GET /v1/models lists yours).",
+            param="model",
+            code="model_not_found",
+        )
+    jobspec.check_context(body, settings.models_dir / source.base_model)
+    return source.base_model
 
 
 def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
