@@ -32,6 +32,9 @@ def message(err: Mapping[str, Any], model: type[BaseModel] | None = None) -> tup
     loc = tuple(err.get("loc", ()))
     param = param_of(loc)
     if kind == "extra_forbidden":
+        other = _other_methods_field(loc)
+        if other:
+            return other, param
         hint = ""
         if model is not None and loc:
             fields = [p for p in loc if p not in _NOT_FIELDS]
@@ -50,6 +53,34 @@ def message(err: Mapping[str, Any], model: type[BaseModel] | None = None) -> tup
         return f"Missing required parameter '{param}'.", param
     msg = err.get("msg", "invalid value")
     return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request: {msg}."), param
+
+
+def _other_methods_field(loc: tuple[Any, ...]) -> str | None:
+    """A supervised or DPO job given a field only another method takes (``rloo_k``, ``beta``,
+    ``grader``): say whose it is."""
+    from service.schemas import HYPERPARAMETERS
+
+    fields = [str(p) for p in loc if p not in _NOT_FIELDS]
+    if len(fields) < 3 or fields[0] != "method" or fields[1] not in ("supervised", "dpo"):
+        return None
+    method, name = fields[1], fields[-1]
+    if fields[2] == "grader" and len(fields) == 3:
+        return (
+            f"A {method} job has no grader: it learns from the training file's "
+            f"{'assistant turns' if method == 'supervised' else 'preferred outputs'}. Remove method.{method}.grader, "
+            "or set method.type to 'reinforcement'."
+        )
+    if fields[2] != "hyperparameters" or len(fields) != 4:
+        return None
+    owners = [
+        m for m in ("reinforcement", "supervised", "dpo") if m != method and name in HYPERPARAMETERS[m].model_fields
+    ]
+    if not owners:
+        return None
+    return (
+        f"'{name}' is a hyperparameter of {' and '.join(owners)} jobs; a {method} job does not take it. Remove "
+        f"method.{method}.hyperparameters.{name}, or set method.type to '{owners[0]}'."
+    )
 
 
 def known_names(model: type[BaseModel], path: list[Any]) -> list[str]:

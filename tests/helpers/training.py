@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from service.graders import parse_grader
-from service.schemas import Hyperparameters
+from service.schemas import HYPERPARAMETERS, Hyperparameters
 from tests.helpers.data import EXAMPLES
 from worker.config import TrainConfig
 
@@ -63,6 +63,27 @@ def config(
         models_dir=models_dir,
         seed=0,
         device="cpu",
+        **(cfg or {}),
+    )
+
+
+def method_config(
+    tmp_path: Path, models_dir: Path, method: str, *, cfg: dict[str, Any] | None = None, **hp: Any
+) -> TrainConfig:
+    """The supervised or DPO example job (examples/<method>/job.json) on the tiny policy, ``hp``
+    over its hyperparameters and ``cfg`` over the TrainConfig's other fields."""
+    spec = json.loads((EXAMPLES / method / "job.json").read_text())
+    given = spec["method"][method]["hyperparameters"]
+    return TrainConfig(
+        model="tiny-policy",
+        training_file=EXAMPLES / method / "train.jsonl",
+        grader=None,
+        hyperparameters=HYPERPARAMETERS[method](**{**given, **hp}).resolved(),
+        output_dir=tmp_path / "out",
+        models_dir=models_dir,
+        seed=0,
+        device="cpu",
+        method=method,
         **(cfg or {}),
     )
 
