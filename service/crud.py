@@ -89,9 +89,10 @@ def list_api_keys(*, session: Session, project: Project | None = None) -> Sequen
 
 # Paging ------------------------------------------------------------------------------------------
 def page(
-    *, session: Session, model: Any, scope: Sequence[Any], after_id: str | None, limit: int
+    *, session: Session, model: Any, scope: Sequence[Any], after_id: str | None, limit: int, ascending: bool = False
 ) -> tuple[list[Any], bool] | None:
-    """Rows of ``model`` matching ``scope``, newest first, after the row with id ``after_id``.
+    """Rows of ``model`` matching ``scope``, newest first (oldest first if ``ascending``), after the
+    row with id ``after_id``.
 
     ``after_id`` is looked up within the same scope, so another project's id is as unknown as one
     that never existed. Returns (rows, has_more), or None when ``after_id`` is unknown.
@@ -101,8 +102,9 @@ def page(
         after_seq = session.scalar(select(model.seq).where(model.id == after_id, *scope))
         if after_seq is None:
             return None
-        stmt = stmt.where(model.seq < after_seq)
-    rows = list(session.scalars(stmt.order_by(model.seq.desc()).limit(limit + 1)).all())
+        stmt = stmt.where(model.seq > after_seq if ascending else model.seq < after_seq)
+    order = model.seq.asc() if ascending else model.seq.desc()
+    rows = list(session.scalars(stmt.order_by(order).limit(limit + 1)).all())
     return rows[:limit], len(rows) > limit
 
 

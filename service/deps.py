@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from service import crud
 from service.db import get_session
-from service.errors import APIError, bad_request, not_found
+from service.errors import APIError, bad_request
 from service.settings import Settings, get_settings
 
 SessionDep = Annotated[Session, Depends(get_session)]
@@ -63,21 +63,47 @@ ProjectDep = Annotated[crud.Caller, Depends(current_project)]
 
 
 class Paging:
+    """``?after=<id>&limit=N`` of a list, newest first (``order=asc`` where a list takes it): at
+    most ``MAXIMUM`` a page (OpenAI's maximums). An ``after`` id the list does not hold gives an
+    empty page, as OpenAI answers."""
+
+    DEFAULT = 20
+    MAXIMUM = 100
+
     def __init__(
         self,
         after: Annotated[str | None, Query(max_length=64, description="Id of the last item seen.")] = None,
-        limit: Annotated[int, Query(description="Items a page, 1 to 100.")] = 20,
+        limit: Annotated[int | None, Query(description="Items a page (default 20, at most 100; files 10000).")] = None,
     ) -> None:
-        if not 1 <= limit <= 100:
-            raise bad_request("limit must be between 1 and 100.", "limit")
-        self.after, self.limit = after, limit
+        limit = self.DEFAULT if limit is None else limit
+        if not 1 <= limit <= self.MAXIMUM:
+            raise bad_request(f"limit must be between 1 and {self.MAXIMUM}.", "limit")
+        self.after, self.limit, self.ascending = after, limit, False
 
     def apply(self, session: Session, model: Any, scope: list[Any], what: str) -> tuple[list[Any], bool]:
-        """This page of ``model`` rows within ``scope``; an unknown ``after`` id is a 404."""
-        result = crud.page(session=session, model=model, scope=scope, after_id=self.after, limit=self.limit)
-        if result is None:
-            raise not_found(what, self.after or "", "after")
-        return result
+        """This page of ``model`` rows within ``scope``."""
+        result = crud.page(
+            session=session, model=model, scope=scope, after_id=self.after, limit=self.limit, ascending=self.ascending
+        )
+        return result if result is not None else ([], False)
+
+
+class FilePaging(Paging):
+    """OpenAI's files list: 10,000 a page by default and at most, ``order`` ``desc`` (newest first) or ``asc``."""
+
+    DEFAULT = MAXIMUM = 10_000
+
+    def __init__(
+        self,
+        after: Annotated[str | None, Query(max_length=64, description="Id of the last item seen.")] = None,
+        limit: Annotated[int | None, Query(description="Items a page, 1 to 10000 (default 10000).")] = None,
+        order: Annotated[str, Query(description="desc (newest first) or asc.")] = "desc",
+    ) -> None:
+        super().__init__(after, limit)
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be 'asc' or 'desc'; got '{order}'.", "order")
+        self.ascending = order == "asc"
 
 
 PagingDep = Annotated[Paging, Depends()]
+FilePagingDep = Annotated[FilePaging, Depends()]

@@ -14,19 +14,14 @@ from service.responses import JSON
 
 log = logging.getLogger("rloo.api")
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    410: "not_found_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
+_TYPES = {429: "requests"}
+"""OpenAI's error ``type``: ``invalid_request_error`` for every 4xx (a bad key, an unknown id, a state
+that forbids the change, too large), ``requests`` for a rate limit, ``server_error`` for 5xx; the
+``code`` says which."""
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 class APIError(Exception):
@@ -52,7 +47,7 @@ def not_found(what: str, id_: str, param: str | None = None) -> APIError:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 def _body_model(request: Request) -> Any:

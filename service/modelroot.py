@@ -52,13 +52,14 @@ def resolve_model(models_dir: Path, name: str, *, hub_offline: bool, param: str)
     raise bad_request(f"No model directory '{name}' under the models root. {how}", param, "model_not_found")
 
 
-def list_models(models_dir: Path) -> list[str]:
+def list_models(models_dir: Path, *, limit: int = 20) -> list[str]:
+    """Model directories under the root (one or two levels deep: ``name`` or ``org/name``), at most ``limit``."""
     if not models_dir.is_dir():
         return []
     found = []
     for config in sorted(models_dir.glob("*/config.json")) + sorted(models_dir.glob("*/*/config.json")):
         found.append(str(config.parent.relative_to(models_dir)))
-    return found[:20]
+    return found[:limit]
 
 
 def model_context(model: Path | str) -> int | None:

@@ -18,7 +18,10 @@ ERROR_SCHEMA: dict[str, Any] = {
             "required": ["message", "type", "param", "code"],
             "properties": {
                 "message": {"type": "string", "description": "What went wrong and what to change."},
-                "type": {"type": "string", "description": "invalid_request_error, not_found_error, …"},
+                "type": {
+                    "type": "string",
+                    "description": "invalid_request_error (4xx), requests (429), server_error (5xx)",
+                },
                 "param": {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "The field at fault."},
                 "code": {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "Machine-readable."},
             },

@@ -55,7 +55,8 @@ def test_bad_limit_is_400(client, auth) -> None:
     def check(url: str, limit: str) -> None:
         assert_error(client.get(f"{url}?limit={limit}", headers=auth), 400, param="limit")
 
-    each([(url, limit) for url in LISTS for limit in ("0", "101", "-1", "abc", "1.5")], check)
+    bad = ("0", "-1", "abc", "1.5")
+    each([(url, limit) for url in LISTS for limit in bad] + [("/v1/fine_tuning/jobs", "101")], check)
 
 
 def test_limit_bounds_are_accepted(client, auth) -> None:
@@ -64,15 +65,37 @@ def test_limit_bounds_are_accepted(client, auth) -> None:
             assert client.get(f"{url}?limit={limit}", headers=auth).status_code == 200, (url, limit)
 
 
-def test_unknown_after_is_404(client, auth) -> None:
-    def check(url: str, after: str) -> None:
-        assert_error(client.get(f"{url}?after={after}", headers=auth), 404, param="after", contains=after)
-
-    each([("/v1/files", "file-nope"), ("/v1/fine_tuning/jobs", "ftjob-nope")], check)
-
-
-def test_unknown_event_after_is_404(client, auth) -> None:
+def test_an_unknown_after_is_an_empty_page_as_at_openai(client, auth) -> None:
     f = upload_ok(client, auth)
     job = create_job(client, auth, job_body(f["id"]))
-    resp = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events?after=ftevent-nope", headers=auth)
-    assert_error(resp, 404, param="after")
+
+    def check(url: str, after: str) -> None:
+        resp = client.get(f"{url}?after={after}", headers=auth)
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+
+    events = f"/v1/fine_tuning/jobs/{job['id']}/events"
+    each([("/v1/files", "file-nope"), ("/v1/fine_tuning/jobs", "ftjob-nope"), (events, "ftevent-nope")], check)
+
+
+def test_files_list_takes_openais_limit_and_order(client, auth) -> None:
+    created = [upload_ok(client, auth)["id"] for _ in range(3)]
+    assert list_ids(client, auth, "/v1/files?limit=10000") == created[::-1]
+    assert list_ids(client, auth, "/v1/files?order=asc") == created
+    assert list_ids(client, auth, f"/v1/files?order=asc&after={created[0]}&limit=1") == created[1:2]
+    assert_error(client.get("/v1/files?limit=10001", headers=auth), 400, param="limit", contains="10000")
+    assert_error(client.get("/v1/files?order=up", headers=auth), 400, param="order")
+    assert_error(client.get("/v1/fine_tuning/jobs?limit=101", headers=auth), 400, param="limit", contains="100")
+
+
+def test_jobs_list_filters_on_metadata(client, auth) -> None:
+    f = upload_ok(client, auth)
+    red = create_job(client, auth, job_body(f["id"], metadata={"team": "red", "run": "1"}))
+    blue = create_job(client, auth, job_body(f["id"], metadata={"team": "blue"}))
+    bare = create_job(client, auth, job_body(f["id"]))
+    url = "/v1/fine_tuning/jobs"
+    assert list_ids(client, auth, f"{url}?metadata[team]=red") == [red["id"]]
+    assert list_ids(client, auth, f"{url}?metadata[team]=red&metadata[run]=2") == []
+    assert list_ids(client, auth, f"{url}?metadata[team]=blue") == [blue["id"]]
+    assert list_ids(client, auth, f"{url}?metadata=null") == [bare["id"]]
+    assert_error(client.get(f"{url}?metadata=team", headers=auth), 400, param="metadata")

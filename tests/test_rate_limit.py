@@ -45,7 +45,7 @@ def assert_rate_limited(r: Any) -> float:
     assert r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert set(r.json()) == {"error"}
-    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded" and err["param"] is None
+    assert err["type"] == "requests" and err["code"] == "rate_limit_exceeded" and err["param"] is None
     assert "Rate limit" in err["message"]
     wait_ms = int(r.headers["retry-after-ms"])
     wait_s = int(r.headers["retry-after"])  # whole seconds (RFC 9110), rounded up, at least 1

@@ -60,7 +60,7 @@ class DatabaseRecorder:
                 job=self.job,
                 type="metrics",
                 data=clean,
-                message=step_message(metrics),
+                message=step_message(step, metrics),
             )
             return lifecycle.record_progress(
                 session=session,

@@ -39,12 +39,12 @@ def json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
-def step_message(metrics: dict[str, Any]) -> str:
+def step_message(step: int, metrics: dict[str, Any]) -> str:
     """A step's line in the job's events: its reward (RLOO) or its loss (supervised, DPO)."""
     name, key = ("reward", "train_reward_mean") if "train_reward_mean" in metrics else ("loss", "train_loss")
     value = metrics.get(key)
     shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else "n/a"
-    return f"Step {metrics['step']}/{metrics['total_steps']}: {name} {shown}"
+    return f"Step {step}/{metrics['total_steps']}: {name} {shown}"
 
 
 class StdoutRecorder:

@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from service import crud, idempotency
 from service.datasets import store_jsonl
 from service.db import ends_session, write_lock
-from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
 from service.responses import JSON, page
@@ -118,7 +118,7 @@ def _sha256(path: Path) -> str:
 
 @router.get("", summary="List files")
 @ends_session
-def list_files(session: SessionDep, project: ProjectDep, paging: PagingDep, purpose: str | None = None) -> JSON:
+def list_files(session: SessionDep, project: ProjectDep, paging: FilePagingDep, purpose: str | None = None) -> JSON:
     scope = [File.project_seq == project.seq] + ([File.purpose == purpose] if purpose else [])
     rows, has_more = paging.apply(session, File, scope, "file")
     return page([file_object(f) for f in rows], has_more)
@@ -144,7 +144,8 @@ def read_file_content(session: SessionDep, project: ProjectDep, settings: Settin
     path = confined(settings.artifacts_dir, f.path)
     if not path.is_file():
         raise APIError(410, f"The content of file '{file_id}' is gone from storage.", code="file_gone")
-    return FileResponse(path, media_type="application/jsonl", filename=f.filename)
+    media_type = "text/csv" if path.suffix == ".csv" else "application/jsonl"
+    return FileResponse(path, media_type=media_type, filename=f.filename)
 
 
 @router.delete("/{file_id}", summary="Delete a file")

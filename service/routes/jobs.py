@@ -7,8 +7,9 @@ import secrets
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy import String, cast
 from sqlalchemy.exc import IntegrityError
 
 from service import crud, finetuned, graders, idempotency, jobspec, lifecycle, queue
@@ -64,6 +65,12 @@ def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> Fil
     if f is None:
         raise bad_request(
             f"No file with id '{file_id}' in this project; upload it with POST /v1/files.", param, "file_not_found"
+        )
+    if f.purpose != "fine-tune":
+        raise bad_request(
+            f"File '{file_id}' has purpose '{f.purpose}'; a job trains on a file uploaded with purpose 'fine-tune'.",
+            param,
+            "invalid_file_purpose",
         )
     return f
 
@@ -194,11 +201,27 @@ def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
 
 
 @router.get("", summary="List fine-tuning jobs")
-async def list_jobs(session: SessionDep, project: ProjectDep, paging: PagingDep) -> JSON:
-    rows, has_more = await run_db(
-        session, paging.apply, session, Job, [Job.project_seq == project.seq], "fine-tuning job"
-    )
+async def list_jobs(request: Request, session: SessionDep, project: ProjectDep, paging: PagingDep) -> JSON:
+    """OpenAI's ``metadata[k]=v`` filters (all must match), or ``metadata=null`` for jobs without any."""
+    scope = [Job.project_seq == project.seq, *_metadata_filter(request)]
+    rows, has_more = await run_db(session, paging.apply, session, Job, scope, "fine-tuning job")
     return page([job_object(j, project) for j in rows], has_more)
+
+
+def _metadata_filter(request: Request) -> list[Any]:
+    conditions: list[Any] = []
+    for name, value in request.query_params.multi_items():
+        if name == "metadata":
+            if value != "null":
+                raise bad_request("Filter with metadata[key]=value, or metadata=null for jobs without metadata.", name)
+            # None is stored as JSON's null (SQLAlchemy's JSON type), or SQL NULL on older rows.
+            conditions.append(Job.metadata_.is_(None) | (cast(Job.metadata_, String) == "null"))
+        elif name.startswith("metadata[") and name.endswith("]"):
+            key = name[len("metadata[") : -1]
+            if not key or len(key) > 64:
+                raise bad_request("A metadata filter's key is 1 to 64 characters: metadata[key]=value.", name)
+            conditions.append(Job.metadata_[key].as_string() == value)
+    return conditions
 
 
 def _job(session: SessionDep, project: Caller, job_id: str, param: str | None = None) -> Job:

@@ -16,16 +16,9 @@ LOCAL = ("127.0.0.1", 50000)
 unless RLOO_METRICS_TOKEN is set)."""
 
 ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    403: "permission_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    502: "api_error",
-    504: "api_error",
+    **dict.fromkeys((400, 401, 403, 404, 405, 409, 410, 413, 415, 416, 431), "invalid_request_error"),
+    429: "requests",
+    **dict.fromkeys((500, 502, 503, 504), "server_error"),
 }
 ANY = object()
 

@@ -1,0 +1,111 @@
+"""Models (OpenAI's ``/v1/models``): the base models under the models root and the project's
+fine-tuned models, each ``{id, object: "model", created, owned_by}``.
+
+A fine-tuned model (``service.finetuned``) is a succeeded job's; its checkpoints are models too
+(retrieve them by their ``fine_tuned_model_checkpoint`` id; the list shows the final ones).
+``DELETE`` of a fine-tuned model takes it out of the list and out of reach of new jobs; its job,
+checkpoints and files stay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from sqlalchemy import select
+
+from service import finetuned
+from service.crud import Caller
+from service.db import ends_session
+from service.deps import ProjectDep, SessionDep, SettingsDep
+from service.errors import APIError
+from service.lifecycle import JobStatus
+from service.modelroot import list_models
+from service.models import Job, now
+from service.responses import JSON
+from service.routing import StrictJSONRoute
+
+router = APIRouter(prefix="/v1/models", route_class=StrictJSONRoute, tags=["models"])
+
+BASE_OWNER = "system"
+MAX_BASE_MODELS = 1000
+
+
+def model_object(model_id: str, created: int, owned_by: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
+
+
+def _base_models(settings: SettingsDep) -> list[dict[str, Any]]:
+    root = settings.models_dir
+    out = []
+    for name in list_models(root, limit=MAX_BASE_MODELS):
+        created = int((root / name / "config.json").stat().st_mtime)
+        out.append(model_object(name, created, BASE_OWNER))
+    return out
+
+
+def _fine_tuned(session: SessionDep, project: Caller) -> list[Job]:
+    return list(
+        session.scalars(
+            select(Job)
+            .where(Job.project_seq == project.seq, Job.fine_tuned_model.is_not(None), Job.model_deleted_at.is_(None))
+            .where(Job.status == JobStatus.SUCCEEDED.value)
+            .order_by(Job.seq.desc())
+        ).all()
+    )
+
+
+def _not_found(model_id: str) -> APIError:
+    return APIError(
+        404,
+        f"The model '{model_id}' does not exist or you do not have access to it (GET /v1/models lists yours).",
+        param="model",
+        code="model_not_found",
+    )
+
+
+@router.get("", summary="List models: the base models and the project's fine-tuned models")
+@ends_session
+def list_all(session: SessionDep, project: ProjectDep, settings: SettingsDep) -> JSON:
+    tuned = [
+        model_object(j.fine_tuned_model or "", j.finished_at or j.created_at, project.id)
+        for j in _fine_tuned(session, project)
+    ]
+    return JSON({"object": "list", "data": tuned + _base_models(settings)})
+
+
+@router.get("/{model_id:path}", summary="Retrieve a model")
+@ends_session
+def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, model_id: str) -> JSON:
+    if finetuned.is_fine_tuned(model_id):
+        source = finetuned.find(session=session, project_seq=project.seq, name=model_id)
+        unfinished = source is not None and source.job.status != JobStatus.SUCCEEDED
+        if source is None or (unfinished and model_id == source.job.fine_tuned_model):
+            raise _not_found(model_id)
+        return JSON(model_object(model_id, source.job.finished_at or source.job.created_at, project.id))
+    for model in _base_models(settings):
+        if model["id"] == model_id:
+            return JSON(model)
+    raise _not_found(model_id)
+
+
+@router.delete("/{model_id:path}", summary="Delete a fine-tuned model")
+@ends_session
+def delete(session: SessionDep, project: ProjectDep, model_id: str) -> JSON:
+    job = session.scalar(
+        select(Job).where(
+            Job.project_seq == project.seq, Job.fine_tuned_model == model_id, Job.model_deleted_at.is_(None)
+        )
+    )
+    if job is None:
+        if not finetuned.is_fine_tuned(model_id):
+            raise APIError(
+                403,
+                f"'{model_id}' is a base model of the server's models root; only fine-tuned models can be deleted.",
+                param="model",
+                code="model_not_deletable",
+            )
+        raise _not_found(model_id)
+    job.model_deleted_at = now()
+    session.commit()
+    return JSON({"id": model_id, "object": "model", "deleted": True})
