@@ -747,9 +747,21 @@ def test_grader_to_dict_round_trips() -> None:
     assert grader_to_dict(parse_grader(bare)) == bare  # no "input": null added
 
 
-def test_list_form_serialises_as_object() -> None:
-    grader = parse_grader(multi("a", [string_check("a", "eq")]))
-    assert grader_to_dict(grader)["graders"] == {"a": string_check("a", "eq")}
+def test_a_multi_keeps_the_form_its_graders_came_in() -> None:
+    """OpenAI's schema has one grader, its documentation a list; ours a map too: each answered as sent."""
+    for graders in (
+        [string_check("a", "eq"), string_check("b", "ne")],
+        {"a": string_check("a", "eq"), "b": string_check("b", "ne")},
+        string_check("a", "eq"),
+    ):
+        formula = "a" if isinstance(graders, dict) and "type" in graders else "a + b"
+        spec = multi(formula, graders)
+        grader = parse_grader(spec)
+        assert grader_to_dict(grader) == spec
+        assert [name for name, _ in grader.children()] == (["a"] if formula == "a" else ["a", "b"])
+    with pytest.raises(GraderError) as err:
+        parse_grader(multi("a", {"type": "string_check", "input": "x", "reference": "y", "operation": "eq"}))
+    assert err.value.param == "grader.graders.name"
 
 
 def test_parsed_graders_are_immutable() -> None:

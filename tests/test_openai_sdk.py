@@ -92,3 +92,37 @@ def test_sdk_validates_and_runs_graders_in_strict_mode(sdk: openai.OpenAI, dry_r
     assert scored.metadata.name == "exact" and scored.metadata.execution_time > 0
     unscored = sdk.fine_tuning.alpha.graders.run(grader=grader, model_sample="Paris", item={})  # type: ignore[arg-type]
     assert unscored.reward == 0.0 and unscored.metadata.errors.invalid_variable_error is True
+
+
+def test_jobs_with_graders_openais_types_lack_parse_strictly(sdk: openai.OpenAI) -> None:
+    """A reward_model grader, or a multi of several graders, in a job: the job and a page holding it
+    parse in strict mode (the config under method.rloo); a multi of one grader stays OpenAI's."""
+    data = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
+    f = sdk.files.create(file=("train.jsonl", data), purpose="fine-tune")
+    check = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.answer }}",
+        "operation": "eq",
+    }
+    rm = {"type": "reward_model", "name": "rm", "model": "tiny-reward"}
+    ids = {}
+    for label, grader in {
+        "reward_model": rm,
+        "multi_list": {"type": "multi", "name": "total", "graders": [check, rm], "calculate_output": "exact + rm"},
+        "multi_one": {"type": "multi", "name": "total", "graders": check, "calculate_output": "exact"},
+    }.items():
+        job = sdk.fine_tuning.jobs.create(
+            model="tiny-policy",
+            training_file=f.id,
+            method={"type": "reinforcement", "reinforcement": {"grader": grader}},
+        )
+        ids[label] = job.id
+        retrieved = sdk.fine_tuning.jobs.retrieve(job.id)
+        if label == "multi_one":
+            assert retrieved.method.reinforcement.grader.graders.name == "exact"
+        else:
+            assert retrieved.method.reinforcement is None
+            assert retrieved.method.model_extra["rloo"]["grader"] == grader
+    assert {j.id for j in sdk.fine_tuning.jobs.list(limit=10)} == set(ids.values())

@@ -81,13 +81,31 @@ def test_the_first_number_of_the_answer_clamped_into_the_range(answer, low, high
 def test_the_spec_round_trips_and_bad_specs_name_their_field() -> None:
     grader = parse_grader(JUDGE)
     assert grader_to_dict(grader) == {**JUDGE, "sampling_params": {"max_tokens": 16}}
+    # OpenAI's sampling_params and structured content are accepted (the judge answers greedily).
+    openai_style = {
+        **JUDGE,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Rate: "}, "{{ sample.output_text }}"]}],
+        "sampling_params": {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 1,
+            "max_completions_tokens": 8,
+            "reasoning_effort": "low",
+        },
+    }
+    judge = parse_grader(openai_style)
+    assert judge.input == (("user", "Rate: \n{{ sample.output_text }}"),) and judge.max_tokens == 8
     for bad, param in (
         ({"input": []}, "grader.input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "grader.input.0"),
         ({"input": [{"content": "{{ item.x"}]}, "grader.input.0.content"),
         ({"range": [5, 1]}, "grader.range"),
         ({"range": [0, "10"]}, "grader.range"),
-        ({"sampling_params": {"temperature": 1}}, "grader.sampling_params"),
+        ({"sampling_params": {"logprobs": True}}, "grader.sampling_params"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "grader.input.0.content.0",
+        ),
         ({"sampling_params": {"max_tokens": 0}}, "grader.sampling_params.max_tokens"),
     ):
         with pytest.raises(GraderError) as info:

@@ -39,6 +39,7 @@ from service.graders.spec import (
     grader_to_dict,
     is_model_grader,
     model_leaves,
+    openai_typed,
     parse_grader,
     referenced_item_keys,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "grader_to_dict",
     "is_model_grader",
     "model_leaves",
+    "openai_typed",
     "parse_grader",
     "parse_judge_score",
     "referenced_item_keys",

@@ -36,6 +36,7 @@ from service.settings import redact_url
 __all__ = [
     "MAX_GRADER_DEPTH",
     "PARSERS",
+    "openai_typed",
     "PYTHON_GRADER_DISABLED",
     "first_missing_item_key",
     "grader_to_dict",
@@ -162,6 +163,10 @@ def _reward_model(spec: Spec, name: str) -> RewardModelGrader:
     return RewardModelGrader(name=name, model=model, input=template)
 
 
+JUDGE_SAMPLING = frozenset({"max_tokens", "max_completions_tokens", "temperature", "top_p", "seed", "reasoning_effort"})
+"""OpenAI's ``sampling_params`` of a judge. Ours answers greedily, so only the length matters."""
+
+
 def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
     model = spec.nonempty("model")
     messages = spec.raw["input"]
@@ -175,7 +180,7 @@ def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
         where = spec.at(f"input.{i}")
         if not isinstance(message, Mapping) or set(message) - {"role", "content", "type"} or "content" not in message:
             raise GraderError('each input message is {"role": ..., "content": "..."}', param=where)
-        role, content = message.get("role", "user"), message["content"]
+        role, content = message.get("role", "user"), _text_content(message["content"], f"{where}.content")
         if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
             raise GraderError("role must be system, developer, user or assistant, and content a string", param=where)
         validate(content, param=f"{where}.content")
@@ -190,10 +195,12 @@ def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
         raise GraderError(
             f"range must be [low, high] with low < high; got {describe(low_high)}", param=spec.at("range")
         )
-    sampling = spec.raw.get("sampling_params", {})
-    if not isinstance(sampling, Mapping) or set(sampling) - {"max_tokens", "max_completions_tokens"}:
+    sampling = spec.raw.get("sampling_params") or {}
+    if not isinstance(sampling, Mapping) or set(sampling) - JUDGE_SAMPLING:
         raise GraderError(
-            "sampling_params may set max_tokens only (the judge answers greedily)", param=spec.at("sampling_params")
+            f"sampling_params may set {', '.join(sorted(JUDGE_SAMPLING))} (the judge answers greedily: temperature, "
+            "top_p, seed and reasoning_effort are accepted and change nothing)",
+            param=spec.at("sampling_params"),
         )
     max_tokens = sampling.get("max_tokens", sampling.get("max_completions_tokens", 16))
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
@@ -209,8 +216,33 @@ def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
     )
 
 
+def _text_content(content: object, param: str) -> object:
+    """A judge message's content as text: a string, or OpenAI's structured content (an
+    ``input_text``/``output_text`` part, or a list of them, joined by new lines)."""
+    parts = content if isinstance(content, list) else [content] if isinstance(content, Mapping) else None
+    if parts is None:
+        return content
+    texts = []
+    for i, part in enumerate(parts):
+        is_text = isinstance(part, Mapping) and part.get("type") in ("input_text", "output_text")
+        if isinstance(part, str):
+            texts.append(part)
+        elif is_text and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else describe(part)
+            raise GraderError(
+                f"content part {kind!r} is not text; the judges here read input_text and output_text parts only",
+                param=f"{param}.{i}" if isinstance(content, list) else param,
+            )
+    return "\n".join(texts)
+
+
 def _python(spec: Spec, name: str) -> PythonGrader:
-    return PythonGrader(name=name, source=spec.nonempty("source"))
+    image_tag = spec.raw.get("image_tag")
+    if image_tag is not None and not isinstance(image_tag, str):
+        raise GraderError("image_tag must be a string (it is kept and ignored here)", param=spec.at("image_tag"))
+    return PythonGrader(name=name, source=spec.nonempty("source"), image_tag=image_tag)
 
 
 def _http(spec: Spec, name: str) -> HttpGrader:
@@ -238,7 +270,7 @@ def _http(spec: Spec, name: str) -> HttpGrader:
 def _multi(spec: Spec, name: str) -> MultiGrader:
     if spec.depth >= MAX_GRADER_DEPTH:
         raise GraderError(f"multi graders nest at most {MAX_GRADER_DEPTH} deep; flatten this one", param=spec.param)
-    entries = _sub_specs(spec)
+    form, entries = _sub_specs(spec)
     graders: list[tuple[str, Grader]] = []
     seen: set[str] = set()
     for sub_name, sub_param, where, sub in entries:
@@ -250,15 +282,24 @@ def _multi(spec: Spec, name: str) -> MultiGrader:
         parsed = formula.parse(text, [n for n, _ in graders])
     except formula.FormulaError as exc:
         raise GraderError(str(exc), param=spec.at("calculate_output")) from None
-    return MultiGrader(name=name, graders=tuple(graders), calculate_output=text, formula=parsed)
+    return MultiGrader(name=name, graders=tuple(graders), calculate_output=text, formula=parsed, form=form)
 
 
-def _sub_specs(spec: Spec) -> list[tuple[str, str, str, object]]:
-    """``(formula name, param of its spec, param to blame for its name, spec)`` per sub-grader;
-    ``graders`` is an object of name -> grader or an array of named graders."""
+def _sub_specs(spec: Spec) -> tuple[str, list[tuple[str, str, str, object]]]:
+    """The form of ``graders`` (``MultiGrader.form``) and ``(formula name, param of its spec, param
+    to blame for its name, spec)`` per sub-grader: ``graders`` is one grader (OpenAI's schema), an
+    array of named graders (OpenAI's documentation) or an object of name -> grader."""
     raw, param = spec.raw["graders"], spec.at("graders")
     entries: list[tuple[str, str, str, object]] = []
-    if isinstance(raw, Mapping):
+    form = "list"
+    if isinstance(raw, Mapping) and isinstance(raw.get("type"), str):  # one grader, named by its name
+        sub_name = raw.get("name")
+        if not isinstance(sub_name, str) or not sub_name.strip():
+            spec.sub(raw, param)
+            raise GraderError("name is required", param=f"{param}.name")
+        form, entries = "one", [(sub_name, param, f"{param}.name", raw)]
+    elif isinstance(raw, Mapping):
+        form = "map"
         entries = [(str(key), f"{param}.{key}", f"{param}.{key}", sub) for key, sub in raw.items()]
     elif isinstance(raw, (list, tuple)):
         for i, sub in enumerate(raw):
@@ -270,11 +311,12 @@ def _sub_specs(spec: Spec) -> list[tuple[str, str, str, object]]:
             entries.append((sub_name, sub_param, f"{sub_param}.name", sub))
     else:
         raise GraderError(
-            f"graders must be an object of name -> grader or an array of graders; got {describe(raw)}", param=param
+            f"graders must be a grader, an array of graders or an object of name -> grader; got {describe(raw)}",
+            param=param,
         )
     if not entries:
         raise GraderError("graders must contain at least one grader", param=param)
-    return entries
+    return form, entries
 
 
 def _check_sub_name(sub_name: str, multi_name: str, seen: set[str], where: str) -> None:
@@ -357,3 +399,17 @@ def is_model_grader(grader: Grader) -> bool:
     """True if any leaf needs a model (a reward model, a judge, a ``cosine`` similarity): the worker
     scores it."""
     return any(leaf.needs_model for leaf in leaves(grader))
+
+
+OPENAI_TYPES = frozenset({"string_check", "text_similarity", "python", "score_model", "label_model", "multi"})
+
+
+def openai_typed(spec: object) -> bool:
+    """Whether a stored grader fits OpenAI's grader types as its SDK parses them: its own types, a
+    ``multi`` holding one grader object (the schema's form)."""
+    if not isinstance(spec, Mapping) or spec.get("type") not in OPENAI_TYPES:
+        return False
+    if spec["type"] == "multi":
+        sub = spec.get("graders")
+        return isinstance(sub, Mapping) and sub.get("type") != "multi" and openai_typed(sub)
+    return True

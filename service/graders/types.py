@@ -214,10 +214,15 @@ class PythonGrader(Grader):
 
     type: ClassVar[str] = "python"
     required: ClassVar[tuple[str, ...]] = ("source",)
+    optional: ClassVar[tuple[str, ...]] = ("image_tag",)
     source: str
+    image_tag: str | None = None
+    """OpenAI's image to run in: kept and ignored (graders run in this server's sandbox)."""
 
     def fields(self) -> dict[str, object]:
-        return {"source": self.source}
+        return (
+            {"source": self.source} if self.image_tag is None else {"source": self.source, "image_tag": self.image_tag}
+        )
 
 
 @dataclass(frozen=True)
@@ -241,8 +246,9 @@ class MultiGrader(Grader):
 
     ``graders`` is a tuple of ``(name, grader)`` pairs rather than a dict so the dataclass stays
     immutable and hashable; ``graders_by_name`` gives the mapping. ``formula`` is the parsed form of
-    ``calculate_output`` and is not part of equality (it is derived from it). Sub-graders always
-    come out of ``to_dict`` as an object keyed by name, whichever form came in.
+    ``calculate_output`` and is not part of equality (it is derived from it). ``form`` is how the
+    sub-graders came in and go out of ``to_dict``: ``one`` grader object (OpenAI's schema), a
+    ``list`` of named graders (OpenAI's documentation) or a ``map`` of name -> grader.
     """
 
     type: ClassVar[str] = "multi"
@@ -250,6 +256,7 @@ class MultiGrader(Grader):
     graders: tuple[tuple[str, Grader], ...]
     calculate_output: str
     formula: Expr = field(compare=False, repr=False)
+    form: str = field(default="map", compare=False)
 
     @property
     def graders_by_name(self) -> dict[str, Grader]:
@@ -259,10 +266,12 @@ class MultiGrader(Grader):
         return self.graders
 
     def fields(self) -> dict[str, object]:
-        return {
-            "graders": {name: sub.to_dict() for name, sub in self.graders},
-            "calculate_output": self.calculate_output,
-        }
+        graders: object = {name: sub.to_dict() for name, sub in self.graders}
+        if self.form == "list":
+            graders = [sub.to_dict() for _, sub in self.graders]
+        elif self.form == "one":
+            graders = self.graders[0][1].to_dict()
+        return {"graders": graders, "calculate_output": self.calculate_output}
 
 
 def leaves(grader: Grader) -> list[Grader]:

@@ -44,7 +44,7 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
         "training_file": job.training_file,
         "validation_file": job.validation_file,
         "hyperparameters": job.hyperparameters,
-        "method": job.method,
+        "method": method_answer(job.method),
         "seed": job.seed,
         "suffix": job.suffix,
         "metadata": job.metadata_,
@@ -58,6 +58,16 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
         "integrations": [],
         "progress": {"step": job.step, "total_steps": job.total_steps},
     }
+
+
+def method_answer(method: dict[str, Any]) -> dict[str, Any]:
+    """A job's ``method`` as answered: as stored, but a reinforcement config whose grader OpenAI's
+    types cannot hold (``reward_model``, ``http``, a ``multi`` of several graders) sits under our
+    ``rloo`` key, ``type`` still ``reinforcement``: the SDK's strict parsing of the job holds, and
+    nothing is lost (``job.method.rloo``)."""
+    if method.get("type") == "reinforcement" and not graders.openai_typed(method["reinforcement"].get("grader")):
+        return {"type": "reinforcement", "rloo": method["reinforcement"]}
+    return method
 
 
 def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> File:

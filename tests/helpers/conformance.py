@@ -29,7 +29,13 @@ def _differ_on_purpose(schemas: dict[str, Any]) -> None:
     # `rloo`: our name of the method, beside OpenAI's `reinforcement`, answered as it was sent.
     method = schemas["FineTuneMethod"]["properties"]
     method["type"]["enum"].append("rloo")
-    method["rloo"] = method["reinforcement"]
+    # `method.rloo` also holds a reinforcement config whose grader OpenAI's types cannot (a reward
+    # model, an http endpoint, a multi of several graders), so that the SDK's strict parsing holds.
+    method["rloo"] = {
+        "type": "object",
+        "properties": {"grader": {"type": "object", "required": ["type"]}, "hyperparameters": {"type": "object"}},
+        "required": ["grader"],
+    }
     # Graders OpenAI has no type for: a reward model, an http endpoint.
     for holder in ("FineTuneReinforcementMethod", "ValidateGraderResponse"):
         schemas[holder]["properties"]["grader"]["oneOf"].append(OUR_GRADERS)
@@ -45,11 +51,12 @@ def _differ_on_purpose(schemas: dict[str, Any]) -> None:
 
 
 def _gaps(schemas: dict[str, Any]) -> None:
-    """Where our answers still break OpenAI's schemas, to be closed: a ``multi`` answers its
-    sub-graders as a map of name -> grader (OpenAI's schema has one grader, its example a list)."""
+    """Where our answers go beyond OpenAI's schemas because OpenAI's own forms disagree: a ``multi``
+    answers its sub-graders in the form they came in, one grader (the schema's), a list (OpenAI's
+    documentation) or a map of name -> grader (a job's method shows the last two under ``rloo``)."""
     graders = schemas["GraderMulti"]["properties"]["graders"]
     schemas["GraderMulti"]["properties"]["graders"] = {
-        "anyOf": [graders, {"type": "object", "additionalProperties": {"type": "object"}}]
+        "anyOf": [graders, {"type": "object", "additionalProperties": {"type": "object"}}, {"type": "array"}]
     }
 
 
