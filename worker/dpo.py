@@ -29,7 +29,7 @@ from torch import Tensor
 from service.schemas import ResolvedDpoHyperparameters
 from worker.config import TrainConfig
 from worker.data import batch_indices
-from worker.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
+from worker.loop import Stop, TrainResult, base_metrics, end_of_step, finish, is_eval_step
 from worker.prepare import max_length, prepare
 from worker.records import Recorder
 from worker.rollout import Rollout, completion_logprobs
@@ -50,18 +50,17 @@ def train_dpo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         t_step = time.perf_counter()
         indices = batch_indices(n_items=len(pairs), batch_size=hp.batch_size, step=step - 1, seed=cfg.seed)
         update = dpo_update(run, [pairs[i] for i in indices])
-        run.counters["trained_tokens"] += update.tokens
-        metrics: dict[str, Any] = {
-            "step": step,
-            "total_steps": run.total_steps,
-            "train_loss": update.loss,
-            "reward_margin": update.margin,
-            "reward_accuracy": update.accuracy,
-            "grad_norm": update.grad_norm,
-            "learning_rate": update.learning_rate,
-            "time_step": time.perf_counter() - t_step,
-            "trained_tokens": run.counters["trained_tokens"],
-        }
+        metrics = base_metrics(
+            run,
+            step,
+            started=t_step,
+            tokens=update.tokens,
+            train_loss=update.loss,
+            reward_margin=update.margin,
+            reward_accuracy=update.accuracy,
+            grad_norm=update.grad_norm,
+            learning_rate=update.learning_rate,
+        )
         if is_eval_step(run, step):
             valid_stats = evaluate(run, valid)
             metrics.update(valid_stats)

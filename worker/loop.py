@@ -12,6 +12,7 @@ A loop (``worker.train`` for RLOO, ``worker.supervised``, ``worker.dpo``) reads:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,20 @@ class Stop:
     done: bool = False
     stopped: str | None = None
     checkpoint: Path | None = None
+
+
+def base_metrics(run: Run, step: int, *, started: float, tokens: int, **values: Any) -> dict[str, Any]:
+    """A step's metrics as every method names them: ``step``, ``total_steps``, the method's
+    ``values``, ``time_step`` (since ``started``, a ``perf_counter``) and ``trained_tokens`` (which
+    ``tokens`` more advance)."""
+    run.counters["trained_tokens"] += tokens
+    return {
+        "step": step,
+        "total_steps": run.total_steps,
+        **values,
+        "time_step": time.perf_counter() - started,
+        "trained_tokens": run.counters["trained_tokens"],
+    }
 
 
 def is_eval_step(run: Run, step: int) -> bool:

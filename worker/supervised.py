@@ -26,7 +26,7 @@ import torch
 from service.schemas import ResolvedSupervisedHyperparameters
 from worker.config import TrainConfig
 from worker.data import batch_indices
-from worker.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
+from worker.loop import Stop, TrainResult, base_metrics, end_of_step, finish, is_eval_step
 from worker.prepare import max_length, prepare
 from worker.records import Recorder
 from worker.run import Run
@@ -45,18 +45,17 @@ def train_supervised(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         t_step = time.perf_counter()
         indices = batch_indices(n_items=len(examples), batch_size=hp.batch_size, step=step - 1, seed=cfg.seed)
         update = supervised_update(run, [examples[i] for i in indices])
-        run.counters["trained_tokens"] += update.tokens
-        metrics: dict[str, Any] = {
-            "step": step,
-            "total_steps": run.total_steps,
-            "train_loss": update.loss,
-            "train_mean_token_accuracy": update.accuracy,
-            "grad_norm": update.grad_norm,
-            "learning_rate": update.learning_rate,
-            "learned_tokens": update.learned,
-            "time_step": time.perf_counter() - t_step,
-            "trained_tokens": run.counters["trained_tokens"],
-        }
+        metrics = base_metrics(
+            run,
+            step,
+            started=t_step,
+            tokens=update.tokens,
+            train_loss=update.loss,
+            train_mean_token_accuracy=update.accuracy,
+            grad_norm=update.grad_norm,
+            learning_rate=update.learning_rate,
+            learned_tokens=update.learned,
+        )
         if is_eval_step(run, step):
             metrics["valid_loss"], metrics["valid_mean_token_accuracy"] = evaluate(run, valid[: hp.eval_samples])
             if step == run.total_steps:
