@@ -81,7 +81,7 @@ def test_job_runs_end_to_end(stack: LiveStack) -> None:
 
     ckpts = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
     assert [c["step_number"] for c in ckpts] == [4, 2]  # interval 2 and the final one, newest first
-    assert ckpts[0]["fine_tuned_model_checkpoint"] == job["fine_tuned_model"]
+    assert ckpts[0]["fine_tuned_model_checkpoint"] == job["fine_tuned_model"] + ":ckpt-step-4"  # OpenAI's form
     assert "train_reward_mean" in ckpts[0]["metrics"]
 
     archive = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints/{ckpts[0]['id']}/content")
