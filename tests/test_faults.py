@@ -386,8 +386,8 @@ def test_a_job_out_of_memory_fails_clearly_and_the_worker_takes_the_next(tmp_pat
     with live_stack("embedded", tmp_path, models_dir, env={"RLOO_JOB_MEMORY_MB": "2048"}) as stack:
         http = stack.http
         file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-        # 32 prompts x 256 samples x 32k new tokens: the KV cache alone is tens of GB.
-        hungry = job_body(file_id, hp={"max_steps": 1, "batch_size": 32, "rloo_k": 256, "max_new_tokens": 32768})
+        # 32 prompts x 256 samples x 255 new tokens (all the context leaves): gigabytes of KV cache and logits.
+        hungry = job_body(file_id, hp={"max_steps": 1, "batch_size": 32, "rloo_k": 256, "max_new_tokens": 255})
         bad = http.post("/fine_tuning/jobs", json=hungry)
         assert bad.status_code == 200, bad.text
         good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
