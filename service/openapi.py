@@ -32,6 +32,7 @@ ERROR_SCHEMA: dict[str, Any] = {
 WHY = {
     "400": "Invalid request: `param` names the field, `message` what to change.",
     "401": "Missing, invalid or revoked API key.",
+    "403": "Not allowed on this object (a base model cannot be deleted).",
     "404": "No such object in this project (another project's objects are not found either).",
     "405": "Method not allowed on this path.",
     "409": "Conflict: the object's state does not allow it, or an Idempotency-Key reused for another request.",
@@ -60,6 +61,8 @@ def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
         statuses.append("409")
     if method == "delete" and path.startswith("/v1/files/"):
         statuses.append("409")
+    if method == "delete" and path.startswith("/v1/models/"):
+        statuses.append("403")
     if path.endswith("/files/{file_id}/content"):
         statuses.append("410")
     if path.endswith("/checkpoints/{checkpoint_id}/content"):

@@ -71,7 +71,9 @@ def list_all(session: SessionDep, project: ProjectDep, settings: SettingsDep) ->
         model_object(j.fine_tuned_model or "", j.finished_at or j.created_at, project.id)
         for j in _fine_tuned(session, project)
     ]
-    return JSON({"object": "list", "data": tuned + _base_models(settings)})
+    data = tuned + _base_models(settings)
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return JSON({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False})
 
 
 @router.get("/{model_id:path}", summary="Retrieve a model")
