@@ -80,7 +80,7 @@ class Paging:
             raise bad_request(f"limit must be between 1 and {self.MAXIMUM}.", "limit")
         self.after, self.limit, self.ascending = after, limit, False
 
-    def apply(self, session: Session, model: Any, scope: list[Any], what: str) -> tuple[list[Any], bool]:
+    def apply(self, session: Session, model: Any, scope: list[Any]) -> tuple[list[Any], bool]:
         """This page of ``model`` rows within ``scope``."""
         result = crud.page(
             session=session, model=model, scope=scope, after_id=self.after, limit=self.limit, ascending=self.ascending

@@ -46,6 +46,16 @@ def not_found(what: str, id_: str, param: str | None = None) -> APIError:
     return APIError(404, f"No {what} with id '{id_}' in this project.", param=param, code="not_found")
 
 
+def model_not_found(model_id: str) -> APIError:
+    """OpenAI's 404 for a model: unknown, another project's, or deleted."""
+    return APIError(
+        404,
+        f"The model '{model_id}' does not exist or you do not have access to it (GET /v1/models lists yours).",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 

@@ -49,10 +49,11 @@ def metrics_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def write_results(*, session: Session, job: Job, artifacts_dir: Path) -> str:
-    """Write the job's results file (once) and add its row; not committed. Returns its id."""
+    """Write the job's results file (once), add its row and record it on the job; not committed.
+    Returns its id."""
     file_id = results_file_id(job.id)
     if session.scalar(select(File.id).where(File.id == file_id)) is not None:
-        return file_id
+        return file_id  # written by an earlier try, with its job's result_files
     rows = [{"step": m.step, **m.data} for m in crud.list_metrics(session=session, job=job)]
     project_id = session.scalar(select(Project.id).where(Project.seq == job.project_seq))
     rel = f"files/{project_id}/{file_id}.csv"
@@ -74,4 +75,5 @@ def write_results(*, session: Session, job: Job, artifacts_dir: Path) -> str:
             keys_summary={},
         )
     )
+    crud.set_result_files(session=session, job=job, file_ids=[file_id])
     return file_id

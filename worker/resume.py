@@ -67,9 +67,9 @@ def restore(run: Run, state: dict[str, Any], info: dict[str, Any]) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.device)
     run.counters.update(info["counters"])
-    if "first_reward" in run.counters:  # written before every method had a headline metric
-        first = run.counters.pop("first_reward")
-        run.counters["first"] = first if run.counters.get("first") is None else run.counters["first"]
+    legacy = run.counters.pop("first_reward", None)  # written before every method had a headline metric
+    if run.counters.get("first") is None:
+        run.counters["first"] = legacy
     run.start = int(info["step"])
 
 

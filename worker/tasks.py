@@ -126,8 +126,7 @@ def _finish(session: Any, job: Job, result: Any) -> None:
     if result.stopped is None:
         from service.results import write_results
 
-        result_file = write_results(session=session, job=job, artifacts_dir=get_settings().artifacts_dir)
-        crud.set_result_files(session=session, job=job, file_ids=[result_file])
+        write_results(session=session, job=job, artifacts_dir=get_settings().artifacts_dir)
         lifecycle.move(
             session=session,
             job=job,

@@ -36,12 +36,12 @@ from service.settings import redact_url
 __all__ = [
     "MAX_GRADER_DEPTH",
     "PARSERS",
-    "openai_typed",
     "PYTHON_GRADER_DISABLED",
     "first_missing_item_key",
     "grader_to_dict",
     "is_model_grader",
     "model_leaves",
+    "openai_typed",
     "parse_grader",
     "referenced_item_keys",
 ]

@@ -120,7 +120,7 @@ def _sha256(path: Path) -> str:
 @ends_session
 def list_files(session: SessionDep, project: ProjectDep, paging: FilePagingDep, purpose: str | None = None) -> JSON:
     scope = [File.project_seq == project.seq] + ([File.purpose == purpose] if purpose else [])
-    rows, has_more = paging.apply(session, File, scope, "file")
+    rows, has_more = paging.apply(session, File, scope)
     return page([file_object(f) for f in rows], has_more)
 
 

@@ -16,7 +16,7 @@ from service import crud, finetuned, graders, idempotency, jobspec, lifecycle, q
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
-from service.errors import APIError, bad_request, not_found
+from service.errors import APIError, bad_request, model_not_found, not_found
 from service.lifecycle import JobStatus
 from service.models import Checkpoint, File, Job, JobEvent
 from service.responses import JSON, page
@@ -187,12 +187,7 @@ def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, bod
         return body.model
     source = finetuned.find(session=session, project_seq=project.seq, name=body.model)
     if source is None:
-        raise APIError(
-            404,
-            f"The model '{body.model}' does not exist in this project (GET /v1/models lists yours).",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(body.model)
     jobspec.check_context(body, settings.models_dir / source.base_model)
     return source.base_model
 
@@ -214,7 +209,7 @@ def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
 async def list_jobs(request: Request, session: SessionDep, project: ProjectDep, paging: PagingDep) -> JSON:
     """OpenAI's ``metadata[k]=v`` filters (all must match), or ``metadata=null`` for jobs without any."""
     scope = [Job.project_seq == project.seq, *_metadata_filter(request)]
-    rows, has_more = await run_db(session, paging.apply, session, Job, scope, "fine-tuning job")
+    rows, has_more = await run_db(session, paging.apply, session, Job, scope)
     return page([job_object(j, project) for j in rows], has_more)
 
 
@@ -312,7 +307,7 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
 async def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     def read() -> tuple[list[JobEvent], bool]:
         job = _job(session, project, job_id)
-        return paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq], "event")
+        return paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq])
 
     rows, has_more = await run_db(session, read)
     data = [
@@ -354,7 +349,7 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
 @ends_session
 def list_checkpoints(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
     job = _job(session, project, job_id)
-    rows, has_more = paging.apply(session, Checkpoint, [Checkpoint.job_seq == job.seq], "checkpoint")
+    rows, has_more = paging.apply(session, Checkpoint, [Checkpoint.job_seq == job.seq])
     return page([checkpoint_object(c, job) for c in rows], has_more)
 
 

@@ -18,7 +18,7 @@ from service import finetuned
 from service.crud import Caller
 from service.db import ends_session
 from service.deps import ProjectDep, SessionDep, SettingsDep
-from service.errors import APIError
+from service.errors import APIError, model_not_found
 from service.lifecycle import JobStatus
 from service.modelroot import list_models
 from service.models import Job, now
@@ -36,12 +36,12 @@ def model_object(model_id: str, created: int, owned_by: str) -> dict[str, Any]:
 
 
 def _base_models(settings: SettingsDep) -> list[dict[str, Any]]:
-    root = settings.models_dir
-    out = []
-    for name in list_models(root, limit=MAX_BASE_MODELS):
-        created = int((root / name / "config.json").stat().st_mtime)
-        out.append(model_object(name, created, BASE_OWNER))
-    return out
+    return [_base_model(settings, name) for name in list_models(settings.models_dir, limit=MAX_BASE_MODELS)]
+
+
+def _base_model(settings: SettingsDep, name: str) -> dict[str, Any]:
+    created = int((settings.models_dir / name / "config.json").stat().st_mtime)
+    return model_object(name, created, BASE_OWNER)
 
 
 def _fine_tuned(session: SessionDep, project: Caller) -> list[Job]:
@@ -52,15 +52,6 @@ def _fine_tuned(session: SessionDep, project: Caller) -> list[Job]:
             .where(Job.status == JobStatus.SUCCEEDED.value)
             .order_by(Job.seq.desc())
         ).all()
-    )
-
-
-def _not_found(model_id: str) -> APIError:
-    return APIError(
-        404,
-        f"The model '{model_id}' does not exist or you do not have access to it (GET /v1/models lists yours).",
-        param="model",
-        code="model_not_found",
     )
 
 
@@ -83,12 +74,11 @@ def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, mo
         source = finetuned.find(session=session, project_seq=project.seq, name=model_id)
         unfinished = source is not None and source.job.status != JobStatus.SUCCEEDED
         if source is None or (unfinished and model_id == source.job.fine_tuned_model):
-            raise _not_found(model_id)
+            raise model_not_found(model_id)
         return JSON(model_object(model_id, source.job.finished_at or source.job.created_at, project.id))
-    for model in _base_models(settings):
-        if model["id"] == model_id:
-            return JSON(model)
-    raise _not_found(model_id)
+    if model_id in list_models(settings.models_dir, limit=MAX_BASE_MODELS):
+        return JSON(_base_model(settings, model_id))
+    raise model_not_found(model_id)
 
 
 @router.delete("/{model_id:path}", summary="Delete a fine-tuned model")
@@ -107,7 +97,7 @@ def delete(session: SessionDep, project: ProjectDep, model_id: str) -> JSON:
                 param="model",
                 code="model_not_deletable",
             )
-        raise _not_found(model_id)
+        raise model_not_found(model_id)
     job.model_deleted_at = now()
     session.commit()
     return JSON({"id": model_id, "object": "model", "deleted": True})
