@@ -39,8 +39,9 @@ def test_validate_grader(client, auth) -> None:
     def check(grader: dict[str, Any]) -> None:
         resp = client.post("/v1/fine_tuning/alpha/graders/validate", headers=auth, json={"grader": grader})
         assert resp.status_code == 200, resp.text
-        assert resp.json()["grader"]["type"] == grader["type"]
-        assert resp.json()["grader"]["name"] == grader["name"]
+        # A multi of named graders is ours, not OpenAI's: it answers under rloo.grader.
+        answer = resp.json()["grader"] if grader["type"] == "string_check" else resp.json()["rloo"]["grader"]
+        assert answer["type"] == grader["type"] and answer["name"] == grader["name"]
 
     each({"string_check": STRING_CHECK, "multi": MULTI}, check)
 

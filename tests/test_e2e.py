@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tests.helpers.data import EXAMPLES, job_body
@@ -162,35 +163,49 @@ def test_pause_then_resume_continues_from_the_checkpoint(kind: str, tmp_path: Pa
             body["method"]["reinforcement"]["grader"] = grader
             job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
             assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
-            r = http.post(f"/fine_tuning/jobs/{job_id}/pause")
-            assert r.status_code == 200 and r.json()["status"] == "paused", r.text
-            assert http.post(f"/fine_tuning/jobs/{job_id}/pause").status_code == 409  # already paused
-            early = http.post(f"/fine_tuning/jobs/{job_id}/resume")  # the worker is still in step 3
-            assert early.status_code == 409 and "pausing" in early.json()["error"]["message"], early.text
+            # The SDK in strict mode over pause, resume, checkpoints and events; its status enum
+            # lacks OpenAI's own "paused", so only a lax SDK parses a paused job (the README says so).
+            strict = openai.OpenAI(
+                base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, _strict_response_validation=True
+            )
+            lax = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
+            with pytest.raises(openai.APIResponseValidationError):
+                strict.fine_tuning.jobs.pause(job_id)
+            assert lax.fine_tuning.jobs.retrieve(job_id).status == "paused"
+            with pytest.raises(openai.ConflictError):
+                lax.fine_tuning.jobs.pause(job_id)  # already paused
+            with pytest.raises(openai.ConflictError) as early:  # the worker is still in step 3
+                strict.fine_tuning.jobs.resume(job_id)
+            assert "pausing" in early.value.message
             held.set()
 
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # the worker finishes step 3, saves, lets go
-                events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
-                if any(e["message"].startswith("Training stopped") for e in events):
+                events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
+                if any(e.message.startswith("Training stopped") for e in events):
                     break
                 time.sleep(0.1)
             else:
                 raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
             paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
             assert paused["status"] == "paused" and paused["progress"]["step"] == 3
-            ckpts = http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
-            assert [c["step_number"] for c in ckpts] == [3]  # the pause's checkpoint
+            ckpts = strict.fine_tuning.jobs.checkpoints.list(job_id).data
+            assert [c.step_number for c in ckpts] == [3]  # the pause's checkpoint
 
-            r = http.post(f"/fine_tuning/jobs/{job_id}/resume")
-            assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+            assert strict.fine_tuning.jobs.resume(job_id).status == "queued"
             job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
             assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+            assert strict.fine_tuning.jobs.retrieve(job_id).status == "succeeded"
             metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
             assert [m["step"] for m in metrics] == list(range(1, 7))
-            events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
-            assert any("Resumed from the checkpoint at step 3" in e["message"] for e in events)
-            assert http.post(f"/fine_tuning/jobs/{job_id}/resume").status_code == 409  # succeeded
+            # Events page through the SDK's cursor in the list's order, each once.
+            paged = [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=2)]
+            assert paged == [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=100).data]
+            assert len(paged) > 4 and len(set(paged)) == len(paged)
+            events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
+            assert any("Resumed from the checkpoint at step 3" in e.message for e in events)
+            with pytest.raises(openai.ConflictError):
+                strict.fine_tuning.jobs.resume(job_id)  # succeeded
     finally:
         held.set()
         server.close()

@@ -551,10 +551,10 @@ def test_unknown_key_named_with_param() -> None:
 
 def test_unknown_type_lists_types() -> None:
     with pytest.raises(GraderError) as info:
-        parse_grader({"type": "label_model", "name": "x"})
+        parse_grader({"type": "sentiment_model", "name": "x"})
     assert info.value.param == "grader.type"
-    assert "'label_model'" in info.value.message
-    assert "string_check" in info.value.message and "reward_model" in info.value.message
+    assert "'sentiment_model'" in info.value.message
+    assert "string_check" in info.value.message and "label_model" in info.value.message
 
 
 def test_bad_operation_in_nested_grader_has_full_param() -> None:

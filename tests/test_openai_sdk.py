@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import openai
 import pytest
@@ -52,6 +53,21 @@ def test_sdk_files_and_jobs_round_trip(sdk: openai.OpenAI) -> None:
     assert sdk.files.delete(f.id).deleted is True
     with pytest.raises(openai.NotFoundError):
         sdk.files.retrieve(f.id)
+
+
+def test_sdk_pages_every_list_in_strict_mode(sdk: openai.OpenAI) -> None:
+    """The SDK's auto-paging (its ``after`` cursor) over files, jobs, events and models, one item a
+    page: every item once, in the order one big page has."""
+    data = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
+    files = [sdk.files.create(file=(f"t{i}.jsonl", data), purpose="fine-tune").id for i in range(3)]
+    assert [f.id for f in sdk.files.list(limit=1)] == [f.id for f in sdk.files.list(limit=100).data]
+    assert sorted(f.id for f in sdk.files.list(limit=1, order="asc")) == sorted(files)
+    spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    jobs = [sdk.fine_tuning.jobs.create(model="tiny-policy", training_file=f, method=spec["method"]).id for f in files]
+    assert [j.id for j in sdk.fine_tuning.jobs.list(limit=1)] == jobs[::-1]
+    events = [e.id for e in sdk.fine_tuning.jobs.list_events(jobs[0], limit=1)]
+    assert events and events == [e.id for e in sdk.fine_tuning.jobs.list_events(jobs[0], limit=100).data]
+    assert "tiny-policy" in {m.id for m in sdk.models.list()}
 
 
 def test_sdk_sees_openai_shaped_errors(sdk: openai.OpenAI) -> None:
@@ -126,3 +142,106 @@ def test_jobs_with_graders_openais_types_lack_parse_strictly(sdk: openai.OpenAI)
             assert retrieved.method.reinforcement is None
             assert retrieved.method.model_extra["rloo"]["grader"] == grader
     assert {j.id for j in sdk.fine_tuning.jobs.list(limit=10)} == set(ids.values())
+
+
+CHECK = {
+    "type": "string_check",
+    "name": "exact",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "operation": "eq",
+}
+SIMILAR = {k: v for k, v in CHECK.items() if k != "operation"}
+HALF = {"type": "python", "name": "half", "source": "def grade(sample, item):\n    return 0.5\n"}
+EVERY_GRADER = {
+    # type: (grader, the reward of "Paris" for the item {"answer": "Paris"}, or None where the
+    # model decides it)
+    "string_check": (CHECK, 1.0),
+    "text_similarity": ({**SIMILAR, "type": "text_similarity", "evaluation_metric": "fuzzy_match"}, 1.0),
+    "cosine": ({**SIMILAR, "type": "text_similarity", "name": "cos", "evaluation_metric": "cosine"}, 1.0),
+    "python": (HALF, 0.5),
+    "score_model": (
+        {
+            "type": "score_model",
+            "name": "judge",
+            "model": "tiny-policy",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Rate {{ sample.output_text }}"}]}],
+            "sampling_params": {"temperature": 1, "seed": 42, "max_completions_tokens": 4},
+        },
+        None,
+    ),
+    "label_model": (
+        {
+            "type": "label_model",
+            "name": "verdict",
+            "model": "tiny-policy",
+            "input": [{"role": "user", "content": "Is {{ sample.output_text }} {{ item.answer }}?"}],
+            "labels": ["yes", "no"],
+            "passing_labels": ["yes", "no"],  # whichever it picks passes
+        },
+        1.0,
+    ),
+    "multi": ({"type": "multi", "name": "total", "graders": [CHECK, HALF], "calculate_output": "exact + half"}, 1.5),
+    "multi_one": ({"type": "multi", "name": "total", "graders": CHECK, "calculate_output": "2 * exact"}, 2.0),
+    "multi_label": (
+        {
+            "type": "multi",
+            "name": "total",
+            "graders": {
+                "type": "label_model",
+                "name": "verdict",
+                "model": "tiny-policy",
+                "input": [{"role": "user", "content": "Is {{ sample.output_text }} right?"}],
+                "labels": ["yes", "no"],
+                "passing_labels": ["yes", "no"],
+            },
+            "calculate_output": "verdict",
+        },
+        1.0,
+    ),
+    "reward_model": ({"type": "reward_model", "name": "rm", "model": "tiny-reward"}, None),
+    "http": ({"type": "http", "name": "remote", "url": "(set below)"}, 0.25),
+}
+
+
+@pytest.mark.parametrize("kind", list(EVERY_GRADER))
+def test_sdk_validates_and_runs_every_grader_type_in_strict_mode(
+    sdk: openai.OpenAI, dry_runs, monkeypatch, kind: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Each grader type through graders.validate and graders.run on the real graders worker, parsed
+    by the SDK in strict mode: OpenAI's types answer under ``grader``, ours under ``rloo.grader``."""
+    from service.db import reset_caches
+    from tests.helpers.scoring import Endpoint
+
+    grader, reward = EVERY_GRADER[kind]
+    monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
+    endpoint = None
+    if kind == "http":
+        endpoint = Endpoint(
+            lambda n, body: (200, {"scores": [0.25] * len(body["samples"])}), int(dry_runs["http_port"])
+        )
+        grader = {**grader, "url": endpoint.url}
+        monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", json.dumps([endpoint.url.removesuffix("score")]))
+    reset_caches()
+    try:
+        validated = sdk.fine_tuning.alpha.graders.validate(grader=grader)  # type: ignore[arg-type]
+        ours = kind in ("reward_model", "http", "multi", "label_model")  # label_model: only inside a multi
+        if ours:
+            assert validated.grader is None and validated.model_extra["rloo"]["grader"]["type"] == grader["type"]
+        else:
+            assert validated.grader is not None and validated.grader.type == grader["type"]
+        run = sdk.fine_tuning.alpha.graders.run(grader=grader, model_sample="Paris", item={"answer": "Paris"})  # type: ignore[arg-type]
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+    assert run.metadata.name == grader["name"] and run.metadata.type == grader["type"]
+    assert run.metadata.execution_time > 0
+    errors = run.metadata.errors
+    if reward is not None:
+        assert run.reward == pytest.approx(reward, abs=1e-5), run
+        assert not any(v for k, v in errors.model_dump().items() if isinstance(v, bool)), errors
+    elif kind == "score_model":  # the untaught judge's answer is a number in range, or none (0, flagged)
+        assert 0.0 <= run.reward <= 1.0 and (run.reward > 0 or errors.api_model_grader_parse_error)
+        assert run.metadata.sampled_model_name == "tiny-policy"
+    else:
+        assert math.isfinite(run.reward) and run.sub_rewards == {"rm": run.reward}

@@ -1,6 +1,7 @@
-"""score_model: an LLM judge, a local causal LM that reads chat messages (templates) and answers; the
-first number of its greedy answer, clamped into ``range``, is the score. The judge here is the tiny
-policy taught on the spot to answer "7" to anything (a real model, loaded the way a job loads one)."""
+"""LLM judges: local causal LMs that read chat messages (templates). score_model: the first number
+of the judge's greedy answer, clamped into ``range``, is the score; label_model: the label the judge
+finds likeliest passes or not. The judge here is the tiny policy taught on the spot to answer "7" to
+anything (a real model, loaded the way a job loads one)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.graders import GraderError, grader_to_dict, parse_grader, parse_judge_score
+from service.graders import GraderError, Sample, grader_to_dict, parse_grader, parse_judge_score
 from worker.rewards import RewardModels, score_batch
 
 JUDGE = {
@@ -124,24 +125,26 @@ def test_the_judge_scores_each_sample(judge_models: Path) -> None:
     assert score_batch(narrow, prompts=[""], texts=["blue"], items=items[:1], reward_models=models).rewards == [5.0]
 
 
-def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth) -> None:
+@pytest.mark.parametrize("judge", ["score_model", "label_model"])
+def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth, judge: str) -> None:
     from tests.helpers.api import assert_error, upload_ok
     from tests.helpers.data import job_body
 
     file_id = upload_ok(client, auth)["id"]
+    spec = JUDGE if judge == "score_model" else LABELS
 
     def create(grader: dict) -> object:
         body = job_body(file_id)
         body["method"]["reinforcement"]["grader"] = grader
         return client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
 
-    assert_error(create({**JUDGE, "model": "no-such-judge"}), 400, param="method.reinforcement.grader.model")
+    assert_error(create({**spec, "model": "no-such-judge"}), 400, param="method.reinforcement.grader.model")
     # The demo lines have no "question": the judge's template asks for one.
-    resp = create({**JUDGE, "model": "tiny-policy"})
+    resp = create({**spec, "model": "tiny-policy"})
     err = assert_error(resp, 400, param="method.reinforcement.grader")
     assert "item.question" in err["message"], err
     ok = {
-        **JUDGE,
+        **spec,
         "model": "tiny-policy",
         "input": [{"role": "user", "content": "Q: {{ item.answer }} A: {{ sample.output_text }}"}],
     }
@@ -159,3 +162,93 @@ def test_a_job_trains_on_a_judge(judge_models: Path, tmp_path: Path) -> None:
     rec = ListRecorder()
     train(config(tmp_path, judge_models, spec, max_steps=1), rec)
     assert rec.steps[0]["train_reward_mean"] == 7.0 and rec.steps[0]["graders.judge.mean"] == 7.0
+
+
+LABELS = {
+    "type": "label_model",
+    "name": "verdict",
+    "model": "judge-7",
+    "input": [
+        {"role": "system", "content": {"type": "input_text", "text": "Rate the answer from 0 to 10."}},
+        {"role": "user", "content": "Question: {{ item.question }}\nAnswer: {{ sample.output_text }}"},
+    ],
+    "labels": ["3", "7"],
+    "passing_labels": ["7"],
+}
+
+
+def test_a_label_spec_round_trips_and_bad_ones_name_their_field() -> None:
+    grader = parse_grader(LABELS)
+    assert grader.type == "label_model" and grader.labels == ("3", "7") and grader.passing_labels == ("7",)
+    assert parse_grader(grader_to_dict(grader)) == grader
+    for bad, param in (
+        ({"labels": []}, "grader.labels"),
+        ({"labels": ["a", "a"]}, "grader.labels"),
+        ({"labels": ["a", " "]}, "grader.labels"),
+        ({"labels": "a,b"}, "grader.labels"),
+        ({"passing_labels": ["9"]}, "grader.passing_labels"),
+        ({"passing_labels": []}, "grader.passing_labels"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "grader.input.0"),
+        ({"labels": [str(i) for i in range(65)], "passing_labels": ["1"]}, "grader.labels"),
+    ):
+        with pytest.raises(GraderError) as info:
+            parse_grader({**LABELS, **bad})
+        assert info.value.param == param, (bad, info.value)
+    without = {k: v for k, v in LABELS.items() if k != "passing_labels"}
+    with pytest.raises(GraderError, match="passing_labels"):
+        parse_grader(without)
+
+
+def test_the_label_judge_picks_the_label_it_finds_likeliest(judge_models: Path) -> None:
+    """The judge taught to answer "7" picks 7 over 3: a pass where 7 passes, a fail where only 3 does;
+    a sample whose template misses a key is unscored."""
+    models = RewardModels(models_dir=judge_models, device=torch.device("cpu"))
+    items = [{"question": "What color is the sky?"}, {"question": "Grass?"}, {}]
+    texts = ["blue", "green", "x"]
+    passes = score_batch(parse_grader(LABELS), prompts=[""] * 3, texts=texts, items=items, reward_models=models)
+    assert passes.rewards[:2] == [1.0, 1.0] and math.isnan(passes.rewards[2])
+    fails = parse_grader({**LABELS, "passing_labels": ["3"]})
+    assert score_batch(fails, prompts=[""] * 2, texts=texts[:2], items=items[:2], reward_models=models).rewards == [
+        0.0,
+        0.0,
+    ]
+
+
+def test_a_labels_log_prob_is_the_sum_of_its_tokens_after_the_prompt(judge_models: Path) -> None:
+    """Against a hand computation on an untaught model, one unpadded sequence per label: labels of
+    different token lengths, batched (and chunked) with padding, get the same log-probs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.tinymodels import build_tiny_causal_lm
+
+    build_tiny_causal_lm(judge_models / "untaught", seed=3)
+    labels = ["blue", "green grass", "the color of the sky", "what"]
+    grader = parse_grader({**LABELS, "model": "untaught", "labels": labels, "passing_labels": ["what"]})
+    tok = AutoTokenizer.from_pretrained(judge_models / "untaught")
+    model = AutoModelForCausalLM.from_pretrained(judge_models / "untaught").eval()
+    questions = ["What color is the sky?", "Grass?", "Is the answer green?"]
+    expected = []
+    for question in questions:
+        chat = [
+            {"role": "system", "content": "Rate the answer from 0 to 10."},
+            {"role": "user", "content": f"Question: {question}\nAnswer: yes"},
+        ]
+        head = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        sums = []
+        for label in labels:
+            ids = tok(label, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logp = model(input_ids=torch.tensor([head["input_ids"] + ids])).logits[0].log_softmax(-1)
+            sums.append(sum(float(logp[len(head["input_ids"]) - 1 + j, t]) for j, t in enumerate(ids)))
+        expected.append(sums)
+    items = [{"question": q} for q in questions] + [{}]
+    samples = [Sample(output_text="yes")] * 4
+    for batch_size in (5, 64):  # one sample's labels per chunk; all samples in one
+        models = RewardModels(models_dir=judge_models, device=torch.device("cpu"), batch_size=batch_size)
+        got = models.label_logprobs(grader, samples, items)
+        assert got[3] is None  # the template's item.question is missing
+        for row, want in zip(got[:3], expected, strict=True):
+            assert row == pytest.approx(want, abs=1e-4)
+    # A sample passes where its likeliest label is the passing one.
+    passing = [float(labels[max(range(4), key=sums.__getitem__)] == "what") for sums in expected]
+    assert models.label(grader, samples, items)[:3] == passing

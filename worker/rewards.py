@@ -69,25 +69,13 @@ class RewardModels:
         out = [float("nan")] * len(chats)
         for start in range(0, len(todo), self.batch_size):
             chunk = todo[start : start + self.batch_size]
-            if tok.chat_template:
-                try:
-                    prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for _, c in chunk]
-                except Exception as exc:  # a template that refuses these roles: unscored, not a crash
-                    raise graders.GraderUnavailable(
-                        f"score_model grader '{leaf.name}': the chat template of '{leaf.model}' refused the "
-                        f"messages ({type(exc).__name__}: {exc}); change the roles in input"
-                    ) from None
-                special = False
-            else:  # a base model: the messages' contents, one after the other
-                prompts = ["\n\n".join(m["content"] for m in c) + "\n" for _, c in chunk]
-                special = True
-            limit = tok.model_max_length if tok.model_max_length < 1e6 else 2048
+            prompts, special = _judge_prompts(leaf, tok, [chat for _, chat in chunk])
             enc = tok(
                 prompts,
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
-                max_length=max(1, limit - leaf.max_tokens),
+                max_length=max(1, _context(tok) - leaf.max_tokens),
                 add_special_tokens=special,
             ).to(self.device)
             generated = model.generate(
@@ -96,6 +84,44 @@ class RewardModels:
             answers = tok.batch_decode(generated[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for (i, _), answer in zip(chunk, answers, strict=True):
                 out[i] = graders.parse_judge_score(answer, *leaf.range)
+        return out
+
+    def label(
+        self, leaf: graders.LabelModelGrader, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]
+    ) -> list[float]:
+        """A label judge's scores: 1.0 where the label the model finds likeliest after the rendered
+        messages is a passing one, else 0.0."""
+        out = []
+        for sums in self.label_logprobs(leaf, samples, items):
+            pick = None if sums is None else max(range(len(sums)), key=sums.__getitem__)
+            out.append(float("nan") if pick is None else float(leaf.labels[pick] in leaf.passing_labels))
+        return out
+
+    @torch.inference_mode()
+    def label_logprobs(
+        self, leaf: graders.LabelModelGrader, samples: Sequence[graders.Sample], items: Sequence[Mapping[str, Any]]
+    ) -> list[list[float] | None]:
+        """Per sample, each label's log-probability as the judge's answer (the sum of its tokens'
+        log-probs after the rendered messages); None where a template misses a key."""
+        from worker.sequences import Example, batch_rows, token_logprobs
+
+        model, tok = self._load_judge(leaf.model)
+        chats = graders.render_judge_messages(leaf, samples, items)
+        todo = [(i, chat) for i, chat in enumerate(chats) if chat is not None]
+        out: list[list[float] | None] = [None] * len(chats)
+        labels = [tok(label, add_special_tokens=False)["input_ids"] for label in leaf.labels]
+        keep = max(1, _context(tok) - max(len(ids) for ids in labels))
+        per_chunk = max(1, self.batch_size // len(labels))
+        for start in range(0, len(todo), per_chunk):
+            chunk = todo[start : start + per_chunk]
+            prompts, special = _judge_prompts(leaf, tok, [chat for _, chat in chunk])
+            heads = [tok(p, add_special_tokens=special)["input_ids"][-keep:] for p in prompts]
+            examples = [Example(h + ids, [0] * len(h) + [1] * len(ids)) for h in heads for ids in labels]
+            rows = batch_rows(examples, pad_id=tok.pad_token_id, pack_to=None, device=self.device)
+            logp, _ = token_logprobs(model, rows)
+            sums = (logp * rows.learn).sum(dim=-1).view(len(chunk), len(labels)).tolist()
+            for (i, _), row in zip(chunk, sums, strict=True):
+                out[i] = row
         return out
 
     def _load_judge(self, name: str) -> tuple[Any, Any]:
@@ -156,8 +182,7 @@ class RewardModels:
                 padding=True,
                 truncation=True,
                 add_special_tokens=not templated,  # a chat template writes its own BOS
-                # Tokenizers without a limit report a huge sentinel for model_max_length.
-                max_length=tok.model_max_length if tok.model_max_length < 1e6 else 2048,
+                max_length=_context(tok),
             )
             logits = model(**{k: v.to(self.device) for k, v in enc.items()}).logits
             scores.extend(logits[:, 0].float().cpu().tolist())
@@ -165,6 +190,27 @@ class RewardModels:
         for i, score in zip(todo, scores, strict=True):
             out[i] = score
         return out
+
+
+def _judge_prompts(
+    leaf: graders.ChatJudgeGrader, tok: Any, chats: list[list[dict[str, str]]]
+) -> tuple[list[str], bool]:
+    """The texts a judge continues, and whether its tokenizer should add special tokens to them: a
+    chat model's own template (which writes them), or a base model's messages one after the other."""
+    if not tok.chat_template:
+        return ["\n\n".join(m["content"] for m in chat) + "\n" for chat in chats], True
+    try:
+        return [tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats], False
+    except Exception as exc:  # a template that refuses these roles: unscored, not a crash
+        raise graders.GraderUnavailable(
+            f"{leaf.type} grader '{leaf.name}': the chat template of '{leaf.model}' refused the messages "
+            f"({type(exc).__name__}: {exc}); change the roles in input"
+        ) from None
+
+
+def _context(tok: Any) -> int:
+    """The tokenizer's context length (those without a limit report a huge sentinel)."""
+    return int(tok.model_max_length) if tok.model_max_length < 1e6 else 2048
 
 
 def _left_padded_tokenizer(path: Path) -> Any:
@@ -204,6 +250,7 @@ def model_scorers(reward_models: RewardModels, prompts: Sequence[str]) -> dict[t
     return {
         graders.RewardModelGrader: lambda leaf, batch: reward_models.score(leaf, batch.samples, batch.items, prompts),
         graders.ScoreModelGrader: lambda leaf, batch: reward_models.judge(leaf, batch.samples, batch.items),
+        graders.LabelModelGrader: lambda leaf, batch: reward_models.label(leaf, batch.samples, batch.items),
         graders.CosineGrader: lambda leaf, batch: reward_models.cosine(leaf, batch.samples, batch.items),
     }
 

@@ -2,7 +2,7 @@
 
 A grader scores one completion (``sample``) of one training-file line (``item``) as a float, with
 OpenAI's RFT grader shapes (``string_check``, ``text_similarity``, ``multi``, ``python``,
-``score_model``) plus ``reward_model`` (a Hugging Face sequence classifier) and ``http`` (an
+``score_model``, ``label_model``) plus ``reward_model`` (a Hugging Face sequence classifier) and ``http`` (an
 endpoint of the user's).
 
 The package, one concern a module:
@@ -45,11 +45,13 @@ from service.graders.spec import (
 )
 from service.graders.templates import TemplateKeyError, render, template_item_keys
 from service.graders.types import (
+    ChatJudgeGrader,
     CosineGrader,
     Grader,
     GraderError,
     GraderUnavailable,
     HttpGrader,
+    LabelModelGrader,
     MultiGrader,
     PythonGrader,
     RewardModelGrader,
@@ -70,7 +72,9 @@ __all__ = [
     "Grader",
     "GraderError",
     "GraderUnavailable",
+    "ChatJudgeGrader",
     "HttpGrader",
+    "LabelModelGrader",
     "MultiGrader",
     "PythonGrader",
     "RewardModelGrader",

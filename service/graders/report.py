@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.graders.types import Grader, PythonGrader, Sample, ScoreModelGrader
+from service.graders.types import ChatJudgeGrader, Grader, PythonGrader, Sample, ScoreModelGrader
 
 FLAGS = (
     "formula_parse_error",
@@ -58,7 +58,7 @@ def run_answer(grader: Grader, sample: Sample, scores: Mapping[str, Any], *, exe
         else:
             errors["other_error"] = True
     reward = scores["reward"]
-    judges = [leaf.model for _, leaf in by_path.items() if isinstance(leaf, ScoreModelGrader)]
+    judges = [leaf.model for _, leaf in by_path.items() if isinstance(leaf, ChatJudgeGrader)]
     return {
         "reward": 0.0 if reward is None else reward,
         "sub_rewards": scores["sub_rewards"],

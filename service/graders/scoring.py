@@ -24,11 +24,13 @@ from service.graders.metrics import TEXT_SIMILARITY_METRICS
 from service.graders.templates import TemplateKeyError, render, render_batch
 from service.graders.types import (
     NAN,
+    ChatJudgeGrader,
     CosineGrader,
     Grader,
     GraderError,
     GraderUnavailable,
     HttpGrader,
+    LabelModelGrader,
     MultiGrader,
     PythonGrader,
     RewardModelGrader,
@@ -174,7 +176,7 @@ def render_reward_model_inputs(
 
 
 def render_judge_messages(
-    grader: ScoreModelGrader, samples: Sequence[Sample], items: Sequence[Mapping[str, object]]
+    grader: ChatJudgeGrader, samples: Sequence[Sample], items: Sequence[Mapping[str, object]]
 ) -> list[list[dict[str, str]] | None]:
     """The judge's chat messages per sample; None where a template misses a key."""
     out: list[list[dict[str, str]] | None] = []
@@ -286,6 +288,7 @@ SCORERS: dict[type[Grader], Scorer] = {
     CosineGrader: _needs_a_model,
     RewardModelGrader: _needs_a_model,
     ScoreModelGrader: _needs_a_model,
+    LabelModelGrader: _needs_a_model,
     PythonGrader: _python,
     HttpGrader: _http,
     MultiGrader: _multi,

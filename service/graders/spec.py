@@ -18,10 +18,12 @@ from service.graders.metrics import EVALUATION_METRICS, MODEL_METRICS
 from service.graders.templates import template_item_keys, validate
 from service.graders.types import (
     STRING_CHECK_OPERATIONS,
+    ChatJudgeGrader,
     CosineGrader,
     Grader,
     GraderError,
     HttpGrader,
+    LabelModelGrader,
     MultiGrader,
     PythonGrader,
     RewardModelGrader,
@@ -167,12 +169,12 @@ JUDGE_SAMPLING = frozenset({"max_tokens", "max_completions_tokens", "temperature
 """OpenAI's ``sampling_params`` of a judge. Ours answers greedily, so only the length matters."""
 
 
-def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
-    model = spec.nonempty("model")
+def _judge_messages(spec: Spec) -> tuple[tuple[str, str], ...]:
+    """A judge's ``input``: (role, content template) per message; a developer message is a system one."""
     messages = spec.raw["input"]
     if not isinstance(messages, list) or not messages:
         raise GraderError(
-            'input of a score_model grader must be a non-empty list of {"role", "content"} messages',
+            f'input of a {spec.kind} grader must be a non-empty list of {{"role", "content"}} messages',
             param=spec.at("input"),
         )
     parsed: list[tuple[str, str]] = []
@@ -185,6 +187,12 @@ def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
             raise GraderError("role must be system, developer, user or assistant, and content a string", param=where)
         validate(content, param=f"{where}.content")
         parsed.append(("system" if role == "developer" else role, content))
+    return tuple(parsed)
+
+
+def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
+    model = spec.nonempty("model")
+    messages = _judge_messages(spec)
     low_high = spec.raw.get("range", [0, 1])
     if (
         not isinstance(low_high, list)
@@ -210,10 +218,46 @@ def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
     return ScoreModelGrader(
         name=name,
         model=model,
-        input=tuple(parsed),
+        input=messages,
         range=(float(low_high[0]), float(low_high[1])),
         max_tokens=max_tokens,
     )
+
+
+MAX_LABELS = 64
+"""Most labels a label_model grader may offer (each is scored on every sample)."""
+
+
+def _label_model(spec: Spec, name: str) -> LabelModelGrader:
+    model = spec.nonempty("model")
+    messages = _judge_messages(spec)
+    labels = _labels(spec, "labels")
+    if len(labels) > MAX_LABELS:
+        raise GraderError(f"labels may list at most {MAX_LABELS} labels; got {len(labels)}", param=spec.at("labels"))
+    passing = _labels(spec, "passing_labels")
+    strays = [label for label in passing if label not in labels]
+    if strays:
+        raise GraderError(
+            f"passing_labels must be a subset of labels; {strays[0]!r} is not one of them",
+            param=spec.at("passing_labels"),
+        )
+    return LabelModelGrader(name=name, model=model, input=messages, labels=labels, passing_labels=passing)
+
+
+def _labels(spec: Spec, key: str) -> tuple[str, ...]:
+    value = spec.raw[key]
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(label, str) and label.strip() for label in value)
+        or len(set(value)) != len(value)
+    ):
+        raise GraderError(
+            f"{key} of a label_model grader must be a non-empty list of distinct, non-empty strings; "
+            f"got {describe(value)}",
+            param=spec.at(key),
+        )
+    return tuple(value)
 
 
 def _text_content(content: object, param: str) -> object:
@@ -346,6 +390,7 @@ PARSERS: dict[str, tuple[type[Grader], Parser]] = {
         (TextSimilarityGrader, _text_similarity),
         (RewardModelGrader, _reward_model),
         (ScoreModelGrader, _score_model),
+        (LabelModelGrader, _label_model),
         (MultiGrader, _multi),
         (PythonGrader, _python),
         (HttpGrader, _http),
@@ -365,12 +410,12 @@ def grader_to_dict(grader: Grader) -> dict[str, object]:
     return grader.to_dict()
 
 
-def model_leaves(grader: Grader, param: str = "grader") -> list[tuple[RewardModelGrader | ScoreModelGrader, str]]:
+def model_leaves(grader: Grader, param: str = "grader") -> list[tuple[RewardModelGrader | ChatJudgeGrader, str]]:
     """Leaves naming a model (reward and judge models) with the dotted ``param`` path of each (job
     creation checks their models)."""
     if isinstance(grader, MultiGrader):
         return [pair for name, sub in grader.graders for pair in model_leaves(sub, f"{param}.graders.{name}")]
-    return [(grader, param)] if isinstance(grader, (RewardModelGrader, ScoreModelGrader)) else []
+    return [(grader, param)] if isinstance(grader, (RewardModelGrader, ChatJudgeGrader)) else []
 
 
 def referenced_item_keys(grader: Grader) -> set[str]:
@@ -401,7 +446,10 @@ def is_model_grader(grader: Grader) -> bool:
     return any(leaf.needs_model for leaf in leaves(grader))
 
 
-OPENAI_TYPES = frozenset({"string_check", "text_similarity", "python", "score_model", "label_model", "multi"})
+OPENAI_TYPES = frozenset({"string_check", "text_similarity", "python", "score_model", "multi"})
+"""The grader types a job's ``method.reinforcement.grader`` may be in OpenAI's schema."""
+OPENAI_SUB_TYPES = frozenset({"string_check", "text_similarity", "python", "score_model", "label_model"})
+"""The types a ``multi``'s ``graders`` may be there (``label_model`` only inside a ``multi``)."""
 
 
 def openai_typed(spec: object) -> bool:
@@ -411,5 +459,5 @@ def openai_typed(spec: object) -> bool:
         return False
     if spec["type"] == "multi":
         sub = spec.get("graders")
-        return isinstance(sub, Mapping) and sub.get("type") != "multi" and openai_typed(sub)
+        return isinstance(sub, Mapping) and sub.get("type") in OPENAI_SUB_TYPES
     return True

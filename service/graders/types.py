@@ -180,30 +180,60 @@ class RewardModelGrader(Grader):
 
 
 @dataclass(frozen=True)
-class ScoreModelGrader(Grader):
-    """An LLM judge: a local causal LM reads ``input`` (chat messages whose contents are templates),
-    answers greedily, and the first number of its answer, clamped into ``range``, is the score.
-    Scored on the worker (``parse_judge_score`` reads the answer)."""
+class ChatJudgeGrader(Grader):
+    """Base of the graders where a local causal LM (``model``, under the models root) reads ``input``,
+    chat messages whose contents are templates. Scored on the worker."""
 
-    type: ClassVar[str] = "score_model"
-    required: ClassVar[tuple[str, ...]] = ("model", "input")
-    optional: ClassVar[tuple[str, ...]] = ("range", "sampling_params")
     needs_model: ClassVar[bool] = True
     model: str
     input: tuple[tuple[str, str], ...]
     """(role, content template) per message."""
-    range: tuple[float, float] = (0.0, 1.0)
-    max_tokens: int = 16
 
     def templates(self) -> tuple[str, ...]:
         return tuple(content for _, content in self.input)
 
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.input]
+
+
+@dataclass(frozen=True)
+class ScoreModelGrader(ChatJudgeGrader):
+    """An LLM judge: the model answers ``input`` greedily, and the first number of its answer,
+    clamped into ``range``, is the score (``parse_judge_score`` reads the answer)."""
+
+    type: ClassVar[str] = "score_model"
+    required: ClassVar[tuple[str, ...]] = ("model", "input")
+    optional: ClassVar[tuple[str, ...]] = ("range", "sampling_params")
+    range: tuple[float, float] = (0.0, 1.0)
+    max_tokens: int = 16
+
     def fields(self) -> dict[str, object]:
         return {
             "model": self.model,
-            "input": [{"role": role, "content": content} for role, content in self.input],
+            "input": self.messages(),
             "range": list(self.range),
             "sampling_params": {"max_tokens": self.max_tokens},
+        }
+
+
+@dataclass(frozen=True)
+class LabelModelGrader(ChatJudgeGrader):
+    """A classifier judge: the model's answer to ``input`` is the one of ``labels`` it gives the
+    highest probability (the sum of the label's token log-probs after the rendered messages: a
+    choice constrained to the labels, as OpenAI's structured output is). 1.0 when that label is one
+    of ``passing_labels``, else 0.0."""
+
+    type: ClassVar[str] = "label_model"
+    required: ClassVar[tuple[str, ...]] = ("model", "input", "labels", "passing_labels")
+    labels: tuple[str, ...] = ()
+    passing_labels: tuple[str, ...] = ()
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "input": self.messages(),
+            "labels": list(self.labels),
+            "passing_labels": list(self.passing_labels),
         }
 
 

@@ -31,7 +31,11 @@ def _parse(spec: dict[str, Any], settings: SettingsDep) -> Any:
 
 @router.post("/validate", summary="Validate a grader")
 def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) -> JSON:
-    return JSON({"grader": graders.grader_to_dict(_parse(body.grader, settings))})
+    """The grader as parsed, under ``grader``; one OpenAI's types cannot hold (``reward_model``,
+    ``http``, ``label_model`` outside a ``multi``, a ``multi`` of several graders) under our
+    ``rloo.grader`` instead, as a job's method answers it, so the SDK's strict parsing holds."""
+    parsed = graders.grader_to_dict(_parse(body.grader, settings))
+    return JSON({"grader": parsed} if graders.openai_typed(parsed) else {"rloo": {"grader": parsed}})
 
 
 @router.post("/run", summary="Run a grader on one sample")

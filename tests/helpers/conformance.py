@@ -2,7 +2,7 @@
 openai/openai-openapi; see ``tests/openai/README.md``): ``conforms(body, "FineTuningJob")``.
 
 Where we differ on purpose, the difference is named here, once (``_differ_on_purpose``), and the
-README's table lists it; where we still differ, ``_gaps`` says so until it is closed.
+README's table lists it. Nothing else differs: an answer that does not fit fails the test that got it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from tests.helpers.data import ROOT
 
 SCHEMAS = ROOT / "tests" / "openai" / "openapi-schemas.json"
 
-OUR_GRADERS = {"type": "object", "properties": {"type": {"enum": ["reward_model", "http"]}}, "required": ["type"]}
-
 
 def _differ_on_purpose(schemas: dict[str, Any]) -> None:
     """Where our answers go beyond OpenAI's schemas on purpose (the README's table lists each)."""
@@ -30,15 +28,19 @@ def _differ_on_purpose(schemas: dict[str, Any]) -> None:
     method = schemas["FineTuneMethod"]["properties"]
     method["type"]["enum"].append("rloo")
     # `method.rloo` also holds a reinforcement config whose grader OpenAI's types cannot (a reward
-    # model, an http endpoint, a multi of several graders), so that the SDK's strict parsing holds.
+    # model, an http endpoint, a label_model outside a multi, a multi of several graders), so that
+    # the SDK's strict parsing holds; graders/validate answers such a grader under `rloo.grader`.
+    rloo_grader = {"type": "object", "required": ["type"]}
     method["rloo"] = {
         "type": "object",
-        "properties": {"grader": {"type": "object", "required": ["type"]}, "hyperparameters": {"type": "object"}},
+        "properties": {"grader": rloo_grader, "hyperparameters": {"type": "object"}},
         "required": ["grader"],
     }
-    # Graders OpenAI has no type for: a reward model, an http endpoint.
-    for holder in ("FineTuneReinforcementMethod", "ValidateGraderResponse"):
-        schemas[holder]["properties"]["grader"]["oneOf"].append(OUR_GRADERS)
+    schemas["ValidateGraderResponse"]["properties"]["rloo"] = {
+        "type": "object",
+        "properties": {"grader": rloo_grader},
+        "required": ["grader"],
+    }
     # eval_interval 0: no validation passes (OpenAI's minimum is 1).
     schemas["FineTuneReinforcementHyperparameters"]["properties"]["eval_interval"]["oneOf"][1]["minimum"] = 0
     # OpenAI's checkpoint metrics are on every checkpoint, null where the method has none (RLOO has
@@ -48,16 +50,6 @@ def _differ_on_purpose(schemas: dict[str, Any]) -> None:
     # An empty page has no first or last id.
     for name in ("first_id", "last_id"):
         schemas["ListFilesResponse"]["properties"][name] = {"anyOf": [{"type": "string"}, {"type": "null"}]}
-
-
-def _gaps(schemas: dict[str, Any]) -> None:
-    """Where our answers go beyond OpenAI's schemas because OpenAI's own forms disagree: a ``multi``
-    answers its sub-graders in the form they came in, one grader (the schema's), a list (OpenAI's
-    documentation) or a map of name -> grader (a job's method shows the last two under ``rloo``)."""
-    graders = schemas["GraderMulti"]["properties"]["graders"]
-    schemas["GraderMulti"]["properties"]["graders"] = {
-        "anyOf": [graders, {"type": "object", "additionalProperties": {"type": "object"}}, {"type": "array"}]
-    }
 
 
 def _rewrite(node: Any) -> Any:
@@ -82,7 +74,6 @@ def _rewrite(node: Any) -> Any:
 def _document() -> dict[str, Any]:
     document = _rewrite(json.loads(SCHEMAS.read_text()))
     _differ_on_purpose(document["components"]["schemas"])
-    _gaps(document["components"]["schemas"])
     return document
 
 
