@@ -63,9 +63,8 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
 def method_answer(method: dict[str, Any]) -> dict[str, Any]:
     """A job's ``method`` as answered: as stored, but a reinforcement config whose grader OpenAI's
     types cannot hold (``reward_model``, ``http``, ``label_model`` outside a ``multi``, a ``multi``
-    of several graders) sits under our
-    ``rloo`` key, ``type`` still ``reinforcement``: the SDK's strict parsing of the job holds, and
-    nothing is lost (``job.method.rloo``)."""
+    of several graders) sits under our ``rloo`` key, ``type`` still ``reinforcement``: the SDK's
+    strict parsing of the job holds, and nothing is lost (``job.method.rloo``)."""
     if method.get("type") == "reinforcement" and not graders.openai_typed(method["reinforcement"].get("grader")):
         return {"type": "reinforcement", "rloo": method["reinforcement"]}
     return method
