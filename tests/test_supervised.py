@@ -60,6 +60,30 @@ def test_an_example_keeps_its_first_tokens() -> None:
     assert ex.ids == [ord(c) for c in "user:"] and ex.learn == [0] * 5
 
 
+def test_a_template_that_rewrites_earlier_turns_fails_clearly(models_dir: Path) -> None:
+    """A template that moves the system prompt to the last user turn writes a conversation's start
+    differently as more turns follow: which tokens are whose cannot be told, and the job says so."""
+    from worker.records import JobError
+
+    _, tok = load_policy(models_dir)
+
+    class SystemLast:
+        chat_template = "(moves the system prompt)"
+        eos_token = tok.eos_token
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, **_):  # type: ignore[no-untyped-def]
+            system = [m["content"] for m in messages if m["role"] == "system"]
+            turns = [f"{m['role']}: {m['content']}" for m in messages if m["role"] != "system"]
+            return "\n".join(turns + system) + ("\nassistant:" if add_generation_prompt else "")
+
+        def __call__(self, text, add_special_tokens):  # type: ignore[no-untyped-def]
+            return tok(text, add_special_tokens=add_special_tokens)
+
+    with pytest.raises(JobError) as info:
+        chat_example(SystemLast(), CHAT, max_length=256)
+    assert info.value.code == "unsupported_chat_template"
+
+
 def test_token_logprobs_against_a_hand_computation(models_dir: Path) -> None:
     model, tok = load_policy(models_dir)
     model.eval()
@@ -75,9 +99,11 @@ def test_token_logprobs_against_a_hand_computation(models_dir: Path) -> None:
             assert rows.learn[r, len(ex.ids) - 1 :].sum() == 0  # padding teaches nothing
 
 
-def test_packed_rows_give_each_example_its_own_logprobs(models_dir: Path) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_rows_give_each_example_its_own_logprobs(models_dir: Path, attention: str) -> None:
     model, tok = load_policy(models_dir)
     model.eval()
+    model.config._attn_implementation = attention  # eager adds a 4D mask to the scores
     examples = [Example([5, 6, 7, 8], [0, 1, 1, 1]), Example([9, 10, 11], [0, 0, 1]), Example([12, 13], [0, 1])]
     cpu = torch.device("cpu")
     padded = batch_rows(examples, pad_id=0, pack_to=None, device=cpu)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from worker.sequences import render
+
 
 def load_items(path: Path) -> list[dict[str, Any]]:
     """The lines of a JSONL file as the upload validated them (``service.storage``): a UTF-8
@@ -19,13 +21,11 @@ def load_items(path: Path) -> list[dict[str, Any]]:
 
 
 def prompt_text(item: dict[str, Any], tokenizer: Any) -> str:
-    """The text the policy continues: the chat template applied to ``messages``, or ``prompt``."""
+    """The text the policy continues: ``prompt``, or ``messages`` (and ``tools``) rendered as
+    supervised training renders them, the assistant's header at the end (``worker.sequences``)."""
     if "prompt" in item and "messages" not in item:
         return str(item["prompt"])
-    messages = item["messages"]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    return render(tokenizer, item["messages"], tools=item.get("tools"), generation=True)
 
 
 def batch_indices(*, n_items: int, batch_size: int, step: int, seed: int) -> list[int]:

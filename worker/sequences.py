@@ -19,11 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from worker.records import JobError
+
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: Any = None, generation: bool) -> str:
     """``messages`` as the model's chat template writes them (OpenAI's extra keys left out), with the
     assistant's header at the end when ``generation``. A tokenizer without a template gets plain
-    ``role: content`` lines, as ``worker.data.prompt_text`` writes prompts."""
+    ``role: content`` lines. ``worker.data.prompt_text`` renders a reinforcement prompt with it."""
     clean = [_template_message(m) for m in messages]
     if getattr(tokenizer, "chat_template", None):
         kwargs = {"tools": tools} if tools else {}
@@ -75,8 +77,16 @@ def _bare_header(tokenizer: Any) -> str:
 
 
 def _delta(full: str, done: str) -> str:
-    """What ``full`` adds to ``done`` (templates write a conversation's prefix as that prefix)."""
-    return full[len(done) :] if full.startswith(done) else full
+    """What ``full`` adds to ``done``: templates write a conversation's prefix as that prefix. One
+    that does not (it moves the system prompt into the last user turn, say) cannot say which tokens
+    are whose: the job fails saying so, rather than learning the conversation twice."""
+    if not full.startswith(done):
+        raise JobError(
+            "unsupported_chat_template",
+            "the model's chat template does not write a conversation's first turns as it writes them "
+            "alone, so the tokens of each turn cannot be told apart; use a model whose template does",
+        )
+    return full[len(done) :]
 
 
 def _extend(tokenizer: Any, ids: list[int], learn: list[int], text: str, *, learned: bool) -> None:
@@ -164,9 +174,25 @@ def batch_rows(examples: list[Example], *, pad_id: int, pack_to: int | None, dev
 def token_logprobs(model: Any, rows: Rows) -> tuple[Tensor, Tensor]:
     """Log-probs ``(R, L - 1)`` of each next token under ``model``, and whether it was the model's
     most likely token (for ``mean_token_accuracy``)."""
-    out = model(input_ids=rows.ids, attention_mask=rows.attention, position_ids=rows.positions, use_cache=False)
+    attention = _model_mask(model, rows.attention) if rows.attention.dim() == 4 else rows.attention
+    out = model(input_ids=rows.ids, attention_mask=attention, position_ids=rows.positions, use_cache=False)
     logits = out.logits[:, :-1, :].float()
     logp = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), rows.targets, reduction="none")
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == rows.targets).float()
     return logp, correct
+
+
+def _model_mask(model: Any, allowed: Tensor) -> Tensor:
+    """A packed row's ``(R, 1, L, L)`` mask as the model's attention reads a 4D mask: SDPA takes it
+    as booleans; eager attention adds it to the scores, so there it is 0 where allowed and the
+    dtype's minimum elsewhere (a boolean would add 1 and 0, masking nothing)."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+    raise ValueError(f"packing needs sdpa or eager attention; this model uses {implementation!r}: set packing to false")
