@@ -40,36 +40,55 @@ def project_name(*, session: Session, project_seq: int) -> str:
     return session.scalar(select(Project.name).where(Project.seq == project_seq)) or "project"
 
 
+MAX_CHAIN = 64
+"""Most jobs in a chain (each started from the one before's model): bounds the walk back."""
+
+
 @dataclass(frozen=True)
 class Source:
-    """Where a fine-tuned model's weights are: its base model directory and the checkpoint
-    (relative to the artifacts root)."""
+    """Where a fine-tuned model's weights are: its base model directory, and the checkpoints
+    (relative to the artifacts root) to apply to it in order, oldest first: the named one last,
+    after those of the jobs its own job started from (a LoRA checkpoint holds only its adapter,
+    trained on its job's starting weights)."""
 
     base_model: str
-    path: str
+    chain: tuple[str, ...]
     job: Job
 
 
-def find(*, session: Session, project_seq: int, name: str) -> Source | None:
+def find(*, session: Session, project_seq: int, name: str, include_deleted: bool = False) -> Source | None:
     """The checkpoint a fine-tuned model or checkpoint id of the project names, or None (another
-    project's, a deleted model's, an unknown id)."""
-    if not is_fine_tuned(name):
+    project's, an unknown id, a model whose job did not succeed, a deleted model's unless
+    ``include_deleted``: a job already started from it keeps its weights)."""
+    chain: list[str] = []
+    first: tuple[Checkpoint, Job] | None = None
+    while is_fine_tuned(name) and len(chain) < MAX_CHAIN:
+        pair = _named_checkpoint(session, project_seq, name) or _final_checkpoint(session, project_seq, name)
+        if pair is None or (first is None and pair[1].model_deleted_at is not None and not include_deleted):
+            return None
+        first = first or pair
+        chain.insert(0, pair[0].path)
+        name = pair[1].model  # the model its job started from: a base model ends the walk
+    if first is None or is_fine_tuned(name):
         return None
+    job = first[1]
+    return Source(base_model=job.base_model or job.model, chain=tuple(chain), job=job)
+
+
+def _named_checkpoint(session: Session, project_seq: int, name: str) -> tuple[Checkpoint, Job] | None:
     found = session.execute(
         select(Checkpoint, Job)
         .join(Job, Job.seq == Checkpoint.job_seq)
         .where(Job.project_seq == project_seq, Checkpoint.fine_tuned_model_checkpoint == name)
     ).first()
-    pair = found.tuple() if found is not None else _final_checkpoint(session, project_seq, name)
-    if pair is None or pair[1].model_deleted_at is not None:
-        return None
-    ckpt, job = pair
-    return Source(base_model=job.base_model or job.model, path=ckpt.path, job=job)
+    return None if found is None else (found[0], found[1])
 
 
 def _final_checkpoint(session: Session, project_seq: int, name: str) -> tuple[Checkpoint, Job] | None:
-    """A fine-tuned model's weights: its job's newest checkpoint."""
-    job = session.scalar(select(Job).where(Job.project_seq == project_seq, Job.fine_tuned_model == name))
+    """A fine-tuned model's weights: its succeeded job's newest checkpoint."""
+    job = session.scalar(
+        select(Job).where(Job.project_seq == project_seq, Job.fine_tuned_model == name, Job.status == "succeeded")
+    )
     if job is None:
         return None
     ckpt = session.scalar(

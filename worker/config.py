@@ -43,9 +43,10 @@ class TrainConfig:
     """The operator's settings a run needs (``worker_extra``)."""
     method: str = "reinforcement"
     """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
-    init_from: Path | None = None
-    """A checkpoint directory of a fine-tuned model to start from instead of ``model``'s weights
-    (a LoRA adapter is merged into its base first)."""
+    init_from: tuple[Path, ...] = ()
+    """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
+    weights, applied in order (``service.finetuned.Source.chain``): a full model's weights loaded,
+    a LoRA adapter merged."""
 
 
 def worker_extra(settings: Any) -> dict[str, Any]:

@@ -120,10 +120,8 @@ def _models(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Reference
     without a KL penalty); a resumed run's weights loaded."""
     hp = cfg.hyperparameters
     base_path = model_path(cfg.model, cfg.models_dir)
-    tokenizer = load_tokenizer(cfg.init_from or base_path, name=cfg.model)
-    base = load_causal_lm(base_path, device, name=cfg.model)
-    if cfg.init_from is not None:
-        base = start_from(base, cfg.init_from, device)
+    tokenizer = load_tokenizer(cfg.init_from[-1] if cfg.init_from else base_path, name=cfg.model)
+    base = start_from(load_causal_lm(base_path, device, name=cfg.model), cfg.init_from, device)
     without_dropout(base)
     if hp.gradient_checkpointing:
         enable_gradient_checkpointing(base)
@@ -138,17 +136,20 @@ def _models(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Reference
     return tokenizer, base, reference
 
 
-def start_from(base: Any, checkpoint: Path, device: torch.device) -> Any:
-    """``base`` with a fine-tuned checkpoint's weights: a full model's loaded into it, a LoRA
-    adapter merged into it (a new job trains on the merged weights)."""
-    if (checkpoint / "adapter_config.json").is_file():
+def start_from(base: Any, chain: tuple[Path, ...], device: torch.device) -> Any:
+    """``base`` with a fine-tuned model's weights: its chain of checkpoints applied in order from
+    the newest full model's (which holds every weight before it), each LoRA adapter after it merged
+    (a new job trains on the merged weights)."""
+    full = [i for i, checkpoint in enumerate(chain) if not (checkpoint / "adapter_config.json").is_file()]
+    if full:
+        load_full_weights(base, chain[full[-1]], device, code="model_load_failed")
+    for checkpoint in chain[full[-1] + 1 if full else 0 :]:
         from peft import PeftModel
 
         try:
-            return PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
+            base = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
         except (OSError, ValueError) as exc:
             raise JobError("model_load_failed", f"could not apply the fine-tuned adapter: {exc}") from None
-    load_full_weights(base, checkpoint, device, code="model_load_failed")
     return base
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from pathlib import Path
 from typing import Any
 
 from service import crud, lifecycle
@@ -225,18 +226,19 @@ def _train(job: Job) -> Any:
     return train(cfg, DatabaseRecorder(job))
 
 
-def _starting_point(job: Job, settings: Any) -> tuple[str, Any]:
+def _starting_point(job: Job, settings: Any) -> tuple[str, tuple[Path, ...]]:
     """The base model directory and, for a job that starts from a fine-tuned model or checkpoint of
-    its project, that checkpoint's directory."""
+    its project, the checkpoint directories to apply to it (``finetuned.Source.chain``). A model
+    deleted after the job was created still starts it: the job was accepted from it."""
     from service import finetuned
 
     if not finetuned.is_fine_tuned(job.model):
-        return job.model, None
+        return job.model, ()
     with session_scope() as session:
-        source = finetuned.find(session=session, project_seq=job.project_seq, name=job.model)
+        source = finetuned.find(session=session, project_seq=job.project_seq, name=job.model, include_deleted=True)
     if source is None:
-        raise JobError("model_load_failed", f"the fine-tuned model '{job.model}' was deleted before the job started")
-    return source.base_model, settings.artifacts_dir / source.path
+        raise JobError("model_load_failed", f"the checkpoints of the fine-tuned model '{job.model}' are gone")
+    return source.base_model, tuple(settings.artifacts_dir / path for path in source.chain)
 
 
 def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
