@@ -31,7 +31,35 @@ def _metrics(client: Any, auth: dict[str, str], job_id: str) -> list[dict[str, A
     return [{k: v for k, v in m.items() if k not in TIMING and k != "created_at"} for m in data]
 
 
+NEWER_SETTINGS = ("compute_multiplier", "reasoning_effort")
+"""Hyperparameters this release added: the release before stored rows and checkpoints without them."""
+
+
+def _as_the_release_before_stored_it(session: Any, job: Any) -> None:
+    """The paused job's row and checkpoints as the release before wrote them: eval_interval 0 (its
+    default), none of the settings added since."""
+    from service.settings import get_settings
+    from worker.checkpoints import TRAINING_INFO
+
+    job.hyperparameters = {
+        **{k: v for k, v in job.hyperparameters.items() if k not in NEWER_SETTINGS},
+        "eval_interval": 0,
+    }
+    session.commit()
+    from sqlalchemy import select
+
+    from service.models import Checkpoint
+
+    for ckpt in session.scalars(select(Checkpoint).where(Checkpoint.job_seq == job.seq)):
+        info_path = get_settings().artifacts_dir / ckpt.path / TRAINING_INFO
+        info = json.loads(info_path.read_text())
+        info["hyperparameters"] = {k: v for k, v in info["hyperparameters"].items() if k not in NEWER_SETTINGS}
+        info["hyperparameters"]["eval_interval"] = 0
+        info_path.write_text(json.dumps(info))
+
+
 def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twin(client, auth, monkeypatch) -> None:
+    """Also when the paused job's row and checkpoint were written by the release before this one."""
     from worker.tasks import run_job
 
     file_id = upload_ok(client, auth)["id"]
@@ -57,6 +85,7 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
     with session_scope() as session:
         row = crud.get_job_by_id(session=session, job_id=job_id)
         assert row is not None
+        _as_the_release_before_stored_it(session, row)
         assert lifecycle.move(
             session=session, job=row, to=JobStatus.QUEUED, from_=(JobStatus.PAUSED,), event="Job resumed"
         )

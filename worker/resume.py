@@ -83,11 +83,13 @@ def check_resumable(cfg: TrainConfig, info: dict[str, Any], total_steps: int) ->
             f"{where} was trained from model '{info['model']}' with seed {info['seed']}, "
             f"not '{cfg.model}' with seed {cfg.seed}",
         )
-    now = cfg.hyperparameters.model_dump()
+    now, then = cfg.hyperparameters.model_dump(), info["hyperparameters"]
+    # A setting newer than the checkpoint had its default then.
+    defaults = {name: f.default for name, f in type(cfg.hyperparameters).model_fields.items()}
     changed = sorted(
         name
-        for name in set(info["hyperparameters"]) | set(now)
-        if info["hyperparameters"].get(name) != now.get(name) and name not in RESUMABLE_CHANGES
+        for name in set(then) | set(now)
+        if then.get(name, defaults.get(name)) != now.get(name) and name not in RESUMABLE_CHANGES
     )
     if changed:
         raise JobError(

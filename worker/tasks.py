@@ -241,6 +241,12 @@ def _starting_point(job: Job, settings: Any) -> tuple[str, tuple[Path, ...]]:
     return source.base_model, tuple(settings.artifacts_dir / path for path in source.chain)
 
 
+def _upgraded(stored: dict[str, Any]) -> dict[str, Any]:
+    """Hyperparameters stored by an earlier release, as this one reads them: ``eval_interval: 0``
+    (its default, no validation passes) is ``auto`` now, whose minimum is 1 as OpenAI's."""
+    return {**stored, "eval_interval": "auto"} if stored.get("eval_interval") == 0 else stored
+
+
 def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
     """The job's grader and hyperparameters, parsed again in this process. A job created under other
     settings (the operator turned python graders off since) fails with what to change."""
@@ -253,7 +259,7 @@ def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
     try:
         spec = job.method[kind].get("grader")
         grader = graders.parse_grader(spec, allow_python=settings.allow_python_grader) if spec is not None else None
-        return grader, RESOLVED[kind].model_validate(job.hyperparameters)
+        return grader, RESOLVED[kind].model_validate(_upgraded(job.hyperparameters))
     except graders.GraderError as exc:
         raise JobError("invalid_grader", f"{exc.param}: {exc.message}") from None
     except ValidationError as exc:
