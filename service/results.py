@@ -77,3 +77,17 @@ def write_results(*, session: Session, job: Job, artifacts_dir: Path) -> str:
     )
     crud.set_result_files(session=session, job=job, file_ids=[file_id])
     return file_id
+
+
+def discard_results(*, session: Session, job: Job, artifacts_dir: Path) -> None:
+    """Undo ``write_results`` for a job that did not succeed after all (cancelled, or taken by
+    another worker, as it finished): its row, its record on the job and its file; committed."""
+    file_id = results_file_id(job.id)
+    row = session.scalar(select(File).where(File.id == file_id))
+    if row is None:
+        return
+    path = confined(artifacts_dir, row.path)
+    session.delete(row)
+    crud.set_result_files(session=session, job=job, file_ids=[])
+    session.commit()
+    path.unlink(missing_ok=True)

@@ -162,3 +162,28 @@ def test_a_job_whose_grader_the_operator_turned_off_since_fails_saying_so(client
     assert run_job(job_id) == "failed"
     error = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()["error"]
     assert error["code"] == "invalid_grader" and "RLOO_ALLOW_PYTHON_GRADER" in error["message"], error
+
+
+def test_a_job_cancelled_as_it_finishes_keeps_no_results_file(client, auth, monkeypatch) -> None:
+    """A cancel that lands after the last step, while the worker writes the results file: the job
+    stays cancelled, and neither the file nor its row nor result_files is left behind."""
+    from service import results
+    from service.settings import get_settings
+    from worker.tasks import run_job
+
+    file_id = upload_ok(client, auth)["id"]
+    job_id = _job(client, auth, file_id)
+    real = results.write_results
+
+    def cancelled_meanwhile(*, session: Any, job: Any, artifacts_dir: Any) -> str:
+        with session_scope() as other:
+            row = crud.get_job_by_id(session=other, job_id=job.id)
+            assert lifecycle.move(session=other, job=row, to=JobStatus.CANCELLED, from_=(JobStatus.RUNNING,))
+        return real(session=session, job=job, artifacts_dir=artifacts_dir)
+
+    monkeypatch.setattr(results, "write_results", cancelled_meanwhile)
+    run_job(job_id)
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
+    assert job["status"] == "cancelled" and job["result_files"] == []
+    assert client.get(f"/v1/files/{results.results_file_id(job_id)}", headers=auth).status_code == 404
+    assert not list((get_settings().artifacts_dir / "files").rglob("*.csv"))

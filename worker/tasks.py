@@ -125,10 +125,11 @@ def _finish(session: Any, job: Job, result: Any) -> None:
         log.warning("job %s: another worker holds it now; stopped at step %s, saving nothing", job.id, result.steps)
         return
     if result.stopped is None:
-        from service.results import write_results
+        from service.results import discard_results, write_results
 
-        write_results(session=session, job=job, artifacts_dir=get_settings().artifacts_dir)
-        lifecycle.move(
+        artifacts = get_settings().artifacts_dir
+        write_results(session=session, job=job, artifacts_dir=artifacts)  # committed with the move
+        succeeded = lifecycle.move(
             session=session,
             job=job,
             to=JobStatus.SUCCEEDED,
@@ -137,6 +138,8 @@ def _finish(session: Any, job: Job, result: Any) -> None:
             event=f"The job has successfully completed ({result.steps} steps)",
             held_by=process_name(),
         )
+        if not succeeded:  # cancelled as it finished, or another worker's now: its results are not these
+            discard_results(session=session, job=job, artifacts_dir=artifacts)
     else:
         lifecycle.add_event(
             session=session, job=job, message=f"Training stopped at step {result.steps}: job {result.stopped}"
