@@ -109,3 +109,40 @@ def test_openais_reinforcement_hyperparameters_are_accepted(client, auth) -> Non
     assert "reasoning_effort 'high'" in messages and "no effect" in messages and "rloo_k is 16" in messages
     plain = create_job(client, auth, job_body(f["id"], hp={"compute_multiplier": "auto"}))
     assert plain["hyperparameters"]["rloo_k"] == 8 and plain["hyperparameters"]["compute_multiplier"] == 1.0
+
+
+def test_models_answers_for_names_that_are_no_fine_tuned_model(client, auth) -> None:
+    """A base model cannot be deleted (403); a name that is neither is 404, on every verb; a model
+    whose job did not succeed is none, and an id in an earlier release's form is not listed."""
+    from service import crud
+    from service.db import session_scope
+    from service.models import Job
+
+    assert_error(client.delete("/v1/models/tiny-policy", headers=auth), 403, code="model_not_deletable")
+    for name in ("no-such-model", "ft:tiny-policy:p::ftjob-none"):
+        assert_error(client.delete(f"/v1/models/{name}", headers=auth), 404, code="model_not_found")
+        assert_error(client.get(f"/v1/models/{name}", headers=auth), 404, code="model_not_found")
+    before = client.get("/v1/models", headers=auth).json()
+    with session_scope() as session:
+        seq = crud.get_or_create_project(session=session, name="alpha").seq  # the auth fixture's project
+        for model, status in (
+            ("ft:tiny-policy:alpha::ftjob-failed", "failed"),
+            ("tiny-policy:old:ftjob-x", "succeeded"),
+        ):
+            session.add(
+                Job(
+                    project_seq=seq,
+                    model="tiny-policy",
+                    training_file="file-x",
+                    seed=0,
+                    method={"type": "supervised"},
+                    hyperparameters={},
+                    status=status,
+                    total_steps=1,
+                    fine_tuned_model=model,
+                )
+            )
+        session.commit()
+    listed = {m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]}
+    assert listed == {m["id"] for m in before["data"]}  # neither the failed job's nor the old form
+    assert_error(client.get("/v1/models/ft:tiny-policy:alpha::ftjob-failed", headers=auth), 404)

@@ -22,7 +22,7 @@ from service.errors import APIError, model_not_found
 from service.lifecycle import JobStatus
 from service.modelroot import list_models
 from service.models import Job, now
-from service.responses import JSON
+from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 
 router = APIRouter(prefix="/v1/models", route_class=StrictJSONRoute, tags=["models"])
@@ -48,7 +48,9 @@ def _fine_tuned(session: SessionDep, project: Caller) -> list[Job]:
     return list(
         session.scalars(
             select(Job)
-            .where(Job.project_seq == project.seq, Job.fine_tuned_model.is_not(None), Job.model_deleted_at.is_(None))
+            .where(Job.project_seq == project.seq, Job.model_deleted_at.is_(None))
+            # Ids of OpenAI's form only (a release before this one named models otherwise).
+            .where(Job.fine_tuned_model.like(f"{finetuned.PREFIX}%"))
             .where(Job.status == JobStatus.SUCCEEDED.value)
             .order_by(Job.seq.desc())
         ).all()
@@ -62,9 +64,7 @@ def list_all(session: SessionDep, project: ProjectDep, settings: SettingsDep) ->
         model_object(j.fine_tuned_model or "", j.finished_at or j.created_at, project.id)
         for j in _fine_tuned(session, project)
     ]
-    data = tuned + _base_models(settings)
-    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-    return JSON({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False})
+    return page(tuned + _base_models(settings), has_more=False)
 
 
 @router.get("/{model_id:path}", summary="Retrieve a model")
@@ -72,8 +72,7 @@ def list_all(session: SessionDep, project: ProjectDep, settings: SettingsDep) ->
 def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, model_id: str) -> JSON:
     if finetuned.is_fine_tuned(model_id):
         source = finetuned.find(session=session, project_seq=project.seq, name=model_id)
-        unfinished = source is not None and source.job.status != JobStatus.SUCCEEDED
-        if source is None or (unfinished and model_id == source.job.fine_tuned_model):
+        if source is None:  # (a fine-tuned model whose job did not succeed is none)
             raise model_not_found(model_id)
         return JSON(model_object(model_id, source.job.finished_at or source.job.created_at, project.id))
     if model_id in list_models(settings.models_dir, limit=MAX_BASE_MODELS):
@@ -83,14 +82,14 @@ def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, mo
 
 @router.delete("/{model_id:path}", summary="Delete a fine-tuned model")
 @ends_session
-def delete(session: SessionDep, project: ProjectDep, model_id: str) -> JSON:
+def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, model_id: str) -> JSON:
     job = session.scalar(
         select(Job).where(
             Job.project_seq == project.seq, Job.fine_tuned_model == model_id, Job.model_deleted_at.is_(None)
         )
     )
     if job is None:
-        if not finetuned.is_fine_tuned(model_id):
+        if model_id in list_models(settings.models_dir, limit=MAX_BASE_MODELS):
             raise APIError(
                 403,
                 f"'{model_id}' is a base model of the server's models root; only fine-tuned models can be deleted.",
