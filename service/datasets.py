@@ -24,7 +24,8 @@ FORMATS = ("prompt", "chat", "preference")
 reinforcement, a ``chat`` example (``messages`` with assistant turns to learn) for supervised, a
 ``preference`` pair (``input``, ``preferred_output``, ``non_preferred_output``) for DPO."""
 
-METHOD_FORMAT = {"reinforcement": "prompt", "rloo": "prompt", "supervised": "chat", "dpo": "preference"}
+METHOD_FORMAT = {"reinforcement": "prompt", "supervised": "chat", "dpo": "preference"}
+"""The line format each method family trains on."""
 
 
 class UploadSummary:

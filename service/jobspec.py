@@ -52,7 +52,12 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
     if hp.batch_size % hp.gradient_accumulation_steps:
         raise bad_request(
             f"gradient_accumulation_steps ({hp.gradient_accumulation_steps}) must divide batch_size "
-            f"({hp.batch_size}): each micro-batch holds whole examples (whole groups of rloo_k completions).",
+            f"({hp.batch_size}): each micro-batch holds whole "
+            + (
+                "prompts (each with its rloo_k completions)."
+                if isinstance(hp, ResolvedHyperparameters)
+                else "examples."
+            ),
             f"{hp_param}.gradient_accumulation_steps",
         )
     return grader, hp

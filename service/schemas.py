@@ -346,11 +346,6 @@ def method_family(method_type: str) -> str:
     return "reinforcement" if method_type == "rloo" else method_type
 
 
-def reinforcement_only(name: str) -> bool:
-    """A hyperparameter only reinforcement takes (``rloo_k``): named as such when another method gets it."""
-    return name in Hyperparameters.model_fields and name not in TrainingHyperparameters.model_fields
-
-
 class JobCreate(Strict):
     model: str = Field(min_length=1, max_length=512, description="Model directory under the models root.")
     training_file: str = Field(min_length=1, max_length=64)
@@ -360,19 +355,18 @@ class JobCreate(Strict):
     metadata: dict[str, str] | None = None
     method: Method | None = Field(None, description="How to train; none at all means supervised (OpenAI's default).")
     # OpenAI's deprecated spelling of a supervised job's hyperparameters (method.supervised.hyperparameters).
-    hyperparameters: dict[str, Any] | None = None
+    hyperparameters: SupervisedHyperparameters | None = None
     integrations: list[Any] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_method(cls, data: Any) -> Any:
+    @model_validator(mode="after")
+    def _default_method(self) -> JobCreate:
         """No ``method``: a supervised job, as at OpenAI, whose hyperparameters may come in the
-        deprecated top-level ``hyperparameters``."""
-        if isinstance(data, dict) and data.get("method") is None:
-            hp = data.get("hyperparameters")
-            data = {k: v for k, v in data.items() if k != "hyperparameters"}
-            data["method"] = {"type": "supervised", "supervised": {"hyperparameters": hp or {}}}
-        return data
+        deprecated top-level ``hyperparameters`` (validated there, so errors name that field)."""
+        if self.method is None:
+            hp = self.hyperparameters or SupervisedHyperparameters()
+            self.method = Method(type="supervised", supervised=SupervisedConfig(hyperparameters=hp))
+            self.hyperparameters = None
+        return self
 
     @property
     def method_(self) -> Method:

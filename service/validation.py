@@ -61,6 +61,11 @@ def _other_methods_field(loc: tuple[Any, ...]) -> str | None:
     from service.schemas import HYPERPARAMETERS
 
     fields = [str(p) for p in loc if p not in _NOT_FIELDS]
+    if len(fields) == 2 and fields[0] == "hyperparameters":  # OpenAI's deprecated top-level form
+        fields = ["method", "supervised", *fields]
+        where = f"hyperparameters.{fields[-1]}"
+    else:
+        where = ".".join(fields)
     if len(fields) < 3 or fields[0] != "method" or fields[1] not in ("supervised", "dpo"):
         return None
     method, name = fields[1], fields[-1]
@@ -77,9 +82,15 @@ def _other_methods_field(loc: tuple[Any, ...]) -> str | None:
     ]
     if not owners:
         return None
+    if where.startswith("hyperparameters."):
+        return (
+            f"'{name}' is a hyperparameter of {' and '.join(owners)} jobs; the top-level hyperparameters are a "
+            f"supervised job's (OpenAI's deprecated form, for a job without method). Remove {where}, or send "
+            f"method: {{type: '{owners[0]}', {owners[0]}: {{hyperparameters: ...}}}}."
+        )
     return (
         f"'{name}' is a hyperparameter of {' and '.join(owners)} jobs; a {method} job does not take it. Remove "
-        f"method.{method}.hyperparameters.{name}, or set method.type to '{owners[0]}'."
+        f"{where}, or set method.type to '{owners[0]}'."
     )
 
 

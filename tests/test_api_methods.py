@@ -35,6 +35,14 @@ def test_no_method_is_a_supervised_job_with_openais_defaults(client, auth) -> No
         client, auth, {"model": "tiny-policy", "training_file": f["id"], "hyperparameters": {"n_epochs": 1}}
     )
     assert old["hyperparameters"]["n_epochs"] == 1 and old["method"]["type"] == "supervised"
+    # Their errors name the field the user sent, and say that it is a supervised job's.
+    body = {"model": "tiny-policy", "training_file": f["id"], "hyperparameters": {"rloo_k": 4}}
+    err = assert_error(
+        client.post("/v1/fine_tuning/jobs", headers=auth, json=body), 400, param="hyperparameters.rloo_k"
+    )
+    assert "reinforcement jobs" in err["message"] and "supervised" in err["message"], err
+    body["hyperparameters"] = [1]
+    assert_error(client.post("/v1/fine_tuning/jobs", headers=auth, json=body), 400, param="hyperparameters")
 
 
 def test_supervised_and_dpo_jobs_as_the_examples_make_them(client, auth) -> None:

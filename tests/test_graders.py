@@ -804,7 +804,7 @@ def _dry_run(spec: dict[str, Any], output: str, item: dict[str, Any]) -> dict[st
         "errors": result.errors,
         "messages": result.messages,
     }
-    return run_answer(grader, Sample(output), scores, execution_time=0.01)
+    return run_answer(grader, Sample(output), item, scores, execution_time=0.01)
 
 
 def _flags(answer: dict[str, Any]) -> set[str]:
@@ -827,3 +827,16 @@ def test_unscored_samples_are_0_with_the_flag_that_says_why() -> None:
         multi("a / b", {"a": string_check("a", "eq"), "b": string_check("b", "ne")}), "x", {"answer": "x"}
     )
     assert divided["sub_rewards"] == {"a": 1.0, "b": 0.0} and _flags(divided) == {"other_error"}
+
+
+def test_a_judge_whose_template_misses_a_key_is_an_invalid_variable_not_a_parse_error() -> None:
+    from service.graders.report import run_answer
+
+    judge = parse_grader(
+        {"type": "score_model", "name": "judge", "model": "m", "input": [{"role": "user", "content": "{{ item.q }}"}]}
+    )
+    unscored = {"reward": None, "sub_rewards": {}, "errors": {"judge": 1}, "messages": {}}
+    missing = run_answer(judge, Sample("x"), {}, unscored, execution_time=0.01)
+    assert _flags(missing) == {"invalid_variable_error"}
+    no_number = run_answer(judge, Sample("x"), {"q": "?"}, unscored, execution_time=0.01)
+    assert _flags(no_number) == {"model_grader_parse_error"}

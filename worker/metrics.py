@@ -112,6 +112,8 @@ OPENAI_CHECKPOINT_KEYS = (
     "valid_mean_token_accuracy",
     "full_valid_loss",
     "full_valid_mean_token_accuracy",
+    "valid_reward_margin",
+    "valid_reward_accuracy",
 )
 """OpenAI's checkpoint metrics: each checkpoint carries all of them, null where its method has none."""
 OUR_CHECKPOINT_KEYS = ("train_reward_mean", "kl", "loss", "entropy", "reward_margin", "reward_accuracy")

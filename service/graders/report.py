@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from service.graders.templates import TemplateKeyError, render
 from service.graders.types import ChatJudgeGrader, Grader, PythonGrader, Sample, ScoreModelGrader
 
 FLAGS = (
@@ -35,9 +36,12 @@ DETAILS = (
 )
 
 
-def run_answer(grader: Grader, sample: Sample, scores: Mapping[str, Any], *, execution_time: float) -> dict[str, Any]:
-    """The answer for one sample. ``scores`` is the dry run's: ``reward`` and ``sub_rewards`` (None
-    where unscored), ``errors`` (NaN counts by grader path) and ``messages`` (first error by path)."""
+def run_answer(
+    grader: Grader, sample: Sample, item: Mapping[str, Any], scores: Mapping[str, Any], *, execution_time: float
+) -> dict[str, Any]:
+    """The answer for ``sample`` of ``item``. ``scores`` is the dry run's: ``reward`` and
+    ``sub_rewards`` (None where unscored), ``errors`` (NaN counts by grader path) and ``messages``
+    (first error by path)."""
     errors: dict[str, Any] = {**dict.fromkeys(FLAGS, False), **dict.fromkeys(DETAILS)}
     by_path = dict(_paths(grader))
     messages: Mapping[str, str] = scores["messages"]
@@ -48,13 +52,13 @@ def run_answer(grader: Grader, sample: Sample, scores: Mapping[str, Any], *, exe
         elif isinstance(leaf, PythonGrader):
             errors["python_grader_runtime_error"] = True
             errors["python_grader_runtime_error_details"] = messages.get(path)
-        elif isinstance(leaf, ScoreModelGrader):
-            errors["model_grader_parse_error"] = True
-        elif leaf.templates():
+        elif not _renders(leaf, sample, item):
             reads_json = any("sample.output_json" in t for t in leaf.templates())
             errors["sample_parse_error" if reads_json and sample.output_json is None else "invalid_variable_error"] = (
                 True
             )
+        elif isinstance(leaf, ScoreModelGrader):  # its messages rendered: its answer held no number
+            errors["model_grader_parse_error"] = True
         else:
             errors["other_error"] = True
     reward = scores["reward"]
@@ -75,6 +79,15 @@ def run_answer(grader: Grader, sample: Sample, scores: Mapping[str, Any], *, exe
         },
         "model_grader_token_usage_per_model": {},
     }
+
+
+def _renders(leaf: Grader, sample: Sample, item: Mapping[str, Any]) -> bool:
+    try:
+        for template in leaf.templates():
+            render(template, sample=sample, item=item)
+    except TemplateKeyError:
+        return False
+    return True
 
 
 def _paths(grader: Grader, prefix: str = "") -> list[tuple[str, Grader]]:

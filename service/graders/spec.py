@@ -203,7 +203,8 @@ def _score_model(spec: Spec, name: str) -> ScoreModelGrader:
         raise GraderError(
             f"range must be [low, high] with low < high; got {describe(low_high)}", param=spec.at("range")
         )
-    sampling = spec.raw.get("sampling_params") or {}
+    sampling = spec.raw.get("sampling_params")
+    sampling = {} if sampling is None else sampling
     if not isinstance(sampling, Mapping) or set(sampling) - JUDGE_SAMPLING:
         raise GraderError(
             f"sampling_params may set {', '.join(sorted(JUDGE_SAMPLING))} (the judge answers greedily: temperature, "

@@ -59,7 +59,7 @@ async def run_grader(project: ProjectDep, settings: SettingsDep, body: GraderRun
             code=str(answer.get("code", "grader_failed")),
         )
     sample = graders.Sample(output_text=body.model_sample)
-    return JSON(run_answer(grader, sample, answer, execution_time=execution_time))
+    return JSON(run_answer(grader, sample, item, answer, execution_time=execution_time))
 
 
 def _check_item(item: dict[str, Any], max_bytes: int) -> None:

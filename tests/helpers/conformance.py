@@ -41,8 +41,6 @@ def _differ_on_purpose(schemas: dict[str, Any]) -> None:
         "properties": {"grader": rloo_grader},
         "required": ["grader"],
     }
-    # eval_interval 0: no validation passes (OpenAI's minimum is 1).
-    schemas["FineTuneReinforcementHyperparameters"]["properties"]["eval_interval"]["oneOf"][1]["minimum"] = 0
     # OpenAI's checkpoint metrics are on every checkpoint, null where the method has none (RLOO has
     # no token accuracy; a run without a validation file no valid_loss).
     for prop in schemas["FineTuningJobCheckpoint"]["properties"]["metrics"]["properties"].values():
