@@ -74,6 +74,11 @@ async def get_session() -> AsyncIterator[Session]:
         session.close()
 
 
+def new_session() -> Session:
+    """A session of its own, for work that outlives a request's (a stream's reads)."""
+    return _sessionmaker()()
+
+
 @contextmanager
 def session_scope() -> Iterator[Session]:
     """A session for the worker and the CLI; the caller commits."""

@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
+from service import wakeups
 from service.models import Job, JobEvent, now
 
 
@@ -70,6 +71,7 @@ def add_event(
     """A line of the job's history (``GET .../events``): a message, or a step's metrics."""
     event = JobEvent(job_seq=job.seq, message=message, level=level, type=type, data=data)
     session.add(event)
+    wakeups.mark(session, job.id)
     return event
 
 
@@ -106,6 +108,8 @@ def move(
     if held_by is not None:
         where.append(Job.worker == held_by)
     moved = _rows(session, update(Job).where(*where).values(status=to.value, **values))
+    if moved:
+        wakeups.mark(session, job.id)
     if moved and event:
         add_event(session=session, job=job, message=event, level=level)
     session.commit()

@@ -57,6 +57,21 @@ class Settings(BaseSettings):
     max_dry_runs: int = Field(
         default=4, ge=1, le=1000, description="Grader dry runs a project may have in progress at once (429 past it)."
     )
+    max_streams_per_key: int = Field(
+        default=8,
+        ge=1,
+        le=10_000,
+        description="Event and metric streams an API key may hold open at once (429 past it).",
+    )
+    stream_keepalive_seconds: float = Field(
+        default=15.0, gt=0, le=300, description="How often an idle stream sends a keep-alive comment."
+    )
+    stream_send_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="How long a stream waits on a client that stopped reading before dropping it.",
+    )
     max_queued_jobs: int = Field(
         default=20, ge=1, description="Jobs a project may have waiting (validating_files or queued); 429 past it."
     )

@@ -7,12 +7,12 @@ import secrets
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from sqlalchemy import String, cast
+from sqlalchemy import String, cast, select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, finetuned, graders, idempotency, jobspec, lifecycle, queue
+from service import crud, finetuned, graders, idempotency, jobspec, lifecycle, queue, streams
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -303,34 +303,102 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
     return JSON(job_object(job, project))
 
 
-@router.get("/{job_id}/events", summary="List a job's events, newest first")
-async def list_events(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
+MAX_STEP = 2**31 - 1
+STREAM_DOC = (
+    "With `stream=true`: `text/event-stream`, each row as `id: <cursor>` and `data: <its JSON>`, oldest "
+    "first, from after `Last-Event-ID` (or `after`), live, then `data: [DONE]` once the job is final."
+)
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+StreamQuery = Annotated[bool, Query(description="Answer a live text/event-stream instead of a page.")]
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)]
+
+
+@router.get("/{job_id}/events", summary="List a job's events, newest first", description=STREAM_DOC, responses=STREAMED)
+async def list_events(
+    request: Request,
+    session: SessionDep,
+    project: ProjectDep,
+    settings: SettingsDep,
+    paging: PagingDep,
+    job_id: str,
+    stream: StreamQuery = False,
+    last_event_id: LastEventId = None,
+) -> Response:
+    if stream:
+
+        def cursor() -> tuple[Job, int]:
+            job = _job(session, project, job_id)
+            return job, _event_cursor(session, job, last_event_id or paging.after)
+
+        job, after = await run_db(session, cursor)
+        return _stream(request, project, settings, job, streams.event_reader(job.seq, after))
+
     def read() -> tuple[list[JobEvent], bool]:
         job = _job(session, project, job_id)
         return paging.apply(session, JobEvent, [JobEvent.job_seq == job.seq])
 
     rows, has_more = await run_db(session, read)
-    data = [
-        {
-            "id": e.id,
-            "object": "fine_tuning.job.event",
-            "created_at": e.created_at,
-            "level": e.level,
-            "message": e.message,
-            "type": e.type,
-            "data": e.data or {},
-        }
-        for e in rows
-    ]
-    return page(data, has_more)
+    return page([streams.event_object(e) for e in rows], has_more)
 
 
-@router.get("/{job_id}/metrics", summary="The per-step metrics series, oldest first")
-@ends_session
-def list_metrics(session: SessionDep, project: ProjectDep, job_id: str, after_step: int = 0) -> JSON:
-    job = _job(session, project, job_id)
-    rows = [m for m in crud.list_metrics(session=session, job=job) if m.step > after_step]
-    return JSON({"object": "list", "data": [{"step": m.step, **m.data} for m in rows], "has_more": False})
+def _event_cursor(session: SessionDep, job: Job, event_id: str | None) -> int:
+    """The ``seq`` of the job's event ``event_id`` (0 for none): a stream resumes after it."""
+    if not event_id:
+        return 0
+    seq = session.scalar(select(JobEvent.seq).where(JobEvent.job_seq == job.seq, JobEvent.id == event_id))
+    if seq is None:
+        raise bad_request(f"No event '{event_id}' in job {job.id} to resume the stream after.", "Last-Event-ID")
+    return int(seq)
+
+
+def _stream(request: Request, project: Caller, settings: SettingsDep, job: Job, read: streams.Reader) -> Response:
+    hub = getattr(request.app.state, "hub", None)
+    if hub is None:
+        hub = request.app.state.hub = streams.Hub(settings.redis_client_url)
+    release = hub.take(project.key_id or project.id, settings.max_streams_per_key)
+    limits = streams.Limits(
+        keepalive=settings.stream_keepalive_seconds, send_timeout=settings.stream_send_timeout_seconds
+    )
+    return streams.EventStreamResponse(
+        streams.messages(hub, job.id, read, limits), send_timeout=limits.send_timeout, on_close=release
+    )
+
+
+@router.get(
+    "/{job_id}/metrics",
+    summary="The per-step metrics series, oldest first",
+    description=STREAM_DOC + " The cursor is the step.",
+    responses=STREAMED,
+)
+async def list_metrics(
+    request: Request,
+    session: SessionDep,
+    project: ProjectDep,
+    settings: SettingsDep,
+    job_id: str,
+    after_step: Annotated[int, Query(ge=0, le=MAX_STEP, description="Rows after this step.")] = 0,
+    stream: StreamQuery = False,
+    last_event_id: LastEventId = None,
+) -> Response:
+    def read() -> tuple[Job, list[dict[str, Any]]]:
+        job = _job(session, project, job_id)
+        if stream:
+            return job, []
+        return job, [
+            {"step": m.step, **m.data} for m in crud.list_metrics(session=session, job=job) if m.step > after_step
+        ]
+
+    job, data = await run_db(session, read)
+    if stream:
+        after = _step_cursor(last_event_id) if last_event_id else after_step
+        return _stream(request, project, settings, job, streams.metric_reader(job.seq, after))
+    return JSON({"object": "list", "data": data, "has_more": False})
+
+
+def _step_cursor(last_event_id: str) -> int:
+    if not (last_event_id.isdigit() and int(last_event_id) <= MAX_STEP):
+        raise bad_request("Last-Event-ID of a metrics stream is a step number.", "Last-Event-ID")
+    return int(last_event_id)
 
 
 def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
