@@ -9,6 +9,8 @@
 4. ``api``: the API under load against a bare endpoint (``benchmarks.api_load``).
 5. ``isolation``: what keeping tenants apart costs: python graders' sandboxes, a dry run through the
    graders worker, the JSON door, streamed checkpoint downloads (``benchmarks.isolation``).
+6. ``streams``: what watching costs: 500 event streams on one API process, queries per watcher idle
+   and per event, delivery latency, memory per stream (``benchmarks.streams``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -47,6 +49,14 @@ from worker.config import TrainConfig
 from worker.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+SUBPROCESS_SECTIONS = {
+    "api": "benchmarks.api_load",
+    "isolation": "benchmarks.isolation",
+    "streams": "benchmarks.streams",
+}
+"""Sections that run as a module of their own, printing one JSON object."""
 
 
 def _engine_case(config: str) -> None:
@@ -196,7 +206,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--engine-case"]:
         _engine_case(sys.argv[2])
         return
-    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api", "isolation"]
+    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api", "isolation", "streams"]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",
@@ -213,12 +223,12 @@ def main() -> None:
                 [sys.executable, "-m", "benchmarks.service"], capture_output=True, text=True, cwd=ROOT, check=True
             )
             result["service"] = json.loads(proc.stdout)
-        elif section in ("api", "isolation"):
-            module = "benchmarks.api_load" if section == "api" else "benchmarks.isolation"
+        elif section in SUBPROCESS_SECTIONS:
+            module = SUBPROCESS_SECTIONS[section]
             proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, cwd=ROOT, check=True)
             result[section] = json.loads(proc.stdout)
         else:
-            raise SystemExit(f"unknown section '{section}': engine, reference_memory, service, api, isolation")
+            raise SystemExit(f"unknown section '{section}': engine, reference_memory, service, api, isolation, streams")
     print(json.dumps(result, indent=2))
 
 
