@@ -50,6 +50,7 @@ def main() -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="rloo-bench-streams-"))
     os.environ.update({"RLOO_HOME": str(home), "RLOO_MAX_STREAMS_PER_KEY": str(WATCHERS + 10)})
     os.environ.setdefault("RLOO_MAX_CONNECTIONS", str(WATCHERS + 100))
+    os.environ.setdefault("RLOO_RATE_LIMIT", "0")  # 500 streams opened at once: a burst no key is let
     from sqlalchemy import event
 
     from service import crud, embedded
