@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
-from service import wakeups
+from service import wakeups, webhooks
 from service.models import Job, JobEvent, now
 
 
@@ -43,6 +43,8 @@ class JobStatus(str, enum.Enum):
 
 S = JobStatus
 FINAL = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED})
+NOTIFIED = FINAL | {S.PAUSED}
+"""Moves a webhook tells a project's endpoints of (``service.webhooks``)."""
 WAITING = frozenset({S.VALIDATING_FILES, S.QUEUED})
 """Waiting for a worker (counted against RLOO_MAX_QUEUED_JOBS)."""
 UNFINISHED = frozenset(S) - FINAL
@@ -110,6 +112,8 @@ def move(
     moved = _rows(session, update(Job).where(*where).values(status=to.value, **values))
     if moved:
         wakeups.mark(session, job.id)
+        if to in NOTIFIED:  # the outbox row commits with the move, or not at all
+            webhooks.enqueue(session, job, f"fine_tuning.job.{to.value}")
     if moved and event:
         add_event(session=session, job=job, message=event, level=level)
     session.commit()
@@ -257,5 +261,7 @@ def recover(
         session.rollback()
         return None
     add_event(session=session, job=job, message=event, level=level)
+    if values["status"] == S.FAILED.value:
+        webhooks.enqueue(session, job, "fine_tuning.job.failed")
     session.commit()
     return str(values["status"])

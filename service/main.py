@@ -20,7 +20,7 @@ from service.errors import APIError
 from service.lifecycle import JobStatus
 from service.limits import AuthMiddleware, BodyLimitMiddleware
 from service.models import Job
-from service.routes import files, graders, jobs, models
+from service.routes import files, graders, jobs, models, webhooks
 from service.settings import get_settings
 
 log = logging.getLogger("rloo.api")
@@ -71,6 +71,7 @@ def create_app() -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(graders.router)
     app.include_router(models.router)
+    app.include_router(webhooks.router)
 
     @app.get("/healthz", tags=["ops"], summary="The process is alive")
     async def healthz() -> dict[str, str]:

@@ -174,3 +174,51 @@ class IdempotentRequest(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
     __table_args__ = (UniqueConstraint("project_seq", "route", "key", name="uq_idempotent_requests_key"),)
+
+
+def new_token_id(prefix: str) -> str:
+    """An id in OpenAI's newer spelling, ``evt_…``, ``msg_…`` (webhooks)."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class WebhookEndpoint(Base):
+    """A project's webhook endpoint (OpenAI's ``webhook_endpoint``). ``secret`` signs deliveries,
+    so it is kept as is (a digest could not sign); after a rotation that keeps the old one active,
+    ``old_secret`` signs beside it until ``old_secret_until``."""
+
+    __tablename__ = "webhook_endpoints"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_token_id("whep"))
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(String(2048))
+    event_types: Mapped[list[Any]] = mapped_column()
+    secret: Mapped[str] = mapped_column(String(128))
+    old_secret: Mapped[str | None] = mapped_column(String(128))
+    old_secret_until: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    updated_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint: the outbox row, written in the transaction of the change that
+    caused it, sent (and retried) by the workers' side. ``id`` is the ``webhook-id`` header, the
+    same on every attempt, so a receiver can drop a repeat."""
+
+    __tablename__ = "webhook_deliveries"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_token_id("msg"))
+    endpoint_seq: Mapped[int] = mapped_column(ForeignKey("webhook_endpoints.seq", ondelete="CASCADE"), index=True)
+    event_type: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column()
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    delivered_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),)

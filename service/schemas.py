@@ -403,3 +403,25 @@ class GraderRun(Strict):
     model_sample: str = Field(max_length=1_000_000)
     item: dict[str, Any] = Field(default_factory=dict)
     reference_answer: Any | None = None  # OpenAI's older spelling; available as item.reference_answer
+
+
+class WebhookCreate(Strict):
+    """OpenAI's ``POST /webhook_endpoints``."""
+
+    name: str = Field(min_length=1, max_length=200)
+    url: str = Field(min_length=1, max_length=2048)
+    event_types: list[str] = Field(min_length=1, max_length=16)
+
+
+class WebhookUpdate(Strict):
+    name: str | None = Field(None, min_length=1, max_length=200)
+    url: str | None = Field(None, min_length=1, max_length=2048)
+    event_types: list[str] | None = Field(None, min_length=1, max_length=16)
+
+
+class WebhookRotate(Strict):
+    keep_old_secret_active_for_24_hours: bool = False
+
+
+class WebhookTest(Strict):
+    event_type: str = "fine_tuning.job.succeeded"

@@ -79,6 +79,18 @@ class Settings(BaseSettings):
         default_factory=list,
         description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",
     )
+    webhook_urls: list[str] = Field(
+        default_factory=list,
+        description="URL prefixes webhooks may be sent to besides public https URLs (JSON list): the only way "
+        "to admit http, private or loopback addresses.",
+    )
+    webhook_timeout_seconds: float = Field(default=5.0, gt=0, le=60, description="A webhook attempt's time in all.")
+    webhook_retry_hours: float = Field(
+        default=24.0, gt=0, le=24 * 7, description="How long a webhook delivery is tried again before it fails."
+    )
+    webhook_retry_base_seconds: float = Field(
+        default=10.0, gt=0, le=3600, description="The first retry's delay; each next one doubles, up to an hour."
+    )
     python_grader_seconds: float = Field(default=5.0, gt=0, le=300, description="A python grader's time per sample.")
     python_grader_memory_mb: int = Field(default=512, ge=64, description="A python grader process's address space.")
     python_grader_sandbox: Literal["bwrap", "process"] = Field(

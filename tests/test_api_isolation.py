@@ -29,6 +29,8 @@ FAKE = {
     "checkpoint_id": "ftckpt-" + "0" * 24,
     "event_id": "ftevent-" + "0" * 24,
     "model_id": "ft:tiny-policy:alpha:running:ftjob-" + "0" * 24 + ":ckpt-step-2",
+    "endpoint_id": "whep_" + "0" * 24,
+    "delivery_id": "msg_" + "0" * 24,
 }
 
 # Every /v1 route that takes an id in its path, as the app declares it. test_the_matrix_covers_every_route
@@ -47,6 +49,12 @@ ID_ROUTES = [
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content"),
     ("GET", "/v1/models/{model_id:path}"),
     ("DELETE", "/v1/models/{model_id:path}"),
+    ("GET", "/v1/webhook_endpoints/{endpoint_id}"),
+    ("POST", "/v1/webhook_endpoints/{endpoint_id}"),
+    ("DELETE", "/v1/webhook_endpoints/{endpoint_id}"),
+    ("POST", "/v1/webhook_endpoints/{endpoint_id}/rotate_secret"),
+    ("POST", "/v1/webhook_endpoints/{endpoint_id}/test"),
+    ("GET", "/v1/webhook_endpoints/{endpoint_id}/deliveries"),
 ]
 # Every /v1 list paged with ?after=<id>, and the kind of id it takes.
 AFTER_ROUTES = {
@@ -54,6 +62,8 @@ AFTER_ROUTES = {
     "/v1/fine_tuning/jobs": "job_id",
     "/v1/fine_tuning/jobs/{job_id}/events": "event_id",
     "/v1/fine_tuning/jobs/{job_id}/checkpoints": "checkpoint_id",
+    "/v1/webhook_endpoints": "endpoint_id",
+    "/v1/webhook_endpoints/{endpoint_id}/deliveries": "delivery_id",
 }
 
 
@@ -108,11 +118,17 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
     paused job whose worker has let go."""
     training = upload_ok(client, auth)
     spare = upload_ok(client, auth, filename="spare.jsonl")
+    # A webhook endpoint told of pauses: the paused job below writes it a delivery.
+    hook = {"name": "ci", "url": "http://127.0.0.1:9/hooks", "event_types": ["fine_tuning.job.paused"]}
+    endpoint = client.post("/v1/webhook_endpoints", headers=auth, json=hook)
+    assert endpoint.status_code == 200, endpoint.text
     running = create_job(client, auth, job_body(training["id"], suffix="running"))
     paused = create_job(client, auth, job_body(training["id"], suffix="paused"))
     ckpt = _train_like_the_worker(running["id"], models_dir, steps=2)
     _train_like_the_worker(paused["id"], models_dir, steps=1, pause=True)
     events = client.get(f"/v1/fine_tuning/jobs/{running['id']}/events", headers=auth).json()["data"]
+    endpoint_id = endpoint.json()["id"]
+    (delivery,) = client.get(f"/v1/webhook_endpoints/{endpoint_id}/deliveries", headers=auth).json()["data"]
     return {
         "files": [training["id"], spare["id"]],
         "jobs": [running["id"], paused["id"]],
@@ -122,6 +138,8 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
         "checkpoint_id": ckpt,
         "event_id": events[-1]["id"],  # the oldest: "Created fine-tuning job"
         "model_id": _checkpoint_model(ckpt),  # a fine-tuned model checkpoint: a model of the project
+        "endpoint_id": endpoint_id,
+        "delivery_id": delivery["id"],
     }
 
 
@@ -146,6 +164,10 @@ def _world(client: Any, auth: dict[str, str], artifacts: Path) -> dict[str, Any]
             resp = client.get(f"{url}/checkpoints/{c['id']}/content", headers=auth)
             assert resp.status_code == 200, resp.text
             world[c["id"]] = _tar_members(resp.content)
+    world["webhooks"] = client.get("/v1/webhook_endpoints?limit=100", headers=auth).json()
+    for e in world["webhooks"]["data"]:
+        url = f"/v1/webhook_endpoints/{e['id']}/deliveries"
+        world[url] = client.get(url, headers=auth).json()
     world["disk"] = {
         str(p.relative_to(artifacts)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(artifacts.rglob("*"))
@@ -178,7 +200,7 @@ def _same_as_a_never_existing_id(
 def _id_combinations(path: str, alpha: dict[str, str], beta: dict[str, str]) -> list[tuple[dict, dict]]:
     """Each way to put alpha's ids in ``path`` (at least one; beta's own real ids in the other
     places), with the never-existing ids that replace alpha's."""
-    names = [n for n in ("job_id", "checkpoint_id", "file_id", "model_id") if "{" + n in path]
+    names = [n for n in ("job_id", "checkpoint_id", "file_id", "model_id", "endpoint_id") if "{" + n in path]
     combos = []
     for mask in range(1, 2 ** len(names)):
         real = {n: (alpha if mask >> i & 1 else beta)[n] for i, n in enumerate(names)}
@@ -187,8 +209,12 @@ def _id_combinations(path: str, alpha: dict[str, str], beta: dict[str, str]) -> 
     return combos
 
 
-def test_isolation_matrix(client, auth, other_auth, env, models_dir) -> None:
+def test_isolation_matrix(client, auth, other_auth, env, models_dir, monkeypatch) -> None:
+    from service.db import reset_caches
     from service.settings import get_settings
+
+    monkeypatch.setenv("RLOO_WEBHOOK_URLS", '["http://127.0.0.1:9/"]')  # nothing listens: sends are refused
+    reset_caches()
 
     artifacts = get_settings().artifacts_dir
     alpha = _project(client, auth, models_dir)
@@ -225,12 +251,13 @@ def test_isolation_matrix(client, auth, other_auth, env, models_dir) -> None:
                     check(method, path, real, fake)
     assert {(method, path) for method, path, _ in tried} == set(ID_ROUTES)
     for path, kind in AFTER_ROUTES.items():
-        own = path.format(job_id=beta["job_id"])
+        own = path.format(job_id=beta["job_id"], endpoint_id=beta["endpoint_id"])
         check("GET", own + "?after={" + kind + "}", {kind: alpha[kind]}, {kind: FAKE[kind]})
     # And the other way round: beta's event and checkpoint ids are unknown in alpha's own job's lists.
     for path, kind in AFTER_ROUTES.items():
-        if "{job_id}" in path:
-            resp = client.get(path.format(job_id=alpha["job_id"]) + f"?after={beta[kind]}", headers=auth)
+        if "{" in path:
+            own = path.format(job_id=alpha["job_id"], endpoint_id=alpha["endpoint_id"])
+            resp = client.get(own + f"?after={beta[kind]}", headers=auth)
             assert resp.status_code == 200 and resp.json()["data"] == [], resp.text  # as unknown as a made-up id
     assert not failures, f"{len(failures)} request(s) leaked:\n" + "\n".join(failures)
 

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from service import crud, finetuned, lifecycle
+from service import crud, finetuned, lifecycle, webhooks
 from service.db import retrying, session_scope
 from service.identity import process_name
 from service.models import Job
@@ -93,6 +93,7 @@ class DatabaseRecorder:
             )
             lifecycle.checkpoint_saved(session=session, job=self.job, final_name=model if final else None)
             lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
+            webhooks.enqueue(session, self.job, "fine_tuning.job.checkpoint.created", checkpoint=name, step_number=step)
             session.commit()
 
         self._write(f"checkpoint {step}", saved)

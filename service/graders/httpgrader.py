@@ -11,26 +11,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from service.egress import url_under
 from service.graders.types import NAN, GraderUnavailable, HttpGrader, Sample, describe, finite_or_nan
 from service.settings import redact_url
 
 __all__ = ["HTTP_GRADER_ATTEMPTS", "HTTP_GRADER_BATCH", "HTTP_GRADER_MAX_BYTES", "grade_http", "url_under"]
-
-
-def url_under(url: str, prefix: str) -> bool:
-    """Same scheme and host (and port), and the path under the prefix's: "https://a.io" does not
-    admit "https://a.io.evil.net/", nor "https://a.io/x" admit "https://a.io/xy"."""
-    from urllib.parse import unquote, urlsplit
-
-    if any(ord(c) < 33 or c == "\\" for c in url):  # control characters, spaces, backslashes: refused
-        return False
-    u, p = urlsplit(url), urlsplit(prefix)
-    if (u.scheme, u.netloc.lower()) != (p.scheme, p.netloc.lower()) or u.scheme not in ("http", "https"):
-        return False
-    if any(segment in (".", "..") for segment in unquote(u.path).split("/")):
-        return False  # "/graders/../admin" would leave the prefix once the client resolves it
-    base = p.path.rstrip("/")
-    return u.path == base or u.path.startswith(base + "/") or not base
 
 
 HTTP_GRADER_ATTEMPTS = 3

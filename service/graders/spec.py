@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from service.egress import url_under
 from service.graders import formula
-from service.graders.httpgrader import url_under
 from service.graders.metrics import EVALUATION_METRICS, MODEL_METRICS
 from service.graders.templates import template_item_keys, validate
 from service.graders.types import (

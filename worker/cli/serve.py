@@ -120,14 +120,17 @@ def _die_with_parent() -> None:
 def _reconcile_forever(parent: int) -> None:
     """At start, then every RLOO_RECONCILE_SECONDS: the embedded Redis started again if it died,
     jobs whose worker died queued again, lost tasks sent again (service.reconcile), leftovers of
-    interrupted uploads swept. Never imports torch."""
+    interrupted uploads swept. Webhook deliveries are sent from threads of this process meanwhile
+    (service.webhooks). Never imports torch."""
     from service.db import database_unreachable, session_scope
     from service.reconcile import queue_length, reconcile
     from service.storage import sweep_uploads
+    from service.webhooks import deliver_forever
 
     settings = get_settings()
     logging.basicConfig(format="[%(asctime)s: %(levelname)s/reconciler] %(message)s", level=logging.INFO)
     log = logging.getLogger("rloo.reconcile")
+    deliver_forever(lambda: os.getppid() == parent)  # webhooks: threads of this process, which never forks
     blind_until = 0.0  # after the database was unreachable: workers may have been cut off as well
     while os.getppid() == parent:
         try:

@@ -1,0 +1,241 @@
+"""Webhooks: the events a project's endpoints get, signed as OpenAI signs them, delivered at least once.
+
+A job's state change (succeeded, failed, cancelled, paused; a checkpoint saved) writes one delivery
+row per endpoint of its project that takes that event type, in the change's own transaction
+(``enqueue``: an outbox). The workers' side sends them (``deliver_due``, in the reconciler's process
+of every training worker), never the API request: a slow or dead receiver delays nothing else.
+
+Each delivery is OpenAI's event, ``{id: "evt_…", object: "event", created_at, type, data: {id}}``,
+POSTed with the Standard Webhooks headers ``webhook-id`` (the delivery's id, the same on every
+attempt), ``webhook-timestamp`` and ``webhook-signature: v1,<base64 HMAC-SHA256 of
+"id.timestamp.body">`` under the endpoint's ``whsec_`` secret, which the ``openai`` SDK's
+``client.webhooks.unwrap`` verifies. A 2xx answer delivers it; a connection error, a time-out, a
+408, 429 or 5xx is tried again after an exponential back-off with jitter, for
+``RLOO_WEBHOOK_RETRY_HOURS``; any other answer fails it. No redirect is followed, an attempt has
+``RLOO_WEBHOOK_TIMEOUT_SECONDS`` in all, and at most 64 KiB of an answer is read. The URL is
+checked again before each attempt (``service.egress``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service import egress
+from service.models import Job, WebhookDelivery, WebhookEndpoint, new_token_id, now
+from service.settings import Settings, redact_url
+
+log = logging.getLogger("rloo.webhooks")
+
+OPENAI_EVENT_TYPES = ("fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
+OUR_EVENT_TYPES = ("fine_tuning.job.paused", "fine_tuning.job.checkpoint.created")
+EVENT_TYPES = OPENAI_EVENT_TYPES + OUR_EVENT_TYPES
+RETRIED_STATUSES = frozenset({408, 429})
+MAX_ANSWER_BYTES = 64 * 1024
+LEASE_SECONDS = 60.0
+"""A delivery being sent is due again after this (its sender died): at least once, never lost."""
+
+
+# Secrets and signatures ---------------------------------------------------------------------------
+def new_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def hint(secret: str) -> str:
+    """What an endpoint shows of its secret after creation (OpenAI's ``signing_secret_hint``)."""
+    return f"whsec_…{secret[-4:]}"
+
+
+def signature(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    signed = f"{webhook_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+
+
+def signing_secrets(endpoint: WebhookEndpoint, at: int) -> list[str]:
+    """The endpoint's secret, and the rotated-out one while it is kept active."""
+    keep_old = endpoint.old_secret and (endpoint.old_secret_until or 0) > at
+    return [endpoint.secret, endpoint.old_secret] if keep_old else [endpoint.secret]  # type: ignore[list-item]
+
+
+def body_of(payload: dict[str, Any]) -> bytes:
+    """The exact bytes sent (and signed): the same on every attempt."""
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+
+
+def headers_for(endpoint: WebhookEndpoint, delivery_id: str, body: bytes, at: int) -> dict[str, str]:
+    return {
+        "content-type": "application/json",
+        "user-agent": "rloo-service-webhooks",
+        "webhook-id": delivery_id,
+        "webhook-timestamp": str(at),
+        "webhook-signature": " ".join(signature(s, delivery_id, at, body) for s in signing_secrets(endpoint, at)),
+    }
+
+
+# The outbox ----------------------------------------------------------------------------------------
+def new_delivery_id() -> str:
+    return new_token_id("msg")
+
+
+def event(event_type: str, job_id: str, **data: Any) -> dict[str, Any]:
+    return {
+        "id": new_token_id("evt"),
+        "object": "event",
+        "created_at": now(),
+        "type": event_type,
+        "data": {"id": job_id, **data},
+    }
+
+
+def enqueue(session: Session, job: Job, event_type: str, **data: Any) -> int:
+    """One delivery of ``event_type`` for ``job`` to each of its project's endpoints that take
+    it, added to ``session`` (committed with the change that caused it). Returns how many."""
+    endpoints = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.project_seq == job.project_seq))
+    payload = event(event_type, job.id, **data)
+    count = 0
+    for endpoint in endpoints:
+        if event_type in (endpoint.event_types or ()):
+            session.add(
+                WebhookDelivery(
+                    endpoint_seq=endpoint.seq, event_type=event_type, payload=payload, next_attempt_at=time.time()
+                )
+            )
+            count += 1
+    return count
+
+
+# Sending -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Attempt:
+    status_code: int | None
+    error: str | None
+
+    @property
+    def delivered(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+    @property
+    def retry(self) -> bool:
+        code = self.status_code
+        return code is None or code >= 500 or code in RETRIED_STATUSES
+
+
+def send(endpoint: WebhookEndpoint, delivery_id: str, payload: dict[str, Any], settings: Settings) -> Attempt:
+    """One attempt: the URL checked again, the event POSTed and signed, the answer judged."""
+    import httpx
+
+    try:
+        egress.check_url(endpoint.url, settings.webhook_urls)
+    except egress.RefusedURL as exc:
+        return Attempt(None, f"refused: {exc}")
+    body = body_of(payload)
+    headers = headers_for(endpoint, delivery_id, body, now())
+    try:
+        with (
+            httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False) as client,
+            client.stream("POST", endpoint.url, content=body, headers=headers) as answer,
+        ):
+            read = 0
+            for chunk in answer.iter_bytes():  # drained up to the cap, so the connection can close cleanly
+                read += len(chunk)
+                if read >= MAX_ANSWER_BYTES:
+                    break
+            return Attempt(answer.status_code, None if answer.is_success else f"answered {answer.status_code}")
+    except httpx.HTTPError as exc:
+        return Attempt(None, f"{type(exc).__name__}: {redact_url(str(exc))}"[:500])
+
+
+def backoff(attempts: int, base: float) -> float:
+    """Seconds before attempt ``attempts + 1``: exponential, at most an hour, with full jitter in
+    its upper half (so receivers that come back are not hit by every sender at once)."""
+    ceiling = min(base * 2 ** max(attempts - 1, 0), 3600.0)
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def deliver_due(session: Session, settings: Settings, *, limit: int = 20) -> int:
+    """Send the deliveries that are due, each claimed first (one conditional UPDATE: two senders
+    never send one at once, and one whose sender died is due again after its lease). Returns how
+    many were attempted."""
+    t = time.time()
+    due = session.execute(
+        select(WebhookDelivery.seq, WebhookDelivery.next_attempt_at)
+        .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= t)
+        .order_by(WebhookDelivery.next_attempt_at)
+        .limit(limit)
+    ).all()
+    session.rollback()
+    attempted = 0
+    for seq, was_due in due:
+        claimed = session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.seq == seq, WebhookDelivery.next_attempt_at == was_due)
+            .values(next_attempt_at=time.time() + LEASE_SECONDS, attempts=WebhookDelivery.attempts + 1)
+        ).rowcount  # type: ignore[attr-defined]
+        session.commit()
+        if not claimed:
+            continue  # another sender has it
+        delivery = session.get(WebhookDelivery, seq, populate_existing=True)
+        endpoint = session.get(WebhookEndpoint, delivery.endpoint_seq, populate_existing=True) if delivery else None
+        if delivery is None or endpoint is None:
+            continue  # its endpoint was deleted meanwhile
+        session.rollback()  # no transaction held while the receiver answers
+        attempt = send(endpoint, delivery.id, delivery.payload, settings)
+        attempted += 1
+        _record(session, delivery, attempt, settings)
+    return attempted
+
+
+def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, settings: Settings) -> None:
+    values: dict[str, Any] = {"last_status_code": attempt.status_code, "last_error": attempt.error}
+    given_up = time.time() - delivery.created_at > settings.webhook_retry_hours * 3600
+    if attempt.delivered:
+        values.update(status="delivered", delivered_at=now())
+    elif attempt.retry and not given_up:
+        values["next_attempt_at"] = time.time() + backoff(delivery.attempts, settings.webhook_retry_base_seconds)
+    else:
+        values["status"] = "failed"
+        log.info("webhook delivery %s failed after %d attempts: %s", delivery.id, delivery.attempts, attempt.error)
+    session.execute(update(WebhookDelivery).where(WebhookDelivery.seq == delivery.seq).values(**values))
+    session.commit()
+
+
+SENDERS = 4
+"""Threads sending deliveries in each reconciler process: a receiver that takes its whole time
+holds one of them, not every delivery."""
+
+
+def deliver_forever(keep_going: Callable[[], bool], *, poll_seconds: float = 1.0) -> None:
+    """Send due deliveries while ``keep_going()``: in ``SENDERS`` threads, each polling the outbox
+    every ``poll_seconds`` when it found nothing to send."""
+    import threading
+
+    from service.db import session_scope
+    from service.settings import get_settings
+
+    def loop() -> None:
+        settings = get_settings()
+        while keep_going():
+            sent = 0
+            try:
+                with session_scope() as session:
+                    sent = deliver_due(session, settings)
+            except Exception as exc:  # the database is away: try again shortly
+                log.warning("webhook deliveries: %s", exc)
+            if not sent:
+                time.sleep(poll_seconds)
+
+    for i in range(SENDERS):
+        threading.Thread(target=loop, name=f"webhooks-{i}", daemon=True).start()
