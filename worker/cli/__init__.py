@@ -6,12 +6,14 @@ the processes that train):
 * ``admin``: ``rloo db upgrade``, ``rloo keys create|revoke|list``;
 * ``serve``: ``rloo api``, ``rloo worker`` (and the reconciler a training worker runs);
 * ``stack``: ``rloo up``, the local stack as child processes;
-* ``run``: ``rloo train``, ``rloo demo`` (``demo`` holds the demo itself).
+* ``run``: ``rloo train``, ``rloo demo`` (``demo`` holds the demo itself);
+* ``client``: ``rloo files|jobs|checkpoints|graders …``, any server over HTTP (``http``: the
+  requests and streams; ``watch``: ``rloo jobs watch``).
 """
 
 from __future__ import annotations
 
-from worker.cli import admin, run, serve, stack  # noqa: F401 (each registers its commands)
+from worker.cli import admin, client, run, serve, stack  # noqa: F401 (each registers its commands)
 from worker.cli.app import app
 
 
