@@ -19,7 +19,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from service import lifecycle
-from service.models import ApiKey, Checkpoint, File, Job, JobMetric, Project, now
+from service.models import ApiKey, Checkpoint, File, Job, JobMetric, JobSample, Project, now
 
 KEY_PREFIX = "rloo-"
 
@@ -166,6 +166,19 @@ def upsert_metrics(*, session: Session, job: Job, step: int, data: dict[str, Any
         index_elements=["job_seq", "step"], set_={"data": stmt.excluded.data, "created_at": stmt.excluded.created_at}
     )
     session.execute(stmt)
+
+
+def upsert_samples(*, session: Session, job: Job, step: int, groups: list[Any]) -> None:
+    """The step's samples, or overwrite them if the step ran before (a replay after a crash)."""
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    stmt = insert(JobSample).values(job_seq=job.seq, step=step, groups=groups, created_at=now())
+    stmt = stmt.on_conflict_do_update(index_elements=["job_seq", "step"], set_={"groups": stmt.excluded.groups})
+    session.execute(stmt)
+
+
+def list_samples(*, session: Session, job: Job, after_step: int, limit: int) -> Sequence[JobSample]:
+    query = select(JobSample).where(JobSample.job_seq == job.seq, JobSample.step > after_step)
+    return session.scalars(query.order_by(JobSample.step).limit(limit)).all()
 
 
 def list_metrics(*, session: Session, job: Job) -> Sequence[JobMetric]:

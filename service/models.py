@@ -143,6 +143,21 @@ class JobMetric(Base):
     __table_args__ = (UniqueConstraint("job_seq", "step", name="uq_job_metrics_job_step"),)
 
 
+class JobSample(Base):
+    """A recorded step's prompts with their completions, rewards and advantages (``worker.samples``).
+    Unique on (job, step), as metrics are."""
+
+    __tablename__ = "job_samples"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    groups: Mapped[list[Any]] = mapped_column()
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+    __table_args__ = (UniqueConstraint("job_seq", "step", name="uq_job_samples_job_step"),)
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
 

@@ -160,6 +160,15 @@ class Hyperparameters(TrainingHyperparameters):
     stop: list[str] | None = Field(
         None, description="Up to 4 strings that end a completion (kept in its tokens, cut from the graded text)."
     )
+    sample_interval: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description="Record a few prompts with their completions every N steps (and the last); 0: never.",
+    )
+    sample_groups: int = Field(
+        2, ge=1, le=16, description="Prompts a recorded step keeps, each with its rloo_k completions."
+    )
 
     @field_validator("stop")
     @classmethod

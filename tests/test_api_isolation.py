@@ -45,6 +45,7 @@ ID_ROUTES = [
     ("POST", "/v1/fine_tuning/jobs/{job_id}/resume"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/events"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/metrics"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/samples"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content"),
     ("GET", "/v1/models/{model_id:path}"),

@@ -178,5 +178,6 @@ def test_demo_runs_a_job_over_http_and_reports_it(tmp_path: Path, models_dir: Pa
     assert re.search(r"steps:\s+2\b", out.stdout), out.stdout
     final = re.search(r"on disk:\s+(\S+)", out.stdout)
     assert final and (Path(final.group(1)) / "config.json").is_file(), out.stdout
+    assert "what the reward looks like" in out.stdout and re.search(r"best at step 2 \(reward", out.stdout), out.stdout
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)

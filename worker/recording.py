@@ -98,6 +98,13 @@ class DatabaseRecorder:
 
         self._write(f"checkpoint {step}", saved)
 
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        def record(session: Any) -> None:
+            crud.upsert_samples(session=session, job=self.job, step=step, groups=groups)
+            session.commit()
+
+        self._write(f"samples {step}", record)
+
     def checkpoint_removed(self, step: int) -> None:
         def removed(session: Any) -> None:
             crud.remove_checkpoint(session=session, job=self.job, step=step)

@@ -25,6 +25,10 @@ class Recorder(Protocol):
     def checkpoint_removed(self, step: int) -> None:
         """``keep_checkpoints`` deleted the checkpoint of ``step`` from disk."""
 
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        """A few of the step's prompts with their completions, rewards and advantages
+        (``worker.samples``)."""
+
 
 class JobError(Exception):
     """A failure with a code users can act on (``error.code`` on the job)."""
@@ -68,3 +72,9 @@ class StdoutRecorder:
     def checkpoint_removed(self, step: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c["step"] != step]
         self.event(f"checkpoint at step {step} removed (keep_checkpoints)")
+
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        from worker.samples import best_and_worst
+
+        for label, completion in best_and_worst(groups):
+            self.event(f"step {step} {label} completion (reward {completion['reward']}): {completion['text']!r}")

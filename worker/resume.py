@@ -25,7 +25,16 @@ from worker.records import JobError, Recorder
 from worker.run import Run
 
 RESUMABLE_CHANGES = frozenset(
-    {"max_steps", "n_epochs", "checkpoint_interval", "keep_checkpoints", "eval_interval", "eval_samples"}
+    {
+        "max_steps",
+        "n_epochs",
+        "checkpoint_interval",
+        "keep_checkpoints",
+        "eval_interval",
+        "eval_samples",
+        "sample_interval",
+        "sample_groups",
+    }
 )
 """Hyperparameters a resumed run may change: they do not alter what was learned so far."""
 

@@ -41,6 +41,7 @@ from worker.resume import preserved_rng
 from worker.rewards import score_batch
 from worker.rollout import Rollout, completion_logprobs
 from worker.run import Run
+from worker.samples import is_sample_step, sample_groups
 
 
 def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
@@ -120,6 +121,10 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         )
         _report_grader_errors(graded, step, counters, recorder)
         metrics.update(grader_metrics(graded))
+        if is_sample_step(step, run.total_steps, hp.sample_interval):
+            recorder.samples(
+                step, sample_groups(prompts, ro.texts, rewards, update.advantages, groups=hp.sample_groups)
+            )
         if is_eval_step(run, step):
             with run.autocast:
                 metrics["valid_reward_mean"] = counters["valid_reward_mean"] = evaluate(run)

@@ -395,6 +395,26 @@ async def list_metrics(
     return JSON({"object": "list", "data": data, "has_more": False})
 
 
+@router.get("/{job_id}/samples", summary="What the reward looks like: recorded prompts and completions, oldest first")
+async def list_samples(
+    session: SessionDep,
+    project: ProjectDep,
+    job_id: str,
+    after_step: Annotated[int, Query(ge=0, le=MAX_STEP, description="Steps after this one.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=100, description="Recorded steps a page.")] = 20,
+) -> JSON:
+    """Every ``sample_interval`` steps (and the last) of a reinforcement job: ``sample_groups``
+    prompts, each with its completions' text, reward (null where unscored) and advantage."""
+
+    def read() -> list[dict[str, Any]]:
+        job = _job(session, project, job_id)
+        rows = crud.list_samples(session=session, job=job, after_step=after_step, limit=limit + 1)
+        return [{"object": "fine_tuning.job.samples", "step": r.step, "groups": r.groups} for r in rows]
+
+    rows = await run_db(session, read)
+    return JSON({"object": "list", "data": rows[:limit], "has_more": len(rows) > limit})
+
+
 def _step_cursor(last_event_id: str) -> int:
     if not (last_event_id.isdigit() and int(last_event_id) <= MAX_STEP):
         raise bad_request("Last-Event-ID of a metrics stream is a step number.", "Last-Event-ID")

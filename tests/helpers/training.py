@@ -31,6 +31,7 @@ class ListRecorder:
         self.events: list[str] = []
         self.stop_at, self.stop_as = stop_at, stop_as
         self.removed: list[int] = []
+        self.samples_by_step: dict[int, list[dict[str, Any]]] = {}
 
     def event(self, message: str, level: str = "info") -> None:
         self.events.append(message)
@@ -45,6 +46,9 @@ class ListRecorder:
 
     def checkpoint_removed(self, step: int) -> None:
         self.removed.append(step)
+
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        self.samples_by_step[step] = groups
 
 
 def config(

@@ -8,7 +8,6 @@ reward curve, the first-vs-last reward and where the final checkpoint is.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from service.settings import get_settings
 from worker.checkpoints import checkpoint_dir, job_checkpoints_dir
+from worker.cli.watch import best_and_worst_line, sparkline
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
@@ -35,19 +35,6 @@ def build_models(models_dir: Path, console: Console) -> None:
         with console.status("building a tiny reward model offline"):
             build_tiny_reward_model(reward, tokenizer_from=policy, seed=1)
     console.print(f"models: [bold]{policy}[/], [bold]{reward}[/]")
-
-
-def sparkline(values: list[float], width: int = 60) -> str:
-    """A one-line reward curve (each column a bucket of steps, the mean of its rewards)."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    if not finite:
-        return ""
-    bars = "▁▂▃▄▅▆▇█"
-    buckets = max(1, math.ceil(len(values) / width))
-    means = [sum(chunk) / len(chunk) for i in range(0, len(finite), buckets) if (chunk := finite[i : i + buckets])]
-    lo, hi = min(means), max(means)
-    span = (hi - lo) or 1.0
-    return "".join(bars[min(len(bars) - 1, int((m - lo) / span * (len(bars) - 1) + 0.5))] for m in means)
 
 
 def follow(http: httpx.Client, job: dict[str, Any], console: Console) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -147,4 +134,12 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
         soft_wrap=True,
     )
     console.print(f"  load it:                AutoModelForCausalLM.from_pretrained('{path}')", soft_wrap=True)
+    samples = http.get(f"/fine_tuning/jobs/{job['id']}/samples", params={"after_step": len(series) - 1}).json()["data"]
+    if samples:
+        console.print()
+        console.print(
+            f"[bold]what the reward looks like[/] (GET /v1/fine_tuning/jobs/{job['id']}/samples)", soft_wrap=True
+        )
+        for line in best_and_worst_line(samples[-1]["groups"], samples[-1]["step"]):
+            console.print(line, soft_wrap=True, markup=False)
     return 0
