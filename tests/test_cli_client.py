@@ -70,7 +70,8 @@ def test_create_watch_download_and_merge(stack: LiveStack, tmp_path: Path, model
     made = rloo(stack, "jobs", "create", str(tmp_path / "job.json"), "--training-file", str(train), "--watch")
     assert made.returncode == 0, made.stdout + made.stderr
     assert step_lines(made.stdout) == [1, 2] and "reward" in made.stdout
-    assert "best at step 2 (reward" in made.stdout and "worst at step 2 (reward" in made.stdout  # the last step's samples
+    # The last step's samples:
+    assert "best at step 2 (reward" in made.stdout and "worst at step 2 (reward" in made.stdout
     job_id = made.stderr.split("created ")[1].split()[0]
     assert made.stdout.strip().endswith(f"{job_id} succeeded")
 
