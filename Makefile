@@ -12,7 +12,8 @@ PORT ?= 8000
 
 install: $(STAMP) system-packages
 
-# bubblewrap, the python graders' sandbox (Debian's package; .ci/system-packages says what it does).
+# bubblewrap (the python graders' sandbox) and chromium (the dashboard's tests): Debian's packages;
+# .ci/system-packages says what it does.
 system-packages:
 	@.ci/system-packages
 

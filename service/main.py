@@ -20,7 +20,7 @@ from service.errors import APIError
 from service.lifecycle import JobStatus
 from service.limits import AuthMiddleware, BodyLimitMiddleware
 from service.models import Job
-from service.routes import files, graders, jobs, models, webhooks
+from service.routes import dashboard, files, graders, jobs, models, webhooks
 from service.settings import get_settings
 
 log = logging.getLogger("rloo.api")
@@ -72,6 +72,7 @@ def create_app() -> FastAPI:
     app.include_router(graders.router)
     app.include_router(models.router)
     app.include_router(webhooks.router)
+    dashboard.install(app)
 
     @app.get("/healthz", tags=["ops"], summary="The process is alive")
     async def healthz() -> dict[str, str]:

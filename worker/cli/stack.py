@@ -215,7 +215,7 @@ def up_banner(url: str, key: str, settings: Any) -> str:
 
     return "\n".join(
         [
-            f"\nrloo-service is up at {url}  (docs: {url}/docs)",
+            f"\nrloo-service is up at {url}  (dashboard: {url}/, docs: {url}/docs)",
             f"  database:  {redact(settings.database_url)}",
             f"  broker:    {redact(settings.redis_url)}",
             f"  models:    {settings.models_dir}",

@@ -1,0 +1,100 @@
+"""The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright) against a
+live stack: the key typed once, the jobs page, a job page whose reward curve draws the job's own
+points and gains a new step without a reload, the cancel button, the files page and the grader
+playground; no JavaScript error in the console throughout. A screenshot of the job page is saved
+(``RLOO_DASHBOARD_SCREENSHOT``, or the test's temporary directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.data import EXAMPLES, job_body
+from tests.helpers.live import live_stack, upload_path
+from tests.helpers.scoring import Endpoint
+
+pytestmark = pytest.mark.e2e
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _slow_scores(n: int, body: dict[str, Any]) -> tuple[int, Any]:
+    time.sleep(0.5)  # a step every half second or so: the page watches it train
+    return 200, {"scores": [len(s["sample"]["output_text"]) % 3 / 2 for s in body["samples"]]}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: .ci/system-packages installs it")
+def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, models_dir: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    scorer = Endpoint(_slow_scores)
+    env = {"RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{scorer.server.server_port}/"])}
+    try:
+        with live_stack("embedded", tmp_path, models_dir, env=env) as stack, sync_playwright() as pw:
+            http = stack.http
+            stack.start("graders", "worker", "--queue", stack.env.get("RLOO_QUEUE", "rloo") + "-graders")
+            file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+            body = job_body(file_id, hp={"max_steps": 40, "rloo_k": 4, "sample_interval": 2})
+            body["method"]["reinforcement"]["grader"] = {"type": "http", "name": "slow", "url": scorer.url}
+            job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            problems: list[str] = []
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+
+            # GET / is the dashboard; it asks for the key once, and keeps it out of every URL.
+            page.goto(stack.url + "/")
+            assert page.url.endswith("/dashboard/")
+            page.fill("#key", stack.key)
+            page.click("#login button[type=submit]")
+            page.wait_for_selector(f"#jobs a[href='#/jobs/{job_id}']")
+            assert stack.key not in page.url
+            assert page.evaluate("sessionStorage.getItem('rloo-key')") == stack.key
+
+            # The job page: the reward curve draws the job's own points, and grows without a reload.
+            page.click(f"#jobs a[href='#/jobs/{job_id}']")
+            curve = "canvas[data-metric=train_reward_mean]"
+            page.wait_for_function(f"(document.querySelector('{curve}').points || []).length >= 3", timeout=120_000)
+            drawn = page.evaluate(f"document.querySelector('{curve}').points")
+            rows = {
+                m["step"]: m["train_reward_mean"]
+                for m in http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+            }
+            assert [p[0] for p in drawn] == list(range(1, len(drawn) + 1))
+            assert all(p[1] == pytest.approx(rows[p[0]]) for p in drawn)  # the job's points, not made up
+            n = len(drawn)
+            page.wait_for_function(f"document.querySelector('{curve}').points.length > {n}", timeout=60_000)
+            blue = page.evaluate(
+                f"""(() => {{ const c = document.querySelector('{curve}');
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;
+                for (let i = 0; i < d.length; i += 4) if (d[i + 2] > 180 && d[i] < 120) n++; return n; }})()"""
+            )
+            assert blue > 50, blue  # a line was drawn, not only a frame
+            page.wait_for_selector("#events div")
+            page.wait_for_selector("#samples th >> text=/step \\d+: prompt/", timeout=60_000)  # what it rewarded
+            page.screenshot(
+                path=str(Path(os.environ.get("RLOO_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))), full_page=True
+            )
+
+            # The cancel button cancels the running job.
+            page.click("#cancel")
+            page.wait_for_selector("#status.status-cancelled", timeout=60_000)
+            assert http.get(f"/fine_tuning/jobs/{job_id}").json()["status"] == "cancelled"
+
+            # The files page and the grader playground.
+            page.goto(stack.url + "/dashboard/#/files")
+            page.wait_for_selector(f"#files td >> text={file_id}")
+            page.goto(stack.url + "/dashboard/#/graders")
+            page.click("#run")
+            page.wait_for_selector("#result >> text=reward 1")
+            browser.close()
+            assert problems == [], problems
+    finally:
+        scorer.close()
