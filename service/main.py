@@ -11,15 +11,14 @@ from typing import Any
 import redis
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse
-from sqlalchemy import func, select, text
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sqlalchemy import text
 
 from service import errors, openapi
+from service import prometheus as prometheus_module
 from service.db import get_engine, session_scope
 from service.errors import APIError
-from service.lifecycle import JobStatus
 from service.limits import AuthMiddleware, BodyLimitMiddleware
-from service.models import Job
 from service.routes import dashboard, files, graders, jobs, models, webhooks
 from service.settings import get_settings
 
@@ -63,6 +62,9 @@ def create_app() -> FastAPI:
     )
     # Outside the key check, which reads the database too: an unreachable database is a 503 anywhere.
     app.add_middleware(errors.DatabaseUnavailableMiddleware)
+    prometheus = prometheus_module.Metrics()
+    # Outermost: a request's whole time, the key check and the limits included.
+    app.add_middleware(prometheus_module.RequestTimer, metrics=prometheus)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
@@ -114,14 +116,10 @@ def create_app() -> FastAPI:
             403: {"description": "Not this host's loopback, and RLOO_METRICS_TOKEN is not set.", **error},
         },
     )
-    def metrics(request: Request) -> PlainTextResponse:
+    def metrics(request: Request) -> Response:
+        """Jobs, the queue, steps and request latency (service.prometheus)."""
         _metrics_allowed(request, settings.metrics_token)
-        lines = ["# HELP rloo_jobs Jobs by status.", "# TYPE rloo_jobs gauge"]
-        with session_scope() as session:
-            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-        for status in JobStatus:
-            lines.append(f'rloo_jobs{{status="{status}"}} {counts.get(status.value, 0)}')
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(prometheus.scrape(), media_type=prometheus_module.CONTENT_TYPE)
 
     openapi.install(app)
     return app

@@ -88,6 +88,8 @@ RLOO_DEFAULTS = {
     "precision": "auto",
     "gradient_checkpointing": False,
     "keep_checkpoints": None,
+    "sample_interval": 10,
+    "sample_groups": 2,
 }
 
 

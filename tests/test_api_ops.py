@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers.api import (
     assert_error,
     create_job,
@@ -74,25 +76,46 @@ def test_broker_down_readyz_503_and_jobs_still_created(monkeypatch, env, auth, t
     queue.client.cache_clear()
 
 
-def _job_gauge(text: str, status: str) -> int:
-    match = re.search(rf'^rloo_jobs\{{status="{status}"\}} (\d+)$', text, re.M)
-    assert match, text
-    return int(match.group(1))
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape, parsed back with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
-def test_prometheus_metrics_count_jobs(client, auth) -> None:
+def test_prometheus_metrics_count_jobs_steps_and_requests(client, auth) -> None:
+    from service import crud
+    from service.db import session_scope
+
     resp = client.get("/metrics")
-    assert resp.status_code == 200
-    assert resp.headers["content-type"].startswith("text/plain")
-    assert "# TYPE rloo_jobs gauge" in resp.text
-    assert _job_gauge(resp.text, "queued") == 0
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    first = _samples(resp.text)
+    assert first[("rloo_jobs", (("status", "queued"),))] == 0 and first[("rloo_queue_depth", ())] == 0
+    assert first[("rloo_oldest_queued_job_age_seconds", ())] == 0
     f = upload_ok(client, auth)
     jobs = [create_job(client, auth, job_body(f["id"], seed=i)) for i in range(2)]
-    text = client.get("/metrics").text
-    assert _job_gauge(text, "queued") == 2 and _job_gauge(text, "cancelled") == 0
     client.post(f"/v1/fine_tuning/jobs/{jobs[0]['id']}/cancel", headers=auth)
-    text = client.get("/metrics").text
-    assert _job_gauge(text, "queued") == 1 and _job_gauge(text, "cancelled") == 1
+    with session_scope() as session:  # three steps recorded as a worker records them
+        job = crud.get_job_by_id(session=session, job_id=jobs[1]["id"])
+        for step, seconds in ((1, 0.3), (2, 0.7), (3, 4.0)):
+            data = {"time_step": seconds, "completions_per_s": 64 / seconds}
+            crud.upsert_metrics(session=session, job=job, step=step, data=data)
+        session.commit()
+    got = _samples(client.get("/metrics").text)
+    assert got[("rloo_jobs", (("status", "queued"),))] == 1 and got[("rloo_jobs", (("status", "cancelled"),))] == 1
+    assert got[("rloo_queue_depth", ())] == 1 and got[("rloo_oldest_queued_job_age_seconds", ())] >= 0
+    assert got[("rloo_steps_total", ())] == 3 and got[("rloo_completions_total", ())] == 3 * 64
+    assert got[("rloo_step_seconds_count", ())] == 3 and got[("rloo_step_seconds_sum", ())] == pytest.approx(5.0)
+    assert got[("rloo_step_seconds_bucket", (("le", "1.0"),))] == 2  # 0.3 and 0.7
+    created = ("method", "POST"), ("route", "/v1/fine_tuning/jobs"), ("status", "200")
+    assert got[("rloo_http_request_duration_seconds_count", created)] == 2
+    cancel = ("method", "POST"), ("route", "/v1/fine_tuning/jobs/{job_id}/cancel"), ("status", "200")
+    assert got[("rloo_http_request_duration_seconds_count", cancel)] == 1  # by template, not by id
+    assert _samples(client.get("/metrics").text)[("rloo_steps_total", ())] == 3  # each row counted once
 
 
 def test_unknown_url_is_404(client, auth) -> None:
