@@ -15,6 +15,22 @@ from service.schemas import AnyResolved, Hyperparameters, JobCreate, ResolvedHyp
 from service.settings import Settings
 
 
+def wandb_missing() -> str | None:
+    """Why this server cannot log a job to Weights & Biases (its workers share its environment:
+    compose gives both the same one), or None: the package, and a key unless W&B runs offline."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("wandb") is None:
+        return "The wandb integration needs the wandb package on this server: pip install 'rloo-service[wandb]'."
+    if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        return (
+            "The wandb integration needs WANDB_API_KEY in the server's and workers' environment "
+            "(or WANDB_MODE=offline); the operator sets it."
+        )
+    return None
+
+
 def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader | None, AnyResolved]:
     """Everything checkable without the dataset: returns the parsed grader (None for a method
     without one) and the resolved hyperparameters.
@@ -25,8 +41,10 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
     prefix = f"method.{method.type}"
     if body.hyperparameters:
         raise bad_request(f"Put hyperparameters under {prefix}.hyperparameters.", "hyperparameters")
-    if body.integrations:
-        raise bad_request("Integrations are not supported by this server; remove them.", "integrations")
+    for i, _ in enumerate(body.integrations or []):
+        missing = wandb_missing()
+        if missing:
+            raise bad_request(missing, f"integrations.{i}")
     if not finetuned.is_fine_tuned(body.model):  # a fine-tuned model's id is the route's to find
         check_context(
             body, resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")

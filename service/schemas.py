@@ -355,6 +355,30 @@ def method_family(method_type: str) -> str:
     return "reinforcement" if method_type == "rloo" else method_type
 
 
+class WandbSpec(Strict):
+    """OpenAI's Weights & Biases settings of a job: the run's project, name (the job id if none),
+    entity and tags."""
+
+    project: str = Field(min_length=1, max_length=128)
+    name: str | None = Field(None, min_length=1, max_length=128)
+    entity: str | None = Field(None, min_length=1, max_length=128)
+    tags: list[str] | None = Field(None, max_length=50)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(1 <= len(t) <= 64 for t in v):
+            raise ValueError("each tag is 1 to 64 characters")
+        return v
+
+
+class Integration(Strict):
+    """OpenAI's ``integrations`` item: ``{type: "wandb", wandb: {...}}``."""
+
+    type: Literal["wandb"]
+    wandb: WandbSpec
+
+
 class JobCreate(Strict):
     model: str = Field(min_length=1, max_length=512, description="Model directory under the models root.")
     training_file: str = Field(min_length=1, max_length=64)
@@ -365,7 +389,7 @@ class JobCreate(Strict):
     method: Method | None = Field(None, description="How to train; none at all means supervised (OpenAI's default).")
     # OpenAI's deprecated spelling of a supervised job's hyperparameters (method.supervised.hyperparameters).
     hyperparameters: SupervisedHyperparameters | None = None
-    integrations: list[Any] | None = None
+    integrations: list[Integration] | None = Field(None, max_length=5)
 
     @model_validator(mode="after")
     def _default_method(self) -> JobCreate:

@@ -43,6 +43,8 @@ class TrainConfig:
     """The operator's settings a run needs (``worker_extra``)."""
     method: str = "reinforcement"
     """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
+    integrations: list[dict[str, Any]] = field(default_factory=list)
+    """OpenAI's ``integrations`` of the job (``worker.wandb_recorder``)."""
     init_from: tuple[Path, ...] = ()
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
     weights, applied in order (``service.finetuned.Source.chain``): a full model's weights loaded,

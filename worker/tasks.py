@@ -225,6 +225,7 @@ def _train(job: Job) -> Any:
         extra=worker_extra(settings),
         method=method_family(job.method["type"]),
         init_from=init_from,
+        integrations=list(job.integrations or []),
     )
     return train(cfg, DatabaseRecorder(job))
 

@@ -45,16 +45,20 @@ from worker.samples import is_sample_step, sample_groups
 
 
 def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
-    """Run ``cfg`` to its end (or a pause, a cancel): the loop of its method."""
-    if cfg.method == "supervised":
-        from worker.supervised import train_supervised
+    """Run ``cfg`` to its end (or a pause, a cancel): the loop of its method, its integrations
+    (W&B) recording beside ``recorder``."""
+    from worker.wandb_recorder import recording
 
-        return train_supervised(cfg, recorder)
-    if cfg.method == "dpo":
-        from worker.dpo import train_dpo
+    with recording(cfg, recorder) as recorder:
+        if cfg.method == "supervised":
+            from worker.supervised import train_supervised
 
-        return train_dpo(cfg, recorder)
-    return train_rloo(cfg, recorder)
+            return train_supervised(cfg, recorder)
+        if cfg.method == "dpo":
+            from worker.dpo import train_dpo
+
+            return train_dpo(cfg, recorder)
+        return train_rloo(cfg, recorder)
 
 
 def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:

@@ -55,7 +55,7 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
         "finished_at": job.finished_at,
         "estimated_finish": estimated,
         "error": job.error,
-        "integrations": [],
+        "integrations": job.integrations or [],
         "progress": {"step": job.step, "total_steps": job.total_steps},
     }
 
@@ -128,6 +128,7 @@ def create_job(
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
         suffix=body.suffix,
         metadata_=body.metadata,
+        integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
         method=method_object,
         hyperparameters=stored_hp,
         status=JobStatus.QUEUED.value,
