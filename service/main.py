@@ -14,7 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sqlalchemy import text
 
-from service import errors, openapi
+from service import errors, logs, openapi
 from service import prometheus as prometheus_module
 from service.db import get_engine, session_scope
 from service.errors import APIError
@@ -41,6 +41,7 @@ async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
 
 def create_app() -> FastAPI:
     settings = get_settings()
+    logs.configure(settings.log_format)
     app = FastAPI(
         title="rloo-service",
         version="0.1.0",

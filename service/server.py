@@ -117,12 +117,14 @@ def serve(*, host: str, port: int, workers: int) -> None:
     import uvicorn
 
     settings = get_settings()
+    log_config = None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG
     uvicorn.run(
         "service.main:app",
         host=host,
         port=port,
         workers=workers,
         log_level="info",
+        log_config=log_config,
         proxy_headers=True,
         access_log=False,
         http="service.server:GuardedHttpToolsProtocol",

@@ -79,6 +79,9 @@ class Settings(BaseSettings):
         default_factory=list,
         description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",
     )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text, or json: one JSON object a line, with the job id of each line about a job."
+    )
     webhook_urls: list[str] = Field(
         default_factory=list,
         description="URL prefixes webhooks may be sent to besides public https URLs (JSON list): the only way "

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -44,6 +45,7 @@ OUR_EVENT_TYPES = ("fine_tuning.job.paused", "fine_tuning.job.checkpoint.created
 EVENT_TYPES = OPENAI_EVENT_TYPES + OUR_EVENT_TYPES
 RETRIED_STATUSES = frozenset({408, 429})
 MAX_ANSWER_BYTES = 64 * 1024
+ATTEMPTS = Counter("rloo_webhook_deliveries", "Webhook delivery attempts this process made, by outcome.", ["outcome"])
 LEASE_SECONDS = 60.0
 """A delivery being sent is due again after this (its sender died): at least once, never lost."""
 
@@ -203,10 +205,13 @@ def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, setti
     given_up = time.time() - delivery.created_at > settings.webhook_retry_hours * 3600
     if attempt.delivered:
         values.update(status="delivered", delivered_at=now())
+        ATTEMPTS.labels("delivered").inc()
     elif attempt.retry and not given_up:
         values["next_attempt_at"] = time.time() + backoff(delivery.attempts, settings.webhook_retry_base_seconds)
+        ATTEMPTS.labels("retry").inc()
     else:
         values["status"] = "failed"
+        ATTEMPTS.labels("failed").inc()
         log.info("webhook delivery %s failed after %d attempts: %s", delivery.id, delivery.attempts, attempt.error)
     session.execute(update(WebhookDelivery).where(WebhookDelivery.seq == delivery.seq).values(**values))
     session.commit()

@@ -59,3 +59,32 @@ def test_python_graders_override_lets_bubblewrap_run_in_the_containers_that_need
     for service in base.values():  # the default stack keeps Docker's profiles: python graders are off
         assert "security_opt" not in service
     assert re.search(r"apt-get install .*bubblewrap", (ROOT / "docker" / "Dockerfile").read_text())
+
+
+def test_every_compose_command_of_our_image_exists() -> None:
+    """Each service of the rloo-service image runs a command and options that exist (their --help
+    answers and names each option), and the health checks ask the ports those commands open."""
+    import subprocess
+    import sys
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    ours = {name: s for name, s in services.items() if s.get("image") == "rloo-service:latest"}
+    assert {"api", "worker", "flower", "grader-worker", "migrate"} <= set(ours)
+    for name, service in ours.items():
+        command = service["command"]
+        program, args = command[0], command[1:]
+        if program == "rloo":
+            subcommand = [a for a in args if not a.startswith("-")][:2] if args[0] == "db" else args[:1]
+            argv = [sys.executable, "-m", "worker.cli", *subcommand, "--help"]
+        else:
+            assert program == "celery", name
+            argv = [sys.executable, "-m", "celery", *args, "--help"]
+            args = args[args.index("flower") + 1 :]  # (--app is celery's own; the app must import)
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, (name, out.stderr)
+        for option in (a for a in args if a.startswith("--")):
+            assert option in out.stdout, (name, option)
+    assert "8000/readyz" in " ".join(services["api"]["healthcheck"]["test"])
+    assert "9100/healthz" in " ".join(services["worker"]["healthcheck"]["test"])
+    assert ours["worker"]["command"][-2:] == ["--metrics-port", "9100"]
+    assert ours["flower"]["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")

@@ -16,9 +16,10 @@ Broker settings are chosen for tasks that run for hours:
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import after_setup_logger, after_setup_task_logger, worker_process_init
 
 from service.queue import RUN_JOB_TASK
 from service.settings import get_settings
@@ -100,3 +101,14 @@ def wait_for_preload() -> None:
     tree at once can see a partly initialised module."""
     if _PRELOAD is not None:
         _PRELOAD.join()
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger: Any = None, **_: object) -> None:
+    """RLOO_LOG_FORMAT=json: Celery's handlers too write JSON lines (``service.logs``)."""
+    from service.logs import JsonFormatter
+
+    if get_settings().log_format == "json" and logger is not None:
+        for handler in logger.handlers:
+            handler.setFormatter(JsonFormatter())

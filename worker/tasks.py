@@ -30,7 +30,15 @@ log = logging.getLogger("rloo.worker")
 
 @app.task(name=RUN_JOB_TASK, Request="worker.requests:JobRequest")  # acks_late and the rest: worker.celery_app
 def run_job(job_id: str) -> str:
-    """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains."""
+    """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains.
+    Every line it logs names the job (``service.logs``)."""
+    from service.logs import job_scope
+
+    with job_scope(job_id):
+        return _run_job(job_id)
+
+
+def _run_job(job_id: str) -> str:
     settings = get_settings()
     with session_scope() as session:
         job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())

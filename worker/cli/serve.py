@@ -41,6 +41,10 @@ def worker(
         str | None, typer.Option(metavar="QUEUE", help="Queue to consume (default: the training queue).")
     ] = None,
     loglevel: Annotated[str, typer.Option(metavar="LEVEL", help="DEBUG, INFO, WARNING…")] = "INFO",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(metavar="PORT", help="Serve this worker's Prometheus metrics (and health) on PORT."),
+    ] = None,
 ) -> None:
     """Run a Celery worker: a training worker runs one job at a time, in a child process replaced
     after each job; a graders worker (--queue <queue>-graders) runs grader dry runs.
@@ -49,6 +53,7 @@ def worker(
     Examples:
       rloo worker                          # one per GPU
       rloo worker --queue rloo-graders     # grader dry runs
+      rloo worker --metrics-port 9100      # its metrics at :9100/metrics
     """
     # Celery warns a worker run as root that a pickled message would run code as root. These
     # workers accept JSON only (worker.celery_app), and python graders drop to an unprivileged uid
@@ -66,7 +71,9 @@ def worker(
     typer.echo(f"python graders: {status(settings)}", err=True)
     training = queue is None or queue == settings.queue
     if training:  # the training workers watch the training jobs
-        _start_reconciler()
+        _start_reconciler(metrics_port)
+    elif metrics_port is not None:
+        typer.echo("--metrics-port: only a training worker serves metrics (its reconciler does)", err=True)
     graders = not training and queue == grader_queue()
     pool = (
         # Dry runs are short: long-lived processes that keep their models loaded, a few at once.
@@ -91,7 +98,7 @@ def worker(
     )
 
 
-def _start_reconciler() -> None:
+def _start_reconciler(metrics_port: int | None = None) -> None:
     """The reconciler runs in a process of its own, forked now, while this process has one thread.
     Not a thread of the Celery parent: that parent forks a pool process for every job, and a fork
     taken while the thread held a lock (a module being imported, the logging lock) leaves that lock
@@ -100,6 +107,10 @@ def _start_reconciler() -> None:
     if os.fork() == 0:
         try:
             _die_with_parent()
+            if metrics_port is not None:
+                from worker.metrics_server import serve_metrics
+
+                serve_metrics(metrics_port)
             _reconcile_forever(parent)
         finally:
             os._exit(0)
@@ -123,12 +134,14 @@ def _reconcile_forever(parent: int) -> None:
     interrupted uploads swept. Webhook deliveries are sent from threads of this process meanwhile
     (service.webhooks). Never imports torch."""
     from service.db import database_unreachable, session_scope
+    from service.logs import configure as configure_logs
     from service.reconcile import queue_length, reconcile
     from service.storage import sweep_uploads
     from service.webhooks import deliver_forever
 
     settings = get_settings()
     logging.basicConfig(format="[%(asctime)s: %(levelname)s/reconciler] %(message)s", level=logging.INFO)
+    configure_logs(settings.log_format)
     log = logging.getLogger("rloo.reconcile")
     deliver_forever(lambda: os.getppid() == parent)  # webhooks: threads of this process, which never forks
     blind_until = 0.0  # after the database was unreachable: workers may have been cut off as well
