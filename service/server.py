@@ -130,4 +130,7 @@ def serve(*, host: str, port: int, workers: int) -> None:
         http="service.server:GuardedHttpToolsProtocol",
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=5,
+        # Streams never end by themselves: on shutdown they get this long, then are closed (their
+        # clients reconnect with Last-Event-ID to another process, or to this one restarted).
+        timeout_graceful_shutdown=5,
     )

@@ -379,7 +379,7 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "keep_checkpoints_0": (_hp(keep_checkpoints=0), f"{HP}.keep_checkpoints", None),
     "unknown_top_level_key": (_set(frobnicate=True), "frobnicate", "frobnicate"),
     "top_level_hyperparameters": (_set(hyperparameters={"n_epochs": 2}), "hyperparameters", "method"),
-    "integrations": (_set(integrations=[{"type": "wandb"}]), "integrations", None),
+    "integrations": (_set(integrations=[{"type": "wandb"}]), "integrations.0.wandb", None),
     "missing_model": (_drop("model"), "model", None),
     "missing_training_file": (_drop("training_file"), "training_file", None),
     "seed_negative": (_set(seed=-1), "seed", None),

@@ -204,6 +204,7 @@ EVERY_GRADER = {
 }
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # dry runs touch no database: one is enough
 @pytest.mark.parametrize("kind", list(EVERY_GRADER))
 def test_sdk_validates_and_runs_every_grader_type_in_strict_mode(
     sdk: openai.OpenAI, dry_runs, monkeypatch, kind: str

@@ -82,6 +82,7 @@ def test_events_and_metrics_stream_live_resume_exactly_and_end_with_done(stack: 
     assert done and [i for i, _ in later] == ["3", "4"]
 
 
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)  # the API process's own count: one backend
 def test_streams_are_capped_per_key_and_scoped_to_the_project(stack: LiveStack) -> None:
     http = stack.http
     file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")

@@ -116,7 +116,10 @@ def watch(api: Api, job_id: str) -> int:
         lines = [view.add(event)]
         if event.get("type") == "metrics" and is_sample_step(view.step, view.total, interval):
             page = api.call(
-                "GET", f"/fine_tuning/jobs/{job_id}/samples", params={"after_step": view.step - 1, "limit": 1}
+                "GET",
+                f"/fine_tuning/jobs/{job_id}/samples",
+                params={"after_step": view.step - 1, "limit": 1},
+                patient=True,  # the API may be restarting: the stream itself reconnects
             )
             if page["data"] and page["data"][0]["step"] == view.step:
                 view.samples = best_and_worst_line(page["data"][0]["groups"], view.step)
