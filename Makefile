@@ -29,11 +29,11 @@ demo: install
 up: install
 	$(BIN)/rloo up --port $(PORT)
 
-# Two processes, a test file each at a time (its module fixtures stay whole): most e2e tests wait on
+# Two processes, each stealing the next test from the other when it runs out: most e2e tests wait on
 # child processes, so two at once use the cores they leave idle.
 TEST_PROCESSES ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)
