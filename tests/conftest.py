@@ -204,3 +204,19 @@ def unique_model_path(models_dir: Path) -> Iterator[Callable[[str], Path]]:
             path.unlink()
         elif path.is_dir():
             shutil.rmtree(path)
+
+
+@pytest.fixture
+def sdk(client, auth):  # type: ignore[no-untyped-def]
+    """The unmodified openai SDK in strict mode, as the auth fixture's key, on the in-process app
+    (TestClient is an httpx.Client: the SDK's own request building and parsing)."""
+    import openai
+
+    key = auth["Authorization"].removeprefix("Bearer ")
+    return openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key=key,
+        http_client=client,
+        max_retries=0,
+        _strict_response_validation=True,
+    )

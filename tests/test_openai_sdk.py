@@ -11,19 +11,6 @@ import pytest
 from tests.helpers.data import EXAMPLES
 
 
-@pytest.fixture
-def sdk(client, auth) -> openai.OpenAI:  # type: ignore[no-untyped-def]
-    key = auth["Authorization"].removeprefix("Bearer ")
-    # TestClient is an httpx.Client: the SDK's own request building and parsing, the app in-process.
-    return openai.OpenAI(
-        base_url="http://testserver/v1",
-        api_key=key,
-        http_client=client,
-        max_retries=0,
-        _strict_response_validation=True,
-    )
-
-
 def test_sdk_files_and_jobs_round_trip(sdk: openai.OpenAI) -> None:
     data = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
     f = sdk.files.create(file=("train.jsonl", data), purpose="fine-tune")

@@ -65,18 +65,6 @@ def receiver(monkeypatch: pytest.MonkeyPatch, env) -> Iterator[Receiver]:  # typ
     r.close()
 
 
-@pytest.fixture
-def sdk(client, auth) -> openai.OpenAI:  # type: ignore[no-untyped-def]
-    key = auth["Authorization"].removeprefix("Bearer ")
-    return openai.OpenAI(
-        base_url="http://testserver/v1",
-        api_key=key,
-        http_client=client,
-        max_retries=0,
-        _strict_response_validation=True,
-    )
-
-
 def _deliver() -> int:
     from service.db import session_scope
     from service.settings import get_settings
