@@ -43,6 +43,15 @@ def _resolve(host: str, port: int) -> list[str]:
 
 def check_url(url: str, allowed: Sequence[str], *, resolve: Resolver = _resolve) -> None:
     """Raise ``RefusedURL`` unless ``url`` is admitted (see the module)."""
+    try:
+        _check(url, allowed, resolve)
+    except (ValueError, UnicodeError) as exc:  # a port out of range, a bracket left open, an empty label
+        if isinstance(exc, RefusedURL):
+            raise
+        raise RefusedURL(f"the URL does not parse ({exc})") from None
+
+
+def _check(url: str, allowed: Sequence[str], resolve: Resolver) -> None:
     if len(url) > 2048 or any(ord(c) < 33 or c == "\\" for c in url):
         raise RefusedURL("the URL must be at most 2048 characters, without spaces, control characters or backslashes")
     parts = urlsplit(url)

@@ -11,8 +11,9 @@ attempt), ``webhook-timestamp`` and ``webhook-signature: v1,<base64 HMAC-SHA256 
 "id.timestamp.body">`` under the endpoint's ``whsec_`` secret, which the ``openai`` SDK's
 ``client.webhooks.unwrap`` verifies. A 2xx answer delivers it; a connection error, a time-out, a
 408, 429 or 5xx is tried again after an exponential back-off with jitter, for
-``RLOO_WEBHOOK_RETRY_HOURS``; any other answer fails it. No redirect is followed, an attempt has
-``RLOO_WEBHOOK_TIMEOUT_SECONDS`` in all, and at most 64 KiB of an answer is read. The URL is
+``RLOO_WEBHOOK_RETRY_HOURS``; any other answer fails it. No redirect is followed, each phase of
+an attempt (connect, send, the status line) has ``RLOO_WEBHOOK_TIMEOUT_SECONDS``, and no answer's
+body is read. The URL is
 checked again before each attempt (``service.egress``).
 """
 
@@ -44,7 +45,6 @@ OPENAI_EVENT_TYPES = ("fine_tuning.job.succeeded", "fine_tuning.job.failed", "fi
 OUR_EVENT_TYPES = ("fine_tuning.job.paused", "fine_tuning.job.checkpoint.created")
 EVENT_TYPES = OPENAI_EVENT_TYPES + OUR_EVENT_TYPES
 RETRIED_STATUSES = frozenset({408, 429})
-MAX_ANSWER_BYTES = 64 * 1024
 ATTEMPTS = Counter("rloo_webhook_deliveries", "Webhook delivery attempts this process made, by outcome.", ["outcome"])
 LEASE_SECONDS = 60.0
 """A delivery being sent is due again after this (its sender died): at least once, never lost."""
@@ -146,17 +146,14 @@ def send(endpoint: WebhookEndpoint, delivery_id: str, payload: dict[str, Any], s
     body = body_of(payload)
     headers = headers_for(endpoint, delivery_id, body, now())
     try:
+        # Only the status is read, never the body: a receiver that trickles an answer holds a
+        # sender no longer than the time-out's phases (connect, send, the status line).
         with (
             httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False) as client,
             client.stream("POST", endpoint.url, content=body, headers=headers) as answer,
         ):
-            read = 0
-            for chunk in answer.iter_bytes():  # drained up to the cap, so the connection can close cleanly
-                read += len(chunk)
-                if read >= MAX_ANSWER_BYTES:
-                    break
             return Attempt(answer.status_code, None if answer.is_success else f"answered {answer.status_code}")
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # any failure to get an answer (httpx's, an invalid URL): tried again
         return Attempt(None, f"{type(exc).__name__}: {redact_url(str(exc))}"[:500])
 
 
@@ -196,11 +193,13 @@ def deliver_due(session: Session, settings: Settings, *, limit: int = 20) -> int
         session.rollback()  # no transaction held while the receiver answers
         attempt = send(endpoint, delivery.id, delivery.payload, settings)
         attempted += 1
-        _record(session, delivery, attempt, settings)
+        _record(session, delivery, attempt, settings, lease=delivery.next_attempt_at)
     return attempted
 
 
-def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, settings: Settings) -> None:
+def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, settings: Settings, *, lease: float) -> None:
+    """The attempt's outcome, only while this sender's claim (``lease``) still holds: a sender
+    whose lease ran out (another may be sending it now) writes nothing."""
     values: dict[str, Any] = {"last_status_code": attempt.status_code, "last_error": attempt.error}
     given_up = time.time() - delivery.created_at > settings.webhook_retry_hours * 3600
     if attempt.delivered:
@@ -213,7 +212,11 @@ def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, setti
         values["status"] = "failed"
         ATTEMPTS.labels("failed").inc()
         log.info("webhook delivery %s failed after %d attempts: %s", delivery.id, delivery.attempts, attempt.error)
-    session.execute(update(WebhookDelivery).where(WebhookDelivery.seq == delivery.seq).values(**values))
+    session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.seq == delivery.seq, WebhookDelivery.next_attempt_at == lease)
+        .values(**values)
+    )
     session.commit()
 
 

@@ -271,3 +271,9 @@ def test_a_delivery_survives_a_dead_receiver_and_a_restart_of_every_process(
             sdk.webhooks.verify_signature(body, headers, secret=made["signing_secret"])
         rows = http.get(f"/webhook_endpoints/{made['id']}/deliveries").json()["data"]
         assert {d["status"] for d in rows} == {"delivered"}
+
+
+@pytest.mark.parametrize("url", ["https://a.io:99999/x", "https://a.io:abc/x", "https://[::1/x", "https://a..b/x"])
+def test_a_url_that_does_not_parse_is_refused_not_a_crash(url: str) -> None:
+    with pytest.raises(egress.RefusedURL):
+        egress.check_url(url, [])

@@ -3,6 +3,7 @@ their events, metrics and checkpoints."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Annotated, Any
@@ -417,7 +418,7 @@ async def list_samples(
 
 
 def _step_cursor(last_event_id: str) -> int:
-    if not (last_event_id.isdigit() and int(last_event_id) <= MAX_STEP):
+    if not (re.fullmatch(r"[0-9]{1,10}", last_event_id) and int(last_event_id) <= MAX_STEP):
         raise bad_request("Last-Event-ID of a metrics stream is a step number.", "Last-Event-ID")
     return int(last_event_id)
 

@@ -87,6 +87,7 @@ class View:
         from rich.panel import Panel
         from rich.progress_bar import ProgressBar
         from rich.table import Table
+        from rich.text import Text
 
         grid = Table.grid(padding=(0, 1))
         grid.add_row("job", f"{self.job_id}  [bold]{self.status}[/]")
@@ -94,10 +95,10 @@ class View:
         grid.add_row("", self.step_line())
         if self.curve:
             grid.add_row("curve", f"{sparkline(self.curve)}  {self.curve[0]:.3g} → {self.curve[-1]:.3g}")
-        for line in self.samples:
-            grid.add_row("", line.strip())
+        for line in self.samples:  # the texts are the model's and the user's: never rich markup
+            grid.add_row("", Text(line.strip()))
         for message in self.events:
-            grid.add_row("", f"[dim]{message}[/]")
+            grid.add_row("", Text(message, style="dim"))
         return Panel(grid, title="rloo jobs watch", expand=False)
 
 
