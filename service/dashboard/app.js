@@ -180,7 +180,9 @@ async function jobPage(jobId, signal) {
       ...ckpts.map(c => el("tr", {},
         el("td", { text: c.step_number }), el("td", { text: c.fine_tuned_model_checkpoint }), el("td", { text: time(c.created_at) }),
         el("td", {}, el("button", { onclick: () => download(jobId, c) }, "Download")))));
-    const recorded = (await api(`/fine_tuning/jobs/${jobId}/samples?limit=100`)).data;
+    // The newest recorded step: samples come every sample_interval steps (and at the last).
+    const since = Math.max(0, job.progress.step - (job.hyperparameters.sample_interval || 1));
+    const recorded = (await api(`/fine_tuning/jobs/${jobId}/samples?after_step=${since}&limit=100`)).data;
     const latest = recorded[recorded.length - 1];
     samples.replaceChildren(...(latest ? [
       el("tr", {}, el("th", { text: `step ${latest.step}: prompt` }), el("th", { text: "completion" }), el("th", { text: "reward" }), el("th", { text: "advantage" })),
