@@ -186,40 +186,34 @@ def _final(session: Session, job_seq: int) -> bool:
     return session.scalar(select(Job.status).where(Job.seq == job_seq)) in {s.value for s in FINAL}
 
 
-def event_reader(job_seq: int, after_seq: int) -> Reader:
-    """A job's events after ``after_seq``, oldest first, as ``GET .../events`` answers each."""
-    cursor = after_seq
+def _reader(model: Any, job_seq: int, cursor_column: Any, after: int, message: Callable[[Any], Row]) -> Reader:
+    """A job's rows of ``model`` after ``after`` in ``cursor_column``, oldest first, each as
+    ``message`` makes it: whether the job was final before the read (read first, so rows written
+    before a final status are read after it), and the rows."""
+    cursor = after
 
-    def work(session: Session) -> tuple[bool, list[JobEvent]]:
-        final = _final(session, job_seq)  # first: rows written before a final status are read after it
-        query = select(JobEvent).where(JobEvent.job_seq == job_seq, JobEvent.seq > cursor)
-        return final, list(session.scalars(query.order_by(JobEvent.seq).limit(BATCH)))
+    def work(session: Session) -> tuple[bool, list[Any]]:
+        final = _final(session, job_seq)
+        query = select(model).where(model.job_seq == job_seq, cursor_column > cursor)
+        return final, list(session.scalars(query.order_by(cursor_column).limit(BATCH)))
 
     async def read() -> tuple[bool, list[Row]]:
         nonlocal cursor
         final, rows = await _in_session(work)
-        cursor = rows[-1].seq if rows else cursor
-        return final, [(e.id, event_object(e)) for e in rows]
+        cursor = getattr(rows[-1], cursor_column.key) if rows else cursor
+        return final, [message(row) for row in rows]
 
     return read
+
+
+def event_reader(job_seq: int, after_seq: int) -> Reader:
+    """A job's events after ``after_seq``, as ``GET .../events`` answers each."""
+    return _reader(JobEvent, job_seq, JobEvent.seq, after_seq, lambda e: (e.id, event_object(e)))
 
 
 def metric_reader(job_seq: int, after_step: int) -> Reader:
     """A job's per-step metric rows after step ``after_step``, as ``GET .../metrics`` answers each."""
-    cursor = after_step
-
-    def work(session: Session) -> tuple[bool, list[JobMetric]]:
-        final = _final(session, job_seq)
-        query = select(JobMetric).where(JobMetric.job_seq == job_seq, JobMetric.step > cursor)
-        return final, list(session.scalars(query.order_by(JobMetric.step).limit(BATCH)))
-
-    async def read() -> tuple[bool, list[Row]]:
-        nonlocal cursor
-        final, rows = await _in_session(work)
-        cursor = rows[-1].step if rows else cursor
-        return final, [(str(m.step), {"step": m.step, **m.data}) for m in rows]
-
-    return read
+    return _reader(JobMetric, job_seq, JobMetric.step, after_step, lambda m: (str(m.step), {"step": m.step, **m.data}))
 
 
 async def _in_session(work: Callable[[Session], Any]) -> Any:
