@@ -19,16 +19,26 @@ from urllib.parse import unquote, urlsplit
 Resolver = Callable[[str, int], list[str]]
 
 
+def _unsafe_characters(url: str) -> bool:
+    """Control characters, spaces, backslashes: refused in any URL."""
+    return any(ord(c) < 33 or c == "\\" for c in url)
+
+
+def _dot_segments(path: str) -> bool:
+    """'.' or '..' in a path: "/graders/../admin" would leave a prefix once the client resolves it."""
+    return any(segment in (".", "..") for segment in unquote(path).split("/"))
+
+
 def url_under(url: str, prefix: str) -> bool:
     """Same scheme and host (and port), and the path under the prefix's: "https://a.io" does not
     admit "https://a.io.evil.net/", nor "https://a.io/x" admit "https://a.io/xy"."""
-    if any(ord(c) < 33 or c == "\\" for c in url):  # control characters, spaces, backslashes: refused
+    if _unsafe_characters(url):
         return False
     u, p = urlsplit(url), urlsplit(prefix)
     if (u.scheme, u.netloc.lower()) != (p.scheme, p.netloc.lower()) or u.scheme not in ("http", "https"):
         return False
-    if any(segment in (".", "..") for segment in unquote(u.path).split("/")):
-        return False  # "/graders/../admin" would leave the prefix once the client resolves it
+    if _dot_segments(u.path):
+        return False
     base = p.path.rstrip("/")
     return u.path == base or u.path.startswith(base + "/") or not base
 
@@ -52,12 +62,12 @@ def check_url(url: str, allowed: Sequence[str], *, resolve: Resolver = _resolve)
 
 
 def _check(url: str, allowed: Sequence[str], resolve: Resolver) -> None:
-    if len(url) > 2048 or any(ord(c) < 33 or c == "\\" for c in url):
+    if len(url) > 2048 or _unsafe_characters(url):
         raise RefusedURL("the URL must be at most 2048 characters, without spaces, control characters or backslashes")
     parts = urlsplit(url)
     if parts.username or parts.password:
         raise RefusedURL("the URL must not carry credentials (user:password@)")
-    if any(segment in (".", "..") for segment in unquote(parts.path).split("/")):
+    if _dot_segments(parts.path):
         raise RefusedURL("the URL's path must not hold '.' or '..' segments")
     if any(url_under(url, prefix) for prefix in allowed):
         return
