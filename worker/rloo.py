@@ -84,7 +84,7 @@ def shape_rewards(
     return out
 
 
-def advantages(
+def batch_advantages(
     rewards: Tensor,
     kl: Tensor | None,
     finite: Tensor,
