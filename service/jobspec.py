@@ -107,6 +107,13 @@ def check_context(body: JobCreate, model: Path | str) -> None:
 
 
 def _check_reinforcement(hp: ResolvedHyperparameters, hp_param: str) -> None:
+    if hp.rloo_k < 2 and hp.advantage_estimator != "reinforce":
+        raise bad_request(
+            f"rloo_k 1 leaves advantage_estimator '{hp.advantage_estimator}' no group: its baseline is the other "
+            "completions of the same prompt. Give rloo_k at least 2, or set advantage_estimator to 'reinforce' "
+            "(no baseline), the one estimator that takes 1.",
+            f"{hp_param}.rloo_k",
+        )
     if hp.kl_coef > 0 and not hp.kl_in_reward and hp.kl_estimator == "k1":
         raise bad_request(
             "kl_in_reward false makes the KL a loss term, and k1's gradient there is zero in expectation (it "

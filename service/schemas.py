@@ -133,7 +133,9 @@ class TrainingHyperparameters(Strict):
 class Hyperparameters(TrainingHyperparameters):
     """The reinforcement (RLOO) hyperparameters of docs/algorithm.md."""
 
-    rloo_k: int = Field(4, ge=2, le=256, description="Completions sampled per prompt (group size k).")
+    rloo_k: int = Field(
+        4, ge=1, le=256, description="Completions sampled per prompt (group size k; 1 only with 'reinforce')."
+    )
     compute_multiplier: float | Auto = Field(
         "auto",
         description="OpenAI's 'compute used for exploring': scales rloo_k (rounded, between 2 and 256); auto = 1.",
@@ -152,6 +154,11 @@ class Hyperparameters(TrainingHyperparameters):
     clip_epsilon: float = Field(0.2, gt=0, lt=1.0, description="Ratio clip range (1 - eps, 1 + eps).")
     clip_epsilon_high: float | None = Field(None, gt=0, le=10.0, description="Upper clip; default clip_epsilon.")
     loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean"] = Field("sequence_sum")
+    advantage_estimator: Literal["rloo", "grpo", "reinforce", "reinforce_mean"] = Field(
+        "rloo",
+        description="rloo: leave-one-out baseline; grpo: group mean and std; reinforce: no baseline; "
+        "reinforce_mean: the group mean including the completion.",
+    )
     normalize_advantages: bool = Field(False, description="Whiten advantages over the batch.")
     reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-reward_clip, reward_clip].")
     mask_truncated_completions: bool = Field(
@@ -185,12 +192,15 @@ class Hyperparameters(TrainingHyperparameters):
         return v
 
     def resolved(self) -> ResolvedHyperparameters:
-        """All values concrete (no "auto"), ``rloo_k`` scaled by ``compute_multiplier``: what a run
-        reads, and what the job stores."""
+        """All values concrete (no "auto"), ``rloo_k`` scaled by ``compute_multiplier`` (and kept
+        where the estimator has a group: 2 at least, 1 for ``reinforce``): what a run reads, and
+        what the job stores."""
         values = self._concrete()
         if values["compute_multiplier"] == "auto":
             values["compute_multiplier"] = 1.0
-        values["rloo_k"] = min(256, max(2, round(values["rloo_k"] * values["compute_multiplier"])))
+        if values["compute_multiplier"] != 1.0:
+            least = 1 if values["advantage_estimator"] == "reinforce" else 2
+            values["rloo_k"] = min(256, max(least, round(values["rloo_k"] * values["compute_multiplier"])))
         return ResolvedHyperparameters.model_validate(values)
 
 

@@ -70,6 +70,7 @@ RLOO_DEFAULTS = {
     "clip_epsilon": 0.2,
     "loss_aggregation": "sequence_sum",
     "normalize_advantages": False,
+    "advantage_estimator": "rloo",
     "max_grad_norm": 1.0,
     "checkpoint_interval": 0,
     "eval_interval": "auto",
@@ -350,7 +351,14 @@ def _drop(key: str) -> Callable[[dict[str, Any]], None]:
 
 BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = {
     # name: (mutation, param, a word the message must contain)
-    "rloo_k_1": (_hp(rloo_k=1), f"{HP}.rloo_k", None),
+    "rloo_k_0": (_hp(rloo_k=0), f"{HP}.rloo_k", None),
+    "rloo_k_1": (_hp(rloo_k=1), f"{HP}.rloo_k", "'reinforce'"),
+    "grpo_with_rloo_k_1": (_hp(advantage_estimator="grpo", rloo_k=1), f"{HP}.rloo_k", "no group"),
+    "advantage_estimator_unknown": (
+        _hp(advantage_estimator="ppo"),
+        f"{HP}.advantage_estimator",
+        "'rloo', 'grpo', 'reinforce' or 'reinforce_mean'",
+    ),
     "rloo_k_string": (_hp(rloo_k="four"), f"{HP}.rloo_k", None),
     "misspelt_hyperparameter": (_hp(rloo_K=4), f"{HP}.rloo_K", "Did you mean 'rloo_k'?"),
     "misspelt_top_level_key": (_set(modle="tiny-policy"), "modle", "Did you mean 'model'?"),

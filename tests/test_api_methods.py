@@ -119,6 +119,20 @@ def test_openais_reinforcement_hyperparameters_are_accepted(client, auth) -> Non
     assert plain["hyperparameters"]["rloo_k"] == 8 and plain["hyperparameters"]["compute_multiplier"] == 1.0
 
 
+def test_advantage_estimators_are_accepted_and_reinforce_alone_takes_one_completion(client, auth) -> None:
+    f = upload_ok(client, auth)
+    for name in ("rloo", "grpo", "reinforce", "reinforce_mean"):
+        job = create_job(client, auth, job_body(f["id"], hp={"advantage_estimator": name}))
+        assert job["hyperparameters"]["advantage_estimator"] == name
+    one = create_job(client, auth, job_body(f["id"], hp={"advantage_estimator": "reinforce", "rloo_k": 1}))
+    assert one["hyperparameters"]["rloo_k"] == 1
+    # compute_multiplier keeps a group where the estimator needs one, and one completion for reinforce
+    hp = {"rloo_k": 2, "compute_multiplier": 0.2}
+    assert create_job(client, auth, job_body(f["id"], hp=hp))["hyperparameters"]["rloo_k"] == 2
+    hp = {**hp, "advantage_estimator": "reinforce"}
+    assert create_job(client, auth, job_body(f["id"], hp=hp))["hyperparameters"]["rloo_k"] == 1
+
+
 def test_models_answers_for_names_that_are_no_fine_tuned_model(client, auth) -> None:
     """A base model cannot be deleted (403); a name that is neither is 404, on every verb; a model
     whose job did not succeed is none, and an id in an earlier release's form is not listed."""

@@ -83,6 +83,106 @@ def test_rejects_non_2d(shape):
         rloo.rloo_advantages(torch.zeros(shape))
 
 
+# ---------------------------------------------------------------- the other estimators
+SEED_EXAMPLE = [[0.8, 0.5, 0.6, 0.7]]  # the seed's: 0.8 against 0.5, 0.6 and 0.7
+
+
+def test_advantages_defaults_to_rloo_on_the_seeds_example():
+    # 0.8's baseline is (0.5 + 0.6 + 0.7) / 3 = 0.6: advantage 0.2 (the rest as in the worked example above)
+    close(rloo.advantages(t(SEED_EXAMPLE)), [[0.2, -0.2, -1 / 15, 1 / 15]])
+    close(rloo.advantages(t(SEED_EXAMPLE), "rloo"), [[0.2, -0.2, -1 / 15, 1 / 15]])
+
+
+def test_reinforce_is_the_reward_itself():
+    close(rloo.advantages(t(SEED_EXAMPLE), "reinforce"), SEED_EXAMPLE)
+
+
+def test_reinforce_mean_includes_the_completion_and_shrinks_rloo_by_k_minus_1_over_k():
+    # mean of all four = 2.6 / 4 = 0.65: 0.8 - 0.65 = 0.15, -0.15, -0.05, 0.05 = 3/4 of RLOO's
+    adv = rloo.advantages(t(SEED_EXAMPLE), "reinforce_mean")
+    close(adv, [[0.15, -0.15, -0.05, 0.05]])
+    close(adv, 3 / 4 * rloo.rloo_advantages(t(SEED_EXAMPLE)))
+
+
+def test_grpo_divides_the_centred_rewards_by_the_groups_sample_std():
+    # centred as reinforce_mean: 0.15, -0.15, -0.05, 0.05; sample std = sqrt((2*0.0225 + 2*0.0025) / 3)
+    # = sqrt(0.05 / 3) = 0.1290994; 0.15 / (0.1290994 + 1e-4) = 1.1610, 0.05 / 0.1291994 = 0.38700
+    std = math.sqrt(0.05 / 3) + 1e-4
+    close(rloo.advantages(t(SEED_EXAMPLE), "grpo"), [[0.15 / std, -0.15 / std, -0.05 / std, 0.05 / std]])
+    close(rloo.advantages(t(SEED_EXAMPLE), "grpo")[0, 0], 1.1610, atol=1e-4)
+
+
+def test_grpo_gives_zero_to_a_group_whose_rewards_are_all_equal():
+    close(rloo.advantages(t([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), "grpo"), [[0.0] * 3, [0.0] * 3])
+
+
+@pytest.mark.parametrize("bad", [NAN, INF])
+def test_every_estimator_leaves_an_unscored_completion_out(bad):
+    # finite {1, 3, 5}: each estimator gives the unscored one 0 and the others what {1, 3, 5} alone gives
+    r = t([[1.0, bad, 3.0, 5.0]])
+    for name in rloo.ESTIMATORS:
+        adv = rloo.advantages(r, name)
+        alone = rloo.advantages(t([[1.0, 3.0, 5.0]]), name)
+        close(adv, [[alone[0, 0].item(), 0.0, alone[0, 1].item(), alone[0, 2].item()]])
+    close(rloo.advantages(r, "reinforce_mean"), [[-2.0, 0.0, 0.0, 2.0]])  # mean 3
+    close(rloo.advantages(r, "reinforce"), [[1.0, 0.0, 3.0, 5.0]])
+
+
+def test_group_estimators_need_two_finite_rewards_reinforce_needs_none():
+    r = t([[NAN, 2.0, NAN], [4.0, NAN, 2.0]])
+    for name in rloo.GROUP_ESTIMATORS:
+        assert rloo.advantages(r, name)[0].abs().sum().item() == 0.0, name
+    close(rloo.advantages(r, "reinforce"), [[0.0, 2.0, 0.0], [4.0, 0.0, 2.0]])
+    close(rloo.advantages(t([[0.3], [0.9]]), "reinforce"), [[0.3], [0.9]])  # k = 1: one sample a prompt
+
+
+def test_unknown_advantage_estimator_names_the_known_ones():
+    with pytest.raises(ValueError, match="rloo, grpo, reinforce, reinforce_mean"):
+        rloo.advantages(t(SEED_EXAMPLE), "ppo")
+    with pytest.raises(ValueError):
+        rloo.advantages(t([0.1, 0.2]), "grpo")  # (B, k) only
+
+
+def test_whitening_a_reinforce_batch_keeps_groups_of_one():
+    # reinforce, k = 1: every finite reward is signal; whitened over all four finite rewards 1, 2, 3, 4
+    r = t([[1.0], [2.0], [3.0], [4.0]])
+    adv = rloo.batch_advantages(r, None, torch.isfinite(r), estimator="reinforce", normalize=True)
+    close(adv, (r - 2.5) / (r.std() + 1e-8))
+
+
+def _bandit_gradients(estimator: str, *, batches: int = 20_000, k: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy gradients of a 3-armed softmax bandit with Bernoulli rewards, one per batch of k pulls:
+    ``sum_i A_i * grad log pi(a_i) / k``. Returns (their mean, its standard error), each (3,)."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(t([0.5, 0.0, -0.5]), dim=0)
+    pay = t([0.8, 0.5, 0.2])
+    arms = torch.multinomial(probs, batches * k, replacement=True, generator=g).view(batches, k)
+    rewards = torch.bernoulli(pay[arms], generator=g)
+    adv = rloo.advantages(rewards, estimator)
+    score = torch.nn.functional.one_hot(arms, 3).to(torch.float64) - probs  # grad of log softmax
+    grads = (adv.unsqueeze(-1) * score).sum(dim=1) / k
+    return grads.mean(dim=0), grads.std(dim=0) / math.sqrt(batches)
+
+
+def test_leave_one_out_is_unbiased_and_the_mean_baseline_shrinks_the_gradient_by_k_minus_1_over_k():
+    # The true gradient of J = sum_a pi(a) pay(a) is pi * (pay - pi . pay) (softmax). REINFORCE and RLOO
+    # estimate it without bias; the mean baseline estimates 3/4 of it (k = 4); RLOO's noise is the least.
+    probs = torch.softmax(t([0.5, 0.0, -0.5]), dim=0)
+    pay = t([0.8, 0.5, 0.2])
+    true = probs * (pay - (probs * pay).sum())
+    means, errors = {}, {}
+    for name in rloo.ESTIMATORS:
+        means[name], errors[name] = _bandit_gradients(name)
+    for name, target in (("rloo", true), ("reinforce", true), ("reinforce_mean", 0.75 * true)):
+        assert ((means[name] - target).abs() < 4 * errors[name]).all(), (name, means[name], target, errors[name])
+    assert ((means["reinforce_mean"] - true).abs() > 4 * errors["reinforce_mean"]).any()  # biased: seen
+    # The baseline lowers the total variance (its trace; not every coordinate's: here the rare, poor arm's
+    # rises a little), here by about a third.
+    assert (errors["rloo"] ** 2).sum() < 0.8 * (errors["reinforce"] ** 2).sum()
+    # GRPO divides by the group's std (about 0.4 here): its expectation is about 1.4 times the gradient
+    assert ((means["grpo"] / true - 1).abs() > 0.25).all()
+
+
 # ---------------------------------------------------------------- KL
 def test_kl_estimators_by_hand():
     # d = logp - ref = [-1 - -1.5, -2 - -2, -0.5 - -0.2] = [0.5, 0, -0.3]

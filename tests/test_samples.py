@@ -13,6 +13,7 @@ import torch
 from tests.helpers.api import assert_error, create_job, upload_ok
 from tests.helpers.data import job_body
 from tests.helpers.training import ListRecorder, config
+from worker import rloo
 from worker.samples import MAX_CHARS, best_and_worst, is_sample_step, sample_groups
 from worker.train import train
 
@@ -30,25 +31,43 @@ def test_groups_are_bounded_and_an_unscored_reward_is_null() -> None:
     assert best_and_worst(groups) == [("best", groups[0]["completions"][0]), ("worst", groups[0]["completions"][0])]
 
 
-def test_a_run_records_its_completions_with_their_leave_one_out_advantages(tmp_path: Path, models_dir: Path) -> None:
+@pytest.mark.parametrize(("estimator", "k"), [("rloo", 4), ("grpo", 4), ("reinforce", 1)])
+def test_a_run_records_its_completions_with_their_estimators_advantages(
+    tmp_path: Path, models_dir: Path, estimator: str, k: int
+) -> None:
     """Steps 2 and 3 of 3 (interval 2), every prompt of the batch: the recorded rewards average to
-    the step's train_reward_mean, and each advantage is its reward minus the mean of the others'
-    (kl_coef 0: RLOO's leave-one-out baseline, by hand)."""
+    the step's train_reward_mean, and each advantage is the job's estimator's (kl_coef 0): for RLOO,
+    by hand, its reward minus the mean of the others'; plain REINFORCE trains on one completion a
+    prompt."""
     rec = ListRecorder()
     cfg = config(
-        tmp_path, models_dir, max_steps=3, rloo_k=4, batch_size=4, kl_coef=0.0, sample_interval=2, sample_groups=4
+        tmp_path,
+        models_dir,
+        max_steps=3,
+        rloo_k=k,
+        batch_size=4,
+        kl_coef=0.0,
+        sample_interval=2,
+        sample_groups=4,
+        advantage_estimator=estimator,
     )
     train(cfg, rec)
     assert sorted(rec.samples_by_step) == [2, 3]
     for step, groups in rec.samples_by_step.items():
-        assert len(groups) == 4 and all(len(g["completions"]) == 4 for g in groups)
+        assert len(groups) == 4 and all(len(g["completions"]) == k for g in groups)
         rewards = [c["reward"] for g in groups for c in g["completions"]]
         assert sum(rewards) / len(rewards) == pytest.approx(rec.steps[step - 1]["train_reward_mean"], abs=1e-5)
-        for g in groups:
+        table = torch.tensor([[c["reward"] for c in g["completions"]] for g in groups])
+        expected = rloo.advantages(table, estimator)
+        for b, g in enumerate(groups):
             r = [c["reward"] for c in g["completions"]]
             for i, c in enumerate(g["completions"]):
-                others = [x for j, x in enumerate(r) if j != i]
-                assert c["advantage"] == pytest.approx(r[i] - sum(others) / len(others), abs=1e-5)
+                assert c["advantage"] == pytest.approx(float(expected[b, i]), abs=1e-5)
+                if estimator == "rloo":
+                    others = [x for j, x in enumerate(r) if j != i]
+                    assert c["advantage"] == pytest.approx(r[i] - sum(others) / len(others), abs=1e-5)
+                if estimator == "reinforce":
+                    assert c["advantage"] == pytest.approx(r[i], abs=1e-5)
             assert g["prompt"] and all(isinstance(c["text"], str) for c in g["completions"])
 
 

@@ -31,7 +31,7 @@ def _metrics(client: Any, auth: dict[str, str], job_id: str) -> list[dict[str, A
     return [{k: v for k, v in m.items() if k not in TIMING and k != "created_at"} for m in data]
 
 
-NEWER_SETTINGS = ("compute_multiplier", "reasoning_effort")
+NEWER_SETTINGS = ("compute_multiplier", "reasoning_effort", "advantage_estimator")
 """Hyperparameters this release added: the release before stored rows and checkpoints without them."""
 
 

@@ -7,6 +7,8 @@ its cousins:
 * GRPO subtracts the mean of *all* k rewards (the completion leaks into its own baseline) and
   divides by their std; RLOO's baseline excludes the completion and is unbiased.
 * PPO learns a critic; RLOO has none: the group is the critic.
+* ``advantages(rewards, estimator)`` also gives GRPO's, plain REINFORCE's and REINFORCE with the
+  group mean as its baseline, for comparison (``advantage_estimator``; ``benchmarks/learning.py``).
 * KL to the reference is folded into the reward before the baseline, as in the paper and TRL
   (``kl_in_reward``), or added to the loss as a separate term.
 
@@ -16,6 +18,8 @@ Completions are flattened prompt-major, so completion ``b * k + i`` is row ``b``
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -28,13 +32,78 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     row ``b``. NaN rewards (a completion that could not be scored) take no part in any baseline and
     get advantage 0; a row with fewer than two finite rewards gives 0 to all its members.
     """
+    r, finite, n = _finite_rows(rewards)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (n - 1).clamp(min=1)
+    return torch.where(finite & (n >= 2), r - baseline, torch.zeros_like(r))
+
+
+def grpo_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
+    """GRPO's (DeepSeekMath): the group's mean subtracted, divided by the group's std.
+    ``(B, k)`` in and out.
+
+    ``A[b, i] = (r[b, i] - mean_b) / (std_b + eps)`` over the finite rewards of row ``b`` (the
+    sample std, as TRL's GRPO; ``eps`` as TRL's). The completion is in its own baseline, and the
+    division weighs each group by how little its rewards differ: a biased estimate of the policy
+    gradient. NaN and rows with fewer than two finite rewards as ``rloo_advantages``.
+    """
+    r, finite, n = _finite_rows(rewards)
+    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    centred = torch.where(finite, r - mean, torch.zeros_like(r))
+    std = (centred.pow(2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    return torch.where(finite & (n >= 2), centred / (std + eps), torch.zeros_like(r))
+
+
+def reinforce_advantages(rewards: Tensor) -> Tensor:
+    """Plain REINFORCE: the reward itself, no baseline. ``(B, k)`` in and out; NaN gives 0.
+
+    Unbiased, and the highest variance of the four: every completion's log-probability is pushed by
+    its whole reward, whatever its siblings scored. Needs no group (``k`` may be 1).
+    """
+    r, finite, _ = _finite_rows(rewards)
+    return torch.where(finite, r, torch.zeros_like(r))
+
+
+def reinforce_mean_advantages(rewards: Tensor) -> Tensor:
+    """REINFORCE with the group's mean *including* the completion as its baseline.
+    ``(B, k)`` in and out; NaN and short rows as ``rloo_advantages``.
+
+    ``r - mean(all n) = (n - 1) / n * (r - mean(the others))``: RLOO's advantage shrunk by
+    ``(n - 1) / n``, so its expected gradient is RLOO's (the true one) times ``(k - 1) / k``.
+    """
+    r, finite, n = _finite_rows(rewards)
+    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    return torch.where(finite & (n >= 2), r - mean, torch.zeros_like(r))
+
+
+ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "rloo": rloo_advantages,
+    "grpo": grpo_advantages,
+    "reinforce": reinforce_advantages,
+    "reinforce_mean": reinforce_mean_advantages,
+}
+"""``advantage_estimator`` -> its function: ``(B, k)`` rewards in, ``(B, k)`` advantages out."""
+
+GROUP_ESTIMATORS = ("rloo", "grpo", "reinforce_mean")
+"""The estimators whose baseline is the rest of the group: they need ``k >= 2`` (REINFORCE does not)."""
+
+
+def advantages(rewards: Tensor, estimator: str = "rloo") -> Tensor:
+    """Advantages of ``rewards`` by the named estimator (``ESTIMATORS``). ``(B, k)`` in and out,
+    NaN-aware: an unscored completion gets 0 and is no one's baseline."""
+    try:
+        fn = ESTIMATORS[estimator]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator '{estimator}'; use one of {', '.join(ESTIMATORS)}") from None
+    return fn(rewards)
+
+
+def _finite_rows(rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rewards with NaN as 0, which are finite, finite count per row (B, 1))`` of a ``(B, k)``."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be (B, k); got shape {tuple(rewards.shape)}")
     finite = torch.isfinite(rewards)
     r = torch.where(finite, rewards, torch.zeros_like(rewards))
-    n = finite.sum(dim=1, keepdim=True)
-    baseline = (r.sum(dim=1, keepdim=True) - r) / (n - 1).clamp(min=1)
-    return torch.where(finite & (n >= 2), r - baseline, torch.zeros_like(r))
+    return r, finite, finite.sum(dim=1, keepdim=True)
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
@@ -89,21 +158,24 @@ def batch_advantages(
     kl: Tensor | None,
     finite: Tensor,
     *,
+    estimator: str = "rloo",
     kl_coef: float = 0.0,
     reward_clip: float | None = None,
     normalize: bool = False,
 ) -> Tensor:
-    """The advantage recipe: shape the rewards (clip, KL penalty), take leave-one-out advantages,
-    whiten them if asked. ``(B, k)`` in and out; ``finite`` marks the rewards that were scored.
+    """The advantage recipe: shape the rewards (clip, KL penalty), take the estimator's advantages
+    (leave-one-out by default), whiten them if asked. ``(B, k)`` in and out; ``finite`` marks the
+    rewards that were scored.
 
-    Whitening covers only advantages that carry signal: groups with fewer than two finite rewards
-    stay at 0. Rows are independent unless ``normalize``: any set of whole groups gives the same
-    values as the whole batch.
+    Whitening covers only advantages that carry signal: in a group estimator's groups with fewer
+    than two finite rewards they stay at 0. Rows are independent unless ``normalize``: any set of
+    whole groups gives the same values as the whole batch.
     """
     shaped = shape_rewards(rewards, kl, kl_coef=kl_coef, reward_clip=reward_clip)
-    out = rloo_advantages(shaped)
+    out = advantages(shaped, estimator)
     if normalize:
-        out = whiten(out, finite & (finite.sum(dim=1, keepdim=True) >= 2))
+        signal = finite if estimator not in GROUP_ESTIMATORS else finite & (finite.sum(dim=1, keepdim=True) >= 2)
+        out = whiten(out, signal)
     return out
 
 

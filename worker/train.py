@@ -170,7 +170,11 @@ def rloo_update(
     rows_per_micro = batch_size // len(micro)
     loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
     advantages_of = functools.partial(
-        rloo.batch_advantages, kl_coef=hp.kl_coef, reward_clip=hp.reward_clip, normalize=hp.normalize_advantages
+        rloo.batch_advantages,
+        estimator=hp.advantage_estimator,
+        kl_coef=hp.kl_coef,
+        reward_clip=hp.reward_clip,
+        normalize=hp.normalize_advantages,
     )
     model.train()
     fold_kl = ref_logp is not None and hp.kl_in_reward
