@@ -36,6 +36,7 @@ from benchmarks.common import (
     first_last,
     ours,
     plain_prompts,
+    trl_config,
 )
 
 
@@ -43,7 +44,7 @@ def trl(models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS,
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    from trl import RLOOConfig, RLOOTrainer
+    from trl import RLOOTrainer
 
     from worker.data import load_items
 
@@ -56,35 +57,8 @@ def trl(models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS,
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(models / config, dtype=torch.float32)
     dataset = Dataset.from_list(load_items(data))
-    args = RLOOConfig(
-        output_dir=str(out),
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        seed=seed,
-        max_steps=steps,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=K * PROMPTS,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_generations=K,
-        max_completion_length=NEW_TOKENS,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=KL,
-        num_iterations=1,
-        gradient_checkpointing=False,
-        disable_dropout=True,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
+    args = trl_config(
+        out, seed=seed, steps=steps, learning_rate=LR, k=K, prompts=PROMPTS, new_tokens=NEW_TOKENS, beta=KL
     )
     trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok)
     t0 = time.perf_counter()

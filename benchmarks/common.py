@@ -101,6 +101,9 @@ class Collect:
     def checkpoint_removed(self, step: int) -> None:
         pass
 
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        pass
+
 
 def ours(
     models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS, seed: int = 0, **hp: Any
@@ -141,6 +144,47 @@ def ours(
         "handed_at": rec.handed_at,
         "rewards": [m["train_reward_mean"] for m in rec.steps],
     }
+
+
+def trl_config(
+    out: Path, *, seed: int, steps: int, learning_rate: float, k: int, prompts: int, new_tokens: int, beta: float
+) -> Any:
+    """TRL's ``RLOOConfig`` matched to a run of ours: fp32 on the CPU, a constant rate without warmup
+    or decay, clipping at 1, ``prompts`` prompts of ``k`` samples a step (one generation batch per
+    optimisation step, one pass), plain sampling at temperature 1, the KL ``beta`` in the reward,
+    no dropout, a log line a step, nothing saved."""
+    from trl import RLOOConfig
+
+    return RLOOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=seed,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=k * prompts,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=k,
+        max_completion_length=new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=beta,
+        num_iterations=1,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
 
 
 def first_last(rewards: list[float], n: int = 5) -> tuple[float, float]:

@@ -24,7 +24,7 @@ class SpecError(ValueError):
     pass
 
 
-def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
+def load_spec(spec_path: Path, overrides: dict[str, Any], seed: int | None = None) -> JobCreate:
     try:
         raw = strictjson.loads(spec_path.read_text())  # the API's door: no NaN, no lone surrogate
     except strictjson.InvalidJSON as exc:
@@ -39,6 +39,8 @@ def load_spec(spec_path: Path, overrides: dict[str, Any]) -> JobCreate:
             "type": "supervised",
             "supervised": {"hyperparameters": raw.pop("hyperparameters", {})},
         }
+    if seed is not None:
+        raw["seed"] = seed
     kind = method.get("type", "reinforcement")
     if overrides:
         if method.get(kind) is None:
@@ -88,20 +90,21 @@ def _validate(
     return grader, hp, files
 
 
-def run_spec(
+def spec_config(
     spec_path: Path,
     *,
     overrides: dict[str, Any],
     output_dir: Path | None = None,
     device: str | None = None,
-    recorder: Recorder | None = None,
     resume_from: Path | None = None,
-) -> dict[str, Any]:
+    seed: int | None = None,
+) -> Any:
+    """The ``TrainConfig`` of SPEC (``seed``, when given, over its own), validated as the API
+    validates a job (errors: ``SpecError``)."""
     from worker.config import TrainConfig, worker_extra
-    from worker.train import train
 
     settings = get_settings()
-    body = load_spec(spec_path, overrides)
+    body = load_spec(spec_path, overrides, seed)
     if resume_from is not None:
         from worker.checkpoints import has_training_state
 
@@ -111,7 +114,7 @@ def run_spec(
         output_dir = output_dir or resume_from.parent  # the run's checkpoints stay together
     out = Path(output_dir or settings.home_dir / "runs" / time.strftime("run-%Y%m%d-%H%M%S"))
     grader, hp, files = _validate(body, spec_path.resolve().parent, out, settings)
-    cfg = TrainConfig(
+    return TrainConfig(
         model=body.model,
         training_file=files["training_file"],
         validation_file=files.get("validation_file"),
@@ -124,6 +127,23 @@ def run_spec(
         resume_from=resume_from,
         extra=worker_extra(settings),
         method=body.method_.family,
+    )
+
+
+def run_spec(
+    spec_path: Path,
+    *,
+    overrides: dict[str, Any],
+    output_dir: Path | None = None,
+    device: str | None = None,
+    recorder: Recorder | None = None,
+    resume_from: Path | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    from worker.train import train
+
+    cfg = spec_config(
+        spec_path, overrides=overrides, output_dir=output_dir, device=device, resume_from=resume_from, seed=seed
     )
     rec = recorder or StdoutRecorder()
     t0 = time.perf_counter()
@@ -140,6 +160,52 @@ def run_spec(
         "trained_tokens": result.trained_tokens,
         "final_checkpoint": str(result.final_checkpoint) if result.final_checkpoint else None,
         "wall_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+def evaluate_spec(
+    spec_path: Path,
+    *,
+    overrides: dict[str, Any],
+    checkpoint: Path | None = None,
+    device: str | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """SPEC's validation pass on its starting model, or on ``checkpoint`` (a model directory: a
+    run's step-N, or any ``save_pretrained`` of the same architecture): the pass a reinforcement
+    run makes at its eval steps (``eval_samples`` prompts of the validation file, one completion
+    each at the job's sampling settings, seeded by the job's seed, scored by its grader). A run's
+    ``valid_reward_mean`` at step N equals this on its step-N checkpoint."""
+    import dataclasses
+    import tempfile
+
+    from worker.prepare import prepare
+    from worker.train import evaluate
+
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = spec_config(spec_path, overrides=overrides, output_dir=Path(scratch), device=device, seed=seed)
+        if cfg.method != "reinforcement":
+            raise SpecError(
+                f"{spec_path}: rloo eval scores a reinforcement job's validation pass; this is {cfg.method}"
+            )
+        if cfg.validation_file is None:
+            raise SpecError(f"{spec_path}: no validation_file to score")
+        if checkpoint is not None:
+            if not (checkpoint / "config.json").is_file() and not (checkpoint / "adapter_config.json").is_file():
+                raise SpecError(f"--checkpoint {checkpoint}: no model there (config.json or adapter_config.json)")
+            cfg = dataclasses.replace(cfg, init_from=(checkpoint.resolve(),))
+        try:
+            run = prepare(cfg, StdoutRecorder())  # its events on stderr
+            with run.autocast:
+                score = evaluate(run)
+        except JobError as exc:
+            raise SpecError(f"{exc.code}: {exc.message}") from None
+    return {
+        "model": cfg.model,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "valid_reward_mean": score,
+        "samples": min(cfg.hyperparameters.eval_samples, len(run.valid_items)),
+        "seed": cfg.seed,
     }
 
 

@@ -25,6 +25,9 @@ def parse_set(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+SeedOption = Annotated[
+    int | None, typer.Option(metavar="N", help="The job's seed, over the spec's (sampling, data order).")
+]
 SetOption = Annotated[
     list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Override a hyperparameter (repeatable).")
 ]
@@ -50,6 +53,7 @@ def train_cmd(
             metavar="DIR", help="Continue from this checkpoint directory (a step-N of an earlier run of the same spec)."
         ),
     ] = None,
+    seed: SeedOption = None,
 ) -> None:
     """Run one job in this process, no API or broker: one JSON line per step, then a JSON summary.
 
@@ -62,7 +66,12 @@ def train_cmd(
 
     try:
         summary = run_spec(
-            spec, overrides=parse_set(set_ or []), output_dir=output_dir, device=device, resume_from=resume
+            spec,
+            overrides=parse_set(set_ or []),
+            output_dir=output_dir,
+            device=device,
+            resume_from=resume,
+            seed=seed,
         )
     except SpecError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -70,6 +79,44 @@ def train_cmd(
     typer.echo(json.dumps(summary))
     if summary.get("status") != "succeeded":
         raise typer.Exit(1)
+
+
+@app.command("eval")
+def eval_cmd(
+    spec: Annotated[
+        Path,
+        typer.Argument(metavar="SPEC.json", help="A reinforcement job's body, with a validation_file (a local path)."),
+    ],
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR", help="Score this model directory (e.g. a run's step-N) instead of the spec's model."
+        ),
+    ] = None,
+    set_: SetOption = None,
+    seed: SeedOption = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="DEVICE", help="cpu or cuda; default: cuda when present.")
+    ] = None,
+) -> None:
+    """Score a model on the spec's validation file as a run's validation pass does: one JSON object.
+
+    valid_reward_mean over eval_samples prompts, one completion each at the job's sampling settings,
+    seeded by its seed: a run's value at step N is this on its step-N checkpoint.
+
+    \b
+    Examples:
+      rloo eval examples/addition/job.json
+      rloo eval examples/addition/job.json --checkpoint runs/a/step-600
+    """
+    from worker.local import SpecError, evaluate_spec
+
+    try:
+        result = evaluate_spec(spec, overrides=parse_set(set_ or []), checkpoint=checkpoint, device=device, seed=seed)
+    except SpecError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(result))
 
 
 @app.command("demo")

@@ -1,0 +1,502 @@
+"""Does RLOO's baseline earn its keep? Four advantage estimators and TRL's RLOOTrainer on a task a
+tiny model really learns (``examples/addition``: two-digit sums, reward 1 for the exact answer).
+
+Sections, all on the models ``examples/addition/build.py`` builds in a fresh ``RLOO_HOME``:
+
+* ``learning``: ``examples/addition/job.json`` (600 steps, 16 problems x 8 samples) for each
+  ``advantage_estimator`` and seed, in this process through ``rloo train``'s own path. The held-out
+  accuracy (the job's validation pass: one sample at temperature 1 on each of 500 held-out
+  problems) before RL and every 50 steps; the final accuracy (mean +- standard error over seeds) and
+  the steps to reach ``THRESHOLD``. Same seeds, same compute for each estimator.
+* ``gradient_variance``: at fixed weights (the supervised start, and the RLOO seed-0 run's
+  checkpoints), ``VARIANCE_BATCHES`` fresh batches are sampled, and each estimator's policy gradient
+  (the engine's loss at ratio 1) is taken on the same rollouts. Per estimator: the total variance
+  over batches (the trace of the covariance), the squared norm of the mean gradient (less its
+  noise), their ratio (noise to signal of one batch), the mean gradient's norm and cosine against
+  RLOO's, and a bias statistic against plain REINFORCE (an unbiased estimator): the paired mean
+  difference's squared norm over its expected size under no bias (about 1 when unbiased).
+* ``trl``: TRL's ``RLOOTrainer`` (trl 1.16, the ``bench`` extra) on the same model, problems,
+  reward and settings, the same seeds; its saved weights scored by the same validation pass.
+* ``through_api``: the RLOO seed-0 job through the HTTP API (a local stack on the embedded
+  defaults), its metrics against the in-process run's, step by step.
+
+``make bench-learning`` (``python -m benchmarks.learning [--seeds N] [--steps N]``) prints one JSON
+object and draws ``benchmarks/learning.png``; ``benchmarks/RESULTS.md`` keeps the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, Collect
+
+EXAMPLE = ROOT / "examples" / "addition"
+JOB = EXAMPLE / "job.json"
+ESTIMATORS = ("rloo", "grpo", "reinforce", "reinforce_mean")
+SHIFTED = "reinforce_reward_plus_1"
+"""Plain REINFORCE on the same rollouts with every reward raised by 1 (variance section only): a
+reward whose zero is not where failures sit. The three baselines are blind to such a shift."""
+THRESHOLD = 0.3
+VARIANCE_BATCHES = 128
+PICTURE = Path(__file__).resolve().parent / "learning.png"
+TIMING = {"time_generate", "time_score", "time_reference", "time_update", "time_step", "completions_per_s"}
+TIMING |= {"tokens_per_s"}
+
+
+def job_settings() -> dict[str, Any]:
+    return dict(json.loads(JOB.read_text())["method"]["reinforcement"]["hyperparameters"])
+
+
+def mean_se(values: list[float]) -> dict[str, float]:
+    """Mean and standard error of the mean (n - 1 in the variance)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(n) if n > 1 else float("nan")
+    return {"mean": round(mean, 4), "se": round(se, 4), "n": n}
+
+
+# ---------------------------------------------------------------- learning
+def before_rl(seed: int) -> float:
+    """The supervised start's held-out accuracy: the validation pass a run makes, on step 0's weights."""
+    from worker.local import evaluate_spec
+
+    with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - its events
+        return float(evaluate_spec(JOB, overrides={}, seed=seed)["valid_reward_mean"])
+
+
+def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: int = 0) -> dict[str, Any]:
+    """One run of job.json with ``estimator``, through ``rloo train``'s path (``run_spec``)."""
+    from worker.local import run_spec
+
+    rec = Collect(quiet=True)
+    overrides = {"advantage_estimator": estimator, "max_steps": steps, "checkpoint_interval": checkpoint_interval}
+    with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - its events
+        summary = run_spec(JOB, overrides=overrides, output_dir=out, recorder=rec, seed=seed)
+    if summary["status"] != "succeeded":
+        raise RuntimeError(f"{estimator} seed {seed}: {summary}")
+    return {
+        "wall_s": summary["wall_s"],
+        "curve": [(m["step"], m["valid_reward_mean"]) for m in rec.steps if m.get("valid_reward_mean") is not None],
+        "rewards": [m["train_reward_mean"] for m in rec.steps],
+        "steps": rec.steps,
+        "overrides": overrides,
+    }
+
+
+def steps_to(curve: list[tuple[int, float]], threshold: float) -> int | None:
+    """The first evaluated step whose accuracy reached ``threshold`` (None: never)."""
+    return next((step for step, value in curve if value >= threshold), None)
+
+
+def summarise(runs: list[dict[str, Any]], starts: list[float]) -> dict[str, Any]:
+    """Over seeds: the final accuracy, the gain over the start, steps to the threshold, the curve."""
+    finals = [r["curve"][-1][1] for r in runs]
+    reached = [steps_to(r["curve"], THRESHOLD) for r in runs]
+    curve_steps = [step for step, _ in runs[0]["curve"]]
+    return {
+        "final_accuracy": mean_se(finals),
+        "gain_over_start": mean_se([f - s for f, s in zip(finals, starts, strict=True)]),
+        f"steps_to_{THRESHOLD}": {
+            "reached": f"{sum(r is not None for r in reached)}/{len(reached)}",
+            **(mean_se([float(r) for r in reached if r is not None]) if any(r is not None for r in reached) else {}),
+        },
+        "train_reward_first_last_50": [
+            round(statistics.fmean(statistics.fmean(r["rewards"][:50]) for r in runs), 3),
+            round(statistics.fmean(statistics.fmean(r["rewards"][-50:]) for r in runs), 3),
+        ],
+        "curve": {
+            "steps": [0, *curve_steps],
+            "mean": [round(statistics.fmean(starts), 4)]
+            + [round(statistics.fmean(r["curve"][i][1] for r in runs), 4) for i in range(len(curve_steps))],
+            "se": [mean_se(starts)["se"]]
+            + [mean_se([r["curve"][i][1] for r in runs])["se"] for i in range(len(curve_steps))],
+        },
+        "wall_s_median": round(statistics.median(r["wall_s"] for r in runs), 1),
+    }
+
+
+# ---------------------------------------------------------------- gradient variance
+@dataclasses.dataclass
+class Moments:
+    """Running sums of flat gradient vectors: enough for the mean and the trace of the covariance."""
+
+    total: Any = None
+    squares: float = 0.0
+    n: int = 0
+
+    def add(self, g: Any) -> None:
+        self.total = g.clone() if self.total is None else self.total + g
+        self.squares += float(g.double().pow(2).sum())
+        self.n += 1
+
+    @property
+    def mean(self) -> Any:
+        return self.total / self.n
+
+    @property
+    def variance(self) -> float:
+        """The trace of the covariance over the batches (n - 1 in the denominator)."""
+        return (self.squares - self.n * float(self.mean.double().pow(2).sum())) / (self.n - 1)
+
+    @property
+    def signal(self) -> float:
+        """``||E g||^2``, without the bias of ``||mean||^2`` (which carries ``variance / n`` of noise)."""
+        return float(self.mean.double().pow(2).sum()) - self.variance / self.n
+
+
+def gradient_stats(moments: dict[str, Moments], paired: dict[str, Moments]) -> dict[str, Any]:
+    """Per estimator: the variance, signal, their ratio, norm and cosine against RLOO's mean gradient,
+    and the bias statistic against REINFORCE's (``paired[e]`` holds ``g_e - g_reinforce`` per batch)."""
+    import torch
+
+    ref = moments["rloo"].mean.double()
+    out: dict[str, Any] = {}
+    for name, m in moments.items():
+        mean = m.mean.double()
+        d = paired.get(name)
+        bias = None
+        if d is not None and d.variance > 0:
+            bias = round(float(d.mean.double().pow(2).sum()) / (d.variance / d.n), 2)
+        out[name] = {
+            "variance": m.variance,
+            "signal": m.signal,
+            "noise_to_signal": round(m.variance / m.signal, 2) if m.signal > 0 else None,
+            "variance_vs_rloo": round(m.variance / moments["rloo"].variance, 3),
+            "norm_vs_rloo": round(float(mean.norm() / ref.norm()), 3),
+            # At an equal mean-gradient norm: a constant factor on the advantages (reinforce_mean's
+            # (k-1)/k, much of GRPO's 1/std) scales both, and AdamW's update does not see it.
+            "variance_vs_rloo_same_scale": round(
+                m.variance / moments["rloo"].variance / float(mean.norm() / ref.norm()) ** 2, 3
+            ),
+            "cosine_to_rloo": round(float(torch.nn.functional.cosine_similarity(mean, ref, dim=0)), 3),
+            "bias_statistic_vs_reinforce": bias,
+        }
+    return out
+
+
+def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BATCHES) -> dict[str, Any]:
+    """``gradient_stats`` at each point (step -> checkpoint; None: the supervised start)."""
+    import torch
+
+    from worker import rloo
+    from worker.data import batch_indices, prompt_text
+    from worker.local import spec_config
+    from worker.prepare import prepare
+    from worker.rewards import score_batch
+    from worker.rollout import completion_logprobs
+
+    out: dict[str, Any] = {}
+    for step, checkpoint in points.items():
+        print(f"gradient variance at step {step}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+            cfg = spec_config(JOB, overrides={}, output_dir=Path(scratch), seed=0)
+            if checkpoint is not None:
+                cfg = dataclasses.replace(cfg, init_from=(checkpoint,))
+            run = prepare(cfg, Collect(quiet=True))
+        hp = run.rl
+        moments = {name: Moments() for name in (*ESTIMATORS, SHIFTED)}
+        paired = {name: Moments() for name in moments if name != "reinforce"}
+        run.model.train()
+        for b in range(batches):
+            indices = batch_indices(n_items=len(run.items), batch_size=hp.batch_size, step=b, seed=10_007 + step)
+            items = [run.items[i] for i in indices]
+            prompts = [prompt_text(item, run.tokenizer) for item in items]
+            ro = run.sampler.generate(prompts, k=hp.rloo_k, generator_seed=1_000_003 * (step + 1) + b)
+            graded = score_batch(
+                run.scorer,
+                prompts=[p for p in prompts for _ in range(hp.rloo_k)],
+                texts=ro.texts,
+                items=[item for item in items for _ in range(hp.rloo_k)],
+                reward_models=None,
+            )
+            rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(hp.batch_size, hp.rloo_k)
+            mask = ro.completion_mask.to(torch.float32)
+            logp, _ = completion_logprobs(run.model, ro, temperature=hp.temperature)
+            grads: dict[str, Any] = {}
+            for name in moments:
+                adv = (
+                    rloo.advantages(rewards + 1, "reinforce") if name == SHIFTED else rloo.advantages(rewards, name)
+                ).view(-1)
+                loss, _ = rloo.policy_loss(logp, logp.detach(), adv, mask, aggregation=hp.loss_aggregation)
+                parts = torch.autograd.grad(loss, run.params, retain_graph=True, allow_unused=True)
+                grads[name] = torch.cat(
+                    [
+                        (g if g is not None else torch.zeros_like(p)).flatten()
+                        for g, p in zip(parts, run.params, strict=True)
+                    ]
+                )
+                moments[name].add(grads[name])
+            for name, m in paired.items():
+                m.add(grads[name] - grads["reinforce"])
+        out[str(step)] = {"batches": batches, **gradient_stats(moments, paired)}
+    return out
+
+
+# ---------------------------------------------------------------- TRL
+def trl(seed: int, out: Path, steps: int) -> dict[str, Any]:
+    """TRL's RLOOTrainer on job.json's model, problems, reward and settings; its weights saved at
+    each of our evaluation steps and scored by the same validation pass."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import RLOOTrainer
+
+    from benchmarks.common import trl_config
+    from service.settings import get_settings
+    from worker.data import load_items
+    from worker.local import evaluate_spec
+
+    hf_logging.set_verbosity_error()
+    hp = job_settings()
+    every = hp["eval_interval"]
+    model_dir = get_settings().models_dir / json.loads(JOB.read_text())["model"]
+
+    def exact_match(completions: list[list[dict[str, str]]], answer: list[str], **_: Any) -> list[float]:
+        return [float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+
+    class SaveAtEvalSteps(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % every == 0 or state.global_step == steps:
+                kwargs["model"].save_pretrained(out / f"step-{state.global_step}")
+                tok.save_pretrained(out / f"step-{state.global_step}")
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = [{"prompt": item["messages"], "answer": item["answer"]} for item in load_items(EXAMPLE / "train.jsonl")]
+    args = trl_config(
+        out / "trainer",
+        seed=seed,
+        steps=steps,
+        learning_rate=hp["learning_rate"],
+        k=hp["rloo_k"],
+        prompts=hp["batch_size"],
+        new_tokens=hp["max_new_tokens"],
+        beta=hp["kl_coef"],
+    )
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=exact_match,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        callbacks=[SaveAtEvalSteps()],
+    )
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its logs; stdout is for our JSON
+        trainer.train()
+    wall = time.perf_counter() - t0
+    curve = []
+    for step in sorted(int(p.name[5:]) for p in out.glob("step-*")):
+        with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - its events
+            score = evaluate_spec(JOB, overrides={}, checkpoint=out / f"step-{step}", seed=seed)
+        curve.append((step, score["valid_reward_mean"]))
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {"wall_s": wall, "curve": curve, "rewards": rewards}
+
+
+# ---------------------------------------------------------------- through the API
+def through_api(reference: list[dict[str, Any]], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The seed-0 RLOO job (job.json, ``overrides`` on its hyperparameters) through HTTP on a local
+    stack; its metrics against ``reference`` (the same job's in-process run): every step's every
+    metric but the timings."""
+    import httpx
+
+    from worker.cli.stack import Stack
+
+    os.environ["RLOO_RATE_LIMIT"] = "0"
+    stack = Stack("127.0.0.1", _free_port(), quiet=True)
+    key = stack.start()
+    try:
+        http = httpx.Client(base_url=stack.url + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        body = json.loads(JOB.read_text())
+        for which in ("training_file", "validation_file"):
+            path = EXAMPLE / body[which]
+            r = http.post("/files", files={"file": (path.name, path.read_bytes())}, data={"purpose": "fine-tune"})
+            r.raise_for_status()
+            body[which] = r.json()["id"]
+        body["method"]["reinforcement"]["hyperparameters"].update(overrides)
+        r = http.post("/fine_tuning/jobs", json=body)
+        r.raise_for_status()
+        job_id = r.json()["id"]
+        t0 = time.perf_counter()
+        while (job := http.get(f"/fine_tuning/jobs/{job_id}").json())["status"] not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
+            time.sleep(1)
+        if job["status"] != "succeeded":
+            raise RuntimeError(f"job {job_id} {job['status']}: {job['error']}")
+        wall = time.perf_counter() - t0
+        metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+    finally:
+        stack.stop()
+    diffs: dict[str, float] = {}
+    for api_row, ours_row in zip(metrics, reference, strict=True):
+        for name, value in ours_row.items():
+            if name in TIMING or not isinstance(value, (int, float)) or value is None:
+                continue
+            other = api_row.get(name)
+            diff = abs(float(other) - float(value)) if isinstance(other, (int, float)) else math.inf
+            diffs[name] = max(diffs.get(name, 0.0), diff)
+    valid = [(m["step"], m["valid_reward_mean"]) for m in metrics if m.get("valid_reward_mean") is not None]
+    return {
+        "job_id": job_id,
+        "steps": len(metrics),
+        "submit_to_succeeded_s": round(wall, 1),
+        "valid_reward_mean": valid,
+        "metrics_compared": len(diffs),
+        "largest_difference": max(diffs.values()) if diffs else None,
+        "differing_metrics": sorted(name for name, d in diffs.items() if d > 0),
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- the picture
+COLOURS = {
+    "rloo": "#1f77b4",
+    "grpo": "#2ca02c",
+    "reinforce": "#d62728",
+    "reinforce_mean": "#9467bd",
+    SHIFTED: "#ff9896",
+    "trl": "#7f7f7f",
+}
+
+
+def draw(result: dict[str, Any], path: Path) -> None:
+    """Left: held-out accuracy over steps, mean over seeds with a band of one standard error, per
+    estimator and TRL. Right: each estimator's gradient variance against RLOO's at an equal
+    mean-gradient norm, at each point of the RLOO run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for name, summary in {**result["learning"], **({"trl": result["trl"]} if "trl" in result else {})}.items():
+        curve = summary["curve"]
+        lo = [m - s for m, s in zip(curve["mean"], curve["se"], strict=True)]
+        hi = [m + s for m, s in zip(curve["mean"], curve["se"], strict=True)]
+        label = f"{name} ({summary['final_accuracy']['mean']:.1%})"
+        left.plot(
+            curve["steps"], curve["mean"], color=COLOURS[name], label=label, linewidth=2 if name == "rloo" else 1.2
+        )
+        left.fill_between(curve["steps"], lo, hi, color=COLOURS[name], alpha=0.15)
+    left.axhline(THRESHOLD, color="black", linestyle=":", linewidth=0.8)
+    left.set_xlabel("RL step (16 problems x 8 samples)")
+    left.set_ylabel("held-out accuracy (one sample, T=1, 500 problems)")
+    left.set_title(f"Two-digit addition, mean +- s.e. over {result['seeds']} seeds")
+    left.legend(loc="lower right", fontsize=8)
+    left.grid(alpha=0.3)
+    variance = result["gradient_variance"]
+    points = list(variance)
+    names = (*ESTIMATORS, SHIFTED)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [variance[p][name]["variance_vs_rloo_same_scale"] for p in points]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(points))]
+        right.bar(xs, values, width=width, color=COLOURS[name], label=name, hatch="//" if name == SHIFTED else None)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_xticks(range(len(points)), [f"step {p}" for p in points])
+    right.set_yscale("log")
+    right.set_ylabel("gradient variance / RLOO's, at equal mean norm")
+    right.set_title(f"Gradient variance at fixed weights ({variance[points[0]]['batches']} batches)")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=job_settings()["max_steps"])
+    parser.add_argument("--batches", type=int, default=VARIANCE_BATCHES, help="batches per gradient-variance point")
+    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--no-api", action="store_true")
+    parser.add_argument("--picture", type=Path, default=PICTURE)
+    args = parser.parse_args(argv)
+
+    home = Path(tempfile.mkdtemp(prefix="rloo-bench-learning-"))
+    for name in ("DATABASE_URL", "RLOO_DATABASE_URL", "REDIS_URL", "RLOO_REDIS_URL", "RLOO_MODELS_DIR"):
+        os.environ.pop(name, None)
+    os.environ["RLOO_HOME"] = str(home)  # read by every settings lookup below: a fresh home of its own
+    import torch
+
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "task": "examples/addition: 2-digit sums, 1500 supervised examples (400 steps), then RL on 8000 problems",
+        "settings": {**job_settings(), "max_steps": args.steps},
+        "seeds": args.seeds,
+        "threshold": THRESHOLD,
+    }
+    try:
+        t0 = time.perf_counter()
+        build = subprocess.run(
+            [sys.executable, str(EXAMPLE / "build.py")], capture_output=True, text=True, env=os.environ
+        )
+        if build.returncode:
+            raise RuntimeError(f"examples/addition/build.py failed:\n{build.stderr[-3000:]}")
+        result["build_s"] = round(time.perf_counter() - t0, 1)
+        seeds = list(range(args.seeds))
+        starts = [before_rl(seed) for seed in seeds]
+        result["before_rl"] = mean_se(starts)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ESTIMATORS}
+        for seed in seeds:  # seed-major: drift in the machine's speed hits every estimator alike
+            for name in ESTIMATORS:
+                print(f"{name} seed {seed}", file=sys.stderr, flush=True)
+                interval = args.steps // 3 if (name, seed) == ("rloo", 0) else 0  # the variance points
+                runs[name].append(ours(name, seed, home / "runs" / f"{name}-{seed}", args.steps, interval))
+        result["learning"] = {name: summarise(rs, starts) for name, rs in runs.items()}
+        rloo_run = home / "runs" / "rloo-0"
+        points: dict[int, Path | None] = {0: None}
+        points.update({int(p.name[5:]): p for p in sorted(rloo_run.glob("step-*"), key=lambda p: int(p.name[5:]))})
+        result["gradient_variance"] = gradient_variance(points, args.batches)
+        if not args.no_trl:
+            trl_runs = []
+            for seed in seeds:
+                print(f"trl seed {seed}", file=sys.stderr, flush=True)
+                trl_runs.append(trl(seed, home / "trl" / str(seed), args.steps))
+            result["trl"] = summarise(trl_runs, starts)
+            ours_final = [r["curve"][-1][1] for r in runs["rloo"]]
+            trl_final = [r["curve"][-1][1] for r in trl_runs]
+            result["rloo_minus_trl_final"] = mean_se([a - b for a, b in zip(ours_final, trl_final, strict=True)])
+        if not args.no_api:
+            print("seed 0 through the HTTP API", file=sys.stderr, flush=True)
+            reference = runs["rloo"][0]
+            result["through_api"] = through_api(reference["steps"], reference["overrides"])
+        draw(result, args.picture)
+        result["picture"] = str(args.picture.relative_to(ROOT) if args.picture.is_relative_to(ROOT) else args.picture)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=2))
