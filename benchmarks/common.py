@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service import graders
+from worker.records import QuietRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "examples" / "demo" / "train.jsonl"
@@ -78,7 +79,7 @@ def plain_prompts(tmp: Path) -> Path:
     return out
 
 
-class Collect:
+class Collect(QuietRecorder):
     """A recorder that keeps each step's metrics and when the loop handed them over."""
 
     def __init__(self, *, quiet: bool = False) -> None:
@@ -86,23 +87,11 @@ class Collect:
         self.handed_at: list[float] = []
         self.quiet = quiet
 
-    def event(self, message: str, level: str = "info") -> None:
-        pass
-
     def step(self, step: int, metrics: dict[str, Any]) -> None:
         self.handed_at.append(time.perf_counter())
         self.steps.append(metrics)
         if not self.quiet:
             print(f"step {step}: reward {metrics['train_reward_mean']:.3f}", file=__import__("sys").stderr, flush=True)
-
-    def checkpoint(self, *args: Any) -> None:
-        pass
-
-    def checkpoint_removed(self, step: int) -> None:
-        pass
-
-    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
-        pass
 
 
 def ours(

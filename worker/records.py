@@ -30,6 +30,25 @@ class Recorder(Protocol):
         (``worker.samples``)."""
 
 
+class QuietRecorder:
+    """A recorder that keeps nothing: a base for one that wants only some of a run's reports."""
+
+    def event(self, message: str, level: str = "info") -> None:
+        pass
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        return None
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+        pass
+
+    def checkpoint_removed(self, step: int) -> None:
+        pass
+
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        pass
+
+
 class JobError(Exception):
     """A failure with a code users can act on (``error.code`` on the job)."""
 

@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from worker.records import QuietRecorder
+
 HERE = Path(__file__).resolve().parent
 N_VALID, N_SFT = 500, 1500
 BASE, SFT = "addition-base", "addition-sft"
@@ -73,7 +75,7 @@ def build_base(models: Path, *, force: bool) -> Path:
     return build_tiny_causal_lm(models / BASE, corpus=corpus, vocab_size=262, seed=0, overwrite=force, **MODEL)
 
 
-class Progress:
+class Progress(QuietRecorder):
     """A recorder that shows a run as a progress bar (rich), with its headline metric."""
 
     def __init__(self, title: str, key: str) -> None:
@@ -107,15 +109,6 @@ class Progress:
         valid = metrics.get("valid_reward_mean")
         shown = f"{self.key} {value:.3f}" + (f"  held-out accuracy {valid:.1%}" if valid is not None else "")
         self.bar.update(self.task, completed=step, total=metrics["total_steps"], shown=shown)
-
-    def checkpoint(self, *args: Any) -> None:
-        pass
-
-    def checkpoint_removed(self, step: int) -> None:
-        pass
-
-    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
-        pass
 
 
 def run(

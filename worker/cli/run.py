@@ -28,6 +28,7 @@ def parse_set(pairs: list[str]) -> dict[str, Any]:
 SeedOption = Annotated[
     int | None, typer.Option(metavar="N", help="The job's seed, over the spec's (sampling, data order).")
 ]
+DeviceOption = Annotated[str | None, typer.Option(metavar="DEVICE", help="cpu or cuda; default: cuda when present.")]
 SetOption = Annotated[
     list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Override a hyperparameter (repeatable).")
 ]
@@ -44,9 +45,7 @@ def train_cmd(
     ],
     set_: SetOption = None,
     output_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="Checkpoints go here.")] = None,
-    device: Annotated[
-        str | None, typer.Option(metavar="DEVICE", help="cpu or cuda; default: cuda when present.")
-    ] = None,
+    device: DeviceOption = None,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -95,9 +94,7 @@ def eval_cmd(
     ] = None,
     set_: SetOption = None,
     seed: SeedOption = None,
-    device: Annotated[
-        str | None, typer.Option(metavar="DEVICE", help="cpu or cuda; default: cuda when present.")
-    ] = None,
+    device: DeviceOption = None,
 ) -> None:
     """Score a model on the spec's validation file as a run's validation pass does: one JSON object.
 

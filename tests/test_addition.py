@@ -1,0 +1,176 @@
+"""examples/addition, the task a model really learns: built as users build it; one run through
+``rloo train`` and through the HTTP API gives the same numbers, and ``rloo eval`` the same
+validation pass; the learning benchmark's gradient statistics on vectors whose answer is known."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.data import EXAMPLES, ROOT
+from tests.helpers.live import child_env, live_stack, upload_path, wait_for
+
+ADDITION = EXAMPLES / "addition"
+TIMING = {"time_generate", "time_score", "time_reference", "time_update", "time_step", "completions_per_s"}
+TIMING |= {"tokens_per_s"}
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("addition_build", ADDITION / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cli(home: Path, models: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m worker.cli ARGS`` as a user runs it, on ``home`` and ``models``."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        cwd=ROOT,
+        env=child_env(home, models),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python examples/addition/build.py`` in a home of its own (30 supervised steps, not 400):
+    the models root it built into."""
+    home = tmp_path_factory.mktemp("addition")
+    out = subprocess.run(
+        [sys.executable, str(ADDITION / "build.py"), "--sft-steps", "30"],
+        cwd=ROOT,
+        env=child_env(home, home / "models"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "addition-sft: held-out accuracy" in out.stdout and "rloo train examples/addition/job.json" in out.stdout
+    return home / "models"
+
+
+def test_every_sum_is_in_exactly_one_file_with_its_answer(built: Path) -> None:
+    split = _example().problems()
+    assert {name: len(rows) for name, rows in split.items()} == {"sft": 1500, "train": 8000, "valid": 500}
+    seen: set[str] = set()
+    for name, rows in split.items():
+        assert [json.loads(line) for line in (ADDITION / f"{name}.jsonl").read_text().splitlines()] == rows
+        for row in rows:
+            question = row["messages"][0]["content"]
+            a, b = (int(x) for x in question.rstrip("=").split("+"))
+            answer = row["messages"][1]["content"] if name == "sft" else row["answer"]
+            assert answer == str(a + b) and question not in seen
+            seen.add(question)
+    assert len(seen) == 100 * 100  # every a+b of 0..99, each once: no held-out sum is trained on
+
+
+def test_the_supervised_start_loads_with_from_pretrained_one_token_a_character(built: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sft = built / "addition-sft"
+    assert not list(sft.glob("training_state*"))  # a model, not a run: the training state stayed behind
+    tok = AutoTokenizer.from_pretrained(sft)
+    assert len(tok("12+34=", add_special_tokens=False).input_ids) == 6
+    model = AutoModelForCausalLM.from_pretrained(sft)
+    base = AutoModelForCausalLM.from_pretrained(built / "addition-base")
+    assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it was trained
+
+
+@pytest.mark.e2e
+def test_rloo_train_and_the_api_give_the_same_numbers_and_rloo_eval_the_same_validation_pass(
+    tmp_path: Path, built: Path
+) -> None:
+    overrides = {"max_steps": 4, "eval_interval": 2, "eval_samples": 64, "rloo_k": 4, "batch_size": 4}
+    sets = [arg for name, value in overrides.items() for arg in ("--set", f"{name}={value}")]
+    out = _cli(tmp_path, built, "train", str(ADDITION / "job.json"), *sets, "--seed", "3")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    local, summary = lines[:-1], lines[-1]
+    assert [m["step"] for m in local] == [1, 2, 3, 4]
+    assert [m["step"] for m in local if "valid_reward_mean" in m] == [2, 4]
+
+    # rloo eval on the final checkpoint is the run's own last validation pass, exactly.
+    scored = _cli(
+        tmp_path, built, "eval", str(ADDITION / "job.json"), "--checkpoint", summary["final_checkpoint"],
+        "--set", "eval_samples=64", "--seed", "3",
+    )  # fmt: skip
+    assert scored.returncode == 0, scored.stderr
+    result = json.loads(scored.stdout)
+    assert result["samples"] == 64 and result["valid_reward_mean"] == local[-1]["valid_reward_mean"]
+
+    (tmp_path / "stack").mkdir()
+    with live_stack("embedded", tmp_path / "stack", built) as stack:
+        http = stack.http
+        body: dict[str, Any] = json.loads((ADDITION / "job.json").read_text())
+        body["training_file"] = upload_path(http, ADDITION / "train.jsonl")
+        body["validation_file"] = upload_path(http, ADDITION / "valid.jsonl")
+        body["seed"] = 3
+        body["method"]["reinforcement"]["hyperparameters"].update(overrides)
+        r = http.post("/fine_tuning/jobs", json=body)
+        assert r.status_code == 200, r.text
+        job = wait_for(http, r.json()["id"], {"succeeded", "failed", "cancelled"}, 240, stack)
+        assert job["status"] == "succeeded", job["error"]
+        served = http.get(f"/fine_tuning/jobs/{job['id']}/metrics").json()["data"]
+
+    def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in m.items() if k not in TIMING and k != "created_at"} for m in rows]
+
+    assert numbers(served) == numbers(local)  # every metric of every step, to the last bit
+
+
+def test_rloo_eval_refuses_what_it_cannot_score(tmp_path: Path, models_dir: Path) -> None:
+    spec = tmp_path / "job.json"
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
+    spec.write_text(json.dumps(body))
+    out = _cli(tmp_path, models_dir, "eval", str(spec))
+    assert out.returncode == 2 and "no validation_file" in out.stderr and "Traceback" not in out.stderr
+    body["validation_file"] = str(EXAMPLES / "demo" / "valid.jsonl")
+    spec.write_text(json.dumps(body))
+    out = _cli(tmp_path, models_dir, "eval", str(spec), "--checkpoint", str(tmp_path))
+    assert out.returncode == 2 and "no model there" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- the benchmark's statistics
+def test_gradient_statistics_find_the_variance_the_scale_and_the_bias_they_were_given() -> None:
+    """Gradients drawn around a known mean: the variance is the trace of the covariance, a scaled
+    estimator's norm and variance scale with it, and only a biased one fails the bias statistic."""
+    from benchmarks.learning import Moments, gradient_stats
+
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(50, generator=g, dtype=torch.float64)
+    moments = {name: Moments() for name in ("rloo", "reinforce", "reinforce_mean", "grpo")}
+    paired = {name: Moments() for name in ("rloo", "reinforce_mean", "grpo")}
+    for _ in range(4000):
+        noise = torch.randn(50, generator=g, dtype=torch.float64) * 0.5  # variance 0.25 a coordinate
+        draws = {
+            "rloo": truth + noise,
+            "reinforce": truth + noise + torch.randn(50, generator=g, dtype=torch.float64),  # noisier
+            "reinforce_mean": 0.75 * (truth + noise),  # shrunk: biased
+            "grpo": truth + noise + 0.5,  # shifted: biased
+        }
+        for name, value in draws.items():
+            moments[name].add(value)
+        for name in paired:
+            paired[name].add(draws[name] - draws["reinforce"])
+    stats = gradient_stats(moments, paired)
+    assert stats["rloo"]["variance"] == pytest.approx(50 * 0.25, rel=0.05)
+    assert stats["reinforce"]["variance"] == pytest.approx(50 * 1.25, rel=0.05)
+    assert stats["reinforce_mean"]["norm_vs_rloo"] == pytest.approx(0.75, abs=0.01)
+    assert stats["reinforce_mean"]["variance_vs_rloo_same_scale"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["rloo"]["signal"] == pytest.approx(float(truth.pow(2).sum()), rel=0.02)
+    assert stats["rloo"]["bias_statistic_vs_reinforce"] < 2  # about 1: unbiased
+    assert stats["reinforce_mean"]["bias_statistic_vs_reinforce"] > 50
+    assert stats["grpo"]["bias_statistic_vs_reinforce"] > 50
