@@ -56,8 +56,8 @@ bench-learning: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.learning
 
 lint: install
-	$(BIN)/ruff check service worker tests benchmarks
-	$(BIN)/ruff format --check service worker tests benchmarks migrations
+	$(BIN)/ruff check service worker tests benchmarks examples
+	$(BIN)/ruff format --check service worker tests benchmarks migrations examples
 	$(BIN)/mypy service worker
 
 clean:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, Collect
+from worker.metrics import TIMING_METRICS
 
 EXAMPLE = ROOT / "examples" / "addition"
 JOB = EXAMPLE / "job.json"
@@ -52,20 +53,24 @@ reward whose zero is not where failures sit. The three baselines are blind to su
 THRESHOLD = 0.3
 VARIANCE_BATCHES = 128
 PICTURE = Path(__file__).resolve().parent / "learning.png"
-TIMING = {"time_generate", "time_score", "time_reference", "time_update", "time_step", "completions_per_s"}
-TIMING |= {"tokens_per_s"}
 
 
 def job_settings() -> dict[str, Any]:
     return dict(json.loads(JOB.read_text())["method"]["reinforcement"]["hyperparameters"])
 
 
-def mean_se(values: list[float]) -> dict[str, float]:
-    """Mean and standard error of the mean (n - 1 in the variance)."""
+def mean_se(values: list[float]) -> dict[str, Any]:
+    """Mean and standard error of the mean (n - 1 in the variance; None for one value)."""
     n = len(values)
-    mean = statistics.fmean(values)
-    se = statistics.stdev(values) / math.sqrt(n) if n > 1 else float("nan")
-    return {"mean": round(mean, 4), "se": round(se, 4), "n": n}
+    se = round(statistics.stdev(values) / math.sqrt(n), 4) if n > 1 else None
+    return {"mean": round(statistics.fmean(values), 4), "se": se, "n": n}
+
+
+@contextlib.contextmanager
+def quiet() -> Any:
+    """Stderr to /dev/null: a run's events, which the benchmark does not read."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        yield
 
 
 # ---------------------------------------------------------------- learning
@@ -73,7 +78,7 @@ def before_rl(seed: int) -> float:
     """The supervised start's held-out accuracy: the validation pass a run makes, on step 0's weights."""
     from worker.local import evaluate_spec
 
-    with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - its events
+    with quiet():
         return float(evaluate_spec(JOB, overrides={}, seed=seed)["valid_reward_mean"])
 
 
@@ -83,7 +88,7 @@ def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: 
 
     rec = Collect(quiet=True)
     overrides = {"advantage_estimator": estimator, "max_steps": steps, "checkpoint_interval": checkpoint_interval}
-    with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - its events
+    with quiet():
         summary = run_spec(JOB, overrides=overrides, output_dir=out, recorder=rec, seed=seed)
     if summary["status"] != "succeeded":
         raise RuntimeError(f"{estimator} seed {seed}: {summary}")
@@ -96,19 +101,21 @@ def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: 
     }
 
 
-def steps_to(curve: list[tuple[int, float]], threshold: float) -> int | None:
-    """The first evaluated step whose accuracy reached ``threshold`` (None: never)."""
-    return next((step for step, value in curve if value >= threshold), None)
+def steps_to(start: float, curve: list[tuple[int, float]], threshold: float) -> int | None:
+    """The first step whose accuracy reached ``threshold``: 0 if the start had, else the first
+    evaluated step (None: never)."""
+    return next((step for step, value in [(0, start), *curve] if value >= threshold), None)
 
 
 def summarise(runs: list[dict[str, Any]], starts: list[float]) -> dict[str, Any]:
     """Over seeds: the final accuracy, the gain over the start, steps to the threshold, the curve."""
     finals = [r["curve"][-1][1] for r in runs]
-    reached = [steps_to(r["curve"], THRESHOLD) for r in runs]
+    reached = [steps_to(s, r["curve"], THRESHOLD) for r, s in zip(runs, starts, strict=True)]
     curve_steps = [step for step, _ in runs[0]["curve"]]
     return {
         "final_accuracy": mean_se(finals),
         "gain_over_start": mean_se([f - s for f, s in zip(finals, starts, strict=True)]),
+        # The mean and s.e. are over the seeds that reached it (a conditional mean: see "reached").
         f"steps_to_{THRESHOLD}": {
             "reached": f"{sum(r is not None for r in reached)}/{len(reached)}",
             **(mean_se([float(r) for r in reached if r is not None]) if any(r is not None for r in reached) else {}),
@@ -138,6 +145,7 @@ class Moments:
     n: int = 0
 
     def add(self, g: Any) -> None:
+        g = g.double()  # the variance is a difference of two large sums
         self.total = g.clone() if self.total is None else self.total + g
         self.squares += float(g.double().pow(2).sum())
         self.n += 1
@@ -158,14 +166,17 @@ class Moments:
 
 
 def gradient_stats(moments: dict[str, Moments], paired: dict[str, Moments]) -> dict[str, Any]:
-    """Per estimator: the variance, signal, their ratio, norm and cosine against RLOO's mean gradient,
-    and the bias statistic against REINFORCE's (``paired[e]`` holds ``g_e - g_reinforce`` per batch)."""
+    """Per estimator: the variance, signal, their ratio; the scale against RLOO's (the square root of
+    the signals' ratio: noise-free, unlike the sample means' norms), the variance at an equal scale,
+    the cosine of the sample means; and the bias statistic against REINFORCE's (``paired[e]`` holds
+    ``g_e - g_reinforce`` per batch)."""
     import torch
 
-    ref = moments["rloo"].mean.double()
+    ref = moments["rloo"].mean
     out: dict[str, Any] = {}
     for name, m in moments.items():
-        mean = m.mean.double()
+        mean = m.mean
+        scale = math.sqrt(m.signal / moments["rloo"].signal) if m.signal > 0 and moments["rloo"].signal > 0 else None
         d = paired.get(name)
         bias = None
         if d is not None and d.variance > 0:
@@ -175,12 +186,12 @@ def gradient_stats(moments: dict[str, Moments], paired: dict[str, Moments]) -> d
             "signal": m.signal,
             "noise_to_signal": round(m.variance / m.signal, 2) if m.signal > 0 else None,
             "variance_vs_rloo": round(m.variance / moments["rloo"].variance, 3),
-            "norm_vs_rloo": round(float(mean.norm() / ref.norm()), 3),
-            # At an equal mean-gradient norm: a constant factor on the advantages (reinforce_mean's
-            # (k-1)/k, much of GRPO's 1/std) scales both, and AdamW's update does not see it.
-            "variance_vs_rloo_same_scale": round(
-                m.variance / moments["rloo"].variance / float(mean.norm() / ref.norm()) ** 2, 3
-            ),
+            "scale_vs_rloo": round(scale, 3) if scale else None,
+            # At an equal scale: a constant factor on the advantages (reinforce_mean's (k-1)/k, much
+            # of GRPO's 1/std) scales signal and noise alike, and AdamW's update does not see it.
+            "variance_vs_rloo_same_scale": round(m.variance / moments["rloo"].variance / scale**2, 3)
+            if scale
+            else None,
             "cosine_to_rloo": round(float(torch.nn.functional.cosine_similarity(mean, ref, dim=0)), 3),
             "bias_statistic_vs_reinforce": bias,
         }
@@ -190,6 +201,9 @@ def gradient_stats(moments: dict[str, Moments], paired: dict[str, Moments]) -> d
 def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BATCHES) -> dict[str, Any]:
     """``gradient_stats`` at each point (step -> checkpoint; None: the supervised start)."""
     import torch
+
+    if batches < 2:
+        raise ValueError("the gradient variance needs at least 2 batches a point")
 
     from worker import rloo
     from worker.data import batch_indices, prompt_text
@@ -201,7 +215,7 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
     out: dict[str, Any] = {}
     for step, checkpoint in points.items():
         print(f"gradient variance at step {step}", file=sys.stderr, flush=True)
-        with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+        with tempfile.TemporaryDirectory() as scratch, quiet():
             cfg = spec_config(JOB, overrides={}, output_dir=Path(scratch), seed=0)
             if checkpoint is not None:
                 cfg = dataclasses.replace(cfg, init_from=(checkpoint,))
@@ -302,7 +316,7 @@ def trl(seed: int, out: Path, steps: int) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     curve = []
     for step in sorted(int(p.name[5:]) for p in out.glob("step-*")):
-        with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - its events
+        with quiet():
             score = evaluate_spec(JOB, overrides={}, checkpoint=out / f"step-{step}", seed=seed)
         curve.append((step, score["valid_reward_mean"]))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -339,6 +353,8 @@ def through_api(reference: list[dict[str, Any]], overrides: dict[str, Any]) -> d
             "failed",
             "cancelled",
         ):
+            if time.perf_counter() - t0 > 3600:
+                raise RuntimeError(f"job {job_id} still {job['status']} after an hour")
             time.sleep(1)
         if job["status"] != "succeeded":
             raise RuntimeError(f"job {job_id} {job['status']}: {job['error']}")
@@ -349,7 +365,7 @@ def through_api(reference: list[dict[str, Any]], overrides: dict[str, Any]) -> d
     diffs: dict[str, float] = {}
     for api_row, ours_row in zip(metrics, reference, strict=True):
         for name, value in ours_row.items():
-            if name in TIMING or not isinstance(value, (int, float)) or value is None:
+            if name in TIMING_METRICS or not isinstance(value, (int, float)):
                 continue
             other = api_row.get(name)
             diff = abs(float(other) - float(value)) if isinstance(other, (int, float)) else math.inf

@@ -11,7 +11,7 @@ from service import finetuned, graders
 from service.datasets import first_line_not
 from service.errors import bad_request
 from service.modelroot import model_context, resolve_model
-from service.schemas import AnyResolved, Hyperparameters, JobCreate, ResolvedHyperparameters
+from service.schemas import AnyResolved, Hyperparameters, JobCreate, ResolvedHyperparameters, least_rloo_k
 from service.settings import Settings
 
 
@@ -107,7 +107,7 @@ def check_context(body: JobCreate, model: Path | str) -> None:
 
 
 def _check_reinforcement(hp: ResolvedHyperparameters, hp_param: str) -> None:
-    if hp.rloo_k < 2 and hp.advantage_estimator != "reinforce":
+    if hp.rloo_k < least_rloo_k(hp.advantage_estimator):
         raise bad_request(
             f"rloo_k 1 leaves advantage_estimator '{hp.advantage_estimator}' no group: its baseline is the other "
             "completions of the same prompt. Give rloo_k at least 2, or set advantage_estimator to 'reinforce' "

@@ -130,6 +130,16 @@ class TrainingHyperparameters(Strict):
         return values
 
 
+AdvantageEstimator = Literal["rloo", "grpo", "reinforce", "reinforce_mean"]
+"""``advantage_estimator``'s values: ``worker.rloo.ESTIMATORS`` has a function for each."""
+
+
+def least_rloo_k(estimator: str) -> int:
+    """The fewest completions a prompt the estimator can use: a group baseline needs two, plain
+    REINFORCE (no baseline) one."""
+    return 1 if estimator == "reinforce" else 2
+
+
 class Hyperparameters(TrainingHyperparameters):
     """The reinforcement (RLOO) hyperparameters of docs/algorithm.md."""
 
@@ -138,7 +148,8 @@ class Hyperparameters(TrainingHyperparameters):
     )
     compute_multiplier: float | Auto = Field(
         "auto",
-        description="OpenAI's 'compute used for exploring': scales rloo_k (rounded, between 2 and 256); auto = 1.",
+        description="OpenAI's 'compute used for exploring': scales rloo_k (rounded, between 2 and 256, or 1 and 256 "
+        "for reinforce); auto = 1.",
     )
     reasoning_effort: Literal["default", "low", "medium", "high"] = Field(
         "default", description="Accepted for OpenAI compatibility; no effect on these models (an event says so)."
@@ -154,7 +165,7 @@ class Hyperparameters(TrainingHyperparameters):
     clip_epsilon: float = Field(0.2, gt=0, lt=1.0, description="Ratio clip range (1 - eps, 1 + eps).")
     clip_epsilon_high: float | None = Field(None, gt=0, le=10.0, description="Upper clip; default clip_epsilon.")
     loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean"] = Field("sequence_sum")
-    advantage_estimator: Literal["rloo", "grpo", "reinforce", "reinforce_mean"] = Field(
+    advantage_estimator: AdvantageEstimator = Field(
         "rloo",
         description="rloo: leave-one-out baseline; grpo: group mean and std; reinforce: no baseline; "
         "reinforce_mean: the group mean including the completion.",
@@ -198,8 +209,9 @@ class Hyperparameters(TrainingHyperparameters):
         values = self._concrete()
         if values["compute_multiplier"] == "auto":
             values["compute_multiplier"] = 1.0
-        if values["compute_multiplier"] != 1.0:
-            least = 1 if values["advantage_estimator"] == "reinforce" else 2
+        least = least_rloo_k(values["advantage_estimator"])
+        # A k below the estimator's least stays as given: job creation refuses it (jobspec), never a silent 2.
+        if values["compute_multiplier"] != 1.0 and values["rloo_k"] >= least:
             values["rloo_k"] = min(256, max(least, round(values["rloo_k"] * values["compute_multiplier"])))
         return ResolvedHyperparameters.model_validate(values)
 

@@ -354,6 +354,7 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "rloo_k_0": (_hp(rloo_k=0), f"{HP}.rloo_k", None),
     "rloo_k_1": (_hp(rloo_k=1), f"{HP}.rloo_k", "'reinforce'"),
     "grpo_with_rloo_k_1": (_hp(advantage_estimator="grpo", rloo_k=1), f"{HP}.rloo_k", "no group"),
+    "rloo_k_1_scaled_up": (_hp(rloo_k=1, compute_multiplier=1.5), f"{HP}.rloo_k", "no group"),
     "advantage_estimator_unknown": (
         _hp(advantage_estimator="ppo"),
         f"{HP}.advantage_estimator",

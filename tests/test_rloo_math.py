@@ -150,6 +150,15 @@ def test_whitening_a_reinforce_batch_keeps_groups_of_one():
     close(adv, (r - 2.5) / (r.std() + 1e-8))
 
 
+def test_every_estimator_the_api_takes_has_a_function_and_a_least_k():
+    from typing import get_args
+
+    from service.schemas import AdvantageEstimator, least_rloo_k
+
+    assert get_args(AdvantageEstimator) == tuple(rloo.ESTIMATORS)
+    assert {name for name in rloo.ESTIMATORS if least_rloo_k(name) == 2} == set(rloo.GROUP_ESTIMATORS)
+
+
 def _bandit_gradients(estimator: str, *, batches: int = 20_000, k: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy gradients of a 3-armed softmax bandit with Bernoulli rewards, one per batch of k pulls:
     ``sum_i A_i * grad log pi(a_i) / k``. Returns (their mean, its standard error), each (3,)."""

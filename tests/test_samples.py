@@ -31,7 +31,7 @@ def test_groups_are_bounded_and_an_unscored_reward_is_null() -> None:
     assert best_and_worst(groups) == [("best", groups[0]["completions"][0]), ("worst", groups[0]["completions"][0])]
 
 
-@pytest.mark.parametrize(("estimator", "k"), [("rloo", 4), ("grpo", 4), ("reinforce", 1)])
+@pytest.mark.parametrize(("estimator", "k"), [("rloo", 4), ("grpo", 4), ("reinforce_mean", 3), ("reinforce", 1)])
 def test_a_run_records_its_completions_with_their_estimators_advantages(
     tmp_path: Path, models_dir: Path, estimator: str, k: int
 ) -> None:

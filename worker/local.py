@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -17,7 +17,10 @@ from service.datasets import store_jsonl
 from service.errors import APIError
 from service.schemas import AnyResolved, JobCreate
 from service.settings import get_settings
-from worker.records import JobError, Recorder, StdoutRecorder
+from worker.records import JobError, QuietRecorder, Recorder, StdoutRecorder
+
+if TYPE_CHECKING:
+    from worker.config import TrainConfig
 
 
 class SpecError(ValueError):
@@ -98,7 +101,7 @@ def spec_config(
     device: str | None = None,
     resume_from: Path | None = None,
     seed: int | None = None,
-) -> Any:
+) -> TrainConfig:
     """The ``TrainConfig`` of SPEC (``seed``, when given, over its own), validated as the API
     validates a job (errors: ``SpecError``)."""
     from worker.config import TrainConfig, worker_extra
@@ -171,11 +174,12 @@ def evaluate_spec(
     device: str | None = None,
     seed: int | None = None,
 ) -> dict[str, Any]:
-    """SPEC's validation pass on its starting model, or on ``checkpoint`` (a model directory: a
-    run's step-N, or any ``save_pretrained`` of the same architecture): the pass a reinforcement
-    run makes at its eval steps (``eval_samples`` prompts of the validation file, one completion
-    each at the job's sampling settings, seeded by the job's seed, scored by its grader). A run's
-    ``valid_reward_mean`` at step N equals this on its step-N checkpoint."""
+    """SPEC's validation pass on its starting model, or on ``checkpoint`` (a model directory with its
+    tokenizer: a run's step-N, or any ``save_pretrained`` of the same architecture): the pass a
+    reinforcement run makes at its eval steps (``eval_samples`` prompts of the validation file, one
+    completion each at the job's sampling settings, seeded by the job's seed, scored by its grader).
+    A full fine-tuning run's ``valid_reward_mean`` at step N equals this on its step-N checkpoint
+    (a LoRA checkpoint is scored with its adapter merged: equal to rounding)."""
     import dataclasses
     import tempfile
 
@@ -193,9 +197,15 @@ def evaluate_spec(
         if checkpoint is not None:
             if not (checkpoint / "config.json").is_file() and not (checkpoint / "adapter_config.json").is_file():
                 raise SpecError(f"--checkpoint {checkpoint}: no model there (config.json or adapter_config.json)")
+            if not (checkpoint / "tokenizer_config.json").is_file():
+                raise SpecError(
+                    f"--checkpoint {checkpoint}: no tokenizer there; save_pretrained the tokenizer beside it"
+                )
             cfg = dataclasses.replace(cfg, init_from=(checkpoint.resolve(),))
+        # A validation pass samples and scores: no reference model (kl_coef 0 loads none).
+        cfg = dataclasses.replace(cfg, hyperparameters=cfg.hyperparameters.model_copy(update={"kl_coef": 0.0}))
         try:
-            run = prepare(cfg, StdoutRecorder())  # its events on stderr
+            run = prepare(cfg, QuietRecorder())
             with run.autocast:
                 score = evaluate(run)
         except JobError as exc:

@@ -31,6 +31,12 @@ class UpdateStats:
     learning_rate: float
 
 
+TIMING_METRICS = frozenset(
+    {"time_generate", "time_score", "time_reference", "time_update", "time_step", "completions_per_s", "tokens_per_s"}
+)
+"""The metrics that measure the machine, not the run: two runs of one seed differ only in these."""
+
+
 @dataclass(frozen=True)
 class Timings:
     """Seconds each phase of a step took."""

@@ -56,8 +56,10 @@ def grpo_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
 def reinforce_advantages(rewards: Tensor) -> Tensor:
     """Plain REINFORCE: the reward itself, no baseline. ``(B, k)`` in and out; NaN gives 0.
 
-    Unbiased, and the highest variance of the four: every completion's log-probability is pushed by
-    its whole reward, whatever its siblings scored. Needs no group (``k`` may be 1).
+    Unbiased, and not shift-invariant: every completion's log-probability is pushed by its whole
+    reward, whatever its siblings scored, so a reward whose zero is not where failures sit adds
+    variance that a baseline removes (``benchmarks/learning.py`` measures it). Needs no group
+    (``k`` may be 1).
     """
     r, finite, _ = _finite_rows(rewards)
     return torch.where(finite, r, torch.zeros_like(r))

@@ -6,14 +6,15 @@
 
 What it writes:
 
-* next to this file: ``sft.jsonl`` (500 worked examples, ``{"messages": [user "23+45=", assistant
-  "68"]}``), ``train.jsonl`` (9,000 other problems, ``{"messages": [user "23+45="], "answer": "68"}``:
+* next to this file: ``sft.jsonl`` (1,500 worked examples, ``{"messages": [user "23+45=", assistant
+  "68"]}``), ``train.jsonl`` (8,000 other problems, ``{"messages": [user "23+45="], "answer": "68"}``:
   the reward's references, never shown to the policy) and ``valid.jsonl`` (500 held-out problems);
   every ``a+b`` with ``0 <= a, b <= 99`` appears in exactly one of them.
 * under the models root (``RLOO_MODELS_DIR``, ``var/models`` by default): ``addition-base``, a
   random Llama-style model (2 layers, hidden 64, one token per character) and ``addition-sft``,
-  ``addition-base`` after ``sft.json``: supervised training on the 500 examples teaches it the
-  format (digits, then the end of turn) and some addition (about a quarter of the held-out sums).
+  ``addition-base`` after ``sft.json`` (400 steps of 64): supervised training on the worked examples
+  teaches it the format (digits, then the end of turn) and some addition (about one held-out sum in
+  six).
 
 ``job.json`` then trains ``addition-sft`` with RLOO on ``train.jsonl``: 16 problems a step, 8
 samples each, reward 1 for the exact sum and 0 otherwise (a ``string_check``), and reports the
@@ -21,7 +22,7 @@ held-out accuracy (``valid_reward_mean``: one sample at temperature 1 on each of
 problems) every 50 steps. ``make bench-learning`` runs it over seeds, estimators and against TRL.
 
 Everything is seeded: the same files and weights on every run. A model already built is kept
-(``--force`` rebuilds).
+(``--force`` rebuilds both; ``--sft-steps`` rebuilds ``addition-sft``).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def build_sft(models: Path, *, force: bool, sft_steps: int | None) -> Path:
     """``addition-base`` trained on ``sft.jsonl`` (``sft.json``), its weights and tokenizer put
     under the models root as ``addition-sft`` (renamed into place: never half there)."""
     target = models / SFT
-    if (target / "config.json").is_file() and not force:
+    if (target / "config.json").is_file() and not force and not sft_steps:
         return target
     overrides = {"max_steps": sft_steps} if sft_steps else {}
     with tempfile.TemporaryDirectory(dir=models) as scratch:
@@ -156,7 +157,9 @@ def accuracy(checkpoint: Path | None = None, seed: int | None = None) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--force", action="store_true", help="rebuild the models even if they exist")
-    parser.add_argument("--sft-steps", type=int, metavar="N", help="supervised steps (sft.json's 600 by default)")
+    parser.add_argument(
+        "--sft-steps", type=int, metavar="N", help="supervised steps (sft.json's 400 by default); rebuilds addition-sft"
+    )
     parser.add_argument("--train", action="store_true", help="then run job.json (RLOO) and show the accuracy")
     parser.add_argument("--seed", type=int, default=0, help="job.json's seed (its sampling, its data order)")
     args = parser.parse_args(argv)

@@ -11,6 +11,7 @@ from service.graders import parse_grader
 from service.schemas import HYPERPARAMETERS, Hyperparameters
 from tests.helpers.data import EXAMPLES
 from worker.config import TrainConfig
+from worker.metrics import TIMING_METRICS
 
 ANSWER = {
     "type": "text_similarity",
@@ -102,14 +103,6 @@ def load_policy(models_dir: Path, name: str = "tiny-policy") -> tuple[Any, Any]:
     return load_causal_lm(path, torch.device("cpu"), name=name), load_tokenizer(path, name=name)
 
 
-TIMING = {
-    "time_generate",
-    "time_score",
-    "time_reference",
-    "time_update",
-    "time_step",
-    "completions_per_s",
-    "tokens_per_s",
-}
+TIMING = TIMING_METRICS
 # A LoRA the tiny model learns with: its reward signal lives mostly in the (tied) output head.
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["lm_head", "q_proj", "v_proj"]}

@@ -107,13 +107,14 @@ def eval_cmd(
       rloo eval examples/addition/job.json --checkpoint runs/a/step-600
     """
     from worker.local import SpecError, evaluate_spec
+    from worker.records import json_safe
 
     try:
         result = evaluate_spec(spec, overrides=parse_set(set_ or []), checkpoint=checkpoint, device=device, seed=seed)
     except SpecError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(json.dumps(result))
+    typer.echo(json.dumps(json_safe(result)))  # NaN (nothing could be scored) is null
 
 
 @app.command("demo")
