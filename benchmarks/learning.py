@@ -6,8 +6,10 @@ Sections, all on the models ``examples/addition/build.py`` builds in a fresh ``R
 * ``learning``: ``examples/addition/job.json`` (600 steps, 16 problems x 8 samples) for each
   ``advantage_estimator`` and seed, in this process through ``rloo train``'s own path. The held-out
   accuracy (the job's validation pass: one sample at temperature 1 on each of 500 held-out
-  problems) before RL and every 50 steps; the final accuracy (mean +- standard error over seeds) and
-  the steps to reach ``THRESHOLD``. Same seeds, same compute for each estimator.
+  problems) every 50 steps, as the run records it; the final checkpoint's and the supervised
+  start's over ``EVAL_REPEATS`` such passes; the final accuracy (mean +- standard error over
+  seeds), the steps to reach ``THRESHOLD``, how often the gradient was clipped. Same seeds, same
+  compute for each estimator.
 * ``gradient_variance``: at fixed weights (the supervised start, and the RLOO seed-0 run's
   checkpoints), ``VARIANCE_BATCHES`` fresh batches are sampled, and each estimator's policy gradient
   (the engine's loss at ratio 1) is taken on the same rollouts. Per estimator: the total variance
@@ -51,6 +53,9 @@ SHIFTED = "reinforce_reward_plus_1"
 """Plain REINFORCE on the same rollouts with every reward raised by 1 (variance section only): a
 reward whose zero is not where failures sit. The three baselines are blind to such a shift."""
 THRESHOLD = 0.3
+EVAL_REPEATS = 4
+"""Validation passes of a final checkpoint (each 500 problems, one sample, its own sampling seed):
+2,000 samples a run, where one pass's accuracy has a binomial error of about 2 points."""
 VARIANCE_BATCHES = 128
 PICTURE = Path(__file__).resolve().parent / "learning.png"
 
@@ -74,12 +79,17 @@ def quiet() -> Any:
 
 
 # ---------------------------------------------------------------- learning
-def before_rl(seed: int) -> float:
-    """The supervised start's held-out accuracy: the validation pass a run makes, on step 0's weights."""
+def accuracy(checkpoint: Path | None, repeats: int = EVAL_REPEATS) -> float:
+    """The held-out accuracy of ``checkpoint`` (None: the supervised start): the mean of ``repeats``
+    of the validation pass a run makes, each with its own sampling seed."""
     from worker.local import evaluate_spec
 
-    with quiet():
-        return float(evaluate_spec(JOB, overrides={}, seed=seed)["valid_reward_mean"])
+    scores = []
+    for r in range(repeats):
+        with quiet():
+            result = evaluate_spec(JOB, overrides={}, checkpoint=checkpoint, seed=10_000 + r)
+        scores.append(float(result["valid_reward_mean"]))
+    return statistics.fmean(scores)
 
 
 def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: int = 0) -> dict[str, Any]:
@@ -93,12 +103,22 @@ def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: 
     if summary["status"] != "succeeded":
         raise RuntimeError(f"{estimator} seed {seed}: {summary}")
     return {
+        "final": accuracy(Path(summary["final_checkpoint"])),
         "wall_s": summary["wall_s"],
+        "grad_norms": [m["grad_norm"] for m in rec.steps],
         "curve": [(m["step"], m["valid_reward_mean"]) for m in rec.steps if m.get("valid_reward_mean") is not None],
         "rewards": [m["train_reward_mean"] for m in rec.steps],
         "steps": rec.steps,
         "overrides": overrides,
     }
+
+
+def difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean final accuracy of ``a`` less ``b``'s, with the error of a difference of two
+    independent means: conservative, as runs of one seed share their data order and first rollouts."""
+    x, y = mean_se([r["final"] for r in a]), mean_se([r["final"] for r in b])
+    se = math.hypot(x["se"], y["se"]) if x["se"] is not None and y["se"] is not None else None
+    return {"difference": round(x["mean"] - y["mean"], 4), "se": round(se, 4) if se is not None else None}
 
 
 def steps_to(start: float, curve: list[tuple[int, float]], threshold: float) -> int | None:
@@ -107,14 +127,15 @@ def steps_to(start: float, curve: list[tuple[int, float]], threshold: float) -> 
     return next((step for step, value in [(0, start), *curve] if value >= threshold), None)
 
 
-def summarise(runs: list[dict[str, Any]], starts: list[float]) -> dict[str, Any]:
-    """Over seeds: the final accuracy, the gain over the start, steps to the threshold, the curve."""
-    finals = [r["curve"][-1][1] for r in runs]
-    reached = [steps_to(s, r["curve"], THRESHOLD) for r, s in zip(runs, starts, strict=True)]
+def summarise(runs: list[dict[str, Any]], start: float) -> dict[str, Any]:
+    """Over seeds: the final accuracy (``EVAL_REPEATS`` passes of the final checkpoint), the gain
+    over the start, steps to the threshold (on the run's own passes), the curve, the clipping."""
+    finals = [r["final"] for r in runs]
+    reached = [steps_to(start, r["curve"], THRESHOLD) for r in runs]
     curve_steps = [step for step, _ in runs[0]["curve"]]
     return {
         "final_accuracy": mean_se(finals),
-        "gain_over_start": mean_se([f - s for f, s in zip(finals, starts, strict=True)]),
+        "gain_over_start": mean_se([f - start for f in finals]),
         # The mean and s.e. are over the seeds that reached it (a conditional mean: see "reached").
         f"steps_to_{THRESHOLD}": {
             "reached": f"{sum(r is not None for r in reached)}/{len(reached)}",
@@ -126,11 +147,14 @@ def summarise(runs: list[dict[str, Any]], starts: list[float]) -> dict[str, Any]
         ],
         "curve": {
             "steps": [0, *curve_steps],
-            "mean": [round(statistics.fmean(starts), 4)]
+            "mean": [round(start, 4)]
             + [round(statistics.fmean(r["curve"][i][1] for r in runs), 4) for i in range(len(curve_steps))],
-            "se": [mean_se(starts)["se"]]
-            + [mean_se([r["curve"][i][1] for r in runs])["se"] for i in range(len(curve_steps))],
+            "se": [0.0] + [mean_se([r["curve"][i][1] for r in runs])["se"] for i in range(len(curve_steps))],
         },
+        # Gradients past max_grad_norm (1) are clipped to it: a constant factor on the advantages
+        # changes which steps clip, the one way it reaches AdamW's update.
+        "grad_norm_median": round(statistics.median(g for r in runs for g in r["grad_norms"]), 3),
+        "clipped_steps": round(statistics.fmean(g > 1.0 for r in runs for g in r["grad_norms"]), 3),
         "wall_s_median": round(statistics.median(r["wall_s"] for r in runs), 1),
     }
 
@@ -320,7 +344,9 @@ def trl(seed: int, out: Path, steps: int) -> dict[str, Any]:
             score = evaluate_spec(JOB, overrides={}, checkpoint=out / f"step-{step}", seed=seed)
         curve.append((step, score["valid_reward_mean"]))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"wall_s": wall, "curve": curve, "rewards": rewards}
+    grad_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    final = accuracy(out / f"step-{steps}")
+    return {"wall_s": wall, "curve": curve, "rewards": rewards, "final": final, "grad_norms": grad_norms}
 
 
 # ---------------------------------------------------------------- through the API
@@ -415,7 +441,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
         curve = summary["curve"]
         lo = [m - s for m, s in zip(curve["mean"], curve["se"], strict=True)]
         hi = [m + s for m, s in zip(curve["mean"], curve["se"], strict=True)]
-        label = f"{name} ({summary['final_accuracy']['mean']:.1%})"
+        label = f"{name} (final {summary['final_accuracy']['mean']:.1%})"
         left.plot(
             curve["steps"], curve["mean"], color=COLOURS[name], label=label, linewidth=2 if name == "rloo" else 1.2
         )
@@ -431,7 +457,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
     names = (*ESTIMATORS, SHIFTED)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        values = [variance[p][name]["variance_vs_rloo_same_scale"] for p in points]
+        values = [variance[p][name]["variance_vs_rloo_same_scale"] or math.nan for p in points]  # None: no signal
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(points))]
         right.bar(xs, values, width=width, color=COLOURS[name], label=name, hatch="//" if name == SHIFTED else None)
     right.axhline(1.0, color="black", linewidth=0.8)
@@ -481,15 +507,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise RuntimeError(f"examples/addition/build.py failed:\n{build.stderr[-3000:]}")
         result["build_s"] = round(time.perf_counter() - t0, 1)
         seeds = list(range(args.seeds))
-        starts = [before_rl(seed) for seed in seeds]
-        result["before_rl"] = mean_se(starts)
+        start = accuracy(None)
+        samples = EVAL_REPEATS * 500
+        result["before_rl"] = {"mean": round(start, 4), "se": round(math.sqrt(start * (1 - start) / samples), 4)}
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ESTIMATORS}
         for seed in seeds:  # seed-major: drift in the machine's speed hits every estimator alike
             for name in ESTIMATORS:
                 print(f"{name} seed {seed}", file=sys.stderr, flush=True)
                 interval = args.steps // 3 if (name, seed) == ("rloo", 0) else 0  # the variance points
                 runs[name].append(ours(name, seed, home / "runs" / f"{name}-{seed}", args.steps, interval))
-        result["learning"] = {name: summarise(rs, starts) for name, rs in runs.items()}
+        result["learning"] = {name: summarise(rs, start) for name, rs in runs.items()}
+        result["vs_rloo_final"] = {name: difference(runs[name], runs["rloo"]) for name in ESTIMATORS[1:]}
         rloo_run = home / "runs" / "rloo-0"
         points: dict[int, Path | None] = {0: None}
         points.update({int(p.name[5:]): p for p in sorted(rloo_run.glob("step-*"), key=lambda p: int(p.name[5:]))})
@@ -499,10 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for seed in seeds:
                 print(f"trl seed {seed}", file=sys.stderr, flush=True)
                 trl_runs.append(trl(seed, home / "trl" / str(seed), args.steps))
-            result["trl"] = summarise(trl_runs, starts)
-            ours_final = [r["curve"][-1][1] for r in runs["rloo"]]
-            trl_final = [r["curve"][-1][1] for r in trl_runs]
-            result["rloo_minus_trl_final"] = mean_se([a - b for a, b in zip(ours_final, trl_final, strict=True)])
+            result["trl"] = summarise(trl_runs, start)
+            result["rloo_minus_trl_final"] = difference(runs["rloo"], trl_runs)
         if not args.no_api:
             print("seed 0 through the HTTP API", file=sys.stderr, flush=True)
             reference = runs["rloo"][0]
