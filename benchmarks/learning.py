@@ -16,14 +16,18 @@ Sections, all on the models ``examples/addition/build.py`` builds in a fresh ``R
   over batches (the trace of the covariance), the squared norm of the mean gradient (less its
   noise), their ratio (noise to signal of one batch), the mean gradient's norm and cosine against
   RLOO's, and a bias statistic against plain REINFORCE (an unbiased estimator): the paired mean
-  difference's squared norm over its expected size under no bias (about 1 when unbiased).
+  difference's squared norm over its expected size under no bias (about 1 when unbiased). Also plain
+  REINFORCE with every reward raised by 1 (a reward whose zero is elsewhere), and, from each
+  completion's own gradient on the first ``SCORE_BATCHES`` batches, the constant baseline that
+  would minimise the variance against the mean reward a group baseline estimates.
 * ``trl``: TRL's ``RLOOTrainer`` (trl 1.16, the ``bench`` extra) on the same model, problems,
   reward and settings, the same seeds; its saved weights scored by the same validation pass.
 * ``through_api``: the RLOO seed-0 job through the HTTP API (a local stack on the embedded
   defaults), its metrics against the in-process run's, step by step.
 
-``make bench-learning`` (``python -m benchmarks.learning [--seeds N] [--steps N]``) prints one JSON
-object and draws ``benchmarks/learning.png``; ``benchmarks/RESULTS.md`` keeps the figures.
+``make bench-learning`` (``python -m benchmarks.learning [--seeds N] [--steps N] [--sections ...]``)
+prints one JSON object and draws ``benchmarks/learning.png``; ``benchmarks/RESULTS.md`` keeps the
+figures.
 """
 
 from __future__ import annotations
@@ -57,7 +61,10 @@ EVAL_REPEATS = 4
 """Validation passes of a final checkpoint (each 500 problems, one sample, its own sampling seed):
 2,000 samples a run, where one pass's accuracy has a binomial error of about 2 points."""
 VARIANCE_BATCHES = 128
+SCORE_BATCHES = 4
+"""Batches a point whose completions' gradients are also taken one by one (the optimal baseline)."""
 PICTURE = Path(__file__).resolve().parent / "learning.png"
+SECTIONS = ("learning", "variance", "trl", "api")
 
 
 def job_settings() -> dict[str, Any]:
@@ -245,6 +252,7 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
                 cfg = dataclasses.replace(cfg, init_from=(checkpoint,))
             run = prepare(cfg, Collect(quiet=True))
         hp = run.rl
+        sums: dict[str, float] = {}
         moments = {name: Moments() for name in (*ESTIMATORS, SHIFTED)}
         paired = {name: Moments() for name in moments if name != "reinforce"}
         run.model.train()
@@ -279,8 +287,44 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
                 moments[name].add(grads[name])
             for name, m in paired.items():
                 m.add(grads[name] - grads["reinforce"])
-        out[str(step)] = {"batches": batches, **gradient_stats(moments, paired)}
+            if b < SCORE_BATCHES:
+                sums = score_norms(run, logp, mask, rewards.view(-1), sums)
+        out[str(step)] = {"batches": batches, **gradient_stats(moments, paired), "baseline": optimal_baseline(sums)}
     return out
+
+
+def score_norms(run: Any, logp: Any, mask: Any, rewards: Any, sums: dict[str, float]) -> dict[str, float]:
+    """``sums`` plus this batch's: per completion ``s = ||grad log pi(y)||^2`` (one backward each),
+    summed with ``r * s``, ``r``, and split by correct (reward 1) and wrong."""
+    import torch
+
+    sequence = (logp * mask).sum(dim=-1)
+    out = dict(sums)
+    for i in range(sequence.numel()):
+        parts = torch.autograd.grad(sequence[i], run.params, retain_graph=True, allow_unused=True)
+        s = float(sum(g.double().pow(2).sum() for g in parts if g is not None))
+        r = float(rewards[i])
+        for key, value in (("n", 1.0), ("s", s), ("rs", r * s), ("r", r)):
+            out[key] = out.get(key, 0.0) + value
+        side = "right" if r > 0.5 else "wrong"
+        out[f"n_{side}"] = out.get(f"n_{side}", 0.0) + 1
+        out[f"s_{side}"] = out.get(f"s_{side}", 0.0) + s
+    return out
+
+
+def optimal_baseline(sums: dict[str, float]) -> dict[str, Any]:
+    """The constant baseline that minimises the variance of ``(r - b) grad log pi`` (``E[r s] / E[s]``
+    with ``s = ||grad log pi||^2``) against the mean reward, the baseline a group's mean estimates;
+    and how much larger a wrong completion's score is than a right one's."""
+    mean_reward = sums["r"] / sums["n"]
+    right = sums.get("s_right", 0.0) / sums["n_right"] if sums.get("n_right") else None
+    wrong = sums.get("s_wrong", 0.0) / sums["n_wrong"] if sums.get("n_wrong") else None
+    return {
+        "completions": int(sums["n"]),
+        "mean_reward": round(mean_reward, 4),
+        "optimal_constant": round(sums["rs"] / sums["s"], 4),
+        "score_norm_wrong_over_right": round(wrong / right, 2) if right and wrong else None,
+    }
 
 
 # ---------------------------------------------------------------- TRL
@@ -463,7 +507,9 @@ def draw(result: dict[str, Any], path: Path) -> None:
     right.axhline(1.0, color="black", linewidth=0.8)
     right.set_xticks(range(len(points)), [f"step {p}" for p in points])
     right.set_yscale("log")
-    right.set_ylabel("gradient variance / RLOO's, at equal mean norm")
+    right.set_yticks([0.5, 1, 2, 4, 8], ["0.5", "1", "2", "4", "8"])
+    right.set_yticks([], minor=True)
+    right.set_ylabel("gradient variance / RLOO's, at an equal scale")
     right.set_title(f"Gradient variance at fixed weights ({variance[points[0]]['batches']} batches)")
     right.legend(fontsize=8)
     right.grid(alpha=0.3, axis="y")
@@ -478,10 +524,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=job_settings()["max_steps"])
     parser.add_argument("--batches", type=int, default=VARIANCE_BATCHES, help="batches per gradient-variance point")
-    parser.add_argument("--no-trl", action="store_true")
-    parser.add_argument("--no-api", action="store_true")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, of {', '.join(SECTIONS)} (variance and api run RLOO's seed 0 themselves)",
+    )
     parser.add_argument("--picture", type=Path, default=PICTURE)
     args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--sections: unknown {', '.join(sorted(sections - set(SECTIONS)))}; use {', '.join(SECTIONS)}")
 
     home = Path(tempfile.mkdtemp(prefix="rloo-bench-learning-"))
     for name in ("DATABASE_URL", "RLOO_DATABASE_URL", "REDIS_URL", "RLOO_REDIS_URL", "RLOO_MODELS_DIR"):
@@ -506,35 +558,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if build.returncode:
             raise RuntimeError(f"examples/addition/build.py failed:\n{build.stderr[-3000:]}")
         result["build_s"] = round(time.perf_counter() - t0, 1)
-        seeds = list(range(args.seeds))
+        seeds = list(range(args.seeds)) if sections & {"learning", "trl"} else [0]
         start = accuracy(None)
         samples = EVAL_REPEATS * 500
         result["before_rl"] = {"mean": round(start, 4), "se": round(math.sqrt(start * (1 - start) / samples), 4)}
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ESTIMATORS}
         for seed in seeds:  # seed-major: drift in the machine's speed hits every estimator alike
-            for name in ESTIMATORS:
+            for name in ESTIMATORS if "learning" in sections else ("rloo",):
                 print(f"{name} seed {seed}", file=sys.stderr, flush=True)
                 interval = args.steps // 3 if (name, seed) == ("rloo", 0) else 0  # the variance points
                 runs[name].append(ours(name, seed, home / "runs" / f"{name}-{seed}", args.steps, interval))
-        result["learning"] = {name: summarise(rs, start) for name, rs in runs.items()}
-        result["vs_rloo_final"] = {name: difference(runs[name], runs["rloo"]) for name in ESTIMATORS[1:]}
-        rloo_run = home / "runs" / "rloo-0"
-        points: dict[int, Path | None] = {0: None}
-        points.update({int(p.name[5:]): p for p in sorted(rloo_run.glob("step-*"), key=lambda p: int(p.name[5:]))})
-        result["gradient_variance"] = gradient_variance(points, args.batches)
-        if not args.no_trl:
+        if "learning" in sections:
+            result["learning"] = {name: summarise(rs, start) for name, rs in runs.items()}
+            result["vs_rloo_final"] = {name: difference(runs[name], runs["rloo"]) for name in ESTIMATORS[1:]}
+        if "variance" in sections:
+            rloo_run = home / "runs" / "rloo-0"
+            points: dict[int, Path | None] = {0: None}
+            points.update({int(p.name[5:]): p for p in sorted(rloo_run.glob("step-*"), key=lambda p: int(p.name[5:]))})
+            result["gradient_variance"] = gradient_variance(points, args.batches)
+        if "trl" in sections:
             trl_runs = []
             for seed in seeds:
                 print(f"trl seed {seed}", file=sys.stderr, flush=True)
                 trl_runs.append(trl(seed, home / "trl" / str(seed), args.steps))
             result["trl"] = summarise(trl_runs, start)
             result["rloo_minus_trl_final"] = difference(runs["rloo"], trl_runs)
-        if not args.no_api:
+        if "api" in sections:
             print("seed 0 through the HTTP API", file=sys.stderr, flush=True)
             reference = runs["rloo"][0]
             result["through_api"] = through_api(reference["steps"], reference["overrides"])
-        draw(result, args.picture)
-        result["picture"] = str(args.picture.relative_to(ROOT) if args.picture.is_relative_to(ROOT) else args.picture)
+        if {"learning", "variance"} <= sections:
+            draw(result, args.picture)
+            result["picture"] = str(
+                args.picture.relative_to(ROOT) if args.picture.is_relative_to(ROOT) else args.picture
+            )
     finally:
         shutil.rmtree(home, ignore_errors=True)
     return result
