@@ -113,6 +113,7 @@ def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: 
         "final": accuracy(Path(summary["final_checkpoint"])),
         "wall_s": summary["wall_s"],
         "grad_norms": [m["grad_norm"] for m in rec.steps],
+        "entropy": [m["entropy"] for m in rec.steps],
         "curve": [(m["step"], m["valid_reward_mean"]) for m in rec.steps if m.get("valid_reward_mean") is not None],
         "rewards": [m["train_reward_mean"] for m in rec.steps],
         "steps": rec.steps,
@@ -121,11 +122,20 @@ def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: 
 
 
 def difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean final accuracy of ``a`` less ``b``'s, with the error of a difference of two
-    independent means: conservative, as runs of one seed share their data order and first rollouts."""
-    x, y = mean_se([r["final"] for r in a]), mean_se([r["final"] for r in b])
-    se = math.hypot(x["se"], y["se"]) if x["se"] is not None and y["se"] is not None else None
-    return {"difference": round(x["mean"] - y["mean"], 4), "se": round(se, 4) if se is not None else None}
+    """The mean final accuracy of ``a`` less ``b``'s (runs of the same seeds, in order), with the
+    standard error of the per-seed differences (paired: our runs of one seed share their data order
+    and first rollouts) and of a difference of independent means (unpaired), and ``t`` = the
+    difference over the paired error (4 degrees of freedom for 5 seeds: |t| > 2.78 is p < 0.05)."""
+    finals_a, finals_b = [r["final"] for r in a], [r["final"] for r in b]
+    paired = mean_se([x - y for x, y in zip(finals_a, finals_b, strict=True)])
+    x, y = mean_se(finals_a), mean_se(finals_b)
+    unpaired = math.hypot(x["se"], y["se"]) if x["se"] is not None and y["se"] is not None else None
+    return {
+        "difference": paired["mean"],
+        "se_paired": paired["se"],
+        "se_unpaired": round(unpaired, 4) if unpaired is not None else None,
+        "t": round(paired["mean"] / paired["se"], 2) if paired["se"] else None,
+    }
 
 
 def steps_to(start: float, curve: list[tuple[int, float]], threshold: float) -> int | None:
@@ -161,7 +171,15 @@ def summarise(runs: list[dict[str, Any]], start: float) -> dict[str, Any]:
         # Gradients past max_grad_norm (1) are clipped to it: a constant factor on the advantages
         # changes which steps clip, the one way it reaches AdamW's update.
         "grad_norm_median": round(statistics.median(g for r in runs for g in r["grad_norms"]), 3),
-        "clipped_steps": round(statistics.fmean(g > 1.0 for r in runs for g in r["grad_norms"]), 3),
+        "steps_not_clipped": f"{sum(g <= 1.0 for r in runs for g in r['grad_norms'])} of "
+        f"{sum(len(r['grad_norms']) for r in runs)}",
+        "entropy_first_last_50": [
+            round(statistics.fmean(statistics.fmean(r["entropy"][:50]) for r in runs), 3),
+            round(statistics.fmean(statistics.fmean(r["entropy"][-50:]) for r in runs), 3),
+        ]
+        if all(r.get("entropy") for r in runs)
+        else None,
+        "finals": [round(f, 4) for f in finals],
         "wall_s_median": round(statistics.median(r["wall_s"] for r in runs), 1),
     }
 
@@ -196,18 +214,22 @@ class Moments:
         return float(self.mean.double().pow(2).sum()) - self.variance / self.n
 
 
-def gradient_stats(moments: dict[str, Moments], paired: dict[str, Moments]) -> dict[str, Any]:
-    """Per estimator: the variance, signal, their ratio; the scale against RLOO's (the square root of
-    the signals' ratio: noise-free, unlike the sample means' norms), the variance at an equal scale,
-    the cosine of the sample means; and the bias statistic against REINFORCE's (``paired[e]`` holds
-    ``g_e - g_reinforce`` per batch)."""
+def gradient_stats(
+    moments: dict[str, Moments], paired: dict[str, Moments], known_scale: dict[str, float]
+) -> dict[str, Any]:
+    """Per estimator: the variance, signal, their ratio; the scale of its expected gradient against
+    RLOO's, estimated (the square root of the signals' ratio: noise-free, unlike the sample means'
+    norms) and, where the math fixes it, known (``known_scale``: 1 for the unbiased ones, ``(k-1)/k``
+    for the mean baseline; an estimate there would only add noise); the variance at an equal scale
+    (by the known scale where there is one); the cosine of the sample means; and the bias statistic
+    against REINFORCE's (``paired[e]`` holds ``g_e - g_reinforce`` per batch)."""
     import torch
 
-    ref = moments["rloo"].mean
+    ref, rloo = moments["rloo"].mean, moments["rloo"]
     out: dict[str, Any] = {}
     for name, m in moments.items():
-        mean = m.mean
-        scale = math.sqrt(m.signal / moments["rloo"].signal) if m.signal > 0 and moments["rloo"].signal > 0 else None
+        estimated = math.sqrt(m.signal / rloo.signal) if m.signal > 0 and rloo.signal > 0 else None
+        scale = known_scale.get(name, estimated)
         d = paired.get(name)
         bias = None
         if d is not None and d.variance > 0:
@@ -216,17 +238,38 @@ def gradient_stats(moments: dict[str, Moments], paired: dict[str, Moments]) -> d
             "variance": m.variance,
             "signal": m.signal,
             "noise_to_signal": round(m.variance / m.signal, 2) if m.signal > 0 else None,
-            "variance_vs_rloo": round(m.variance / moments["rloo"].variance, 3),
-            "scale_vs_rloo": round(scale, 3) if scale else None,
+            "variance_vs_rloo": round(m.variance / rloo.variance, 3),
+            "scale_vs_rloo_estimated": round(estimated, 3) if estimated else None,
+            "scale_vs_rloo_known": known_scale.get(name),
             # At an equal scale: a constant factor on the advantages (reinforce_mean's (k-1)/k, much
-            # of GRPO's 1/std) scales signal and noise alike, and AdamW's update does not see it.
-            "variance_vs_rloo_same_scale": round(m.variance / moments["rloo"].variance / scale**2, 3)
-            if scale
-            else None,
-            "cosine_to_rloo": round(float(torch.nn.functional.cosine_similarity(mean, ref, dim=0)), 3),
+            # of GRPO's 1/std) scales signal and noise alike, and a clipped or AdamW update does not see it.
+            "variance_vs_rloo_same_scale": round(m.variance / rloo.variance / scale**2, 3) if scale else None,
+            "cosine_to_rloo": round(float(torch.nn.functional.cosine_similarity(m.mean, ref, dim=0)), 3),
             "bias_statistic_vs_reinforce": bias,
         }
     return out
+
+
+def constant_baselines(moments: dict[str, Moments], paired: dict[str, Moments], mean_reward: float) -> dict[str, Any]:
+    """The variance of REINFORCE with a constant baseline ``b``, exactly, from three variances over
+    the same batches: ``g(b) = g_r - b * g_1`` with ``g_r`` REINFORCE's gradient and ``g_1`` the one
+    of advantages all 1 (``paired[SHIFTED]``: REINFORCE on reward + 1 less REINFORCE), so
+    ``Var g(b) = Var g_r - 2 b C + b^2 Var g_1`` with ``C`` their covariance's trace. Against RLOO's
+    variance: no baseline, the batches' mean reward (what a group's mean estimates, but known
+    exactly), and the best constant ``C / Var g_1``. RLOO's own excess over the mean's is what
+    estimating each prompt's mean from its other k-1 samples costs (and gains)."""
+    var_r, var_1 = moments["reinforce"].variance, paired[SHIFTED].variance
+    cov = (moments[SHIFTED].variance - var_r - var_1) / 2
+    best = cov / var_1
+
+    def at(b: float) -> float:
+        return round((var_r - 2 * b * cov + b * b * var_1) / moments["rloo"].variance, 3)
+
+    return {
+        "mean_reward": round(mean_reward, 4),
+        "best_constant": round(best, 4),
+        "variance_vs_rloo": {"none": at(0.0), "mean_reward": at(mean_reward), "best_constant": at(best)},
+    }
 
 
 def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BATCHES) -> dict[str, Any]:
@@ -252,6 +295,12 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
                 cfg = dataclasses.replace(cfg, init_from=(checkpoint,))
             run = prepare(cfg, Collect(quiet=True))
         hp = run.rl
+        if hp.loss_aggregation != "sequence_sum":
+            raise ValueError(
+                "the score norms below are of summed log-probs: job.json's loss_aggregation is sequence_sum"
+            )
+        known = {"rloo": 1.0, "reinforce": 1.0, SHIFTED: 1.0, "reinforce_mean": (hp.rloo_k - 1) / hp.rloo_k}
+        reward_total = 0.0
         sums: dict[str, float] = {}
         moments = {name: Moments() for name in (*ESTIMATORS, SHIFTED)}
         paired = {name: Moments() for name in moments if name != "reinforce"}
@@ -269,6 +318,7 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
                 reward_models=None,
             )
             rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(hp.batch_size, hp.rloo_k)
+            reward_total += float(rewards.mean())
             mask = ro.completion_mask.to(torch.float32)
             logp, _ = completion_logprobs(run.model, ro, temperature=hp.temperature)
             grads: dict[str, Any] = {}
@@ -289,7 +339,12 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
                 m.add(grads[name] - grads["reinforce"])
             if b < SCORE_BATCHES:
                 sums = score_norms(run, logp, mask, rewards.view(-1), sums)
-        out[str(step)] = {"batches": batches, **gradient_stats(moments, paired), "baseline": optimal_baseline(sums)}
+        out[str(step)] = {
+            "batches": batches,
+            **gradient_stats(moments, paired, known),
+            "constant_baselines": constant_baselines(moments, paired, reward_total / batches),
+            "score_norms": optimal_baseline(sums),
+        }
     return out
 
 
@@ -313,17 +368,18 @@ def score_norms(run: Any, logp: Any, mask: Any, rewards: Any, sums: dict[str, fl
 
 
 def optimal_baseline(sums: dict[str, float]) -> dict[str, Any]:
-    """The constant baseline that minimises the variance of ``(r - b) grad log pi`` (``E[r s] / E[s]``
-    with ``s = ||grad log pi||^2``) against the mean reward, the baseline a group's mean estimates;
-    and how much larger a wrong completion's score is than a right one's."""
+    """From single completions: the constant ``b`` that minimises the variance of one completion's
+    ``(r - b) grad log pi`` (``E[r s] / E[s]`` with ``s = ||grad log pi||^2``, the squared score
+    norm) against the mean reward, and how much larger a wrong completion's ``s`` is than a right
+    one's. (``constant_baselines`` gives the batch estimator's variance at any constant exactly.)"""
     mean_reward = sums["r"] / sums["n"]
     right = sums.get("s_right", 0.0) / sums["n_right"] if sums.get("n_right") else None
     wrong = sums.get("s_wrong", 0.0) / sums["n_wrong"] if sums.get("n_wrong") else None
     return {
         "completions": int(sums["n"]),
         "mean_reward": round(mean_reward, 4),
-        "optimal_constant": round(sums["rs"] / sums["s"], 4),
-        "score_norm_wrong_over_right": round(wrong / right, 2) if right and wrong else None,
+        "best_constant_one_completion": round(sums["rs"] / sums["s"], 4),
+        "squared_score_norm_wrong_over_right": round(wrong / right, 2) if right and wrong else None,
     }
 
 
@@ -389,8 +445,16 @@ def trl(seed: int, out: Path, steps: int) -> dict[str, Any]:
         curve.append((step, score["valid_reward_mean"]))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     grad_norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    entropy = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
     final = accuracy(out / f"step-{steps}")
-    return {"wall_s": wall, "curve": curve, "rewards": rewards, "final": final, "grad_norms": grad_norms}
+    return {
+        "wall_s": wall,
+        "curve": curve,
+        "rewards": rewards,
+        "final": final,
+        "grad_norms": grad_norms,
+        "entropy": entropy,
+    }
 
 
 # ---------------------------------------------------------------- through the API
@@ -472,26 +536,32 @@ COLOURS = {
 
 
 def draw(result: dict[str, Any], path: Path) -> None:
-    """Left: held-out accuracy over steps, mean over seeds with a band of one standard error, per
-    estimator and TRL. Right: each estimator's gradient variance against RLOO's at an equal
-    mean-gradient norm, at each point of the RLOO run."""
+    """Left: held-out accuracy over steps, each run's own passes, mean over seeds with a band of one
+    standard error, per estimator and TRL; at the end, each one's final accuracy (4 passes of the
+    final checkpoint) with its standard error. Right: each estimator's gradient variance against
+    RLOO's at an equal scale, at each point of the RLOO run, as bars up or down from 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    for name, summary in {**result["learning"], **({"trl": result["trl"]} if "trl" in result else {})}.items():
-        curve = summary["curve"]
-        lo = [m - s for m, s in zip(curve["mean"], curve["se"], strict=True)]
-        hi = [m + s for m, s in zip(curve["mean"], curve["se"], strict=True)]
-        label = f"{name} (final {summary['final_accuracy']['mean']:.1%})"
-        left.plot(
-            curve["steps"], curve["mean"], color=COLOURS[name], label=label, linewidth=2 if name == "rloo" else 1.2
+    runs = {**result["learning"], **({"trl": result["trl"]} if "trl" in result else {})}
+    last = max(step for summary in runs.values() for step in summary["curve"]["steps"])
+    for i, (name, summary) in enumerate(runs.items()):
+        curve, colour = summary["curve"], COLOURS[name]
+        errors = [se or 0.0 for se in curve["se"]]  # None: one seed
+        lo = [m - e for m, e in zip(curve["mean"], errors, strict=True)]
+        hi = [m + e for m, e in zip(curve["mean"], errors, strict=True)]
+        final = summary["final_accuracy"]
+        label = f"{name} (final {final['mean']:.1%})"
+        left.plot(curve["steps"], curve["mean"], color=colour, label=label, linewidth=2 if name == "rloo" else 1.2)
+        left.fill_between(curve["steps"], lo, hi, color=colour, alpha=0.15)
+        left.errorbar(
+            last * (1.03 + 0.012 * i), final["mean"], yerr=final["se"] or 0.0, color=colour, marker="o", markersize=4
         )
-        left.fill_between(curve["steps"], lo, hi, color=COLOURS[name], alpha=0.15)
     left.axhline(THRESHOLD, color="black", linestyle=":", linewidth=0.8)
-    left.set_xlabel("RL step (16 problems x 8 samples)")
+    left.set_xlabel("RL step (16 problems x 8 samples); dots: final checkpoint, 4 passes")
     left.set_ylabel("held-out accuracy (one sample, T=1, 500 problems)")
     left.set_title(f"Two-digit addition, mean +- s.e. over {result['seeds']} seeds")
     left.legend(loc="lower right", fontsize=8)
@@ -500,14 +570,26 @@ def draw(result: dict[str, Any], path: Path) -> None:
     points = list(variance)
     names = (*ESTIMATORS, SHIFTED)
     width = 0.8 / len(names)
+    shown = []
     for i, name in enumerate(names):
         values = [variance[p][name]["variance_vs_rloo_same_scale"] or math.nan for p in points]  # None: no signal
+        shown += [v for v in values if math.isfinite(v)]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(points))]
-        right.bar(xs, values, width=width, color=COLOURS[name], label=name, hatch="//" if name == SHIFTED else None)
+        right.bar(
+            xs,
+            [v - 1 for v in values],
+            bottom=1,
+            width=width,
+            color=COLOURS[name],
+            label=name,
+            hatch="//" if name == SHIFTED else None,
+        )
     right.axhline(1.0, color="black", linewidth=0.8)
     right.set_xticks(range(len(points)), [f"step {p}" for p in points])
     right.set_yscale("log")
-    right.set_yticks([0.5, 1, 2, 4, 8], ["0.5", "1", "2", "4", "8"])
+    low, high = math.floor(math.log2(min(shown, default=1))), math.ceil(math.log2(max(shown, default=1)))
+    ticks = [2.0**e for e in range(min(low, -1), max(high, 1) + 1)]
+    right.set_yticks(ticks, [f"{t:g}" for t in ticks])
     right.set_yticks([], minor=True)
     right.set_ylabel("gradient variance / RLOO's, at an equal scale")
     right.set_title(f"Gradient variance at fixed weights ({variance[points[0]]['batches']} batches)")
@@ -527,11 +609,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
-        help=f"comma-separated, of {', '.join(SECTIONS)} (variance and api run RLOO's seed 0 themselves)",
+        help=f"comma-separated, of {', '.join(SECTIONS)}: variance and api run RLOO's seed 0 without learning, "
+        "trl RLOO's every seed (its comparison); the picture needs learning and variance",
     )
     parser.add_argument("--picture", type=Path, default=PICTURE)
     args = parser.parse_args(argv)
-    sections = set(args.sections.split(","))
+    sections = {name.strip() for name in args.sections.split(",") if name.strip()}
     if not sections <= set(SECTIONS):
         parser.error(f"--sections: unknown {', '.join(sorted(sections - set(SECTIONS)))}; use {', '.join(SECTIONS)}")
 
@@ -561,12 +644,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seeds = list(range(args.seeds)) if sections & {"learning", "trl"} else [0]
         start = accuracy(None)
         samples = EVAL_REPEATS * 500
+        # The sampling error on these 500 problems (4 samples each); the problems are a fixed set.
         result["before_rl"] = {"mean": round(start, 4), "se": round(math.sqrt(start * (1 - start) / samples), 4)}
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ESTIMATORS}
         for seed in seeds:  # seed-major: drift in the machine's speed hits every estimator alike
             for name in ESTIMATORS if "learning" in sections else ("rloo",):
                 print(f"{name} seed {seed}", file=sys.stderr, flush=True)
-                interval = args.steps // 3 if (name, seed) == ("rloo", 0) else 0  # the variance points
+                interval = max(1, args.steps // 3) if (name, seed) == ("rloo", 0) else 0  # the variance points
                 runs[name].append(ours(name, seed, home / "runs" / f"{name}-{seed}", args.steps, interval))
         if "learning" in sections:
             result["learning"] = {name: summarise(rs, start) for name, rs in runs.items()}

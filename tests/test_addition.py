@@ -179,13 +179,16 @@ def test_gradient_statistics_compare_variances_at_an_equal_scale_even_where_nois
             "reinforce_mean": lambda t, n, g: 0.75 * (t + n),
         },
     )
-    stats = gradient_stats(moments, paired)
+    stats = gradient_stats(moments, paired, {})  # every scale estimated
     assert stats["rloo"]["variance"] == pytest.approx(2000, rel=0.05)
     assert stats["rloo"]["signal"] == pytest.approx(20, rel=0.25)
     assert stats["reinforce"]["variance_vs_rloo"] == pytest.approx(3, rel=0.05)
     assert stats["reinforce"]["variance_vs_rloo_same_scale"] == pytest.approx(3, rel=0.2)
-    assert stats["reinforce_mean"]["scale_vs_rloo"] == pytest.approx(0.75, abs=1e-6)  # the same draws, shrunk
+    assert stats["reinforce_mean"]["scale_vs_rloo_estimated"] == pytest.approx(0.75, abs=1e-6)  # same draws, shrunk
     assert stats["reinforce_mean"]["variance_vs_rloo_same_scale"] == pytest.approx(1.0, abs=1e-6)
+    # Where the math fixes the scale, it is used: the estimate's noise stays out.
+    known = gradient_stats(moments, paired, {"rloo": 1.0, "reinforce": 1.0})
+    assert known["reinforce"]["variance_vs_rloo_same_scale"] == known["reinforce"]["variance_vs_rloo"]
 
 
 def test_the_bias_statistic_is_about_1_without_bias_and_large_with_it() -> None:
@@ -202,7 +205,44 @@ def test_the_bias_statistic_is_about_1_without_bias_and_large_with_it() -> None:
             "grpo": lambda t, n, g: t + 0.5 * n + 0.5,  # shifted: biased
         },
     )
-    stats = gradient_stats(moments, paired)
+    stats = gradient_stats(moments, paired, {})
     assert 0.5 < stats["rloo"]["bias_statistic_vs_reinforce"] < 2  # chi-square over its degrees: about 1
     assert stats["reinforce_mean"]["bias_statistic_vs_reinforce"] > 50
     assert stats["grpo"]["bias_statistic_vs_reinforce"] > 50
+
+
+def test_constant_baselines_give_the_variance_at_any_constant_from_three_variances() -> None:
+    """``g_r = t + 0.5 u + v`` (REINFORCE), ``g_1 = u`` (advantages all 1: mean zero), unit noises
+    ``u, v`` in 200 coordinates; RLOO's variance 0.64 a coordinate. By hand, per coordinate:
+    Var g_r = 1.25, Var g_1 = 1, their covariance 0.5, so the best constant is 0.5 and
+    Var(g_r - b g_1) = 1.25 - b + b^2: 1.25 at 0, 1.09 at 0.2, 1.0 at 0.5; against RLOO's 0.64."""
+    from benchmarks.learning import SHIFTED, constant_baselines
+
+    def reinforce(t: torch.Tensor, n: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        return t + 0.5 * n + torch.randn(t.shape, generator=g, dtype=torch.float64)
+
+    truth = torch.full((200,), 0.3, dtype=torch.float64)
+    draws: dict[str, Any] = {}
+
+    def remember(name: str, make: Any) -> Any:
+        def draw(t: torch.Tensor, n: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+            draws[name] = make(t, n, g)
+            return draws[name]
+
+        return draw
+
+    moments, paired = _draws(
+        truth,
+        3000,
+        {
+            "rloo": lambda t, n, g: t + 0.8 * torch.randn(t.shape, generator=g, dtype=torch.float64),
+            "reinforce": remember("reinforce", reinforce),
+            SHIFTED: lambda t, n, g: draws["reinforce"] + n,  # reward + 1: g_r + g_1
+        },
+    )
+    found = constant_baselines(moments, paired, mean_reward=0.2)
+    assert found["best_constant"] == pytest.approx(0.5, abs=0.04)
+    ratios = found["variance_vs_rloo"]
+    assert ratios["none"] == pytest.approx(1.25 / 0.64, rel=0.05)
+    assert ratios["mean_reward"] == pytest.approx(1.09 / 0.64, rel=0.05)
+    assert ratios["best_constant"] == pytest.approx(1.0 / 0.64, rel=0.05)
