@@ -51,7 +51,7 @@ bench: $(BENCH_STAMP)
 
 # The four advantage estimators and TRL's RLOOTrainer on a task a tiny model learns (examples/addition),
 # 5 seeds each, with the gradient variance at fixed weights: figures on stdout, benchmarks/learning.png
-# drawn (about 25 minutes on 2 cores).
+# drawn (about 20 minutes on 2 cores).
 bench-learning: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.learning
 
