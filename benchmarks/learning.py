@@ -58,8 +58,9 @@ SHIFTED = "reinforce_reward_plus_1"
 reward whose zero is not where failures sit. The three baselines are blind to such a shift."""
 THRESHOLD = 0.3
 EVAL_REPEATS = 4
-"""Validation passes of a final checkpoint (each 500 problems, one sample, its own sampling seed):
-2,000 samples a run, where one pass's accuracy has a binomial error of about 2 points."""
+"""Validation passes of a final checkpoint (each 500 problems, one sample, its own sampling seed, the
+same seeds for every checkpoint so that runs are compared on the same draws): 2,000 samples a run,
+where one pass's accuracy has a binomial error of about 2 points."""
 VARIANCE_BATCHES = 128
 SCORE_BATCHES = 4
 """Batches a point whose completions' gradients are also taken one by one (the optimal baseline)."""
@@ -88,7 +89,7 @@ def quiet() -> Any:
 # ---------------------------------------------------------------- learning
 def accuracy(checkpoint: Path | None, repeats: int = EVAL_REPEATS) -> float:
     """The held-out accuracy of ``checkpoint`` (None: the supervised start): the mean of ``repeats``
-    of the validation pass a run makes, each with its own sampling seed."""
+    of the validation pass a run makes, with sampling seeds 10000, 10001, ... whatever the run."""
     from worker.local import evaluate_spec
 
     scores = []
