@@ -93,7 +93,12 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
         children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
         # Within the parts' grace and then the broker's (20 s each), with room for a loaded machine.
-        assert proc.wait(timeout=90) == 0
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            tree = subprocess.run(["ps", "-o", "pid,pgid,stat,etime,args", "-g", str(proc.pid)], capture_output=True)
+            raise AssertionError(f"rloo up still running:\n{tree.stdout.decode()}\n{''.join(lines)}") from None
+        assert code == 0, "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
