@@ -174,6 +174,36 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(
         default=100, ge=1, description="Requests a key may send at once before the sustained rate applies."
     )
+    inference_max_concurrent: int = Field(
+        default=8,
+        ge=1,
+        le=10_000,
+        description="Chat and text completion requests an API key may have in flight (429 past it).",
+    )
+    inference_max_tokens_in_flight: int = Field(
+        default=65_536,
+        ge=1,
+        description="Tokens (max_tokens times n) an API key's requests in flight may ask for together (429 past it).",
+    )
+    inference_max_tokens: int = Field(
+        default=4096, ge=1, description="Most tokens one completion may write (max_tokens above it is a 400)."
+    )
+    inference_max_n: int = Field(default=16, ge=1, le=128, description="Most choices (n) one request may ask for.")
+    inference_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="How long a completion request may take, queued and written (504 past it).",
+    )
+    inference_max_batch: int = Field(
+        default=32, ge=1, le=1024, description="Rows (completions) an inference worker decodes in one batch."
+    )
+    inference_memory_mb: int | None = Field(
+        default=None,
+        gt=0,
+        description="Weights an inference worker keeps loaded, in MiB (least recently used models unloaded past it); "
+        "unset: half the GPU's memory, or a quarter of the host's.",
+    )
     hub_offline: bool = Field(
         default=True, description="Refuse hub model ids (no hub reachable); set false where one is."
     )

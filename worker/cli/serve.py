@@ -45,16 +45,27 @@ def worker(
         int | None,
         typer.Option(metavar="PORT", help="Serve this worker's Prometheus metrics (and health) on PORT."),
     ] = None,
+    serve: Annotated[
+        bool, typer.Option("--serve", help="An inference worker: chat and text completions, evaluations, exports.")
+    ] = False,
 ) -> None:
-    """Run a Celery worker: a training worker runs one job at a time, in a child process replaced
-    after each job; a graders worker (--queue <queue>-graders) runs grader dry runs.
+    """Run a worker: a training worker (Celery) runs one job at a time, in a child process replaced
+    after each job; a graders worker (--queue <queue>-graders) runs grader dry runs; an inference
+    worker (--serve) keeps models loaded and answers /v1/chat/completions and /v1/completions.
 
     \b
     Examples:
       rloo worker                          # one per GPU
       rloo worker --queue rloo-graders     # grader dry runs
+      rloo worker --serve                  # inference, on its own GPU or beside a training worker
       rloo worker --metrics-port 9100      # its metrics at :9100/metrics
     """
+    if serve:
+        from worker.serving.supervisor import supervise
+
+        ensure_embedded_broker()
+        supervise()
+        return
     # Celery warns a worker run as root that a pickled message would run code as root. These
     # workers accept JSON only (worker.celery_app), and python graders drop to an unprivileged uid
     # in their sandbox: the warning does not apply, and it would only cover `rloo up`'s banner.

@@ -1,0 +1,227 @@
+"""Inference requests between the API and the inference workers (``rloo worker --serve``), in Redis.
+
+The API never samples: it checks a request, resolves its model to directories (``service.servable``),
+admits it against the key's limits, and queues it; an inference worker takes it, batches it with
+others for the same base model, and pushes what it writes back token by token. In Redis, under
+``rloo:inference:<queue>``:
+
+* ``requests``: the queue of requests, as JSON (``RPUSH`` by the API, ``BLPOP`` by workers). Celery
+  is not in this path: a worker takes many requests at once into one batch, which a task per
+  request cannot.
+* ``reply:<id>``: what the worker wrote for a request, one JSON message an item: ``start`` (the
+  prompt's token count), ``delta`` (new text of choice ``i``), ``end`` (choice ``i`` finished), then
+  ``done`` (with the usage); or a single ``error`` (``status``, ``code``, ``message``, ``param``).
+* ``lease:<id>``: which worker holds a request, refreshed every ``LEASE_REFRESH`` seconds while it
+  does. A request the API waits on whose lease has gone without a ``done`` lost its worker: 503.
+* ``inflight:<worker>``: the requests a worker holds; its supervisor answers them 503 at once when
+  the worker process dies, and starts another.
+* ``cancel:<id>``: the client went away: the worker drops the request's rows at its next token.
+* ``workers``: live workers, scored by when their heartbeat expires. No live worker: 503 at once.
+* ``active:<key>``: a key's requests in flight, scored by deadline, each holding its token budget
+  (``max_tokens`` times ``n``). Past ``RLOO_INFERENCE_MAX_CONCURRENT`` requests or
+  ``RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT`` tokens a key is answered 429; an entry leaves when its
+  request ends, whichever way, or at its deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+LEASE_SECONDS = 10
+LEASE_REFRESH = 2.0
+
+# Admit a request unless the key has `cap` in flight or their token budgets would pass `tokens_cap`.
+# Members are "<id>:<tokens>"; entries past their deadline are dropped first.
+_ADMIT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+if #members >= tonumber(ARGV[4]) then return 1 end
+local tokens = tonumber(ARGV[5])
+for _, m in ipairs(members) do tokens = tokens + tonumber(string.match(m, ':(%d+)$')) end
+if tokens > tonumber(ARGV[6]) then return 2 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 60)
+return 0
+"""
+
+
+class Refused(Exception):
+    """The key is at one of its limits: ``what`` says which."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+class NoWorker(Exception):
+    pass
+
+
+class WorkerLost(Exception):
+    pass
+
+
+class TimedOut(Exception):
+    pass
+
+
+def namespace(queue: str) -> str:
+    return f"rloo:inference:{queue}"
+
+
+def serve_queue() -> str:
+    from service.settings import get_settings
+
+    return f"{get_settings().queue}-serve"
+
+
+def connect_async() -> Any:
+    import redis.asyncio
+
+    from service.settings import get_settings
+
+    return redis.asyncio.Redis.from_url(get_settings().redis_client_url, socket_timeout=30, socket_connect_timeout=5)
+
+
+# The API's side --------------------------------------------------------------------------------------
+async def admit(
+    conn: Any, ns: str, *, key: str, rid: str, tokens: int, deadline: float, cap: int, token_cap: int
+) -> None:
+    if not await conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+        raise NoWorker()
+    refused = await conn.eval(
+        _ADMIT, 1, f"{ns}:active:{key}", time.time(), deadline, f"{rid}:{tokens}", cap, tokens, token_cap
+    )
+    if refused:
+        raise Refused("requests" if refused == 1 else "tokens")
+
+
+async def release(conn: Any, ns: str, *, key: str, rid: str, tokens: int) -> None:
+    await conn.zrem(f"{ns}:active:{key}", f"{rid}:{tokens}")
+
+
+async def submit(conn: Any, ns: str, envelope: dict[str, Any]) -> None:
+    await conn.rpush(f"{ns}:requests", json.dumps(envelope, ensure_ascii=False, allow_nan=False))
+
+
+async def cancel(conn: Any, ns: str, rid: str) -> None:
+    """The client went away: the worker drops the request at its next token, or skips it untaken."""
+    await conn.set(f"{ns}:cancel:{rid}", 1, ex=600)
+
+
+async def replies(conn: Any, ns: str, rid: str, deadline: float) -> AsyncIterator[dict[str, Any]]:
+    """The worker's messages for ``rid`` until ``done`` or an ``error`` (both yielded). Raises
+    ``WorkerLost`` when the worker that held it is gone, ``TimedOut`` past ``deadline``."""
+    reply, lease = f"{ns}:reply:{rid}", f"{ns}:lease:{rid}"
+    held = False
+    while True:
+        left = deadline - time.time()
+        if left <= 0:
+            raise TimedOut()
+        item = await conn.blpop([reply], timeout=min(1.0, max(0.01, left)))
+        if item is not None:
+            message: dict[str, Any] = json.loads(item[1])
+            yield message
+            if message["t"] in ("done", "error"):
+                return
+            held = True
+            continue
+        if await conn.exists(lease):
+            held = True
+        elif held and not await conn.llen(reply):
+            raise WorkerLost()
+
+
+# The worker's side -------------------------------------------------------------------------------------
+def take(conn: Any, ns: str, worker: str, *, block: float, most: int) -> list[dict[str, Any]]:
+    """Up to ``most`` requests, waiting up to ``block`` seconds for the first (0: none); each one
+    leased to ``worker``. Requests cancelled or past their deadline are dropped here."""
+    raw: list[Any] = []
+    if block > 0:
+        first = conn.blpop([f"{ns}:requests"], timeout=block)
+        if first is None:
+            return []
+        raw.append(first[1])
+    if most > len(raw):
+        raw.extend(conn.lpop(f"{ns}:requests", most - len(raw)) or [])
+    taken = []
+    for item in raw:
+        envelope = json.loads(item)
+        if envelope["deadline"] <= time.time() or conn.exists(f"{ns}:cancel:{envelope['id']}"):
+            continue
+        hold(conn, ns, worker, envelope["id"])
+        taken.append(envelope)
+    return taken
+
+
+def hold(conn: Any, ns: str, worker: str, rid: str) -> None:
+    pipe = conn.pipeline()
+    pipe.set(f"{ns}:lease:{rid}", worker, ex=LEASE_SECONDS)
+    pipe.sadd(f"{ns}:inflight:{worker}", rid)
+    pipe.expire(f"{ns}:inflight:{worker}", 24 * 3600)
+    pipe.execute()
+
+
+def heartbeat(conn: Any, ns: str, worker: str, held: list[str]) -> None:
+    pipe = conn.pipeline()
+    pipe.zadd(f"{ns}:workers", {worker: time.time() + LEASE_SECONDS})
+    pipe.zremrangebyscore(f"{ns}:workers", "-inf", time.time())
+    for rid in held:
+        pipe.set(f"{ns}:lease:{rid}", worker, ex=LEASE_SECONDS)
+    pipe.execute()
+
+
+def push(conn: Any, ns: str, messages: list[tuple[str, dict[str, Any]]]) -> None:
+    """Append each ``(request id, message)`` to its request's replies, in one round trip."""
+    if not messages:
+        return
+    pipe = conn.pipeline()
+    for rid, message in messages:
+        pipe.rpush(f"{ns}:reply:{rid}", json.dumps(message, ensure_ascii=False, allow_nan=False))
+        pipe.expire(f"{ns}:reply:{rid}", 300)  # nobody waits longer; the key must not linger
+    pipe.execute()
+
+
+def finish(conn: Any, ns: str, worker: str, rid: str, last: dict[str, Any]) -> None:
+    """The request's last message (``done`` or ``error``), then its lease let go: in that order, so
+    the API never sees the lease gone before the answer."""
+    push(conn, ns, [(rid, last)])
+    pipe = conn.pipeline()
+    pipe.delete(f"{ns}:lease:{rid}")
+    pipe.srem(f"{ns}:inflight:{worker}", rid)
+    pipe.execute()
+
+
+def cancelled(conn: Any, ns: str, rids: list[str]) -> set[str]:
+    if not rids:
+        return set()
+    flags = conn.mget([f"{ns}:cancel:{rid}" for rid in rids])
+    return {rid for rid, flag in zip(rids, flags, strict=True) if flag is not None}
+
+
+def worker_gone(conn: Any, ns: str, worker: str) -> int:
+    """A worker process died: each request it held is answered 503 (the supervisor's call)."""
+    held = [r.decode() if isinstance(r, bytes) else r for r in conn.smembers(f"{ns}:inflight:{worker}")]
+    for rid in held:
+        with contextlib.suppress(Exception):
+            finish(conn, ns, worker, rid, lost_message())
+    conn.delete(f"{ns}:inflight:{worker}")
+    conn.zrem(f"{ns}:workers", worker)
+    return len(held)
+
+
+def lost_message() -> dict[str, Any]:
+    return {
+        "t": "error",
+        "status": 503,
+        "code": "worker_lost",
+        "message": "The inference worker serving this request stopped; send it again.",
+        "param": None,
+    }
+
+
+def error_message(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"t": "error", "status": status, "code": code, "message": message, "param": param}

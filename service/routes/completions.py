@@ -1,0 +1,288 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` in OpenAI's shapes, on base models and on
+the project's fine-tuned models and checkpoints, answered by the inference workers
+(``rloo worker --serve``; ``service.inference`` carries the request there and the tokens back).
+
+With ``stream: true`` the answer is OpenAI's server-sent events (``chat.completion.chunk`` or
+``text_completion`` objects, then ``data: [DONE]``); without, one object once the last choice ends.
+Either way the HTTP status waits for the worker's first word, so a prompt past the model's context is
+a 400, not an error inside a 200 stream. A client that goes away frees its place at once and the
+worker drops its rows at the next token.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from service import inference, servable
+from service.crud import Caller
+from service.db import run_db
+from service.deps import ProjectDep, SessionDep, SettingsDep
+from service.errors import APIError, error_body
+from service.responses import JSON
+from service.routing import StrictJSONRoute
+from service.sampling import ChatCompletionCreate, CompletionCreate, Sampling
+from service.settings import Settings
+from service.streams import EventStreamResponse
+
+router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["inference"])
+
+FINGERPRINT = "rloo-transformers"
+
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+
+
+@router.post("/chat/completions", summary="Create a chat completion", responses=STREAMED)
+async def chat_completions(
+    request: Request, session: SessionDep, project: ProjectDep, settings: SettingsDep, body: ChatCompletionCreate
+) -> Response:
+    body.check_limits(settings, budget_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    return await _complete(request, session, project, settings, body, ChatShape(body))
+
+
+@router.post("/completions", summary="Create a text completion", responses=STREAMED)
+async def completions(
+    request: Request, session: SessionDep, project: ProjectDep, settings: SettingsDep, body: CompletionCreate
+) -> Response:
+    body.check_limits(settings)
+    return await _complete(request, session, project, settings, body, TextShape(body), prompts=len(body.prompts))
+
+
+# The answer's shapes ----------------------------------------------------------------------------------
+class Shape:
+    """How one kind of completion is written: the whole object, and a streamed chunk."""
+
+    prefix = ""
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, body: Sampling) -> None:
+        self.body = body
+        self.id = f"{self.prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+
+    def head(self) -> dict[str, Any]:
+        return {"id": self.id, "created": self.created, "model": self.body.model, "system_fingerprint": FINGERPRINT}
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole(self, texts: dict[int, str], reasons: dict[int, str], usage: dict[str, int]) -> dict[str, Any]:
+        choices = [self.choice(i, texts.get(i, ""), reasons.get(i)) for i in sorted(reasons)]
+        return {**self.head(), "object": self.object, "choices": choices, "usage": usage}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        chunk = {**self.head(), "object": self.chunk_object, "choices": choices}
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+class ChatShape(Shape):
+    prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
+        return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+
+    def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+class TextShape(Shape):
+    prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+    def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        return self.choice(index, text, finish_reason)
+
+
+# Serving one request ----------------------------------------------------------------------------------
+async def _complete(
+    request: Request,
+    session: SessionDep,
+    project: Caller,
+    settings: Settings,
+    body: Sampling,
+    shape: Shape,
+    *,
+    prompts: int = 1,
+) -> Response:
+    served = await run_db(
+        session, lambda: servable.resolve(session, settings, project_seq=project.seq, name=body.model)
+    )
+    ns = inference.namespace(inference.serve_queue())
+    rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings, prompts)
+    deadline = time.time() + settings.inference_timeout_seconds
+    conn = inference.connect_async()
+    admitted = answered = False
+    try:
+        await _admit(conn, ns, settings, key=key, rid=rid, tokens=tokens, deadline=deadline)
+        admitted = True
+        envelope = {"id": rid, "project": project.id, "deadline": deadline, "servable": served, **body.wire()}
+        await inference.submit(conn, ns, envelope)
+        messages = inference.replies(conn, ns, rid, deadline).__aiter__()
+        first = await _next(messages, settings)
+        if first["t"] == "error":
+            answered = True
+            raise _error(first)
+        if body.stream:
+            admitted = False  # the stream lets it go when it ends
+            return EventStreamResponse(
+                _closing(_stream(shape, messages, settings), conn, ns, key, rid, tokens),
+                send_timeout=settings.stream_send_timeout_seconds,
+                on_close=lambda: None,
+            )
+        whole = await _collect(request, shape, messages, settings)
+        answered = True
+        return JSON(whole)
+    finally:
+        if admitted:
+            await _let_go(conn, ns, key, rid, tokens, cancel=not answered)
+
+
+async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, tokens: int, deadline: float) -> None:
+    try:
+        await inference.admit(
+            conn,
+            ns,
+            key=key,
+            rid=rid,
+            tokens=tokens,
+            deadline=deadline,
+            cap=settings.inference_max_concurrent,
+            token_cap=settings.inference_max_tokens_in_flight,
+        )
+    except inference.NoWorker:
+        raise APIError(
+            503,
+            "No inference worker is running: start one with `rloo worker --serve` (`rloo up` starts one).",
+            code="no_inference_worker",
+            headers={"Retry-After": "5"},
+        ) from None
+    except inference.Refused as refused:
+        limit = (
+            f"{settings.inference_max_concurrent} requests in flight (RLOO_INFERENCE_MAX_CONCURRENT)"
+            if refused.what == "requests"
+            else f"{settings.inference_max_tokens_in_flight} tokens in flight, max_tokens times n "
+            "(RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT)"
+        )
+        raise APIError(
+            429,
+            f"This key is at its limit of {limit}; wait for a request to end, or ask for fewer tokens.",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        ) from None
+
+
+async def _next(messages: AsyncIterator[dict[str, Any]], settings: Settings) -> dict[str, Any]:
+    try:
+        return await messages.__anext__()
+    except inference.WorkerLost:
+        raise _error(inference.lost_message()) from None
+    except inference.TimedOut:
+        raise APIError(
+            504,
+            f"The request took longer than {settings.inference_timeout_seconds:g} s (RLOO_INFERENCE_TIMEOUT_SECONDS); "
+            "ask for fewer tokens, or send it again when the workers are less busy.",
+            code="timeout",
+        ) from None
+
+
+def _error(message: dict[str, Any]) -> APIError:
+    status = int(message["status"])
+    return APIError(
+        status,
+        message["message"],
+        param=message.get("param"),
+        code=message["code"],
+        headers={"Retry-After": "1"} if status == 503 else None,
+    )
+
+
+async def _collect(
+    request: Request, shape: Shape, messages: AsyncIterator[dict[str, Any]], settings: Settings
+) -> dict[str, Any]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    while True:
+        if await request.is_disconnected():
+            raise anyio.get_cancelled_exc_class()()
+        message = await _next(messages, settings)
+        kind = message["t"]
+        if kind == "delta":
+            texts[message["i"]] = texts.get(message["i"], "") + message["text"]
+        elif kind == "end":
+            reasons[message["i"]] = message["finish_reason"]
+        elif kind == "error":
+            raise _error(message)
+        elif kind == "done":
+            return shape.whole(texts, reasons, message["usage"])
+
+
+async def _stream(shape: Shape, messages: AsyncIterator[dict[str, Any]], settings: Settings) -> AsyncIterator[bytes]:
+    started: set[int] = set()
+    while True:
+        try:
+            message = await _next(messages, settings)
+        except APIError as exc:  # after the 200: OpenAI's way, an error object in the stream
+            yield _event(error_body(exc.status, exc.message, exc.param, exc.code))
+            return
+        kind = message["t"]
+        if kind in ("delta", "end"):
+            index = message["i"]
+            text = message.get("text", "")
+            reason = message.get("finish_reason")
+            yield _event(shape.chunk([shape.delta(index, text, index not in started, reason)]))
+            started.add(index)
+        elif kind == "error":
+            yield _event(error_body(int(message["status"]), message["message"], message.get("param"), message["code"]))
+            return
+        elif kind == "done":
+            if shape.body.stream_options is not None and shape.body.stream_options.include_usage:
+                yield _event(shape.chunk([], message["usage"]))
+            yield b"data: [DONE]\n\n"
+            return
+
+
+async def _closing(
+    stream: AsyncIterator[bytes], conn: Any, ns: str, key: str, rid: str, tokens: int
+) -> AsyncIterator[bytes]:
+    """``stream``, then the request let go: the worker told to drop it if it did not end (the client
+    went away), the key's place given back, in every case."""
+    ended = False
+    try:
+        async for item in stream:
+            yield item
+        ended = True
+    finally:
+        await _let_go(conn, ns, key, rid, tokens, cancel=not ended)
+
+
+async def _let_go(conn: Any, ns: str, key: str, rid: str, tokens: int, *, cancel: bool) -> None:
+    """The key's place given back; the worker told to drop the request when it did not end (the
+    client went away, the API gave up). Shielded: a client that went away cancels the request."""
+    with anyio.CancelScope(shield=True):
+        try:
+            if cancel:
+                await inference.cancel(conn, ns, rid)
+            await inference.release(conn, ns, key=key, rid=rid, tokens=tokens)
+        finally:
+            await conn.aclose()
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,171 @@
+"""The bodies of ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's parameters, checked
+here so that a request the inference workers cannot honour is a 400 naming the field, never a
+silently different answer. What an inference worker needs of a request is ``Sampling.wire``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from service.errors import bad_request
+from service.schemas import Strict
+from service.settings import Settings
+
+MAX_STOP = 4  # OpenAI's
+MAX_STOP_CHARS = 256
+MAX_PROMPTS = 64
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI's; accepted, nothing to hide here
+
+
+class Sampling(Strict):
+    """What chat and text completions share."""
+
+    model: str = Field(min_length=1, max_length=1024)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=512)
+    presence_penalty: float = Field(default=0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> list[str] | None:
+        stops = [value] if isinstance(value, str) else value
+        if stops is None:
+            return None
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop takes at most {MAX_STOP} strings")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop string is 1 to {MAX_STOP_CHARS} characters")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> Sampling:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by this server; leave it at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server; leave it out")
+        return self
+
+    def check_limits(self, settings: Settings, *, budget_param: str = "max_tokens") -> None:
+        if self.n > settings.inference_max_n:
+            raise bad_request(f"n is at most {settings.inference_max_n} on this server; got {self.n}.", "n")
+        if self.max_tokens is not None and self.max_tokens > settings.inference_max_tokens:
+            raise bad_request(
+                f"{budget_param} is at most {settings.inference_max_tokens} on this server "
+                f"(RLOO_INFERENCE_MAX_TOKENS); got {self.max_tokens}.",
+                budget_param,
+            )
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
+
+    def budget(self, settings: Settings, prompts: int = 1) -> int:
+        """Tokens this request may write in all: what the key's tokens in flight count."""
+        return (self.max_tokens or settings.inference_max_tokens) * self.n * prompts
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "n": self.n,
+            "stop": self.stop,
+            "seed": self.seed,
+        }
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class ChatCompletionCreate(Sampling):
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: Literal[False] | None = Field(default=None, description="Log-probs are not returned by this server.")
+    response_format: dict[Literal["type"], Literal["text"]] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> ChatCompletionCreate:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("give max_completion_tokens or max_tokens, not both")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            **super().wire(),
+            "kind": "chat",
+            "messages": [m.for_template() for m in self.messages],
+            "tools": self.tools,
+        }
+
+
+class CompletionCreate(Sampling):
+    prompt: str | list[str] = Field(description="A prompt, or a list of prompts (each answered n times).")
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for text completions
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: None = Field(default=None, description="Log-probs are not returned by this server.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not 1 <= len(value) <= MAX_PROMPTS:
+            raise ValueError(f"prompt is a string or a list of 1 to {MAX_PROMPTS} strings")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionCreate:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server unless it equals n")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def wire(self) -> dict[str, Any]:
+        return {**super().wire(), "kind": "completion", "prompts": self.prompts}

@@ -1,0 +1,290 @@
+"""Chat and text completions through the unmodified openai SDK (strict), answered by a real inference
+worker (``rloo worker --serve``) on the session's Redis: base models, fine-tuned checkpoints (full and
+LoRA, served as adapters), greedy output equal to ``from_pretrained`` + ``generate`` token for token,
+streaming, ``n`` and ``seed``, and bad requests. (Limits, disconnects and a killed worker need a real
+HTTP server: ``test_e2e_inference``.)"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from service import crud, finetuned
+from service.db import session_scope
+from service.models import Checkpoint, Job
+from tests.helpers.data import ROOT
+
+PROMPT = "the cat sat on"
+# Inference reads the database only to resolve a model id (the same query on either backend).
+pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def serve_worker(
+    tmp_path_factory: pytest.TempPathFactory, models_dir: Path, embedded_redis: str
+) -> Iterator[dict[str, str]]:
+    """One real inference worker (its supervisor and its process) for this module, on its own queue."""
+    home = tmp_path_factory.mktemp("serve-worker")
+    values = {
+        "RLOO_HOME": str(home),
+        "REDIS_URL": embedded_redis,
+        "RLOO_MODELS_DIR": str(models_dir),
+        "RLOO_QUEUE": f"test-serve-{secrets.token_hex(4)}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    log = open(home / "serve.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker", "--serve"],
+        env={**os.environ, **values},
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    _wait_for_a_worker(values, home / "serve.log")
+    yield {**values, "pid": str(proc.pid), "log": str(home / "serve.log")}
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+    log.close()
+
+
+def _wait_for_a_worker(values: dict[str, str], log: Path, timeout: float = 60) -> None:
+    import redis
+
+    from service import inference
+    from service.settings import Settings
+
+    settings = Settings(home=Path(values["RLOO_HOME"]), REDIS_URL=values["REDIS_URL"])
+    conn = redis.Redis.from_url(settings.redis_client_url)
+    workers = f"{inference.namespace(values['RLOO_QUEUE'] + '-serve')}:workers"
+    deadline = time.monotonic() + timeout
+    while not conn.zcount(workers, time.time(), "+inf"):
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    conn.close()
+
+
+@pytest.fixture
+def served(env: dict[str, str], serve_worker: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_QUEUE", serve_worker["RLOO_QUEUE"])
+    reset_caches()
+    return serve_worker
+
+
+def _generate(model: Any, tokenizer: Any, text: str, max_new_tokens: int) -> str:
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+    )
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def _checkpoint_job(artifacts: Path, models_dir: Path, project: str, *, lora: bool) -> str:
+    """A job of ``project`` with one checkpoint: weights moved off the base (full) or a LoRA adapter
+    with non-zero weights, saved as training saves them. Its checkpoint id."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = models_dir / "tiny-policy"
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(5)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+    with session_scope() as session:
+        proj = crud.get_or_create_project(session=session, name=project)
+        job = Job(
+            project_seq=proj.seq,
+            model="tiny-policy",
+            base_model="tiny-policy",
+            training_file="file-x",
+            seed=0,
+            method={"type": "supervised"},
+            hyperparameters={},
+            status="running",
+            total_steps=2,
+        )
+        session.add(job)
+        session.flush()
+        path = artifacts / "checkpoints" / job.id / "step-1"
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(base).save_pretrained(path)
+        name = finetuned.checkpoint_id(
+            finetuned.model_id(base="tiny-policy", project=project, suffix=None, job_id=job.id), 1
+        )
+        session.add(
+            Checkpoint(
+                job_seq=job.seq, step_number=1, path=str(path.relative_to(artifacts)), fine_tuned_model_checkpoint=name
+            )
+        )
+        session.commit()
+    return name
+
+
+def _reference(models_dir: Path, artifacts: Path, name: str, job_lora: bool) -> tuple[Any, Any]:
+    """``from_pretrained`` of a checkpoint as a user loads the download (an adapter on its base)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with session_scope() as session:
+        path = artifacts / session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one().path
+    if job_lora:
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models_dir / "tiny-policy"), path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_greedy_output_of_base_and_fine_tuned_checkpoints_is_generate_token_for_token(
+    served: dict[str, str], sdk: openai.OpenAI, env: dict[str, str], models_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    artifacts = Path(env["RLOO_HOME"]) / "artifacts"
+    full = _checkpoint_job(artifacts, models_dir, "alpha", lora=False)
+    adapter = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
+    base = AutoModelForCausalLM.from_pretrained(models_dir / "tiny-policy").eval()
+    tok = AutoTokenizer.from_pretrained(models_dir / "tiny-policy")
+    cases = {"tiny-policy": (base, tok), full: _reference(models_dir, artifacts, full, False)}
+    cases[adapter] = _reference(models_dir, artifacts, adapter, True)
+    answers = {}
+    for name, (model, tokenizer) in cases.items():
+        got = sdk.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert got.choices[0].text == _generate(model, tokenizer, PROMPT, 12), name
+        assert got.usage is not None and got.usage.prompt_tokens == len(
+            tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        )
+        answers[name] = got.choices[0].text
+        chat = sdk.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "say hi"}], max_completion_tokens=10, temperature=0
+        )
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "say hi"}], add_generation_prompt=True, tokenize=False
+        )
+        assert chat.choices[0].message.content == _generate(model, tokenizer, rendered, 10), name
+        assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+    assert len(set(answers.values())) == 3  # three models, three different answers: each is its own
+
+
+def test_streamed_chunks_join_to_the_whole_answer_and_end_with_usage(
+    served: dict[str, str], sdk: openai.OpenAI, client: Any
+) -> None:
+    whole = sdk.chat.completions.create(
+        model="tiny-policy", messages=[{"role": "user", "content": "the cat"}], max_tokens=16, temperature=0, n=2
+    )
+    stream = sdk.chat.completions.create(
+        model="tiny-policy",
+        messages=[{"role": "user", "content": "the cat"}],
+        max_tokens=16,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {0: "", 1: ""}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if not chunk.choices:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage == whole.usage
+    # A text completion's chunks carry finish_reason null until the last, as OpenAI's do; the SDK's
+    # Completion type allows no null there, so only its non-strict parsing reads OpenAI's streams too.
+    lenient = openai.OpenAI(base_url=str(sdk.base_url), api_key=sdk.api_key, http_client=client, max_retries=0)
+    text_stream = lenient.completions.create(
+        model="tiny-policy", prompt=PROMPT, max_tokens=10, temperature=0, stream=True
+    )
+    joined = "".join(c.choices[0].text for c in text_stream if c.choices)
+    assert (
+        joined
+        == sdk.completions.create(model="tiny-policy", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    )
+
+
+def test_n_choices_are_drawn_apart_and_a_seed_draws_them_again(served: dict[str, str], sdk: openai.OpenAI) -> None:
+    def draw(seed: int | None) -> list[str]:
+        r = sdk.completions.create(model="tiny-policy", prompt=[PROMPT, "a b"], max_tokens=8, n=3, seed=seed)
+        assert [c.index for c in r.choices] == list(range(6))  # prompt-major, as OpenAI orders them
+        return [c.text for c in r.choices]
+
+    first = draw(7)
+    assert draw(7) == first
+    assert len(set(first[:3])) > 1  # three draws of one prompt: not one answer thrice
+    assert draw(8) != first
+
+
+def test_stop_strings_end_the_text_before_them(served: dict[str, str], sdk: openai.OpenAI) -> None:
+    free = sdk.completions.create(model="tiny-policy", prompt=PROMPT, max_tokens=20, temperature=0).choices[0]
+    assert len(free.text) > 4
+    stop = free.text[3:5]
+    cut = sdk.completions.create(model="tiny-policy", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop]).choices[
+        0
+    ]
+    assert cut.text == free.text[: free.text.find(stop)] and cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "no-such-model"}, 404, "model"),
+        ({"n": 17}, 400, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"stop": [""]}, 400, "stop"),
+        ({"max_tokens": 10**6}, 400, "max_tokens"),
+        ({"temperature": 3}, 400, "temperature"),
+        ({"presence_penalty": 1.0}, 400, None),
+        ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+        ({"max_tokens": 250, "messages": [{"role": "user", "content": "word " * 20}]}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"frobnicate": 1}, 400, "frobnicate"),
+    ],
+)
+def test_bad_requests_are_answered_in_openais_shape_naming_the_field(
+    served: dict[str, str], client: Any, auth: dict[str, str], body: dict[str, Any], status: int, param: str | None
+) -> None:
+    request = {"model": "tiny-policy", "messages": [{"role": "user", "content": "hi"}], **body}
+    r = client.post("/v1/chat/completions", json=request, headers=auth)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_another_projects_checkpoint_is_not_found(
+    served: dict[str, str], client: Any, auth: dict[str, str], env: dict[str, str], models_dir: Path
+) -> None:
+    theirs = _checkpoint_job(Path(env["RLOO_HOME"]) / "artifacts", models_dir, "beta", lora=True)
+    r = client.post("/v1/completions", json={"model": theirs, "prompt": "hi"}, headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_no_inference_worker_is_a_503_that_says_how_to_start_one(
+    env: dict[str, str], client: Any, auth: dict[str, str]
+) -> None:
+    r = client.post("/v1/completions", json={"model": "tiny-policy", "prompt": "hi"}, headers=auth)
+    assert r.status_code == 503 and "rloo worker --serve" in r.json()["error"]["message"]

@@ -1,0 +1,16 @@
+"""``python -m worker.serving WORKER_ID``: one inference worker process (its supervisor starts it)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from service.logs import configure
+from service.settings import get_settings
+from worker.cli.serve import _die_with_parent
+from worker.serving.server import main
+
+logging.basicConfig(format="[%(asctime)s: %(levelname)s/serve] %(message)s", level=logging.INFO)
+configure(get_settings().log_format)
+_die_with_parent()
+main(sys.argv[1])

@@ -1,0 +1,193 @@
+"""Batched decoding for the inference workers: one forward a token for every row of a batch, each row
+with its own sampling settings, seed, token budget and stop strings, its text streamed as it grows.
+
+A batch (``Batch``) is formed once from the requests waiting for one base model and decodes until
+its last row ends; rows that end (EOS, their budget, a stop string, a cancelled request) leave the
+batch at once: their rows of the KV cache are dropped, so a long completion does not make the
+short ones' neighbours pay. Prompts are left-padded, positions count real tokens only, as
+``generate`` does: a request's greedy output is ``generate``'s, token for token.
+
+Sampling is inverse-CDF from each row's own ``torch.Generator``: a seeded request draws the same
+tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from worker.rollout import _cache_arg, _eos_ids
+
+BASE_ADAPTER = "__base__"
+"""peft's name for "no adapter" in a mixed-adapter batch (``adapter_names``)."""
+
+
+@dataclass
+class Row:
+    """One completion being written: choice ``index`` of request ``request``."""
+
+    request: str
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    adapter: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    sampled: int = 0
+    """Tokens drawn, its end-of-sequence token included (the usage counts it)."""
+    text: str = ""
+    """The text sent so far (a stop string, and a character still being spelled, held back)."""
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(
+            self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        )
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one row wrote in one step: new text (maybe empty) and, at its end, why it ended."""
+
+    row: Row
+    text: str
+    finish_reason: str | None
+
+
+class Batch:
+    """Rows decoding together on one model (``model``, maybe a peft model holding several adapters:
+    each row names its own, or none)."""
+
+    def __init__(self, model: Any, tokenizer: Any, rows: list[Row], *, context: int | None) -> None:
+        self.model, self.tokenizer, self.rows = model, tokenizer, rows
+        self.eos = set(_eos_ids(model, tokenizer))
+        self.context = context
+        self.device = next(model.parameters()).device
+        self.adapters = hasattr(model, "peft_config")
+
+    @torch.inference_mode()
+    def run(self, cancelled: Any = lambda: set()) -> Iterator[list[Delta]]:
+        """Decode until every row has ended; each step yields the rows' deltas. ``cancelled()`` names
+        requests to drop (checked once a step)."""
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in self.rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in self.rows], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in self.rows], device=self.device
+        )
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        position = positions[:, -1:] + 1
+        rows = list(self.rows)
+        while rows:
+            tokens = self._sample(logits, rows)
+            deltas, keep = [], []
+            stop_now = cancelled()
+            for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+                if row.request in stop_now:
+                    row.finish_reason = "cancelled"
+                    continue
+                delta = self._advance(row, token)
+                deltas.append(delta)
+                if delta.finish_reason is None:
+                    keep.append(i)
+            yield deltas
+            if not keep:
+                return
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, position, tokens_t = mask[index], position[index], torch.tensor(tokens, device=self.device)[index]
+                rows = [rows[i] for i in keep]
+            else:
+                tokens_t = torch.tensor(tokens, device=self.device)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits = self._forward(tokens_t.unsqueeze(1), mask, position, cache, rows)
+            position = position + 1
+
+    def _forward(
+        self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, rows: list[Row] | None = None
+    ) -> Tensor:
+        extra: dict[str, Any] = {}
+        if self.adapters:
+            extra["adapter_names"] = [r.adapter or BASE_ADAPTER for r in (rows or self.rows)]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **_cache_arg(self.model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+            **extra,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _sample(self, logits: Tensor, rows: list[Row]) -> list[int]:
+        """One token a row: the most likely at temperature 0, else drawn from the row's generator."""
+        greedy = logits.argmax(dim=-1)
+        temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=logits.device)
+        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        top_p = torch.tensor([r.top_p for r in rows], device=logits.device)
+        if bool((top_p < 1).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = torch.where(before < top_p[:, None], sorted_probs, torch.zeros_like(sorted_probs))
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        cdf = probs.double().cumsum(dim=-1)
+        u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(logits.device)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+        drawn = drawn.clamp(max=logits.shape[-1] - 1)
+        chosen = torch.where(temperature.new_tensor([r.temperature == 0 for r in rows]).bool(), greedy, drawn)
+        return [int(t) for t in chosen.tolist()]
+
+    def _advance(self, row: Row, token: int) -> Delta:
+        """``row`` takes ``token``: its new text, and whether (and why) it ended."""
+        row.sampled += 1
+        if token in self.eos:
+            return self._end(row, "stop", self._decode(row))
+        row.tokens.append(token)
+        text = self._decode(row)
+        for s in row.stop:
+            at = text.find(s, max(0, len(row.text) - len(s)))
+            if at >= 0:
+                return self._end(row, "stop", text[:at])
+        budget = len(row.tokens) >= row.max_tokens
+        full = self.context is not None and len(row.prompt_ids) + len(row.tokens) >= self.context
+        if budget or full:
+            return self._end(row, "length", text)
+        safe = max(_safe_end(text, row.stop), len(row.text))
+        new, row.text = text[len(row.text) : safe], text[:safe]
+        return Delta(row, new, None)
+
+    def _end(self, row: Row, reason: str, text: str) -> Delta:
+        new = text[len(row.text) :]
+        row.text, row.finish_reason = text, reason
+        return Delta(row, new, reason)
+
+    def _decode(self, row: Row) -> str:
+        return str(self.tokenizer.decode(row.tokens, skip_special_tokens=True))
+
+
+def _safe_end(text: str, stop: tuple[str, ...]) -> int:
+    """How much of ``text`` can be sent: not a character still being spelled (U+FFFD at the end of a
+    partial UTF-8 sequence), nor a tail that may be the start of a stop string."""
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stop:
+        for n in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:n]):
+                end -= n
+                break
+    return end

@@ -1,0 +1,246 @@
+"""An inference worker's process: takes requests from Redis (``service.inference``), batches those for
+one base model, streams what each row writes back, and between batches runs the work that is not a
+request (checkpoint evaluations, merged exports: ``worker.serving.chores``).
+
+A batch is formed from every waiting request whose model shares a base (LoRA adapters of one base
+decode in one batch, each row through its own adapter), up to ``RLOO_INFERENCE_MAX_BATCH`` rows.
+Requests that arrive while a batch decodes wait for the next one. A request's failure (a model that
+will not load, a prompt past the context) is its own answer; nothing a request does ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from service import inference
+from service.settings import get_settings
+from worker.records import JobError
+from worker.serving.decode import Batch, Row
+from worker.serving.models import ModelCache, Servable
+
+log = logging.getLogger("rloo.serve")
+
+
+@dataclass
+class Request:
+    envelope: dict[str, Any]
+    servable: Servable
+    rows: list[Row] = field(default_factory=list)
+    prompt_tokens: int = 0
+    open_rows: int = 0
+
+    @property
+    def id(self) -> str:
+        return str(self.envelope["id"])
+
+
+def seed_of(seed: int | None, choice: int) -> int | None:
+    """Each choice of a seeded request its own seed, the first the request's own."""
+    return None if seed is None else (seed + choice * 0x9E3779B97F4A7C15) % 2**63
+
+
+class Server:
+    def __init__(self, conn: Any, *, worker: str, cache: ModelCache, max_rows: int, chores: Any = None) -> None:
+        settings = get_settings()
+        self.conn, self.worker, self.cache, self.max_rows = conn, worker, cache, max_rows
+        self.ns = inference.namespace(inference.serve_queue())
+        self.max_tokens = settings.inference_max_tokens
+        self.pending: list[Request] = []
+        self.held: set[str] = set()
+        self.chores = chores
+        self._lock = threading.Lock()
+
+    # The process -------------------------------------------------------------------------------------
+    def run(self, keep_going: Any = lambda: True) -> None:
+        beat = threading.Thread(target=self._beat, args=(keep_going,), daemon=True, name="serve-heartbeat")
+        beat.start()
+        inference.heartbeat(self.conn, self.ns, self.worker, [])
+        while keep_going():
+            idle = not self.pending and (self.chores is None or not self.chores.busy)
+            self._take(block=1.0 if idle else 0.0)
+            if self.pending:
+                self.serve_one_batch()
+            elif self.chores is not None:
+                self.chores.step()
+
+    def _beat(self, keep_going: Any) -> None:
+        while keep_going():
+            try:
+                with self._lock:
+                    held = list(self.held)
+                inference.heartbeat(self.conn, self.ns, self.worker, held)
+            except Exception as exc:  # Redis away for a moment: the next beat tries again
+                log.warning("heartbeat failed: %s", exc)
+            time.sleep(inference.LEASE_REFRESH)
+
+    def _take(self, *, block: float) -> None:
+        room = max(0, self.max_rows - sum(max(1, int(r.envelope.get("n", 1))) for r in self.pending))
+        if room == 0:
+            return
+        for envelope in inference.take(self.conn, self.ns, self.worker, block=block, most=room):
+            with self._lock:
+                self.held.add(envelope["id"])
+            if envelope.get("kind") in ("chat", "completion"):
+                self.pending.append(Request(envelope, Servable.from_wire(envelope["servable"])))
+            elif self.chores is not None:
+                self._answer(envelope["id"], self.chores.request(envelope))
+            else:
+                self._answer(envelope["id"], inference.error_message(400, "unsupported", "not served here"))
+
+    # A batch -------------------------------------------------------------------------------------------
+    def serve_one_batch(self) -> None:
+        """The oldest waiting request's base, with every waiting request that shares it."""
+        key = self.pending[0].servable.base_key
+        batch = [r for r in self.pending if r.servable.base_key == key]
+        self.pending = [r for r in self.pending if r.servable.base_key != key]
+        try:
+            loaded = None
+            ready = []
+            for request in batch:
+                loaded, adapter = self.cache.get(request.servable)
+                problem = self._rows(request, loaded, adapter)
+                if problem is not None:
+                    self._answer(request.id, problem)
+                else:
+                    ready.append(request)
+            if ready and loaded is not None:
+                self._decode(loaded, ready)
+        except JobError as exc:
+            for request in batch:
+                if request.id in self.held:
+                    self._answer(request.id, inference.error_message(500, exc.code, exc.message))
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            for request in batch:
+                if request.id in self.held:
+                    message = "The inference worker ran out of GPU memory; send fewer or shorter requests at once."
+                    self._answer(request.id, inference.error_message(503, "out_of_memory", message))
+        except Exception as exc:  # a bug or a broken model: this batch's answer, not the process's end
+            log.exception("inference batch failed")
+            for request in batch:
+                if request.id in self.held:
+                    message = f"Inference failed: {type(exc).__name__}: {exc}"
+                    self._answer(request.id, inference.error_message(500, "inference_failed", message))
+
+    def _rows(self, request: Request, loaded: Any, adapter: str | None) -> dict[str, Any] | None:
+        """The request's rows (tokenized, checked against the context), or the error that answers it."""
+        from worker.data import prompt_text
+
+        env, tok = request.envelope, loaded.tokenizer
+        items = [{"messages": env["messages"], "tools": env.get("tools")}] if env["kind"] == "chat" else None
+        items = items or [{"prompt": p} for p in env["prompts"]]
+        param = "messages" if env["kind"] == "chat" else "prompt"
+        try:
+            prompts = [tok(prompt_text(item, tok), add_special_tokens=False)["input_ids"] for item in items]
+        except JobError as exc:  # a chat template that cannot render these messages
+            return inference.error_message(400, exc.code, exc.message, param)
+        except Exception as exc:  # noqa: BLE001 - a template's own error (a role it refuses, …)
+            return inference.error_message(400, "invalid_messages", f"The chat template refused them: {exc}", param)
+        context = loaded.context
+        longest = max(len(p) for p in prompts)
+        asked = env.get("max_tokens")
+        if longest == 0:
+            return inference.error_message(400, "empty_prompt", "The prompt has no tokens.", param)
+        if context is not None and longest + (asked or 1) > context:
+            what = f"{longest} in the {param}" + (f", {asked} in the completion" if asked else "")
+            return inference.error_message(
+                400,
+                "context_length_exceeded",
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{longest + (asked or 0)} tokens ({what}). Shorten the {param} or lower max_tokens.",
+                param if asked is None or longest >= context else "max_tokens",
+            )
+        n = int(env.get("n", 1))
+        for p, ids in enumerate(prompts):
+            room = self.max_tokens if context is None else min(self.max_tokens, context - len(ids))
+            for j in range(n):
+                request.rows.append(
+                    Row(
+                        request=request.id,
+                        index=p * n + j,
+                        prompt_ids=ids,
+                        max_tokens=min(asked, room) if asked else room,
+                        temperature=float(env.get("temperature", 1.0)),
+                        top_p=float(env.get("top_p", 1.0)),
+                        stop=tuple(env.get("stop") or ()),
+                        seed=seed_of(env.get("seed"), p * n + j),
+                        adapter=adapter,
+                    )
+                )
+        request.prompt_tokens = sum(len(p) for p in prompts)
+        request.open_rows = len(request.rows)
+        return None
+
+    def _decode(self, loaded: Any, requests: list[Request]) -> None:
+        by_id = {r.id: r for r in requests}
+        inference.push(self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests])
+        rows = [row for r in requests for row in r.rows]
+        deadlines = {r.id: float(r.envelope["deadline"]) for r in requests}
+
+        def gone() -> set[str]:
+            live = [rid for rid in by_id if rid in self.held]
+            dropped = inference.cancelled(self.conn, self.ns, live)
+            dropped |= {rid for rid in live if deadlines[rid] <= time.time()}
+            for rid in dropped:
+                self._answer(rid, inference.error_message(499, "cancelled", "The client went away."))
+            return dropped | {rid for rid in by_id if rid not in self.held}
+
+        for deltas in Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(gone):
+            messages: list[tuple[str, dict[str, Any]]] = []
+            ended: list[Request] = []
+            for d in deltas:
+                if d.text:
+                    messages.append((d.row.request, {"t": "delta", "i": d.row.index, "text": d.text}))
+                if d.finish_reason is not None:
+                    messages.append((d.row.request, {"t": "end", "i": d.row.index, "finish_reason": d.finish_reason}))
+                    request = by_id[d.row.request]
+                    request.open_rows -= 1
+                    if request.open_rows == 0:
+                        ended.append(request)
+            inference.push(self.conn, self.ns, messages)
+            for request in ended:
+                completion = sum(row.sampled for row in request.rows)
+                usage = {
+                    "prompt_tokens": request.prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": request.prompt_tokens + completion,
+                }
+                self._answer(request.id, {"t": "done", "usage": usage})
+
+    def _answer(self, rid: str, last: dict[str, Any]) -> None:
+        inference.finish(self.conn, self.ns, self.worker, rid, last)
+        with self._lock:
+            self.held.discard(rid)
+
+
+def memory_budget(device: torch.device, configured_mb: int | None) -> int:
+    """Bytes of weights a worker keeps loaded: RLOO_INFERENCE_MEMORY_MB, or half the GPU's memory, or a
+    quarter of the host's."""
+    if configured_mb:
+        return configured_mb * 1024 * 1024
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.5)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.25)
+
+
+def main(worker: str) -> None:
+    """One inference worker process (``rloo worker --serve`` starts it, and starts another should it die)."""
+    import redis
+
+    from worker.modeling import pick_device
+
+    settings = get_settings()
+    torch.set_grad_enabled(False)
+    device = pick_device(None)
+    conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=30, socket_connect_timeout=10)
+    cache = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
+    server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
+    log.info("inference worker %s on %s, queue %s", worker, device, inference.serve_queue())
+    server.run(lambda: os.getppid() != 1)
