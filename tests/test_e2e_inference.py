@@ -1,0 +1,131 @@
+"""Inference through real processes (the API under uvicorn, a training worker, an inference worker
+with its supervisor): a job's latest checkpoint sampled while the job runs; a key at its limit of
+requests in flight (429) whose client goes away mid-stream and frees its place at once; an inference
+worker killed mid-request (503, or an error event once the stream began) and a new one serving the
+next request, while the training job goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.data import EXAMPLES
+from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "the cat sat on"
+LONG = {"model": "tiny-policy", "prompt": [PROMPT] * 64, "n": 16, "max_tokens": 200}
+"""A request that takes the tiny model some seconds: 1,024 completions of up to 200 tokens."""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[LiveStack]:
+    env = {"RLOO_INFERENCE_MAX_CONCURRENT": "1", "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT": str(10**6)}
+    with live_stack("embedded", tmp_path_factory.mktemp("inference"), models_dir, env=env) as s:
+        s.start("serve", "worker", "--serve")
+        _served_again(s)
+        yield s
+
+
+def _served_again(stack: LiveStack, timeout: float = 90) -> None:
+    """Wait until an inference worker answers (503 while none is up)."""
+    deadline = time.monotonic() + timeout
+    with stack.http as http:
+        while True:
+            r = http.post("/completions", json={"model": "tiny-policy", "prompt": "hi", "max_tokens": 2})
+            if r.status_code == 200:
+                return
+            assert r.status_code == 503 and time.monotonic() < deadline, (r.text, stack.log_tail())
+            time.sleep(0.3)
+
+
+def _serving_process(stack: LiveStack, other_than: int | None = None) -> int:
+    supervisor = stack.procs["serve"].pid
+    deadline = time.monotonic() + 30
+    while True:
+        children = [int(c) for c in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()]
+        if len(children) == 1 and children[0] != other_than:
+            return children[0]
+        assert time.monotonic() < deadline, children
+        time.sleep(0.1)
+
+
+def test_a_running_jobs_latest_checkpoint_is_sampled_while_it_trains(stack: LiveStack) -> None:
+    sdk = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, _strict_response_validation=True)
+    spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    with stack.http as http:
+        spec["training_file"] = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        spec["method"]["reinforcement"]["hyperparameters"].update(
+            {"n_epochs": 40, "checkpoint_interval": 2, "batch_size": 4, "rloo_k": 2}
+        )
+        job = http.post("/fine_tuning/jobs", json=spec).json()
+        wait_for(http, job["id"], {"running"}, 120, stack, min_step=3)
+    checkpoints = sdk.fine_tuning.jobs.checkpoints.list(job["id"]).data
+    assert checkpoints, stack.log_tail()
+    latest = checkpoints[0].fine_tuned_model_checkpoint  # newest first
+    answer = sdk.chat.completions.create(model=latest, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert answer.model == latest and answer.usage is not None and answer.usage.completion_tokens >= 1
+    assert sdk.fine_tuning.jobs.retrieve(job["id"]).status == "running"
+    stack.shared_job = job["id"]  # type: ignore[attr-defined]  # the kill test checks it goes on
+
+
+def test_a_key_at_its_limit_is_429_and_a_client_that_leaves_frees_its_place_at_once(stack: LiveStack) -> None:
+    with stack.http as http, http.stream("POST", "/completions", json={**LONG, "stream": True}) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept: a dropped iterator closes the response, as a client leaving
+        assert next(lines).startswith("data: ")  # the stream is running
+        r = http.post("/completions", json={"model": "tiny-policy", "prompt": "hi"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", stack.log_tail()
+    # The client went away mid-stream: its place is free at once and the worker drops its rows at
+    # the next token, so the next request is answered long before 200 tokens of 1,024 rows would end.
+    started = time.monotonic()
+    with stack.http as http:
+        r = http.post("/completions", json={"model": "tiny-policy", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - started < 3.0
+
+
+def test_an_inference_worker_killed_mid_request_fails_it_and_a_new_one_serves_the_next(stack: LiveStack) -> None:
+    victim = _serving_process(stack)
+    results: list[httpx.Response] = []
+
+    def wait() -> None:
+        with stack.http as http:
+            http.timeout = httpx.Timeout(60)
+            results.append(http.post("/completions", json=LONG))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(1.5)
+    os.kill(victim, signal.SIGKILL)
+    waiting.join(timeout=60)
+    assert results and results[0].status_code == 503, results[0].text if results else stack.log_tail()
+    assert results[0].json()["error"]["code"] == "worker_lost"
+    victim = _serving_process(stack, other_than=victim)
+    _served_again(stack)
+    # Streamed: the 200 was sent, so the failure comes as an error event, as OpenAI's streams carry one.
+    with stack.http as http, http.stream("POST", "/completions", json={**LONG, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(victim, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    assert rest and json.loads(rest[-1].removeprefix("data: "))["error"]["code"] == "worker_lost", rest[-3:]
+    _serving_process(stack, other_than=victim)
+    _served_again(stack)
+    job_id: Any = getattr(stack, "shared_job", None)
+    if job_id is not None:  # the training job never noticed
+        with stack.http as http:
+            job = http.get(f"/fine_tuning/jobs/{job_id}").json()
+            assert job["status"] in ("running", "succeeded"), job
+            http.post(f"/fine_tuning/jobs/{job_id}/cancel")
