@@ -135,6 +135,35 @@ async def replies(conn: Any, ns: str, rid: str, deadline: float) -> AsyncIterato
             raise WorkerLost()
 
 
+def ask(envelope: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """A request that is no completion (an export), from a sync handler: queued, then its one last
+    message waited for. Raises ``NoWorker``, ``WorkerLost`` or ``TimedOut``."""
+    import redis
+
+    from service.settings import get_settings
+
+    ns = namespace(serve_queue())
+    conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=30, socket_connect_timeout=5)
+    try:
+        if not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+            raise NoWorker()
+        deadline = time.time() + timeout
+        conn.rpush(f"{ns}:requests", json.dumps({**envelope, "deadline": deadline}, allow_nan=False))
+        held = False
+        while time.time() < deadline:
+            item = conn.blpop([f"{ns}:reply:{envelope['id']}"], timeout=1)
+            if item is not None:
+                answer: dict[str, Any] = json.loads(item[1])
+                return answer
+            if conn.exists(f"{ns}:lease:{envelope['id']}"):
+                held = True
+            elif held:
+                raise WorkerLost()
+        raise TimedOut()
+    finally:
+        conn.close()
+
+
 # The worker's side -------------------------------------------------------------------------------------
 def take(conn: Any, ns: str, worker: str, *, block: float, most: int) -> list[dict[str, Any]]:
     """Up to ``most`` requests, waiting up to ``block`` seconds for the first (0: none); each one

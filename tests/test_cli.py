@@ -86,6 +86,7 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
             time.sleep(0.2)
         assert _child(proc.pid, b"--queue\x00rloo-graders", wait=False) not in (0, graders), "".join(lines)
         assert any("grader-worker exited with -9; starting it again" in line for line in lines), "".join(lines)
+        assert _child(proc.pid, b"--serve")  # an inference worker is part of the stack
         # Celery's run-as-root banner (about pickle, which these workers refuse) is not printed.
         assert not any("superuser privileges" in line for line in lines), "".join(lines)
         assert proc.poll() is None

@@ -14,6 +14,7 @@ def test_compose_has_the_production_stack() -> None:
     services = compose["services"]
     assert set(services) >= {"postgres", "redis", "migrate", "api", "worker", "grader-worker"}
     assert services["grader-worker"]["command"] == ["rloo", "worker", "--queue", "rloo-graders"]
+    assert services["inference-worker"]["command"] == ["rloo", "worker", "--serve"]
     for name in ("migrate", "api", "worker"):
         env = services[name]["environment"]
         assert env["DATABASE_URL"].startswith("postgresql://") and env["REDIS_URL"].startswith("redis://")
@@ -69,7 +70,7 @@ def test_every_compose_command_of_our_image_exists() -> None:
 
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     ours = {name: s for name, s in services.items() if s.get("image") == "rloo-service:latest"}
-    assert {"api", "worker", "flower", "grader-worker", "migrate"} <= set(ours)
+    assert {"api", "worker", "flower", "grader-worker", "inference-worker", "migrate"} <= set(ours)
     for name, service in ours.items():
         command = service["command"]
         program, args = command[0], command[1:]

@@ -288,3 +288,46 @@ def test_no_inference_worker_is_a_503_that_says_how_to_start_one(
 ) -> None:
     r = client.post("/v1/completions", json={"model": "tiny-policy", "prompt": "hi"}, headers=auth)
     assert r.status_code == 503 and "rloo worker --serve" in r.json()["error"]["message"]
+
+
+def test_a_lora_checkpoint_downloads_merged_as_one_model_that_from_pretrained_loads(
+    served: dict[str, str], client: Any, auth: dict[str, str], env: dict[str, str], models_dir: Path, tmp_path: Path
+) -> None:
+    import io
+    import tarfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    artifacts = Path(env["RLOO_HOME"]) / "artifacts"
+    name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
+    with session_scope() as session:
+        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
+        job_id = session.get(Job, ckpt.job_seq).id
+        url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpt.id}/content"
+    adapter = client.get(url, headers=auth)
+    merged = client.get(url, params={"merged": "true"}, headers=auth)
+    assert adapter.status_code == merged.status_code == 200, merged.text
+
+    def unpack(body: bytes, where: Path) -> tuple[Path, set[str]]:
+        with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+            tar.extractall(where, filter="data")
+        root = next(where.iterdir())
+        return root, {p.name for p in root.iterdir()}
+
+    _, adapter_files = unpack(adapter.content, tmp_path / "adapter")
+    root, merged_files = unpack(merged.content, tmp_path / "merged")
+    assert "adapter_config.json" in adapter_files and "adapter_config.json" not in merged_files
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= merged_files
+    model = AutoModelForCausalLM.from_pretrained(root).eval()  # as vllm serve loads it: no base named
+    reference, tokenizer = _reference(models_dir, artifacts, name, True)
+    assert _generate(model, AutoTokenizer.from_pretrained(root), PROMPT, 12) == _generate(
+        reference, tokenizer, PROMPT, 12
+    )
+    # Made once: the second download reads the same directory.
+    assert client.get(url, params={"merged": "true"}, headers=auth).content == merged.content
+    # A full checkpoint is its own merged model.
+    full = _checkpoint_job(artifacts, models_dir, "alpha", lora=False)
+    with session_scope() as session:
+        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=full).one()
+        url = f"/v1/fine_tuning/jobs/{session.get(Job, ckpt.job_seq).id}/checkpoints/{ckpt.id}/content"
+    assert client.get(url, params={"merged": "true"}, headers=auth).content == client.get(url, headers=auth).content

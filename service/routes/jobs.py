@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import String, cast, select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, finetuned, graders, idempotency, jobspec, lifecycle, queue, streams
+from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, queue, streams
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -461,6 +461,12 @@ def read_checkpoint_content(
     checkpoint_id: str,
     range_: Annotated[str | None, Header(alias="Range")] = None,
     if_range: Annotated[str | None, Header(alias="If-Range")] = None,
+    merged: Annotated[
+        bool,
+        Query(
+            description="The full model, every LoRA adapter of its chain merged in (made once, by an inference worker)."
+        ),
+    ] = False,
 ) -> Response:
     job = _job(session, project, job_id)
     ckpt = crud.get_checkpoint(session=session, job=job, checkpoint_id=checkpoint_id)
@@ -469,6 +475,8 @@ def read_checkpoint_content(
     directory = confined(settings.artifacts_dir, ckpt.path)
     if not directory.is_dir():
         raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
+    if merged:
+        directory = exports.merged(session, settings, project_seq=project.seq, checkpoint=ckpt) or directory
     # The Hugging Face directory only; optimizer and RNG state stay server-side. Made while it is
     # sent (service.tarstream): no copy on disk.
     files = [

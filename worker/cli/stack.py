@@ -1,5 +1,5 @@
 """``rloo up``: the local stack as child processes (embedded Redis, the API, a training worker, a
-graders worker), each started again should it die; and what it prints."""
+graders worker, an inference worker), each started again should it die; and what it prints."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class _Part:
 
 class Stack:
     """The local stack as child processes: embedded Redis (if no REDIS_URL), the API, a training
-    worker and a graders worker. A part that dies is started again (after 1 s, then up to 30 s
+    worker, a graders worker and an inference worker. A part that dies is started again (after 1 s, then up to 30 s
     while it keeps dying): a grader that ends its worker never takes the API or training down."""
 
     STABLE_SECONDS = 60.0  # a part that ran this long before it died is started again at once
@@ -102,6 +102,7 @@ class Stack:
             ("api", ["api", "--host", self.host, "--port", str(self.port)]),
             ("worker", ["worker"]),
             ("grader-worker", ["worker", "--queue", grader_queue()]),  # dry runs of graders
+            ("inference-worker", ["worker", "--serve"]),  # chat and text completions, evaluations
         ):
             self.parts[name] = _Part(args, self._spawn(name, args), time.monotonic())
         wait_until_ready(self.url, alive=self._check_parts)

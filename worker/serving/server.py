@@ -235,6 +235,7 @@ def main(worker: str) -> None:
     import redis
 
     from worker.modeling import pick_device
+    from worker.serving.chores import Chores
 
     settings = get_settings()
     torch.set_grad_enabled(False)
@@ -242,5 +243,6 @@ def main(worker: str) -> None:
     conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=30, socket_connect_timeout=10)
     cache = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
     server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
+    server.chores = Chores(server)
     log.info("inference worker %s on %s, queue %s", worker, device, inference.serve_queue())
     server.run(lambda: os.getppid() != 1)

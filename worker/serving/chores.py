@@ -1,0 +1,88 @@
+"""What an inference worker does besides answering completions, between its batches:
+
+* exports: a fine-tuned checkpoint as one full model, every LoRA adapter of its chain merged in, saved
+  in safetensors with its tokenizer (``from_pretrained`` and ``vllm serve`` load the directory as it
+  is), under ``<artifacts>/exports/<job>/step-<N>``; asked by ``GET …/checkpoints/{id}/content?merged=true``;
+* evaluations (``worker.serving.evaluate``): checkpoints scored on a file, a chunk of prompts at a time
+  so that completions asked meanwhile are answered between chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from service import inference
+from worker.records import JobError
+from worker.serving.models import Servable
+
+log = logging.getLogger("rloo.serve")
+
+POLL_SECONDS = 2.0  # how often an idle worker looks for an evaluation to run
+
+
+class Chores:
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.evaluation: Any = None  # the evaluation in progress (worker.serving.evaluate.Run)
+        self._polled = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.evaluation is not None
+
+    def request(self, envelope: dict[str, Any]) -> dict[str, Any]:
+        """A request that is no completion: its last message (``done`` or ``error``)."""
+        if envelope.get("kind") != "export":
+            return inference.error_message(400, "unsupported", f"unknown request kind {envelope.get('kind')!r}")
+        try:
+            export(Servable.from_wire(envelope["servable"]), Path(envelope["target"]))
+        except JobError as exc:
+            return inference.error_message(500, exc.code, exc.message)
+        except Exception as exc:  # a disk that is full, a checkpoint half gone: this export's answer
+            log.exception("export failed")
+            return inference.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
+        return {"t": "done", "usage": None}
+
+    def step(self) -> None:
+        """One chunk of the evaluation in progress, or (at most every POLL_SECONDS) a look for one."""
+        from worker.serving import evaluate
+
+        if self.evaluation is None:
+            if time.monotonic() - self._polled < POLL_SECONDS:
+                time.sleep(0.05)
+                return
+            self._polled = time.monotonic()
+            self.evaluation = evaluate.claim_next(self.server)
+            return
+        if not self.evaluation.step():
+            self.evaluation = None
+
+
+def export(servable: Servable, target: Path) -> None:
+    """``servable``'s weights as one model directory at ``target`` (written aside, then renamed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.prepare import start_from
+
+    if (target / "config.json").is_file():
+        return
+    tmp = target.with_name(f".tmp-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(servable.base, dtype=torch.float32)
+        except OSError as exc:
+            raise JobError("model_load_failed", f"could not load the base model: {exc}") from None
+        model = start_from(model, servable.chain, torch.device("cpu"))
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(servable.tokenizer_dir).save_pretrained(tmp)  # as trained, unchanged
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
