@@ -44,7 +44,8 @@ def merged(session: Session, settings: Settings, *, project_seq: int, checkpoint
     except inference.NoWorker:
         raise APIError(
             503,
-            "Merging an adapter needs an inference worker: start one with `rloo worker --serve` (`rloo up` starts one).",
+            "Merging an adapter needs an inference worker: start one with `rloo worker --serve` "
+            "(`rloo up` starts one).",
             code="no_inference_worker",
             headers={"Retry-After": "5"},
         ) from None

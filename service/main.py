@@ -19,7 +19,7 @@ from service import prometheus as prometheus_module
 from service.db import get_engine, session_scope
 from service.errors import APIError
 from service.limits import AuthMiddleware, BodyLimitMiddleware
-from service.routes import completions, dashboard, files, graders, jobs, models, webhooks
+from service.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks
 from service.settings import get_settings
 
 log = logging.getLogger("rloo.api")
@@ -76,6 +76,7 @@ def create_app() -> FastAPI:
     app.include_router(models.router)
     app.include_router(webhooks.router)
     app.include_router(completions.router)
+    app.include_router(evaluations.router)
     dashboard.install(app)
 
     @app.get("/healthz", tags=["ops"], summary="The process is alive")

@@ -175,6 +175,32 @@ class Checkpoint(Base):
     __table_args__ = (UniqueConstraint("job_seq", "step_number", name="uq_checkpoints_job_step"),)
 
 
+class Evaluation(Base):
+    """Checkpoints of a job (and its starting model) scored on a file by an inference worker
+    (``worker.serving.evaluate``): ``results`` holds a row a model, filled as the work goes."""
+
+    __tablename__ = "evaluations"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("fteval"))
+    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(32), default="queued", index=True)
+    file_id: Mapped[str] = mapped_column(String(64))
+    grader: Mapped[dict[str, Any]] = mapped_column()
+    settings: Mapped[dict[str, Any]] = mapped_column()
+    """samples, temperature, max_tokens, seed."""
+    models: Mapped[list[Any]] = mapped_column()
+    """``[{"model": id, "step_number": N or None}]``: the job's starting model first."""
+    results: Mapped[list[Any]] = mapped_column(default=list)
+    done: Mapped[int] = mapped_column(Integer, default=0)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    heartbeat_at: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
 class IdempotentRequest(Base):
     """A creation made with an ``Idempotency-Key`` header: a retry with the same key gets this answer
     instead of a second file or job. Written in the same transaction as what it created."""

@@ -96,6 +96,44 @@ def test_a_key_at_its_limit_is_429_and_a_client_that_leaves_frees_its_place_at_o
     assert time.monotonic() - started < 3.0
 
 
+def test_an_evaluation_scores_the_starting_model_and_every_checkpoint_on_a_file(stack: LiveStack) -> None:
+    spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    with stack.http as http:
+        spec["training_file"] = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        valid = upload_path(http, EXAMPLES / "demo" / "valid.jsonl")
+        spec["method"]["reinforcement"]["hyperparameters"].update(
+            {"n_epochs": 1, "checkpoint_interval": 1, "batch_size": 4, "rloo_k": 2}
+        )
+        job = http.post("/fine_tuning/jobs", json=spec).json()
+        job = wait_for(http, job["id"], {"succeeded", "failed"}, 180, stack)
+        assert job["status"] == "succeeded", job
+        steps = sorted(c["step_number"] for c in http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"])
+        r = http.post(f"/fine_tuning/jobs/{job['id']}/evaluations", json={"file": valid, "samples": 6, "seed": 1})
+        assert r.status_code == 200, r.text
+        evaluation = r.json()
+        assert evaluation["status"] == "queued" and evaluation["object"] == "fine_tuning.job.evaluation"
+        deadline = time.monotonic() + 120
+        while evaluation["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, stack.log_tail()
+            time.sleep(0.5)
+            evaluation = http.get(f"/fine_tuning/jobs/{job['id']}/evaluations/{evaluation['id']}").json()
+        assert evaluation["status"] == "succeeded", (evaluation, stack.log_tail())
+        listed = http.get(f"/fine_tuning/jobs/{job['id']}/evaluations").json()["data"]
+        assert [e["id"] for e in listed] == [evaluation["id"]]
+        bad = http.post(f"/fine_tuning/jobs/{job['id']}/evaluations", json={"file": valid, "checkpoints": ["nope"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "checkpoints.0"
+    rows = evaluation["results"]
+    assert [row["step_number"] for row in rows] == [None, *steps]  # the starting model, then each checkpoint
+    assert rows[0]["model"] == "tiny-policy" and evaluation["progress"] == {
+        "done": 6 * len(rows),
+        "total": 6 * len(rows),
+    }
+    for row in rows:
+        assert row["samples"] == 6 and 0 <= row["reward_mean"] <= 1 and row["reward_std_error"] >= 0
+        assert row["grader_means"]["answer"] == pytest.approx(row["reward_mean"])  # one grader: the reward
+        assert row["completion_length_mean"] > 0
+
+
 def test_an_inference_worker_killed_mid_request_fails_it_and_a_new_one_serves_the_next(stack: LiveStack) -> None:
     victim = _serving_process(stack)
     results: list[httpx.Response] = []

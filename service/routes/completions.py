@@ -92,7 +92,7 @@ class ChatShape(Shape):
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
         return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
 
     def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:

@@ -56,6 +56,18 @@ class Server:
         self.held: set[str] = set()
         self.chores = chores
         self._lock = threading.Lock()
+        self._rewards: Any = None
+
+    def rewards(self) -> Any:
+        """The reward models, judges and embedder that evaluations' graders load, kept between them."""
+        if self._rewards is None:
+            from worker.rewards import RewardModels
+
+            settings = get_settings()
+            self._rewards = RewardModels(
+                models_dir=settings.models_dir, device=self.cache.device, embedding_model=settings.embedding_model
+            )
+        return self._rewards
 
     # The process -------------------------------------------------------------------------------------
     def run(self, keep_going: Any = lambda: True) -> None:

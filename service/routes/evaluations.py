@@ -1,0 +1,131 @@
+"""Evaluations of a job's checkpoints (an extension): ``POST /v1/fine_tuning/jobs/{id}/evaluations``
+``{checkpoints: [...] | "all", file, grader?, samples?, temperature?, max_tokens?, seed?}`` scores the
+job's starting model and each checkpoint named on the file's first ``samples`` lines, with the job's
+grader unless another is given, on the inference workers (``worker.serving.evaluate``). Listed and
+retrieved like jobs; the answer's ``results`` fills in, a row a model, as the work goes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import Field
+from sqlalchemy import select
+
+from service import graders
+from service.db import ends_session
+from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.errors import bad_request, not_found
+from service.models import Checkpoint, Evaluation, Job
+from service.responses import JSON, page
+from service.routes.jobs import _file, _job
+from service.routing import StrictJSONRoute
+from service.schemas import Strict
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["evaluations"])
+
+MAX_SAMPLES = 2000
+DEFAULT_SAMPLES = 200
+
+
+class EvaluationCreate(Strict):
+    file: str = Field(max_length=64, description="A file of the project (prompt lines, as a training file).")
+    checkpoints: list[str] | Literal["all"] = Field(
+        default="all", description="Checkpoint ids (ftckpt-… or ft:…:ckpt-step-N) of the job, or all of them."
+    )
+    grader: dict[str, Any] | None = Field(default=None, description="Default: the grader the job trained with.")
+    samples: int = Field(default=DEFAULT_SAMPLES, ge=1, le=MAX_SAMPLES, description="Lines of the file scored.")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="Default: the job's (1 if it has none).")
+    max_tokens: int | None = Field(default=None, ge=1, le=4096, description="Default: the job's max_new_tokens (64).")
+    seed: int | None = Field(default=None, ge=0, lt=2**62)
+
+
+def evaluation_object(e: Evaluation, job: Job) -> dict[str, Any]:
+    return {
+        "id": e.id,
+        "object": "fine_tuning.job.evaluation",
+        "created_at": e.created_at,
+        "fine_tuning_job_id": job.id,
+        "status": e.status,
+        "file": e.file_id,
+        "grader": e.grader,
+        **e.settings,
+        "models": e.models,
+        "results": e.results,
+        "progress": {"done": e.done, "total": e.total},
+        "error": e.error,
+        "finished_at": e.finished_at,
+    }
+
+
+@router.post("/{job_id}/evaluations", summary="Evaluate a job's checkpoints (and its starting model) on a file")
+@ends_session
+def create_evaluation(
+    session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, body: EvaluationCreate
+) -> JSON:
+    job = _job(session, project, job_id)
+    _file(session, project, body.file, "file")
+    kind = job.method.get("type", "supervised")
+    spec = body.grader if body.grader is not None else (job.method.get(kind) or {}).get("grader")
+    if spec is None:
+        raise bad_request(f"Job {job.id} trained with no grader ({kind}); give one as 'grader'.", "grader")
+    try:
+        graders.parse_grader(spec, allow_python=settings.allow_python_grader)
+    except graders.GraderError as exc:
+        raise bad_request(exc.message, exc.param) from None
+    models = [{"model": job.model, "step_number": None}] + _checkpoints(session, job, body.checkpoints)
+    hp = job.hyperparameters
+    evaluation = Evaluation(
+        job_seq=job.seq,
+        file_id=body.file,
+        grader=spec,
+        settings={
+            "samples": body.samples,
+            "temperature": body.temperature if body.temperature is not None else float(hp.get("temperature", 1.0)),
+            "top_p": float(hp.get("top_p", 1.0)),
+            "max_tokens": body.max_tokens or int(hp.get("max_new_tokens") or 64),
+            "seed": body.seed,
+        },
+        models=models,
+    )
+    session.add(evaluation)
+    session.commit()
+    return JSON(evaluation_object(evaluation, job))
+
+
+def _checkpoints(session: SessionDep, job: Job, asked: list[str] | str) -> list[dict[str, Any]]:
+    rows = list(
+        session.scalars(select(Checkpoint).where(Checkpoint.job_seq == job.seq).order_by(Checkpoint.step_number))
+    )
+    if asked == "all":
+        chosen = rows
+    else:
+        by_name = {c.id: c for c in rows} | {c.fine_tuned_model_checkpoint: c for c in rows}
+        chosen = []
+        for i, name in enumerate(asked):
+            if name not in by_name:
+                raise bad_request(
+                    f"Job {job.id} has no checkpoint '{name}'.", f"checkpoints.{i}", "checkpoint_not_found"
+                )
+            chosen.append(by_name[name])
+    if not chosen:
+        raise bad_request(f"Job {job.id} has no checkpoint yet to evaluate.", "checkpoints", "checkpoint_not_found")
+    return [{"model": c.fine_tuned_model_checkpoint, "step_number": c.step_number} for c in chosen]
+
+
+@router.get("/{job_id}/evaluations", summary="List a job's evaluations, newest first")
+@ends_session
+def list_evaluations(session: SessionDep, project: ProjectDep, paging: PagingDep, job_id: str) -> JSON:
+    job = _job(session, project, job_id)
+    rows, has_more = paging.apply(session, Evaluation, [Evaluation.job_seq == job.seq])
+    return page([evaluation_object(e, job) for e in rows], has_more)
+
+
+@router.get("/{job_id}/evaluations/{evaluation_id}", summary="Retrieve an evaluation")
+@ends_session
+def read_evaluation(session: SessionDep, project: ProjectDep, job_id: str, evaluation_id: str) -> JSON:
+    job = _job(session, project, job_id)
+    e = session.scalar(select(Evaluation).where(Evaluation.job_seq == job.seq, Evaluation.id == evaluation_id))
+    if e is None:
+        raise not_found("evaluation", evaluation_id)
+    return JSON(evaluation_object(e, job))
