@@ -102,7 +102,7 @@ def test_an_evaluation_scores_the_starting_model_and_every_checkpoint_on_a_file(
         spec["training_file"] = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
         valid = upload_path(http, EXAMPLES / "demo" / "valid.jsonl")
         spec["method"]["reinforcement"]["hyperparameters"].update(
-            {"n_epochs": 1, "checkpoint_interval": 1, "batch_size": 4, "rloo_k": 2}
+            {"n_epochs": 1, "checkpoint_interval": 4, "batch_size": 4, "rloo_k": 2}
         )
         job = http.post("/fine_tuning/jobs", json=spec).json()
         job = wait_for(http, job["id"], {"succeeded", "failed"}, 180, stack)
@@ -123,6 +123,14 @@ def test_an_evaluation_scores_the_starting_model_and_every_checkpoint_on_a_file(
         bad = http.post(f"/fine_tuning/jobs/{job['id']}/evaluations", json={"file": valid, "checkpoints": ["nope"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "checkpoints.0"
     rows = evaluation["results"]
+    # rloo evals get prints the table: a model a row, each grader's mean a column.
+    printed = stack.cli(
+        "evals", "get", job["id"], evaluation["id"], "--base-url", stack.url + "/v1", "--api-key", stack.key
+    )
+    lines = [line.split("\t") for line in printed.stdout.splitlines()]
+    assert lines[0][:3] == ["model", "step_number", "reward_mean"] and lines[0][-1] == "answer"
+    assert [line[0] for line in lines[1:]] == [row["model"] for row in rows]
+    print(printed.stdout)
     assert [row["step_number"] for row in rows] == [None, *steps]  # the starting model, then each checkpoint
     assert rows[0]["model"] == "tiny-policy" and evaluation["progress"] == {
         "done": 6 * len(rows),

@@ -8,12 +8,12 @@ the processes that train):
 * ``stack``: ``rloo up``, the local stack as child processes;
 * ``run``: ``rloo train``, ``rloo demo`` (``demo`` holds the demo itself);
 * ``client``: ``rloo files|jobs|checkpoints|graders …``, any server over HTTP (``http``: the
-  requests and streams; ``watch``: ``rloo jobs watch``).
+  requests and streams; ``watch``: ``rloo jobs watch``); ``evaluations``: ``rloo evals …``.
 """
 
 from __future__ import annotations
 
-from worker.cli import admin, client, run, serve, stack  # noqa: F401 (each registers its commands)
+from worker.cli import admin, client, evaluations, run, serve, stack  # noqa: F401 (each registers its commands)
 from worker.cli.app import app
 
 
