@@ -31,6 +31,7 @@ FAKE = {
     "model_id": "ft:tiny-policy:alpha:running:ftjob-" + "0" * 24 + ":ckpt-step-2",
     "endpoint_id": "whep_" + "0" * 24,
     "delivery_id": "msg_" + "0" * 24,
+    "evaluation_id": "fteval-" + "0" * 24,
 }
 
 # Every /v1 route that takes an id in its path, as the app declares it. test_the_matrix_covers_every_route
@@ -48,6 +49,9 @@ ID_ROUTES = [
     ("GET", "/v1/fine_tuning/jobs/{job_id}/samples"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/content"),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/evaluations"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/evaluations"),
+    ("GET", "/v1/fine_tuning/jobs/{job_id}/evaluations/{evaluation_id}"),
     ("GET", "/v1/models/{model_id:path}"),
     ("DELETE", "/v1/models/{model_id:path}"),
     ("GET", "/v1/webhook_endpoints/{endpoint_id}"),
@@ -63,6 +67,7 @@ AFTER_ROUTES = {
     "/v1/fine_tuning/jobs": "job_id",
     "/v1/fine_tuning/jobs/{job_id}/events": "event_id",
     "/v1/fine_tuning/jobs/{job_id}/checkpoints": "checkpoint_id",
+    "/v1/fine_tuning/jobs/{job_id}/evaluations": "evaluation_id",
     "/v1/webhook_endpoints": "endpoint_id",
     "/v1/webhook_endpoints/{endpoint_id}/deliveries": "delivery_id",
 }
@@ -130,6 +135,11 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
     events = client.get(f"/v1/fine_tuning/jobs/{running['id']}/events", headers=auth).json()["data"]
     endpoint_id = endpoint.json()["id"]
     (delivery,) = client.get(f"/v1/webhook_endpoints/{endpoint_id}/deliveries", headers=auth).json()["data"]
+    # An evaluation of the running job (queued: no inference worker takes it here).
+    evaluation = client.post(
+        f"/v1/fine_tuning/jobs/{running['id']}/evaluations", headers=auth, json={"file": spare["id"]}
+    )
+    assert evaluation.status_code == 200, evaluation.text
     return {
         "files": [training["id"], spare["id"]],
         "jobs": [running["id"], paused["id"]],
@@ -141,6 +151,7 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
         "model_id": _checkpoint_model(ckpt),  # a fine-tuned model checkpoint: a model of the project
         "endpoint_id": endpoint_id,
         "delivery_id": delivery["id"],
+        "evaluation_id": evaluation.json()["id"],
     }
 
 
@@ -161,6 +172,7 @@ def _world(client: Any, auth: dict[str, str], artifacts: Path) -> dict[str, Any]
         world[url + "/events"] = client.get(url + "/events?limit=100", headers=auth).json()
         world[url + "/metrics"] = client.get(url + "/metrics", headers=auth).json()
         world[url + "/checkpoints"] = client.get(url + "/checkpoints", headers=auth).json()
+        world[url + "/evaluations"] = client.get(url + "/evaluations", headers=auth).json()
         for c in world[url + "/checkpoints"]["data"]:
             resp = client.get(f"{url}/checkpoints/{c['id']}/content", headers=auth)
             assert resp.status_code == 200, resp.text
@@ -201,7 +213,9 @@ def _same_as_a_never_existing_id(
 def _id_combinations(path: str, alpha: dict[str, str], beta: dict[str, str]) -> list[tuple[dict, dict]]:
     """Each way to put alpha's ids in ``path`` (at least one; beta's own real ids in the other
     places), with the never-existing ids that replace alpha's."""
-    names = [n for n in ("job_id", "checkpoint_id", "file_id", "model_id", "endpoint_id") if "{" + n in path]
+    names = [
+        n for n in ("job_id", "checkpoint_id", "file_id", "model_id", "endpoint_id", "evaluation_id") if "{" + n in path
+    ]
     combos = []
     for mask in range(1, 2 ** len(names)):
         real = {n: (alpha if mask >> i & 1 else beta)[n] for i, n in enumerate(names)}

@@ -88,6 +88,19 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             page.wait_for_selector("#status.status-cancelled", timeout=60_000)
             assert http.get(f"/fine_tuning/jobs/{job_id}").json()["status"] == "cancelled"
 
+            # An evaluation started from the job page: the starting model and the checkpoints so far, scored
+            # by the job's grader on an inference worker, shown as the API answers it.
+            stack.start("serve", "worker", "--serve")
+            page.select_option("#eval-file", file_id)
+            page.click("#evaluate")
+            page.wait_for_selector("#eval-status .status-succeeded", timeout=120_000)
+            evaluation = http.get(f"/fine_tuning/jobs/{job_id}/evaluations").json()["data"][0]
+            shown = page.eval_on_selector_all("#evaluations td.reward", "cells => cells.map(c => c.textContent)")
+            assert shown == [f"{r['reward_mean']:.3f}" for r in evaluation["results"]], (shown, evaluation)
+            assert evaluation["results"][0]["step_number"] is None and evaluation["samples"] == 20
+            shot = Path(os.environ.get("RLOO_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
+            page.screenshot(path=str(shot.with_name(shot.stem + "-evaluation.png")), full_page=True)
+
             # The files page and the grader playground.
             page.goto(stack.url + "/dashboard/#/files")
             page.wait_for_selector(f"#files td >> text={file_id}")

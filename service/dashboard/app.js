@@ -155,8 +155,9 @@ async function jobPage(jobId, signal) {
   const events = el("div", { class: "events", id: "events" });
   const checkpoints = el("table", { id: "checkpoints" });
   const samples = el("table", { class: "samples", id: "samples" });
+  const evaluation = evaluationPanel(jobId, signal);
   root.append(head, charts, el("h2", { text: "Events" }), events, el("h2", { text: "Checkpoints" }), checkpoints,
-    el("h2", { text: "What the reward looks like" }), samples);
+    el("h2", { text: "Evaluations" }), evaluation.panel, el("h2", { text: "What the reward looks like" }), samples);
 
   const refresh = async () => {
     const job = await api(`/fine_tuning/jobs/${jobId}`);
@@ -193,6 +194,7 @@ async function jobPage(jobId, signal) {
   };
   const later = debounce(() => refresh().catch(() => {}), 400);
   await refresh();
+  evaluation.refresh();
 
   const redraw = debounce(() => { for (const name of CURVES) plot(canvases[name], series[name]); }, 100);
   redraw();
@@ -204,6 +206,48 @@ async function jobPage(jobId, signal) {
     events.prepend(el("div", { class: `level-${event.level}`, text: `${time(event.created_at)}  ${event.message}` }));
     later();
   }, signal);
+}
+
+// The job's newest evaluation (POST /fine_tuning/jobs/{id}/evaluations): a row a model, the starting
+// model first; a file chosen here starts a new one on the server's inference workers.
+function evaluationPanel(jobId, signal) {
+  const files = el("select", { id: "eval-file" });
+  const table = el("table", { id: "evaluations" });
+  const state = el("p", { id: "eval-status" });
+  const start = el("button", { id: "evaluate" }, "Evaluate checkpoints");
+  const panel = el("div", {}, el("p", {}, "File ", files, " ", start), state, table);
+  const num = v => (v === null || v === undefined ? "n/a" : v.toFixed(3));
+  const refresh = async () => {
+    if (!files.options.length) {
+      const list = (await api("/files?limit=100")).data;
+      files.replaceChildren(...list.map(f => el("option", { value: f.id, text: `${f.filename} (${f.id})` })));
+    }
+    const latest = (await api(`/fine_tuning/jobs/${jobId}/evaluations?limit=1`)).data[0];
+    if (!latest) { state.textContent = "none yet"; table.replaceChildren(); return; }
+    state.replaceChildren(el("span", { class: `status-${latest.status}`, text: latest.status }),
+      ` · ${latest.id} · ${latest.progress.done}/${latest.progress.total} · ${latest.samples} lines of ${latest.file}`,
+      latest.error ? el("span", { class: "error", text: ` · ${latest.error.message}` }) : "");
+    const graders = Object.keys((latest.results[0] || {}).grader_means || {});
+    table.replaceChildren(
+      el("tr", {}, ...["model", "step", "reward", "± s.e.", ...graders, "length"].map(h => el("th", { text: h }))),
+      ...latest.results.map(r => el("tr", {},
+        el("td", { text: r.model }), el("td", { text: r.step_number === null ? "start" : r.step_number }),
+        el("td", { class: "reward", text: num(r.reward_mean) }), el("td", { text: num(r.reward_std_error) }),
+        ...graders.map(g => el("td", { text: num(r.grader_means[g]) })), el("td", { text: num(r.completion_length_mean) }))));
+    return latest.status;
+  };
+  const watch = async () => {
+    while (!signal.aborted && ["queued", "running"].includes(await refresh())) await new Promise(r => setTimeout(r, 1500));
+  };
+  start.onclick = async () => {
+    try {
+      await api(`/fine_tuning/jobs/${jobId}/evaluations`, {
+        method: "POST", body: { file: files.value, checkpoints: "all", samples: 20 },
+      });
+    } catch (e) { alert(e.message); return; }
+    watch().catch(() => {});
+  };
+  return { panel, refresh: () => watch().catch(() => {}) };
 }
 
 async function download(jobId, ckpt) {

@@ -31,7 +31,9 @@ DEFAULT_SAMPLES = 200
 class EvaluationCreate(Strict):
     file: str = Field(max_length=64, description="A file of the project (prompt lines, as a training file).")
     checkpoints: list[str] | Literal["all"] = Field(
-        default="all", description="Checkpoint ids (ftckpt-… or ft:…:ckpt-step-N) of the job, or all of them."
+        default="all",
+        description="Checkpoint ids (ftckpt-… or ft:…:ckpt-step-N) of the job, or all it has so far (none: the "
+        "starting model alone).",
     )
     grader: dict[str, Any] | None = Field(default=None, description="Default: the grader the job trained with.")
     samples: int = Field(default=DEFAULT_SAMPLES, ge=1, le=MAX_SAMPLES, description="Lines of the file scored.")
@@ -61,9 +63,11 @@ def evaluation_object(e: Evaluation, job: Job) -> dict[str, Any]:
 @router.post("/{job_id}/evaluations", summary="Evaluate a job's checkpoints (and its starting model) on a file")
 @ends_session
 def create_evaluation(
-    session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, body: EvaluationCreate
+    session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str, body: EvaluationCreate | None = None
 ) -> JSON:
-    job = _job(session, project, job_id)
+    job = _job(session, project, job_id)  # another project's job is a 404 before its body is read
+    if body is None:
+        raise bad_request('Give the evaluation as a JSON body: {"file": "file-…", "checkpoints": "all"}.', "file")
     _file(session, project, body.file, "file")
     kind = job.method.get("type", "supervised")
     spec = body.grader if body.grader is not None else (job.method.get(kind) or {}).get("grader")
@@ -108,8 +112,6 @@ def _checkpoints(session: SessionDep, job: Job, asked: list[str] | str) -> list[
                     f"Job {job.id} has no checkpoint '{name}'.", f"checkpoints.{i}", "checkpoint_not_found"
                 )
             chosen.append(by_name[name])
-    if not chosen:
-        raise bad_request(f"Job {job.id} has no checkpoint yet to evaluate.", "checkpoints", "checkpoint_not_found")
     return [{"model": c.fine_tuned_model_checkpoint, "step_number": c.step_number} for c in chosen]
 
 

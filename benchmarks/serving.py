@@ -1,0 +1,211 @@
+"""What serving costs (``python -m benchmarks.serving``; ``make bench``'s ``serving``): chat completions
+streamed through the whole service path (the API under uvicorn, Redis, an inference worker), one
+stream alone and 8 at once, against ``generate`` called directly on the same model in this process,
+on the *tiny* and *small* configs (``benchmarks.common``).
+
+For each: time to the first token (the first content chunk; ``generate``'s first streamed token) and
+tokens per second (the usage's completion tokens over the wall time; for 8 streams, their sum over
+the wall time of all 8). Sampling at temperature 1, ``max_tokens`` 64, seeded, fp32 CPU. Prints one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import CONFIGS, build
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 64
+CONCURRENT = 8
+ROUNDS = 5
+MESSAGES = [{"role": "user", "content": "tell me about the cat and the dog"}]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stream(client: Any, model: str, seed: int) -> tuple[float, int, float]:
+    """One streamed chat completion: (time to its first content, completion tokens, wall time)."""
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        seed=seed,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    wall = time.perf_counter() - started
+    return (first if first is not None else wall), tokens, wall
+
+
+def _service(client: Any, model: str) -> dict[str, Any]:
+    _stream(client, model, 0)  # the model loads
+    alone = [_stream(client, model, seed) for seed in range(1, ROUNDS + 1)]
+    together: list[tuple[float, int, float]] = []
+    walls = []
+    for round_ in range(ROUNDS):
+        results: list[tuple[float, int, float]] = []
+        threads = [
+            threading.Thread(target=lambda s=s: results.append(_stream(client, model, s)))
+            for s in range(round_ * CONCURRENT, (round_ + 1) * CONCURRENT)
+        ]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        walls.append(time.perf_counter() - started)
+        together.extend(results)
+    return {
+        "1 stream": {
+            "ttft_ms_median": round(1000 * statistics.median(r[0] for r in alone), 1),
+            "tokens_per_s": round(sum(r[1] for r in alone) / sum(r[2] for r in alone), 1),
+        },
+        f"{CONCURRENT} streams": {
+            "ttft_ms_median": round(1000 * statistics.median(r[0] for r in together), 1),
+            "tokens_per_s": round(sum(r[1] for r in together) / sum(walls), 1),
+        },
+    }
+
+
+def _direct(path: Path) -> dict[str, Any]:
+    """``generate`` on the same model: one prompt (its first token timed with a streamer) and 8 at once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+
+    def run(n: int, seed: int) -> tuple[float, int, float]:
+        enc = tok([text] * n, return_tensors="pt", add_special_tokens=False, padding=True)
+        streamer = TextIteratorStreamer(tok, skip_prompt=True) if n == 1 else None
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        out: list[Any] = []
+        kwargs = {
+            "do_sample": True,
+            "max_new_tokens": MAX_TOKENS,
+            "streamer": streamer,
+            "pad_token_id": tok.pad_token_id,
+        }
+        thread = threading.Thread(target=lambda: out.append(model.generate(**enc, **kwargs)))
+        thread.start()
+        first = None
+        if streamer is not None:
+            for piece in streamer:
+                if first is None and piece:
+                    first = time.perf_counter() - started
+        thread.join()
+        wall = time.perf_counter() - started
+        new = out[0][:, enc["input_ids"].shape[1] :]
+        eos = tok.eos_token_id
+        tokens = sum(int((row == eos).nonzero()[0][0]) + 1 if (row == eos).any() else len(row) for row in new)
+        return (first if first is not None else wall), tokens, wall
+
+    with torch.inference_mode():
+        run(1, 0)
+        alone = [run(1, s) for s in range(1, ROUNDS + 1)]
+        batched = [run(CONCURRENT, s) for s in range(1, ROUNDS + 1)]
+    return {
+        "1 stream": {
+            "ttft_ms_median": round(1000 * statistics.median(r[0] for r in alone), 1),
+            "tokens_per_s": round(sum(r[1] for r in alone) / sum(r[2] for r in alone), 1),
+        },
+        f"{CONCURRENT} at once (one batched generate)": {
+            "tokens_per_s": round(sum(r[1] for r in batched) / sum(r[2] for r in batched), 1),
+        },
+    }
+
+
+def main() -> dict[str, Any]:
+    import openai
+
+    home = Path(tempfile.mkdtemp(prefix="rloo-bench-serving-"))
+    models = home / "models"
+    for config in CONFIGS:
+        build(models, config)
+    env = {
+        **os.environ,
+        "RLOO_HOME": str(home / "var"),
+        "RLOO_MODELS_DIR": str(models),
+        "RLOO_RATE_LIMIT": "0",
+        "RLOO_INFERENCE_MAX_CONCURRENT": "64",
+    }
+    env.pop("DATABASE_URL", None)
+    env.pop("REDIS_URL", None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+        )
+
+    cli("db", "upgrade")
+    key = cli("keys", "create", "--project", "bench").stdout.strip().splitlines()[-1]
+    port = _free_port()
+    logs = open(home / "stack.log", "ab")  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT
+        )
+        for args in (["api", "--port", str(port)], ["worker", "--serve"])
+    ]
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+                break
+            except (openai.APIConnectionError, openai.InternalServerError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        out: dict[str, Any] = {
+            "settings": f"chat completions streamed, temperature 1, max_tokens {MAX_TOKENS}, seeded, fp32 CPU, "
+            f"{ROUNDS} rounds each, {CONCURRENT} streams at once through the service",
+        }
+        for config in CONFIGS:
+            print(f"serving: {config}", file=sys.stderr, flush=True)
+            out[config] = {
+                "config": f"{config}: {CONFIGS[config]}, vocab 512",
+                "service": _service(client, config),
+                "generate": _direct(models / config),
+            }
+        return out
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+        from service import embedded
+        from service.settings import Settings
+
+        embedded.stop_daemon(Settings(home=home / "var"))
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=2))
