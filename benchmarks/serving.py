@@ -67,9 +67,12 @@ def _service(client: Any, model: str) -> dict[str, Any]:
     walls = []
     for round_ in range(ROUNDS):
         results: list[tuple[float, int, float]] = []
+
+        def one(seed: int, into: list[tuple[float, int, float]] = results) -> None:
+            into.append(_stream(client, model, seed))
+
         threads = [
-            threading.Thread(target=lambda s=s: results.append(_stream(client, model, s)))
-            for s in range(round_ * CONCURRENT, (round_ + 1) * CONCURRENT)
+            threading.Thread(target=one, args=(s,)) for s in range(round_ * CONCURRENT, (round_ + 1) * CONCURRENT)
         ]
         started = time.perf_counter()
         for t in threads:
