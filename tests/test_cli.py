@@ -186,5 +186,9 @@ def test_demo_runs_a_job_over_http_and_reports_it(tmp_path: Path, models_dir: Pa
     final = re.search(r"on disk:\s+(\S+)", out.stdout)
     assert final and (Path(final.group(1)) / "config.json").is_file(), out.stdout
     assert "what the reward looks like" in out.stdout and re.search(r"best at step 2 \(reward", out.stdout), out.stdout
+    # What it trained, used: the fine-tuned model answers, and the evaluation table compares it with the start.
+    assert re.search(r"'Name the color of the apple.' -> '", out.stdout), out.stdout
+    assert re.search(r"starting model\s+│\s+\d\.\d{3}", out.stdout), out.stdout
+    assert re.search(r"final checkpoint \(step 2\)\s+│\s+\d\.\d{3}", out.stdout), out.stdout
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)

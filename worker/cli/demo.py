@@ -2,7 +2,9 @@
 
 Builds a tiny policy and reward model offline (if absent), starts the local stack, uploads the
 example prompts over HTTP, creates an RLOO job, follows it with a live progress bar, and prints the
-reward curve, the first-vs-last reward and where the final checkpoint is.
+reward curve, the first-vs-last reward and where the final checkpoint is; then uses what it trained:
+a chat completion from the fine-tuned model, and the starting model against the final checkpoint on
+the held-out prompts (an evaluation on the inference worker).
 """
 
 from __future__ import annotations
@@ -105,7 +107,10 @@ def run_demo(port: int = 8000, overrides: dict[str, Any] | None = None) -> int:
         )
 
         job, series = follow(http, job, console)
-        return report(http, job, series, console)
+        code = report(http, job, series, console)
+        if code == 0:
+            use_it(http, job, console)
+        return code
     finally:
         with console.status("stopping the stack"):
             stack.stop()
@@ -143,3 +148,47 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
         for line in best_and_worst_line(samples[-1]["groups"], samples[-1]["step"]):
             console.print(line, soft_wrap=True, markup=False)
     return 0
+
+
+def use_it(http: httpx.Client, job: dict[str, Any], console: Console) -> None:
+    """The fine-tuned model answers a held-out prompt through /v1/chat/completions, and an evaluation
+    scores the starting model against the final checkpoint on the held-out prompts."""
+    from rich.table import Table
+
+    valid = EXAMPLE_DIR / "valid.jsonl"
+    lines = [json.loads(line) for line in valid.read_text().splitlines() if line.strip()]
+    console.print()
+    console.print(f"[bold]use it[/]: POST /v1/chat/completions with model={job['fine_tuned_model']}", soft_wrap=True)
+    question = lines[0]["messages"]
+    r = http.post(
+        "/chat/completions",
+        json={"model": job["fine_tuned_model"], "messages": question, "max_tokens": 8, "temperature": 0},
+        timeout=120,
+    )
+    if r.status_code != 200:
+        console.print(f"[red]chat completion failed: {r.json()['error']['message']}")
+        return
+    answer = r.json()["choices"][0]["message"]["content"]
+    console.print(f"  {question[-1]['content']!r} -> {answer!r}", soft_wrap=True, markup=False)
+
+    r = http.post("/files", files={"file": (valid.name, valid.read_bytes())}, data={"purpose": "fine-tune"})
+    r.raise_for_status()
+    final = http.get(f"/fine_tuning/jobs/{job['id']}/checkpoints", params={"limit": 1}).json()["data"][0]
+    body = {"file": r.json()["id"], "checkpoints": [final["id"]], "samples": len(lines), "seed": 0}
+    evaluation = http.post(f"/fine_tuning/jobs/{job['id']}/evaluations", json=body).json()
+    with console.status(f"evaluating the starting model and the final checkpoint on {valid.name}"):
+        while evaluation["status"] in ("queued", "running"):
+            time.sleep(0.5)
+            evaluation = http.get(f"/fine_tuning/jobs/{job['id']}/evaluations/{evaluation['id']}").json()
+    if evaluation["status"] != "succeeded":
+        console.print(f"[red]evaluation {evaluation['status']}: {evaluation['error']}")
+        return
+    table = Table(title=f"held-out prompts ({len(lines)}), one sample each: {evaluation['id']}")
+    for column in ("model", "reward", "± s.e.", "tokens"):
+        table.add_column(column)
+    for row in evaluation["results"]:
+        name = "starting model" if row["step_number"] is None else f"final checkpoint (step {row['step_number']})"
+        table.add_row(
+            name, f"{row['reward_mean']:.3f}", f"{row['reward_std_error']:.3f}", f"{row['completion_length_mean']:.1f}"
+        )
+    console.print(table)
