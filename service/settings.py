@@ -198,6 +198,11 @@ class Settings(BaseSettings):
     inference_max_batch: int = Field(
         default=32, ge=1, le=1024, description="Rows (completions) an inference worker decodes in one batch."
     )
+    inference_backend: Literal["auto", "transformers", "vllm"] = Field(
+        default="auto",
+        description="Who decodes for the inference workers: transformers, or vLLM (its LoRA support for adapters); "
+        "auto: vLLM where it is installed and the worker has a GPU.",
+    )
     inference_memory_mb: int | None = Field(
         default=None,
         gt=0,

@@ -25,7 +25,7 @@ from service.db import session_scope
 from service.models import Evaluation, File, Job
 from service.settings import get_settings
 from worker.records import JobError
-from worker.serving.decode import Batch, Row
+from worker.serving.decode import Row
 from worker.serving.models import Servable
 
 log = logging.getLogger("rloo.serve")
@@ -173,7 +173,7 @@ class Run:
                     adapter=adapter,
                 )
             )
-        for _ in Batch(loaded.model, tok, rows, context=context).run():
+        for _ in self.server.cache.decode(loaded, rows):
             pass
         result = score_batch(
             self.grader, prompts=prompts, texts=[r.text for r in rows], items=chunk, reward_models=self.server.rewards()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from worker.records import JobError
+from worker.serving.decode import Batch, Delta, Row
 
 log = logging.getLogger("rloo.serve")
 
@@ -100,6 +102,10 @@ class ModelCache:
             name = self._adapter(loaded, servable.adapter)
         self._fit(keep=key)
         return loaded, name
+
+    def decode(self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set()) -> Iterator[list[Delta]]:
+        """Decode ``rows`` on ``loaded`` in one batch (``worker.serving.decode``), a step at a time."""
+        return Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(cancelled)
 
     def _load_base(self, servable: Servable) -> Loaded:
         from transformers import AutoModelForCausalLM

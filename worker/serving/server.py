@@ -22,7 +22,7 @@ import torch
 from service import inference
 from service.settings import get_settings
 from worker.records import JobError
-from worker.serving.decode import Batch, Row
+from worker.serving.decode import Row
 from worker.serving.models import ModelCache, Servable
 
 log = logging.getLogger("rloo.serve")
@@ -47,7 +47,7 @@ def seed_of(seed: int | None, choice: int) -> int | None:
 
 
 class Server:
-    def __init__(self, conn: Any, *, worker: str, cache: ModelCache, max_rows: int, chores: Any = None) -> None:
+    def __init__(self, conn: Any, *, worker: str, cache: Any, max_rows: int, chores: Any = None) -> None:
         settings = get_settings()
         self.conn, self.worker, self.cache, self.max_rows = conn, worker, cache, max_rows
         self.ns = inference.namespace(inference.serve_queue())
@@ -204,7 +204,7 @@ class Server:
                 self._answer(rid, inference.error_message(499, "cancelled", "The client went away."))
             return dropped | {rid for rid in by_id if rid not in self.held}
 
-        for deltas in Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(gone):
+        for deltas in self.cache.decode(loaded, rows, gone):
             messages: list[tuple[str, dict[str, Any]]] = []
             ended: list[Request] = []
             for d in deltas:
@@ -247,14 +247,19 @@ def main(worker: str) -> None:
     import redis
 
     from worker.modeling import pick_device
+    from worker.serving import vllm_models
     from worker.serving.chores import Chores
 
     settings = get_settings()
     torch.set_grad_enabled(False)
     device = pick_device(None)
     conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=30, socket_connect_timeout=10)
-    cache = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
+    cache: Any = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
+    if vllm_models.choose(settings, device):
+        cache = vllm_models.VLLMModels(
+            artifacts_dir=settings.artifacts_dir, gpu_memory_utilization=settings.vllm_gpu_memory_utilization
+        )
     server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
     server.chores = Chores(server)
-    log.info("inference worker %s on %s, queue %s", worker, device, inference.serve_queue())
+    log.info("inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference.serve_queue())
     server.run(lambda: os.getppid() != 1)

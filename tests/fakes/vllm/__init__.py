@@ -3,7 +3,8 @@
 transformers model on the CPU. vLLM itself needs a GPU, which the CI does not have.
 
 Like vLLM, it stops at ``stop_token_ids`` without putting the EOS in ``token_ids`` (the backend
-must add it back) and at ``stop`` strings, which it leaves out of ``text``.
+must add it back) and at ``stop`` strings, which it leaves out of ``text``; temperature 0 is greedy;
+a prompt's ``LoRARequest`` (``vllm.lora.request``) runs it through that adapter on the base.
 """
 
 from __future__ import annotations
@@ -83,12 +84,32 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.prefix_cache_resets += 1
 
+    def _with(self, lora: Any) -> Any:
+        """The model a LoRA request runs on: the base with that adapter (loaded once)."""
+        if lora is None:
+            return self.hf
+        if not self.options.get("enable_lora"):
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        adapted = self.__dict__.setdefault("adapted", {})
+        if lora.lora_path not in adapted:
+            import copy
+
+            from peft import PeftModel
+
+            adapted[lora.lora_path] = PeftModel.from_pretrained(copy.deepcopy(self.hf), lora.lora_path).eval()
+        return adapted[lora.lora_path]
+
     @torch.no_grad()
     def generate(
-        self, prompts: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool = True
+        self,
+        prompts: list[dict[str, Any]],
+        params: list[SamplingParams],
+        use_tqdm: bool = True,
+        lora_request: list[Any] | None = None,
     ) -> list[RequestOutput]:
         outputs = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for n_prompt, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            model = self._with(lora_request[n_prompt] if lora_request else None)
             gen = torch.Generator().manual_seed(p.seed or 0)
             request = RequestOutput()
             for i in range(p.n):
@@ -96,8 +117,11 @@ class LLM:
                 ids: list[int] = []
                 finish, stop_reason, text = "length", None, ""
                 for _ in range(p.max_tokens):
-                    logits = self.hf(input_ids=seq).logits[0, -1].float() / p.temperature
-                    token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+                    logits = model(input_ids=seq).logits[0, -1].float()
+                    if p.temperature == 0:
+                        token = int(logits.argmax())
+                    else:
+                        token = int(torch.multinomial(torch.softmax(logits / p.temperature, -1), 1, generator=gen))
                     if token in p.stop_token_ids:
                         finish = "stop"
                         break

@@ -1,0 +1,149 @@
+"""The inference worker on vLLM (``RLOO_INFERENCE_BACKEND=vllm``, or ``auto`` on a CUDA host where
+vLLM is installed): the same interface as ``ModelCache`` (``get`` a servable, ``decode`` rows), with
+one vLLM engine per base model and LoRA checkpoints served through vLLM's LoRA support
+(``LoRARequest``), so adapters of one base share its engine and batch together.
+
+A base whose fine-tuned chain has checkpoints before its last adapter (a full checkpoint, earlier
+adapters) is merged once into ``<artifacts>/exports/bases/<digest>`` for vLLM to load
+(``worker.serving.chores.export``). vLLM decodes a batch whole: its rows' text arrives in one piece at
+their end, not token by token (streams still stream, in one chunk a choice). A base's engine takes
+``RLOO_VLLM_GPU_MEMORY_UTILIZATION`` of the GPU; an engine for another base replaces it.
+
+Not exercised on this project's CI (no GPU): its tests drive it with the stand-in ``vllm`` module
+``tests/fakes/vllm``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from worker.records import JobError
+from worker.serving.decode import Delta, Row
+from worker.serving.models import Loaded, Servable
+
+MAX_LORA_RANK = 64
+
+
+class VLLMModels:
+    def __init__(self, *, artifacts_dir: Path, gpu_memory_utilization: float, max_loras: int = 8) -> None:
+        import torch
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.artifacts_dir, self.share, self.max_loras = artifacts_dir, gpu_memory_utilization, max_loras
+        self.key: Any = None
+        self.loaded: Loaded | None = None
+        self.adapters: dict[Path, int] = {}  # adapter directory -> its LoRA id in the engine
+        self.eos: list[int] = []
+        self.loads = 0
+
+    def get(self, servable: Servable) -> tuple[Loaded, str | None]:
+        if self.key != servable.base_key or self.loaded is None:
+            self.loaded, self.key, self.adapters = self._engine(servable), servable.base_key, {}
+        adapter = servable.adapter
+        if adapter is None:
+            return self.loaded, None
+        self.adapters.setdefault(adapter, len(self.adapters) + 1)
+        return self.loaded, str(adapter)
+
+    def _engine(self, servable: Servable) -> Loaded:
+        from vllm import LLM
+
+        from worker.modeling import load_tokenizer
+
+        base, prefix = servable.base_key
+        path = base
+        if prefix:  # full checkpoints or earlier adapters: one merged directory for vLLM to load
+            from worker.serving.chores import export
+
+            digest = hashlib.sha256("\0".join(map(str, (base, *prefix))).encode()).hexdigest()[:24]
+            path = self.artifacts_dir / "exports" / "bases" / digest
+            path.parent.mkdir(parents=True, exist_ok=True)
+            export(Servable(base, prefix), path)
+        tokenizer = load_tokenizer(servable.tokenizer_dir, name=servable.tokenizer_dir.name)
+        try:
+            llm = LLM(
+                model=str(path),
+                tokenizer=str(servable.tokenizer_dir),
+                dtype="auto",
+                gpu_memory_utilization=self.share,
+                enable_lora=True,
+                max_loras=self.max_loras,
+                max_lora_rank=MAX_LORA_RANK,
+                enable_prefix_caching=True,
+                seed=0,
+            )
+        except Exception as exc:
+            raise JobError("model_load_failed", f"vLLM could not load the model: {exc}") from None
+        self.loads += 1
+        self.eos = _eos_ids(path, tokenizer)
+        from transformers import AutoConfig
+
+        length = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        return Loaded(model=llm, tokenizer=tokenizer, context=length, nbytes=0)
+
+    def decode(self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set()) -> Iterator[list[Delta]]:
+        """Every row at once through vLLM: one list of deltas, each row's whole text and its end."""
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        gone = cancelled()
+        rows = [r for r in rows if r.request not in gone]
+        if not rows:
+            return
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_tokens,
+                stop=list(r.stop),
+                stop_token_ids=self.eos,
+                seed=r.seed,
+            )
+            for r in rows
+        ]
+        loras = [
+            None
+            if r.adapter is None
+            else LoRARequest(f"a{self.adapters[Path(r.adapter)]}", self.adapters[Path(r.adapter)], r.adapter)
+            for r in rows
+        ]
+        outputs = loaded.model.generate(
+            [{"prompt_token_ids": r.prompt_ids} for r in rows], params, use_tqdm=False, lora_request=loras
+        )
+        deltas = []
+        for row, output in zip(rows, outputs, strict=True):
+            out = output.outputs[0]
+            row.tokens = list(out.token_ids)
+            # vLLM leaves a stopping EOS out of token_ids; it was drawn, so the usage counts it.
+            ended_on_eos = out.finish_reason == "stop" and out.stop_reason is None
+            row.sampled = len(row.tokens) + int(ended_on_eos)
+            row.text, row.finish_reason = out.text, "stop" if out.finish_reason == "stop" else "length"
+            deltas.append(Delta(row, out.text, row.finish_reason))
+        yield deltas
+
+
+def _eos_ids(path: Path, tokenizer: Any) -> list[int]:
+    """The end-of-sequence ids vLLM stops at: the generation config's and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        value = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        value = None
+    ids |= set(value if isinstance(value, list) else [value]) - {None}
+    return sorted(ids)
+
+
+def choose(settings: Any, device: Any) -> bool:
+    """Whether this inference worker serves with vLLM: asked for, or ``auto`` with vLLM and a GPU."""
+    from worker.backends import vllm_installed
+
+    choice = settings.inference_backend
+    return choice == "vllm" or (choice == "auto" and device.type == "cuda" and vllm_installed())
