@@ -62,9 +62,14 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def _body_model(request: Request) -> Any:
     """The pydantic model of the route's JSON body, if it has one (to suggest a misspelt field)."""
+    import typing
+
     route = request.scope.get("route")
     field = getattr(route, "body_field", None)
-    return getattr(getattr(field, "field_info", None), "annotation", None)
+    annotation = getattr(getattr(field, "field_info", None), "annotation", None)
+    # An optional body (``Model | None``): the model.
+    members = [a for a in typing.get_args(annotation) if hasattr(a, "model_fields")]
+    return members[0] if members else annotation
 
 
 def _allowed_methods(request: Request) -> str:

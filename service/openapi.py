@@ -41,13 +41,16 @@ WHY = {
     "416": "The byte range asked for (`Range`) starts past the archive's end.",
     "429": "Rate limit of this key exceeded, or a project's cap (waiting jobs, grader runs in progress): retry "
     "after `Retry-After` seconds.",
+    "500": "The inference worker failed on this request (a model that would not load, a merge that failed).",
     "502": "The grader could not be reached, failed, or ended the worker process that ran it.",
-    "503": "The database or the queue is unreachable: retry after `Retry-After` seconds.",
-    "504": "No grader worker answered in time.",
+    "503": "The database or the queue is unreachable, no inference worker is running, or the one serving the "
+    "request stopped: retry after `Retry-After` seconds.",
+    "504": "No grader worker answered in time, or a completion took longer than RLOO_INFERENCE_TIMEOUT_SECONDS.",
 }
 
 # Statuses beyond the ones every /v1 operation may answer (400, 401, 429, 503), by operation.
 CONFLICTS = ("/cancel", "/pause", "/resume")
+INFERENCE = ("/v1/chat/completions", "/v1/completions")
 
 
 def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
@@ -66,7 +69,9 @@ def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
     if path.endswith("/files/{file_id}/content"):
         statuses.append("410")
     if path.endswith("/checkpoints/{checkpoint_id}/content"):
-        statuses += ["410", "416"]
+        statuses += ["410", "416", "500"]  # 500: a merged export that failed
+    if path in INFERENCE:
+        statuses += ["404", "500", "504"]  # 404: the model
     if path.endswith("/graders/run"):
         statuses += ["502", "504"]
     return sorted(statuses)
