@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 LEASE_SECONDS = 10
@@ -66,6 +66,10 @@ class WorkerLost(Exception):
 
 class TimedOut(Exception):
     pass
+
+
+class ClientGone(Exception):
+    """The client that waits for the request went away."""
 
 
 def namespace(queue: str) -> str:
@@ -112,9 +116,13 @@ async def cancel(conn: Any, ns: str, rid: str) -> None:
     await conn.set(f"{ns}:cancel:{rid}", 1, ex=600)
 
 
-async def replies(conn: Any, ns: str, rid: str, deadline: float) -> AsyncIterator[dict[str, Any]]:
+async def replies(
+    conn: Any, ns: str, rid: str, deadline: float, *, wanted: Callable[[], Awaitable[bool]] | None = None
+) -> AsyncIterator[dict[str, Any]]:
     """The worker's messages for ``rid`` until ``done`` or an ``error`` (both yielded). Raises
-    ``WorkerLost`` when the worker that held it is gone, ``TimedOut`` past ``deadline``."""
+    ``WorkerLost`` when the worker that held it is gone (or, while it waits untaken, when no worker
+    is left), ``TimedOut`` past ``deadline``, ``ClientGone`` when ``wanted()`` (asked at each quiet
+    second) says nobody waits any more."""
     reply, lease = f"{ns}:reply:{rid}", f"{ns}:lease:{rid}"
     held = False
     while True:
@@ -129,10 +137,14 @@ async def replies(conn: Any, ns: str, rid: str, deadline: float) -> AsyncIterato
                 return
             held = True
             continue
+        if wanted is not None and not await wanted():
+            raise ClientGone()
         if await conn.exists(lease):
             held = True
         elif held and not await conn.llen(reply):
             raise WorkerLost()
+        elif not held and not await conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+            raise WorkerLost()  # queued, and every worker is gone: none will take it
 
 
 def ask(envelope: dict[str, Any], *, timeout: float) -> dict[str, Any]:

@@ -61,13 +61,20 @@ class Sampling(Strict):
             raise ValueError("logit_bias is not supported by this server; leave it out")
         return self
 
-    def check_limits(self, settings: Settings, *, budget_param: str = "max_tokens") -> None:
+    def check_limits(self, settings: Settings, *, budget_param: str = "max_tokens", prompts: int = 1) -> None:
         if self.n > settings.inference_max_n:
             raise bad_request(f"n is at most {settings.inference_max_n} on this server; got {self.n}.", "n")
         if self.max_tokens is not None and self.max_tokens > settings.inference_max_tokens:
             raise bad_request(
                 f"{budget_param} is at most {settings.inference_max_tokens} on this server "
                 f"(RLOO_INFERENCE_MAX_TOKENS); got {self.max_tokens}.",
+                budget_param,
+            )
+        if self.budget(settings, prompts) > settings.inference_max_tokens_in_flight:
+            raise bad_request(
+                f"This request asks for {self.budget(settings, prompts)} tokens ({budget_param} times n"
+                f"{' times the prompts' if prompts > 1 else ''}), more than a key may have in flight "
+                f"({settings.inference_max_tokens_in_flight}, RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT); ask for fewer.",
                 budget_param,
             )
         if self.stream_options is not None and not self.stream:

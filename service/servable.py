@@ -11,26 +11,44 @@ from sqlalchemy.orm import Session
 
 from service import finetuned
 from service.errors import model_not_found
-from service.modelroot import list_models
 from service.settings import Settings
+from service.storage import confined
 
 
-def resolve(session: Session, settings: Settings, *, project_seq: int, name: str) -> dict[str, Any]:
-    """``{"base": <directory>, "chain": [<checkpoint directories>, oldest first]}`` for ``name``."""
+def resolve(
+    session: Session, settings: Settings, *, project_seq: int, name: str, include_deleted: bool = False
+) -> dict[str, Any]:
+    """``{"base": <directory or hub id>, "chain": [<checkpoint directories>, oldest first]}`` for
+    ``name``. ``include_deleted``: a deleted fine-tuned model still resolves (an evaluation of a job
+    that trained from it)."""
     if finetuned.is_fine_tuned(name):
-        source = finetuned.find(session=session, project_seq=project_seq, name=name)
+        source = finetuned.find(session=session, project_seq=project_seq, name=name, include_deleted=include_deleted)
         if source is None:
             raise model_not_found(name)
-        chain = [settings.artifacts_dir / path for path in source.chain]
+        try:
+            chain = [confined(settings.artifacts_dir, path) for path in source.chain]
+        except ValueError:
+            raise model_not_found(name) from None
         if not all(path.is_dir() for path in chain):  # a checkpoint pruned by keep_checkpoints
             raise model_not_found(name)
-        return {"base": str(settings.models_dir / source.base_model), "chain": [str(p) for p in chain]}
-    if name in base_models(settings):
+        return {"base": _base(settings, source.base_model), "chain": [str(p) for p in chain]}
+    if _is_base_model(settings, name):
         return {"base": str(settings.models_dir / name), "chain": []}
     raise model_not_found(name)
 
 
-def base_models(settings: Settings) -> list[str]:
-    from service.routes.models import MAX_BASE_MODELS
+def _is_base_model(settings: Settings, name: str) -> bool:
+    """A Hugging Face model directory under the models root (``name`` or ``org/name``)."""
+    if not name or "\x00" in name or name.startswith(("/", "~")) or name.count("/") > 1:
+        return False
+    try:
+        return (confined(settings.models_dir, name) / "config.json").is_file()
+    except (ValueError, OSError):
+        return False
 
-    return list_models(settings.models_dir, limit=MAX_BASE_MODELS)
+
+def _base(settings: Settings, base_model: str) -> str:
+    """A fine-tuned model's base: its directory under the models root, or its hub id (a job trained on
+    one where a hub is reachable)."""
+    local = settings.models_dir / base_model
+    return str(local) if local.is_dir() else base_model

@@ -331,3 +331,12 @@ def test_a_lora_checkpoint_downloads_merged_as_one_model_that_from_pretrained_lo
         ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=full).one()
         url = f"/v1/fine_tuning/jobs/{session.get(Job, ckpt.job_seq).id}/checkpoints/{ckpt.id}/content"
     assert client.get(url, params={"merged": "true"}, headers=auth).content == client.get(url, headers=auth).content
+
+
+def test_a_request_no_key_could_ever_have_in_flight_is_a_400_not_a_429_for_ever(
+    served: dict[str, str], client: Any, auth: dict[str, str]
+) -> None:
+    body = {"model": "tiny-policy", "prompt": ["a", "b"], "n": 16, "max_tokens": 4096}  # 131,072 tokens
+    r = client.post("/v1/completions", json=body, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT" in r.json()["error"]["message"]

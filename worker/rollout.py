@@ -310,8 +310,9 @@ def sample(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     return token.masked_fill_(token >= probs.shape[-1], 0)  # NaN rows only (reported by _sample)
 
 
-def _nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
+def _nucleus(probs: Tensor, top_p: float | Tensor) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p`` (a number, or
+    an ``(N, 1)`` tensor: each row its own)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
     sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))

@@ -12,12 +12,14 @@ worker drops its rows at the next token.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -33,8 +35,9 @@ from service.settings import Settings
 from service.streams import EventStreamResponse
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["inference"])
+log = logging.getLogger("rloo.api")
 
-FINGERPRINT = "rloo-transformers"
+FINGERPRINT = "rloo"
 
 STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
@@ -51,7 +54,7 @@ async def chat_completions(
 async def completions(
     request: Request, session: SessionDep, project: ProjectDep, settings: SettingsDep, body: CompletionCreate
 ) -> Response:
-    body.check_limits(settings)
+    body.check_limits(settings, prompts=len(body.prompts))
     return await _complete(request, session, project, settings, body, TextShape(body), prompts=len(body.prompts))
 
 
@@ -128,30 +131,43 @@ async def _complete(
     rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings, prompts)
     deadline = time.time() + settings.inference_timeout_seconds
     conn = inference.connect_async()
-    admitted = answered = False
+    admitted = answered = handed = False
     try:
         await _admit(conn, ns, settings, key=key, rid=rid, tokens=tokens, deadline=deadline)
         admitted = True
         envelope = {"id": rid, "project": project.id, "deadline": deadline, "servable": served, **body.wire()}
         await inference.submit(conn, ns, envelope)
-        messages = inference.replies(conn, ns, rid, deadline).__aiter__()
+
+        async def wanted() -> bool:  # a client that left while its request waited frees its place
+            return not await request.is_disconnected()
+
+        messages = inference.replies(conn, ns, rid, deadline, wanted=wanted).__aiter__()
         first = await _next(messages, settings)
         if first["t"] == "error":
             answered = True
             raise _error(first)
         if body.stream:
-            admitted = False  # the stream lets it go when it ends
+            handed = True  # the stream lets it go when it ends
             return EventStreamResponse(
                 _closing(_stream(shape, messages, settings), conn, ns, key, rid, tokens),
                 send_timeout=settings.stream_send_timeout_seconds,
                 on_close=lambda: None,
             )
-        whole = await _collect(request, shape, messages, settings)
+        whole = await _collect(shape, messages, settings)
         answered = True
         return JSON(whole)
+    except inference.ClientGone:
+        return Response(status_code=499)  # nobody reads it; the finally lets the request go
+    except redis.RedisError as exc:
+        raise APIError(
+            503,
+            f"The queue (Redis) is unreachable ({type(exc).__name__}); retry in a few seconds.",
+            code="queue_unavailable",
+            headers={"Retry-After": "2"},
+        ) from None
     finally:
-        if admitted:
-            await _let_go(conn, ns, key, rid, tokens, cancel=not answered)
+        if not handed:
+            await _let_go(conn, ns, key, rid, tokens, admitted=admitted, cancel=admitted and not answered)
 
 
 async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, tokens: int, deadline: float) -> None:
@@ -213,14 +229,10 @@ def _error(message: dict[str, Any]) -> APIError:
     )
 
 
-async def _collect(
-    request: Request, shape: Shape, messages: AsyncIterator[dict[str, Any]], settings: Settings
-) -> dict[str, Any]:
+async def _collect(shape: Shape, messages: AsyncIterator[dict[str, Any]], settings: Settings) -> dict[str, Any]:
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     while True:
-        if await request.is_disconnected():
-            raise anyio.get_cancelled_exc_class()()
         message = await _next(messages, settings)
         kind = message["t"]
         if kind == "delta":
@@ -269,17 +281,21 @@ async def _closing(
             yield item
         ended = True
     finally:
-        await _let_go(conn, ns, key, rid, tokens, cancel=not ended)
+        await _let_go(conn, ns, key, rid, tokens, admitted=True, cancel=not ended)
 
 
-async def _let_go(conn: Any, ns: str, key: str, rid: str, tokens: int, *, cancel: bool) -> None:
-    """The key's place given back; the worker told to drop the request when it did not end (the
-    client went away, the API gave up). Shielded: a client that went away cancels the request."""
+async def _let_go(conn: Any, ns: str, key: str, rid: str, tokens: int, *, admitted: bool, cancel: bool) -> None:
+    """The key's place given back (when it was taken), the worker told to drop the request when it
+    did not end (the client went away, the API gave up), the connection closed. Shielded: a client
+    that went away cancels the request."""
     with anyio.CancelScope(shield=True):
         try:
             if cancel:
                 await inference.cancel(conn, ns, rid)
-            await inference.release(conn, ns, key=key, rid=rid, tokens=tokens)
+            if admitted:
+                await inference.release(conn, ns, key=key, rid=rid, tokens=tokens)
+        except redis.RedisError as exc:  # the entry expires at its deadline anyway
+            log.warning("could not let request %s go: %s", rid, exc)
         finally:
             await conn.aclose()
 

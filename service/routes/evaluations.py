@@ -12,10 +12,10 @@ from fastapi import APIRouter
 from pydantic import Field
 from sqlalchemy import select
 
-from service import graders
+from service import graders, servable
 from service.db import ends_session
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
-from service.errors import bad_request, not_found
+from service.errors import APIError, bad_request, not_found
 from service.models import Checkpoint, Evaluation, Job
 from service.responses import JSON, page
 from service.routes.jobs import _file, _job
@@ -78,6 +78,11 @@ def create_evaluation(
     except graders.GraderError as exc:
         raise bad_request(exc.message, exc.param) from None
     models = [{"model": job.model, "step_number": None}] + _checkpoints(session, job, body.checkpoints)
+    for entry in models:  # each one servable now, or a 400 that says which
+        try:
+            servable.resolve(session, settings, project_seq=project.seq, name=entry["model"], include_deleted=True)
+        except APIError as exc:
+            raise bad_request(f"{entry['model']} cannot be evaluated: {exc.message}", "checkpoints") from None
     hp = job.hyperparameters
     evaluation = Evaluation(
         job_seq=job.seq,
@@ -87,7 +92,8 @@ def create_evaluation(
             "samples": body.samples,
             "temperature": body.temperature if body.temperature is not None else float(hp.get("temperature", 1.0)),
             "top_p": float(hp.get("top_p", 1.0)),
-            "max_tokens": body.max_tokens or int(hp.get("max_new_tokens") or 64),
+            "max_tokens": body.max_tokens or min(int(hp.get("max_new_tokens") or 64), settings.inference_max_tokens),
+            "stop": hp.get("stop") or [],
             "seed": body.seed,
         },
         models=models,

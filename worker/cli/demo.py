@@ -186,9 +186,13 @@ def use_it(http: httpx.Client, job: dict[str, Any], console: Console) -> None:
     table = Table(title=f"held-out prompts ({len(lines)}), one sample each: {evaluation['id']}")
     for column in ("model", "reward", "± s.e.", "tokens"):
         table.add_column(column)
+
+    def number(value: float | None, places: int = 3) -> str:
+        return "n/a" if value is None else f"{value:.{places}f}"
+
     for row in evaluation["results"]:
         name = "starting model" if row["step_number"] is None else f"final checkpoint (step {row['step_number']})"
         table.add_row(
-            name, f"{row['reward_mean']:.3f}", f"{row['reward_std_error']:.3f}", f"{row['completion_length_mean']:.1f}"
+            name, number(row["reward_mean"]), number(row["reward_std_error"]), number(row["completion_length_mean"], 1)
         )
     console.print(table)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -47,6 +48,14 @@ class Chores:
             return inference.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
         return {"t": "done", "usage": None}
 
+    def beat(self) -> None:
+        """The evaluation in progress is alive (from the heartbeat thread, however long a chunk takes)."""
+        from worker.serving import evaluate
+
+        running = self.evaluation
+        if running is not None:
+            evaluate.touch(running.seq, self.server.worker)
+
     def step(self) -> None:
         """One chunk of the evaluation in progress, or (at most every POLL_SECONDS) a look for one."""
         from worker.serving import evaluate
@@ -65,24 +74,27 @@ class Chores:
 def export(servable: Servable, target: Path) -> None:
     """``servable``'s weights as one model directory at ``target`` (written aside, then renamed)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from worker.modeling import load_causal_lm
     from worker.prepare import start_from
 
     if (target / "config.json").is_file():
         return
-    tmp = target.with_name(f".tmp-{target.name}")
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}-{time.monotonic_ns()}")  # two workers: two names
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(servable.base, dtype=torch.float32)
-        except OSError as exc:
-            raise JobError("model_load_failed", f"could not load the base model: {exc}") from None
-        model = start_from(model, servable.chain, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        model = start_from(load_causal_lm(servable.base, cpu, name=servable.base.name), servable.chain, cpu)
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(servable.tokenizer_dir).save_pretrained(tmp)  # as trained, unchanged
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another worker merged it first: the same weights
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.rollout import _cache_arg, _eos_ids
+from worker.rollout import _cache_arg, _eos_ids, _nucleus
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch (``adapter_names``)."""
@@ -140,10 +140,7 @@ class Batch:
         probs = torch.softmax(logits / temperature[:, None], dim=-1)
         top_p = torch.tensor([r.top_p for r in rows], device=logits.device)
         if bool((top_p < 1).any()):
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_probs = torch.where(before < top_p[:, None], sorted_probs, torch.zeros_like(sorted_probs))
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs = _nucleus(probs, top_p[:, None])  # each row its own top_p
         cdf = probs.double().cumsum(dim=-1)
         u = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows]).to(logits.device)
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)

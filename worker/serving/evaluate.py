@@ -32,6 +32,8 @@ log = logging.getLogger("rloo.serve")
 
 CHUNK = 16
 STALE_SECONDS = 60.0
+"""An evaluation whose heartbeat (written every few seconds by its worker's heartbeat thread) is
+older than this lost its worker."""
 
 
 def claim_next(server: Any) -> Run | None:
@@ -60,9 +62,9 @@ def claim_next(server: Any) -> Run | None:
         file = session.scalar(select(File).where(File.id == evaluation.file_id))
         try:
             return Run.start(server, session, evaluation, job, file)
-        except (JobError, graders.GraderError, OSError, ValueError) as exc:
-            message = getattr(exc, "message", None) or str(exc)
-            _fail(seq, getattr(exc, "code", "evaluation_failed"), message)
+        except Exception as exc:  # a model gone since, a file that no longer parses: this evaluation's end
+            message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            _fail(seq, server.worker, getattr(exc, "code", None) or "evaluation_failed", message)
             return None
 
 
@@ -118,9 +120,13 @@ class Run:
             raise JobError("file_not_found", f"the file {evaluation.file_id} is gone")
         lines = (settings.artifacts_dir / file.path).read_text(encoding="utf-8-sig").splitlines()
         items = [json.loads(line) for line in lines if line.strip()][: evaluation.settings["samples"]]
+        if not items:
+            raise JobError("empty_file", f"the file {evaluation.file_id} has no lines to evaluate on")
         models = []
         for entry in evaluation.models:
-            wire = servable.resolve(session, settings, project_seq=job.project_seq, name=entry["model"])
+            wire = servable.resolve(
+                session, settings, project_seq=job.project_seq, name=entry["model"], include_deleted=True
+            )
             models.append((entry, Servable.from_wire(wire)))
         tallies = [Tally(entry["model"], entry["step_number"]) for entry, _ in models]
         return cls(server, evaluation.seq, grader, items, models, dict(evaluation.settings), tallies)
@@ -137,13 +143,15 @@ class Run:
             self._score(index, start, chunk)
             self.position += len(chunk)
             finished = self.position >= self.total
-            self._record(finished)
+            if not self._record(finished):
+                log.warning("evaluation %s was taken by another worker; stopping", self.seq)
+                return False
             return not finished
         except (JobError, graders.GraderError) as exc:
-            _fail(self.seq, getattr(exc, "code", "grader_failed"), exc.message)
+            _fail(self.seq, self.server.worker, getattr(exc, "code", "grader_failed"), exc.message)
         except Exception as exc:
             log.exception("evaluation failed")
-            _fail(self.seq, "evaluation_failed", f"{type(exc).__name__}: {exc}")
+            _fail(self.seq, self.server.worker, "evaluation_failed", f"{type(exc).__name__}: {exc}")
         return False
 
     def _score(self, index: int, start: int, chunk: list[dict[str, Any]]) -> None:
@@ -169,6 +177,7 @@ class Run:
                     max_tokens=budget,
                     temperature=float(self.settings["temperature"]),
                     top_p=float(self.settings.get("top_p", 1.0)),
+                    stop=tuple(self.settings.get("stop") or ()),
                     seed=None if seed is None else seed + start + i,
                     adapter=adapter,
                 )
@@ -194,7 +203,8 @@ class Run:
                     sums[0] += value
                     sums[1] += 1
 
-    def _record(self, finished: bool) -> None:
+    def _record(self, finished: bool) -> bool:
+        """The results so far; False when the evaluation is no longer this worker's."""
         values: dict[str, Any] = {
             "results": [t.row() for t in self.tallies],
             "done": self.position,
@@ -204,19 +214,25 @@ class Run:
         if finished:
             values.update(status="succeeded", finished_at=int(time.time()))
         with session_scope() as session:
-            session.execute(
-                update(Evaluation)
-                .where(Evaluation.seq == self.seq, Evaluation.worker == self.server.worker)
-                .values(**values)
-            )
+            mine = (Evaluation.seq == self.seq) & (Evaluation.worker == self.server.worker)
+            written = session.execute(update(Evaluation).where(mine, Evaluation.status == "running").values(**values))
             session.commit()
+        return bool(written.rowcount)  # type: ignore[attr-defined]
 
 
-def _fail(seq: int, code: str, message: str) -> None:
+def touch(seq: int, worker: str) -> None:
+    with session_scope() as session:
+        mine = (Evaluation.seq == seq) & (Evaluation.worker == worker) & (Evaluation.status == "running")
+        session.execute(update(Evaluation).where(mine).values(heartbeat_at=time.time()))
+        session.commit()
+
+
+def _fail(seq: int, worker: str, code: str, message: str) -> None:
+    """The evaluation failed, unless it is no longer this worker's."""
     with session_scope() as session:
         session.execute(
             update(Evaluation)
-            .where(Evaluation.seq == seq)
+            .where(Evaluation.seq == seq, Evaluation.worker == worker, Evaluation.status == "running")
             .values(status="failed", error={"code": code, "message": message}, finished_at=int(time.time()))
         )
         session.commit()

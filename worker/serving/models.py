@@ -108,16 +108,11 @@ class ModelCache:
         return Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(cancelled)
 
     def _load_base(self, servable: Servable) -> Loaded:
-        from transformers import AutoModelForCausalLM
-
-        from worker.modeling import load_tokenizer, without_dropout
+        from worker.modeling import load_causal_lm, load_tokenizer, without_dropout
         from worker.prepare import start_from
 
-        try:
-            model = AutoModelForCausalLM.from_pretrained(servable.base, dtype=torch.float32)
-        except OSError as exc:
-            raise JobError("model_load_failed", f"could not load the model: {exc}") from None
-        model = start_from(model.to(self.device), servable.base_key[1], self.device)  # type: ignore[arg-type]
+        model = load_causal_lm(servable.base, self.device, name=servable.base.name)
+        model = start_from(model, servable.base_key[1], self.device)
         model = model.to(serving_dtype(self.device)).eval()
         without_dropout(model)
         tokenizer = load_tokenizer(servable.tokenizer_dir, name=servable.tokenizer_dir.name)

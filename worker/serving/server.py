@@ -10,10 +10,12 @@ will not load, a prompt past the context) is its own answer; nothing a request d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,11 @@ class Request:
     @property
     def id(self) -> str:
         return str(self.envelope["id"])
+
+    @property
+    def row_count(self) -> int:
+        """Completions it asks for: ``n`` for each prompt."""
+        return int(self.envelope.get("n", 1)) * len(self.envelope.get("prompts") or [None])
 
 
 def seed_of(seed: int | None, choice: int) -> int | None:
@@ -80,7 +87,11 @@ class Server:
             if self.pending:
                 self.serve_one_batch()
             elif self.chores is not None:
-                self.chores.step()
+                try:
+                    self.chores.step()
+                except Exception:  # the database away, a bug: logged, and the worker goes on serving
+                    log.exception("an evaluation step failed")
+                    time.sleep(1.0)
 
     def _beat(self, keep_going: Any) -> None:
         while keep_going():
@@ -88,12 +99,14 @@ class Server:
                 with self._lock:
                     held = list(self.held)
                 inference.heartbeat(self.conn, self.ns, self.worker, held)
-            except Exception as exc:  # Redis away for a moment: the next beat tries again
+                if self.chores is not None:
+                    self.chores.beat()
+            except Exception as exc:  # Redis or the database away for a moment: the next beat tries again
                 log.warning("heartbeat failed: %s", exc)
             time.sleep(inference.LEASE_REFRESH)
 
     def _take(self, *, block: float) -> None:
-        room = max(0, self.max_rows - sum(max(1, int(r.envelope.get("n", 1))) for r in self.pending))
+        room = max(0, self.max_rows - sum(r.row_count for r in self.pending))
         if room == 0:
             return
         for envelope in inference.take(self.conn, self.ns, self.worker, block=block, most=room):
@@ -108,38 +121,50 @@ class Server:
 
     # A batch -------------------------------------------------------------------------------------------
     def serve_one_batch(self) -> None:
-        """The oldest waiting request's base, with every waiting request that shares it."""
+        """The oldest waiting request's base, with the waiting requests that share it, up to
+        ``max_rows`` rows (the oldest request goes whole, however many rows it has)."""
         key = self.pending[0].servable.base_key
-        batch = [r for r in self.pending if r.servable.base_key == key]
-        self.pending = [r for r in self.pending if r.servable.base_key != key]
-        try:
-            loaded = None
-            ready = []
-            for request in batch:
+        batch: list[Request] = []
+        rows = 0
+        for request in (r for r in self.pending if r.servable.base_key == key):
+            if batch and rows + request.row_count > self.max_rows:
+                break
+            batch.append(request)
+            rows += request.row_count
+        self.pending = [r for r in self.pending if all(r is not b for b in batch)]
+        ready, loaded = [], None
+        for request in batch:  # each request's own model, adapter and prompts: its own failure
+            with self._answering([request]):
                 loaded, adapter = self.cache.get(request.servable)
                 problem = self._rows(request, loaded, adapter)
                 if problem is not None:
                     self._answer(request.id, problem)
                 else:
                     ready.append(request)
-            if ready and loaded is not None:
+        if ready and loaded is not None:
+            with self._answering(ready):
                 self._decode(loaded, ready)
+
+    @contextlib.contextmanager
+    def _answering(self, requests: list[Request]) -> Iterator[None]:
+        """A failure inside is the answer of each of ``requests`` still held, never the process's end."""
+        try:
+            yield
         except JobError as exc:
-            for request in batch:
-                if request.id in self.held:
-                    self._answer(request.id, inference.error_message(500, exc.code, exc.message))
+            self._fail(requests, inference.error_message(500, exc.code, exc.message))
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            for request in batch:
-                if request.id in self.held:
-                    message = "The inference worker ran out of GPU memory; send fewer or shorter requests at once."
-                    self._answer(request.id, inference.error_message(503, "out_of_memory", message))
-        except Exception as exc:  # a bug or a broken model: this batch's answer, not the process's end
+            message = "The inference worker ran out of GPU memory; send fewer or shorter requests at once."
+            self._fail(requests, inference.error_message(503, "out_of_memory", message))
+        except Exception as exc:  # a bug or a broken model
             log.exception("inference batch failed")
-            for request in batch:
-                if request.id in self.held:
-                    message = f"Inference failed: {type(exc).__name__}: {exc}"
-                    self._answer(request.id, inference.error_message(500, "inference_failed", message))
+            message = f"Inference failed: {type(exc).__name__}: {exc}"
+            self._fail(requests, inference.error_message(500, "inference_failed", message))
+
+    def _fail(self, requests: list[Request], message: dict[str, Any]) -> None:
+        for request in requests:
+            if request.id in self.held:
+                self._answer(request.id, message)
 
     def _rows(self, request: Request, loaded: Any, adapter: str | None) -> dict[str, Any] | None:
         """The request's rows (tokenized, checked against the context), or the error that answers it."""
@@ -254,12 +279,15 @@ def main(worker: str) -> None:
     torch.set_grad_enabled(False)
     device = pick_device(None)
     conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=30, socket_connect_timeout=10)
-    cache: Any = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
+    cache: Any
     if vllm_models.choose(settings, device):
         cache = vllm_models.VLLMModels(
             artifacts_dir=settings.artifacts_dir, gpu_memory_utilization=settings.vllm_gpu_memory_utilization
         )
+    else:
+        cache = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
     server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
     server.chores = Chores(server)
     log.info("inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference.serve_queue())
-    server.run(lambda: os.getppid() != 1)
+    parent = os.getppid()  # its supervisor: in a container that is PID 1, so compare, never test for 1
+    server.run(lambda: os.getppid() == parent)

@@ -6,7 +6,8 @@ one vLLM engine per base model and LoRA checkpoints served through vLLM's LoRA s
 A base whose fine-tuned chain has checkpoints before its last adapter (a full checkpoint, earlier
 adapters) is merged once into ``<artifacts>/exports/bases/<digest>`` for vLLM to load
 (``worker.serving.chores.export``). vLLM decodes a batch whole: its rows' text arrives in one piece at
-their end, not token by token (streams still stream, in one chunk a choice). A base's engine takes
+their end, not token by token (streams still stream, in one chunk a choice), and a client that leaves
+is dropped before the batch starts, not during it. A base's engine takes
 ``RLOO_VLLM_GPU_MEMORY_UTILIZATION`` of the GPU; an engine for another base replaces it.
 
 Not exercised on this project's CI (no GPU): its tests drive it with the stand-in ``vllm`` module
@@ -43,12 +44,28 @@ class VLLMModels:
 
     def get(self, servable: Servable) -> tuple[Loaded, str | None]:
         if self.key != servable.base_key or self.loaded is None:
+            self._unload()
             self.loaded, self.key, self.adapters = self._engine(servable), servable.base_key, {}
         adapter = servable.adapter
         if adapter is None:
             return self.loaded, None
         self.adapters.setdefault(adapter, len(self.adapters) + 1)
         return self.loaded, str(adapter)
+
+    def _unload(self) -> None:
+        """The engine of the base before, out of GPU memory before the next one takes its share. (An
+        engine in this process does not always give all of it back: a worker that serves several bases
+        in turn is best given one base, or run with vLLM's multiprocessing.)"""
+        if self.loaded is None:
+            return
+        import gc
+
+        import torch
+
+        self.loaded, self.key = None, None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _engine(self, servable: Servable) -> Loaded:
         from vllm import LLM
@@ -120,8 +137,9 @@ class VLLMModels:
         for row, output in zip(rows, outputs, strict=True):
             out = output.outputs[0]
             row.tokens = list(out.token_ids)
-            # vLLM leaves a stopping EOS out of token_ids; it was drawn, so the usage counts it.
-            ended_on_eos = out.finish_reason == "stop" and out.stop_reason is None
+            # vLLM leaves a stopping EOS out of token_ids (its stop_reason: None, or the token id of a
+            # stop_token_ids entry); it was drawn, so the usage counts it. A stop string is no token.
+            ended_on_eos = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
             row.sampled = len(row.tokens) + int(ended_on_eos)
             row.text, row.finish_reason = out.text, "stop" if out.finish_reason == "stop" else "length"
             deltas.append(Delta(row, out.text, row.finish_reason))
