@@ -74,27 +74,19 @@ class Batch:
         self.adapters = hasattr(model, "peft_config")
 
     @torch.inference_mode()
-    def run(self, cancelled: Any = lambda: set()) -> Iterator[list[Delta]]:
+    def run(self, cancelled: Any = lambda: set(), joining: Any = lambda: []) -> Iterator[list[Delta]]:
         """Decode until every row has ended; each step yields the rows' deltas. ``cancelled()`` names
-        requests to drop (checked once a step)."""
-        from transformers import DynamicCache
-
-        width = max(len(r.prompt_ids) for r in self.rows)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in self.rows], device=self.device)
-        mask = torch.tensor(
-            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in self.rows], device=self.device
-        )
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache)
-        position = positions[:, -1:] + 1
-        rows = list(self.rows)
-        while rows:
-            tokens = self._sample(logits, rows)
+        requests to drop, ``joining()`` gives rows to start now (both asked once a step): a request
+        that arrives while the batch decodes joins it at the next token instead of waiting for its end."""
+        state = self._prefill(self.rows)
+        while state.rows:
+            new = joining() if self.joinable(state.cache) else []
+            if new:
+                state = _merge(state, self._prefill(new))
+            tokens = self._sample(state.logits, state.rows)
             deltas, keep = [], []
             stop_now = cancelled()
-            for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            for i, (row, token) in enumerate(zip(state.rows, tokens, strict=True)):
                 if row.request in stop_now:
                     row.finish_reason = "cancelled"
                     continue
@@ -105,16 +97,31 @@ class Batch:
             yield deltas
             if not keep:
                 return
-            if len(keep) < len(rows):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, position, tokens_t = mask[index], position[index], torch.tensor(tokens, device=self.device)[index]
-                rows = [rows[i] for i in keep]
-            else:
-                tokens_t = torch.tensor(tokens, device=self.device)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            logits = self._forward(tokens_t.unsqueeze(1), mask, position, cache, rows)
-            position = position + 1
+            state = state.keep(keep, torch.tensor(tokens, device=self.device))
+            state.logits = self._forward(state.last.unsqueeze(1), state.mask, state.position, state.cache, state.rows)
+            state.position = state.position + 1
+
+    def _prefill(self, rows: list[Row]) -> _State:
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=self.device
+        )
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache, rows)
+        return _State(list(rows), cache, mask, positions[:, -1:] + 1, logits)
+
+    @staticmethod
+    def joinable(cache: Any) -> bool:
+        """Rows can join a batch whose cache is plain key/value tensors a layer (not a sliding window's)."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers: list[Any] = getattr(cache, "layers", None) or []
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     def _forward(
         self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, rows: list[Row] | None = None
@@ -174,6 +181,51 @@ class Batch:
 
     def _decode(self, row: Row) -> str:
         return str(self.tokenizer.decode(row.tokens, skip_special_tokens=True))
+
+
+@dataclass
+class _State:
+    """A batch between two forwards: its rows, their KV cache, attention mask ``(N, T)``, next
+    positions ``(N, 1)`` and the logits of their next token ``(N, V)``."""
+
+    rows: list[Row]
+    cache: Any
+    mask: Tensor
+    position: Tensor
+    logits: Tensor
+    last: Tensor = field(default_factory=lambda: torch.empty(0))
+
+    def keep(self, keep: list[int], tokens: Tensor) -> _State:
+        """The rows ``keep`` (the others ended), each having taken its token of ``tokens``: the mask
+        grows by one column, the cache is cut to them."""
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, device=tokens.device)
+            self.cache.batch_select_indices(index)
+            self.rows = [self.rows[i] for i in keep]
+            self.mask, self.position, tokens = self.mask[index], self.position[index], tokens[index]
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.last = tokens
+        return self
+
+
+def _merge(a: _State, b: _State) -> _State:
+    """Two batches as one: the shorter's keys, values and mask padded on the left (masked out) to
+    the longer's length, then stacked. Positions are each row's own, so nothing else moves."""
+    width = max(a.mask.shape[1], b.mask.shape[1])
+
+    def left(t: Tensor, dim: int) -> Tensor:
+        short = width - t.shape[dim]
+        if short == 0:
+            return t
+        shape = list(t.shape)
+        shape[dim] = short
+        return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], dim=dim)
+
+    for mine, theirs in zip(a.cache.layers, b.cache.layers, strict=True):
+        mine.keys = torch.cat([left(mine.keys, -2), left(theirs.keys, -2)], dim=0)
+        mine.values = torch.cat([left(mine.values, -2), left(theirs.values, -2)], dim=0)
+    mask = torch.cat([left(a.mask, 1), left(b.mask, 1)], dim=0)
+    return _State(a.rows + b.rows, a.cache, mask, torch.cat([a.position, b.position]), torch.cat([a.logits, b.logits]))
 
 
 def _safe_end(text: str, stop: tuple[str, ...]) -> int:

@@ -103,9 +103,12 @@ class ModelCache:
         self._fit(keep=key)
         return loaded, name
 
-    def decode(self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set()) -> Iterator[list[Delta]]:
-        """Decode ``rows`` on ``loaded`` in one batch (``worker.serving.decode``), a step at a time."""
-        return Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(cancelled)
+    def decode(
+        self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set(), joining: Any = lambda: []
+    ) -> Iterator[list[Delta]]:
+        """Decode ``rows`` on ``loaded`` in one batch (``worker.serving.decode``), a step at a time,
+        rows that ``joining()`` gives joining it."""
+        return Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(cancelled, joining)
 
     def _load_base(self, servable: Servable) -> Loaded:
         from worker.modeling import load_causal_lm, load_tokenizer, without_dropout

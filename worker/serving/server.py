@@ -60,6 +60,7 @@ class Server:
         self.ns = inference.namespace(inference.serve_queue())
         self.max_tokens = settings.inference_max_tokens
         self.pending: list[Request] = []
+        self.active_rows = 0  # rows of the batch decoding now
         self.held: set[str] = set()
         self.chores = chores
         self._lock = threading.Lock()
@@ -106,7 +107,7 @@ class Server:
             time.sleep(inference.LEASE_REFRESH)
 
     def _take(self, *, block: float) -> None:
-        room = max(0, self.max_rows - sum(r.row_count for r in self.pending))
+        room = max(0, self.max_rows - self.active_rows - sum(r.row_count for r in self.pending))
         if room == 0:
             return
         for envelope in inference.take(self.conn, self.ns, self.worker, block=block, most=room):
@@ -216,40 +217,78 @@ class Server:
         return None
 
     def _decode(self, loaded: Any, requests: list[Request]) -> None:
-        by_id = {r.id: r for r in requests}
-        inference.push(self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests])
-        rows = [row for r in requests for row in r.rows]
-        deadlines = {r.id: float(r.envelope["deadline"]) for r in requests}
+        """Decode ``requests`` on ``loaded``, pushing each step's text; a request for the same base
+        that arrives meanwhile (its adapter, if any, loaded already) joins at the next token."""
+        key = requests[0].servable.base_key
+        running: dict[str, Request] = {}
+        self._start(requests, running)
 
         def gone() -> set[str]:
-            live = [rid for rid in by_id if rid in self.held]
+            live = [rid for rid in running if rid in self.held]
             dropped = inference.cancelled(self.conn, self.ns, live)
-            dropped |= {rid for rid in live if deadlines[rid] <= time.time()}
+            dropped |= {rid for rid in live if float(running[rid].envelope["deadline"]) <= time.time()}
             for rid in dropped:
                 self._answer(rid, inference.error_message(499, "cancelled", "The client went away."))
-            return dropped | {rid for rid in by_id if rid not in self.held}
+            return dropped | {rid for rid in running if rid not in self.held}
 
-        for deltas in self.cache.decode(loaded, rows, gone):
-            messages: list[tuple[str, dict[str, Any]]] = []
-            ended: list[Request] = []
-            for d in deltas:
-                if d.text:
-                    messages.append((d.row.request, {"t": "delta", "i": d.row.index, "text": d.text}))
-                if d.finish_reason is not None:
-                    messages.append((d.row.request, {"t": "end", "i": d.row.index, "finish_reason": d.finish_reason}))
-                    request = by_id[d.row.request]
-                    request.open_rows -= 1
-                    if request.open_rows == 0:
-                        ended.append(request)
-            inference.push(self.conn, self.ns, messages)
-            for request in ended:
-                completion = sum(row.sampled for row in request.rows)
-                usage = {
-                    "prompt_tokens": request.prompt_tokens,
-                    "completion_tokens": completion,
-                    "total_tokens": request.prompt_tokens + completion,
-                }
-                self._answer(request.id, {"t": "done", "usage": usage})
+        def joining() -> list[Row]:
+            self._take(block=0.0)
+            joined = self._joiners(key, loaded)
+            self._start(joined, running)
+            return [row for r in joined for row in r.rows]
+
+        for deltas in self.cache.decode(loaded, [row for r in requests for row in r.rows], gone, joining):
+            self._send(deltas, running)
+        self.active_rows = 0
+
+    def _joiners(self, key: Any, loaded: Any) -> list[Request]:
+        """Waiting requests that can join the batch decoding on ``loaded`` now, within its rows."""
+        joined: list[Request] = []
+        for request in list(self.pending):
+            adapter = request.servable.adapter
+            if request.servable.base_key != key or (adapter is not None and adapter not in loaded.adapters):
+                continue  # another base, or an adapter to load first: the next batch
+            if self.active_rows + request.row_count > self.max_rows:
+                break
+            self.pending.remove(request)
+            with self._answering([request]):
+                _, name = self.cache.get(request.servable)
+                problem = self._rows(request, loaded, name)
+                if problem is not None:
+                    self._answer(request.id, problem)
+                else:
+                    joined.append(request)
+        return joined
+
+    def _start(self, requests: list[Request], running: dict[str, Request]) -> None:
+        inference.push(self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests])
+        for request in requests:
+            running[request.id] = request
+            self.active_rows += request.row_count
+
+    def _send(self, deltas: list[Any], running: dict[str, Request]) -> None:
+        """One step's text, then the answer of each request whose last row ended."""
+        messages: list[tuple[str, dict[str, Any]]] = []
+        ended: list[Request] = []
+        for d in deltas:
+            if d.text:
+                messages.append((d.row.request, {"t": "delta", "i": d.row.index, "text": d.text}))
+            if d.finish_reason is not None:
+                messages.append((d.row.request, {"t": "end", "i": d.row.index, "finish_reason": d.finish_reason}))
+                request = running[d.row.request]
+                request.open_rows -= 1
+                self.active_rows -= 1
+                if request.open_rows == 0:
+                    ended.append(request)
+        inference.push(self.conn, self.ns, messages)
+        for request in ended:
+            completion = sum(row.sampled for row in request.rows)
+            usage = {
+                "prompt_tokens": request.prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": request.prompt_tokens + completion,
+            }
+            self._answer(request.id, {"t": "done", "usage": usage})
 
     def _answer(self, rid: str, last: dict[str, Any]) -> None:
         inference.finish(self.conn, self.ns, self.worker, rid, last)

@@ -103,8 +103,11 @@ class VLLMModels:
         length = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
         return Loaded(model=llm, tokenizer=tokenizer, context=length, nbytes=0)
 
-    def decode(self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set()) -> Iterator[list[Delta]]:
-        """Every row at once through vLLM: one list of deltas, each row's whole text and its end."""
+    def decode(
+        self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set(), joining: Any = None
+    ) -> Iterator[list[Delta]]:
+        """Every row at once through vLLM: one list of deltas, each row's whole text and its end
+        (nothing joins a batch under way: requests that arrive meanwhile make the next one)."""
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 

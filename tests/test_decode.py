@@ -1,0 +1,95 @@
+"""The inference workers' batched decoding (``worker.serving.decode``) on the tiny policy: rows of
+different lengths, rows that join a batch while it decodes, rows that end or are cancelled early,
+each giving what ``generate`` gives for it alone; the text held back while a stop string or a
+character may still be forming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from worker.serving.decode import Batch, Row, _safe_end
+
+PROMPTS = ["hello there how are you", "the cat", "a b c d e f g h i j k l", "red"]
+
+
+@pytest.fixture(scope="module")
+def policy(models_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = models_dir / "tiny-policy"
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _ids(tok: Any, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _alone(model: Any, tok: Any, text: str, n: int) -> list[int]:
+    ids = torch.tensor([_ids(tok, text)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+def _row(tok: Any, i: int, text: str, n: int) -> Row:
+    return Row(request=str(i), index=0, prompt_ids=_ids(tok, text), max_tokens=n, temperature=0)
+
+
+def test_rows_that_join_a_running_batch_decode_as_they_would_alone(policy: tuple[Any, Any]) -> None:
+    model, tok = policy
+    first = [_row(tok, 0, PROMPTS[0], 30), _row(tok, 1, PROMPTS[1], 6)]  # the second ends early
+    later = {4: [_row(tok, 2, PROMPTS[2], 20)], 9: [_row(tok, 3, PROMPTS[3], 12)]}
+    steps = iter(range(1, 100))
+    sizes = []
+
+    def joining() -> list[Row]:
+        return later.get(next(steps), [])
+
+    for deltas in Batch(model, tok, first, context=256).run(joining=joining):
+        sizes.append(len(deltas))
+    rows = first + later[4] + later[9]
+    for row, text in zip(rows, PROMPTS, strict=True):
+        assert row.tokens == _alone(model, tok, text, row.max_tokens)[: len(row.tokens)], text
+        assert row.finish_reason == "length" and row.sampled == row.max_tokens
+    # Rows 2 and 3 joined at steps 4 and 9, row 1 left after its 6 tokens: the batch grew and shrank.
+    assert sizes[:3] == [2, 2, 2] and sizes[3] == 3 and max(sizes) == 3 and sizes[-1] == 1
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_rest_go_on(policy: tuple[Any, Any]) -> None:
+    model, tok = policy
+    rows = [_row(tok, 0, PROMPTS[0], 15), _row(tok, 1, PROMPTS[1], 15)]
+    steps = iter(range(1, 100))
+    for _ in Batch(model, tok, rows, context=256).run(cancelled=lambda: {"1"} if next(steps) >= 3 else set()):
+        pass
+    assert rows[1].finish_reason == "cancelled" and len(rows[1].tokens) == 2
+    assert rows[0].tokens == _alone(model, tok, PROMPTS[0], 15)
+
+
+def test_a_seeded_row_draws_the_same_tokens_again(policy: tuple[Any, Any]) -> None:
+    model, tok = policy
+
+    def draw() -> list[int]:
+        row = Row(request="r", index=0, prompt_ids=_ids(tok, PROMPTS[1]), max_tokens=12, temperature=1.0, seed=5)
+        for _ in Batch(model, tok, [row], context=256).run():
+            pass
+        return row.tokens
+
+    assert draw() == draw()
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "sendable"),
+    [
+        ("hello wor", ("world",), 6),  # "wor" may be the start of "world"
+        ("hello", ("xyz",), 5),
+        ("caf\ufffd", (), 3),  # a character still being spelled
+        ("abc", ("c", "bcd"), 1),  # the longest tail that may start a stop string
+    ],
+)
+def test_text_that_may_become_a_stop_string_or_a_character_is_held_back(
+    text: str, stop: tuple[str, ...], sendable: int
+) -> None:
+    assert _safe_end(text, stop) == sendable
