@@ -11,6 +11,8 @@
    graders worker, the JSON door, streamed checkpoint downloads (``benchmarks.isolation``).
 6. ``streams``: what watching costs: 500 event streams on one API process, queries per watcher idle
    and per event, delivery latency, memory per stream (``benchmarks.streams``).
+7. ``serving``: chat completions streamed through the service, one and 8 at once, against
+   ``generate`` called directly (``benchmarks.serving``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -55,6 +57,7 @@ SUBPROCESS_SECTIONS = {
     "api": "benchmarks.api_load",
     "isolation": "benchmarks.isolation",
     "streams": "benchmarks.streams",
+    "serving": "benchmarks.serving",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -206,7 +209,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--engine-case"]:
         _engine_case(sys.argv[2])
         return
-    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api", "isolation", "streams"]
+    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api", "isolation", "streams", "serving"]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",
@@ -228,7 +231,9 @@ def main() -> None:
             proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, cwd=ROOT, check=True)
             result[section] = json.loads(proc.stdout)
         else:
-            raise SystemExit(f"unknown section '{section}': engine, reference_memory, service, api, isolation, streams")
+            raise SystemExit(
+                f"unknown section '{section}': engine, reference_memory, service, api, isolation, streams, serving"
+            )
     print(json.dumps(result, indent=2))
 
 

@@ -1,7 +1,8 @@
 """What serving costs (``python -m benchmarks.serving``; ``make bench``'s ``serving``): chat completions
-streamed through the whole service path (the API under uvicorn, Redis, an inference worker), one
-stream alone and 8 at once, against ``generate`` called directly on the same model in this process,
-on the *tiny* and *small* configs (``benchmarks.common``).
+streamed through the whole service path (the openai SDK, the API under uvicorn, Redis, an inference
+worker), one stream alone and 8 at once, against ``generate`` called directly on the same model in
+this process and against the worker's own batch alone, on the *tiny* and *small* configs
+(``benchmarks.common``). Client, API and worker share the machine's cores.
 
 For each: time to the first token (the first content chunk; ``generate``'s first streamed token) and
 tokens per second (the usage's completion tokens over the wall time; for 8 streams, their sum over
@@ -129,10 +130,25 @@ def _direct(path: Path) -> dict[str, Any]:
         tokens = sum(int((row == eos).nonzero()[0][0]) + 1 if (row == eos).any() else len(row) for row in new)
         return (first if first is not None else wall), tokens, wall
 
+    def engine(seed: int) -> tuple[int, float]:
+        """The inference worker's own batch (``worker.serving.decode``) on the 8, no HTTP, no Redis."""
+        from worker.serving.decode import Batch, Row
+
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        rows = [
+            Row(request=str(i), index=0, prompt_ids=ids, max_tokens=MAX_TOKENS, seed=seed * 100 + i)
+            for i in range(CONCURRENT)
+        ]
+        started = time.perf_counter()
+        for _ in Batch(model, tok, rows, context=model.config.max_position_embeddings).run():
+            pass
+        return sum(r.sampled for r in rows), time.perf_counter() - started
+
     with torch.inference_mode():
         run(1, 0)
         alone = [run(1, s) for s in range(1, ROUNDS + 1)]
         batched = [run(CONCURRENT, s) for s in range(1, ROUNDS + 1)]
+        ours = [engine(s) for s in range(1, ROUNDS + 1)]
     return {
         "1 stream": {
             "ttft_ms_median": round(1000 * statistics.median(r[0] for r in alone), 1),
@@ -140,6 +156,9 @@ def _direct(path: Path) -> dict[str, Any]:
         },
         f"{CONCURRENT} at once (one batched generate)": {
             "tokens_per_s": round(sum(r[1] for r in batched) / sum(r[2] for r in batched), 1),
+        },
+        f"{CONCURRENT} at once (the worker's batch alone, no HTTP or Redis)": {
+            "tokens_per_s": round(sum(r[0] for r in ours) / sum(r[1] for r in ours), 1),
         },
     }
 

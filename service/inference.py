@@ -33,6 +33,7 @@ from typing import Any
 
 LEASE_SECONDS = 10
 LEASE_REFRESH = 2.0
+READ_AT_ONCE = 256  # reply messages the API takes in one round trip
 
 # Admit a request unless the key has `cap` in flight or their token budgets would pass `tokens_cap`.
 # Members are "<id>:<tokens>"; entries past their deadline are dropped first.
@@ -131,10 +132,12 @@ async def replies(
             raise TimedOut()
         item = await conn.blpop([reply], timeout=min(1.0, max(0.01, left)))
         if item is not None:
-            message: dict[str, Any] = json.loads(item[1])
-            yield message
-            if message["t"] in ("done", "error"):
-                return
+            # Whatever else is there comes in the same round trip: a batch writes a token a row a step.
+            for raw in [item[1], *(await conn.lpop(reply, READ_AT_ONCE) or [])]:
+                message: dict[str, Any] = json.loads(raw)
+                yield message
+                if message["t"] in ("done", "error"):
+                    return
             held = True
             continue
         if wanted is not None and not await wanted():
