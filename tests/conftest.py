@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +13,6 @@ import pytest
 
 from tests.helpers.api import LOCAL, make_key
 from tests.helpers.conformance import conforms
-from tests.helpers.data import ROOT
 from tests.helpers.databases import drop_postgres_database, fresh_postgres_database
 
 
@@ -135,19 +132,10 @@ def graders_worker(
         "RLOO_HTTP_GRADER_URLS": f'["http://127.0.0.1:{http_port}/"]',
         "PYTHONUNBUFFERED": "1",
     }
-    log = open(home / "worker.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--queue", f"{queue}-graders"],
-        env={**os.environ, **values},
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    yield {**values, "http_port": str(http_port), "log": str(home / "worker.log"), "pid": str(proc.pid)}
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
-    log.close()
+    from tests.helpers.live import worker_process
+
+    with worker_process(values, home / "worker.log", "worker", "--queue", f"{queue}-graders") as proc:
+        yield {**values, "http_port": str(http_port), "log": str(home / "worker.log"), "pid": str(proc.pid)}
 
 
 @pytest.fixture

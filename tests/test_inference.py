@@ -6,11 +6,7 @@ HTTP server: ``test_e2e_inference``.)"""
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +19,7 @@ import torch
 from service import crud, finetuned
 from service.db import session_scope
 from service.models import Checkpoint, Job
-from tests.helpers.data import ROOT
+from tests.helpers.live import worker_process
 
 PROMPT = "the cat sat on"
 # Inference reads the database only to resolve a model id (the same query on either backend).
@@ -43,20 +39,9 @@ def serve_worker(
         "RLOO_QUEUE": f"test-serve-{secrets.token_hex(4)}",
         "PYTHONUNBUFFERED": "1",
     }
-    log = open(home / "serve.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--serve"],
-        env={**os.environ, **values},
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    _wait_for_a_worker(values, home / "serve.log")
-    yield {**values, "pid": str(proc.pid), "log": str(home / "serve.log")}
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
-    log.close()
+    with worker_process(values, home / "serve.log", "worker", "--serve") as proc:
+        _wait_for_a_worker(values, home / "serve.log")
+        yield {**values, "pid": str(proc.pid), "log": str(home / "serve.log")}
 
 
 def _wait_for_a_worker(values: dict[str, str], log: Path, timeout: float = 60) -> None:

@@ -39,6 +39,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def worker_process(values: dict[str, str], log_path: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m worker.cli ARGS`` with ``values`` over this process's environment, its output in
+    ``log_path``, in a process group of its own; stopped (SIGTERM to the group) afterwards."""
+    log = open(log_path, "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", *args],
+        env={**os.environ, **values},
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
 class LiveStack:
     def __init__(self, env: dict[str, str], port: int, logs: Path) -> None:
         self.env, self.port, self.logs = env, port, logs

@@ -134,14 +134,11 @@ class Server:
             rows += request.row_count
         self.pending = [r for r in self.pending if all(r is not b for b in batch)]
         ready, loaded = [], None
-        for request in batch:  # each request's own model, adapter and prompts: its own failure
-            with self._answering([request]):
-                loaded, adapter = self.cache.get(request.servable)
-                problem = self._rows(request, loaded, adapter)
-                if problem is not None:
-                    self._answer(request.id, problem)
-                else:
-                    ready.append(request)
+        for request in batch:
+            got = self._prepare(request)
+            if got is not None:
+                loaded = got
+                ready.append(request)
         if ready and loaded is not None:
             with self._answering(ready):
                 self._decode(loaded, ready)
@@ -251,14 +248,20 @@ class Server:
             if self.active_rows + request.row_count > self.max_rows:
                 break
             self.pending.remove(request)
-            with self._answering([request]):
-                _, name = self.cache.get(request.servable)
-                problem = self._rows(request, loaded, name)
-                if problem is not None:
-                    self._answer(request.id, problem)
-                else:
-                    joined.append(request)
+            if self._prepare(request) is not None:
+                joined.append(request)
         return joined
+
+    def _prepare(self, request: Request) -> Any:
+        """The request's model loaded and its rows made: the loaded model, or None when the request
+        failed (a model that will not load, a prompt past the context: its own answer, already sent)."""
+        with self._answering([request]):
+            loaded, adapter = self.cache.get(request.servable)
+            problem = self._rows(request, loaded, adapter)
+            if problem is None:
+                return loaded
+            self._answer(request.id, problem)
+        return None
 
     def _start(self, requests: list[Request], running: dict[str, Request]) -> None:
         inference.push(self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests])
