@@ -10,11 +10,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from service.errors import bad_request
-from service.schemas import Strict
+from service.schemas import Strict, check_stop
 from service.settings import Settings
 
-MAX_STOP = 4  # OpenAI's
-MAX_STOP_CHARS = 256
 MAX_PROMPTS = 64
 
 
@@ -43,14 +41,7 @@ class Sampling(Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> list[str] | None:
-        stops = [value] if isinstance(value, str) else value
-        if stops is None:
-            return None
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"stop takes at most {MAX_STOP} strings")
-        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"each stop string is 1 to {MAX_STOP_CHARS} characters")
-        return stops
+        return check_stop([value] if isinstance(value, str) else value)
 
     @model_validator(mode="after")
     def _unsupported(self) -> Sampling:

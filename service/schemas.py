@@ -15,6 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Auto = Literal["auto"]
 
 
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's number of stop strings; our bound on each one's length
+
+
+def check_stop(stops: list[str] | None) -> list[str] | None:
+    """Stop strings as OpenAI takes them (a training job's and a completion's): 1 to 4, none empty."""
+    if stops is not None and not (1 <= len(stops) <= MAX_STOP and all(1 <= len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise ValueError(f"give 1 to {MAX_STOP} stop strings of 1 to {MAX_STOP_CHARS} characters each")
+    return stops
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN and infinities: never a value
 
@@ -191,9 +201,7 @@ class Hyperparameters(TrainingHyperparameters):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and not (1 <= len(v) <= 4 and all(1 <= len(x) <= 256 for x in v)):
-            raise ValueError("give 1 to 4 stop strings of 1 to 256 characters each")
-        return v
+        return check_stop(v)
 
     @field_validator("compute_multiplier")
     @classmethod
