@@ -18,6 +18,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from service import lifecycle
 from service.lifecycle import JobStatus
 from tests.helpers.api import ANY, assert_error, create_job, list_ids, upload_ok
@@ -71,6 +73,18 @@ AFTER_ROUTES = {
     "/v1/webhook_endpoints": "endpoint_id",
     "/v1/webhook_endpoints/{endpoint_id}/deliveries": "delivery_id",
 }
+
+
+@pytest.fixture
+def app(env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """conftest's app, with the per-key rate limit off: the matrix sends a thousand requests and more
+    with two keys, as fast as the app answers them, and a 429 would answer some instead of the route."""
+    from service.main import create_app
+    from service.settings import get_settings
+
+    monkeypatch.setenv("RLOO_RATE_LIMIT", "0")
+    get_settings.cache_clear()
+    return create_app()
 
 
 # A project's data, made the way the worker makes it -------------------------------------------------
