@@ -76,12 +76,21 @@ def _allowed_methods(request: Request) -> str:
     """Every method the path has a route for. Starlette's 405 names only the first route whose path
     matched (``Allow: POST`` on /v1/files, which has GET too); RFC 9110 wants them all. Each method is
     tried against the routes (``matches``, the one interface every route and included router has)."""
+    from fastapi import routing
     from starlette.routing import Match
 
+    methods = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
     routes = request.app.router.routes
+    # A literal path (/v1/fine_tuning/jobs/estimate) is its own resource, though a pattern matches it
+    # too (/v1/fine_tuning/jobs/{job_id}): its methods only. Recent FastAPI keeps included routers
+    # whole in app.routes; iter_route_contexts flattens them.
+    flat = getattr(routing, "iter_route_contexts", lambda routes: routes)(routes)
+    literal = [set(getattr(r, "methods", ()) or ()) for r in flat if getattr(r, "path", None) == request.scope["path"]]
+    if literal:
+        return ", ".join(m for m in methods if any(m in ms for ms in literal))
     allowed = [
         method
-        for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+        for method in methods
         if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
     ]
     return ", ".join(allowed)

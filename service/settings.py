@@ -209,6 +209,11 @@ class Settings(BaseSettings):
         description="Weights an inference worker keeps loaded, in MiB (least recently used models unloaded past it); "
         "unset: half the GPU's memory, or a quarter of the host's.",
     )
+    accelerators: dict[str, float] = Field(
+        default_factory=dict,
+        description='The accelerator kinds the fleet has, GiB a device (JSON, e.g. {"h100": 80, "l4": 24}): a job '
+        "whose memory plan fits none is refused at creation (insufficient_memory). Empty: no check.",
+    )
     hub_offline: bool = Field(
         default=True, description="Refuse hub model ids (no hub reachable); set false where one is."
     )

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import String, cast, select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, queue, streams
+from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, memoryplan, queue, streams
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -86,6 +86,23 @@ def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> Fil
     return f
 
 
+@router.post("/estimate", summary="A job's memory plan: bytes a device, step FLOPs, which accelerators hold it")
+@ends_session
+def estimate_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
+    """The same body as a job's creation, checked the same way (no file is read): what the job would
+    hold a device (``service.memoryplan``), nothing created."""
+    _, hp = jobspec.check_spec(body, settings=settings)
+    base_model = _base_model(session, project, settings, body)
+    try:
+        return JSON(
+            memoryplan.for_job(
+                settings.models_dir, base_model, hp, method=body.method_.type, accelerators=settings.accelerators
+            )
+        )
+    except memoryplan.UnknownShape as exc:
+        raise bad_request(f"The memory of a job on '{base_model}' cannot be planned: {exc}.", "model") from None
+
+
 @router.post("", summary="Create a fine-tuning job")
 @ends_session
 def create_job(
@@ -105,6 +122,7 @@ def create_job(
     base_model = _base_model(session, project, settings, body)
     method = body.method_
     kind = method.type
+    _check_memory(settings, base_model, hp, kind)
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
     for f, which in ((training, "training_file"), (validation, "validation_file")):
@@ -192,6 +210,31 @@ def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, bod
         raise model_not_found(body.model)
     jobspec.check_context(body, settings.models_dir / source.base_model)
     return source.base_model
+
+
+def _check_memory(settings: SettingsDep, base_model: str, hp: Any, kind: str) -> None:
+    """A job whose memory plan fits no accelerator kind the operator declared (RLOO_ACCELERATORS) is
+    a 400 now, not a failure hours later (``service.memoryplan``). A model whose shape its files do
+    not say (a hub id) is not checked."""
+    if not settings.accelerators:
+        return
+    try:
+        estimate = memoryplan.for_job(
+            settings.models_dir, base_model, hp, method=kind, accelerators=settings.accelerators
+        )
+    except memoryplan.UnknownShape:
+        return
+    if any(estimate["fits"].values()):
+        return
+    need = estimate["bytes_per_device"] / 2**30
+    largest = max(settings.accelerators.items(), key=lambda kv: kv[1])
+    raise bad_request(
+        f"This job needs about {need:.1f} GiB a device (POST /v1/fine_tuning/jobs/estimate shows the parts); the "
+        f"largest accelerator here is {largest[0]} with {largest[1]:g} GiB, {memoryplan.HEADROOM:.0%} of it usable. "
+        f"To fit: {memoryplan.what_to_change(hp, estimate['bytes'])}.",
+        f"method.{kind}.hyperparameters",
+        "insufficient_memory",
+    )
 
 
 def _check_room(session: SessionDep, project: Caller, cap: int) -> None:

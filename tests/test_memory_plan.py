@@ -1,0 +1,119 @@
+"""A job's memory plan (``service.memoryplan``): the model's shape read from its files as torch counts
+it, each part worked by hand on the tiny policy, ``POST /v1/fine_tuning/jobs/estimate``, and the
+refusal at creation of a job that fits none of the accelerators the operator declared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service import memoryplan
+from service.schemas import Hyperparameters
+from tests.helpers.api import assert_error, upload_ok
+from tests.helpers.data import job_body
+
+
+
+@pytest.fixture
+def shape(models_dir: Path) -> memoryplan.Shape:
+    return memoryplan.model_shape(models_dir / "tiny-policy")
+
+
+def test_the_shape_is_read_from_the_files_as_torch_counts_it(shape: memoryplan.Shape, models_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models_dir / "tiny-policy")
+    assert shape.parameters == sum(p.numel() for p in model.parameters())  # tied head counted once
+    linear = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if type(m).__name__ == "Linear"}
+    linear.pop("lm_head")
+    assert {name: (i, o) for name, i, o in shape.linear} == linear
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.kv_width, shape.vocab, shape.context) == (
+        2,
+        64,
+        256,
+        64,
+        512,
+        256,
+    )
+
+
+def _hp(**values: Any) -> Any:
+    return Hyperparameters(**values).resolved()
+
+
+def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memoryplan.Shape) -> None:
+    # batch 4 x k 2 = 8 rows of 200 + 8 = 208 tokens, micro-batches of 2 prompts = 4 rows, fp32 (cpu).
+    hp = _hp(batch_size=4, rloo_k=2, gradient_accumulation_steps=2, max_prompt_length=200, max_new_tokens=8)
+    out = memoryplan.plan(shape, hp, method="reinforcement", device="cpu")
+    p = shape.parameters
+    per_layer = 9 * 64 + 4 * 64 + 4 * 256  # 1856 values a token a layer
+    assert out["bytes"] == {
+        "weights": 4 * p,
+        "gradients": 4 * p,
+        "optimizer": 8 * p,
+        "reference": 4 * p,  # kl_coef 0.05: a frozen copy
+        "kv_cache": 4 * 2 * 2 * 64 * 208 * 8,
+        "activations": 4 * 4 * 208 * 2 * per_layer + 4 * 4 * 208 * 512 * 3,
+    }
+    assert out["bytes_per_device"] == 20 * p + out["bytes"]["activations"]  # the larger of the two
+    assert out["step_flops"] == {
+        "generate": 2 * p * 8 * 8,
+        "reference": 2 * p * 8 * 208,
+        "update": 6 * p * 8 * 208,
+        "total": 2 * p * 8 * 8 + 8 * p * 8 * 208,
+    }
+
+
+def test_lora_trains_only_its_adapters_and_needs_no_reference_copy(shape: memoryplan.Shape) -> None:
+    hp = _hp(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, gradient_checkpointing=True)
+    out = memoryplan.plan(shape, hp, method="reinforcement", device="cuda")
+    trainable = 2 * 2 * 4 * (64 + 64)  # 2 layers x (q_proj, v_proj) x r (in + out)
+    assert out["trainable_parameters"] == trainable
+    assert out["bytes"]["gradients"] == 4 * trainable and out["bytes"]["optimizer"] == 8 * trainable
+    assert out["bytes"]["reference"] == 0
+    everything = memoryplan.plan(shape, _hp(lora={"r": 4}), method="reinforcement", device="cuda")
+    assert everything["trainable_parameters"] == sum(4 * (i + o) for _, i, o in shape.linear)  # all-linear
+    # bf16 on CUDA halves the activations; checkpointing keeps each layer's input and one layer whole.
+    rows, seq = 8 * 4, 256  # 512 + 64 tokens, cut to the context
+    assert out["bytes"]["activations"] == 2 * rows * seq * (2 * 64 + 1856) + 4 * rows * seq * 512 * 3
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # nothing backend-specific
+def test_estimate_answers_the_plan_and_a_job_too_large_for_every_accelerator_is_refused(
+    client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.settings import get_settings
+
+    file_id = upload_ok(client, auth)["id"]
+    r = client.post("/v1/fine_tuning/jobs/estimate", json=job_body(file_id), headers=auth)
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["object"] == "fine_tuning.job.estimate" and plan["model"] == "tiny-policy" and plan["fits"] == {}
+    assert plan["bytes_per_device"] > plan["bytes"]["weights"] > 0
+    assert client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"] == []  # nothing created
+
+    need = plan["bytes_per_device"] / 2**30
+    monkeypatch.setenv("RLOO_ACCELERATORS", f'{{"small": {need / 2}, "big": {need * 2}}}')
+    get_settings.cache_clear()
+    assert client.post("/v1/fine_tuning/jobs/estimate", json=job_body(file_id), headers=auth).json()["fits"] == {
+        "small": False,
+        "big": True,
+    }
+    assert client.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers=auth).status_code == 200
+    monkeypatch.setenv("RLOO_ACCELERATORS", f'{{"small": {need / 2}}}')
+    get_settings.cache_clear()
+    error = assert_error(
+        client.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers=auth),
+        400,
+        code="insufficient_memory",
+        param="method.reinforcement.hyperparameters",
+    )
+    assert "GiB a device" in error["message"] and "lora" in error["message"] and "small" in error["message"]
+    # A LoRA job with gradient checkpointing and small micro-batches fits where the full one did not.
+    lean = job_body(
+        file_id, hp={"lora": {"r": 4}, "gradient_checkpointing": True, "gradient_accumulation_steps": 8, "kl_coef": 0}
+    )
+    r = client.post("/v1/fine_tuning/jobs/estimate", json=lean, headers=auth)
+    assert r.json()["bytes_per_device"] < plan["bytes_per_device"]
