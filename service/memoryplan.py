@@ -12,9 +12,10 @@ device (as jobs run today):
   its adapter off instead, and ``kl_coef`` 0 loads none);
 * ``kv_cache``: sampling the step's ``batch_size`` × ``rloo_k`` rows to ``max_new_tokens``;
 * ``activations``: one micro-batch's backward (``batch_size / gradient_accumulation_steps`` prompts
-  of ``rloo_k`` rows), layer by layer, or only each layer's input under gradient checkpointing, and
-  the logits with their log-softmax; generation and the update do not overlap, so the larger of the
-  two counts.
+  of ``rloo_k`` rows), layer by layer (a prompt's tokens once for its k rows, as the update shares
+  the prefix), or only each layer's input under gradient checkpointing (which shares no prefix), and
+  the scored positions' logits with their log-softmax; generation and the update do not overlap, so
+  the larger of the two counts.
 
 Sequences are taken at the longest the settings allow: ``max_prompt_length`` + ``max_new_tokens``
 (within the model's context). A file of short prompts uses less.
@@ -144,11 +145,18 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda") -> dict[st
     # Saved for backward a token a layer: the norms' and projections' inputs and outputs, the
     # attention's q, k, v and output, the MLP's four intermediate tensors (~9h + 4kv + 4i values).
     per_layer = 9 * shape.hidden + 4 * shape.kv_width + 4 * shape.intermediate
+    k = hp.rloo_k if reinforcement else 1
     if hp.gradient_checkpointing:
+        # Each layer's input kept, one layer recomputed at a time; every row takes its whole sequence
+        # (checkpointed layers keep no cache, so the k rows of a prompt cannot share its prefix).
         layer_bytes = act * micro_rows * seq * (shape.layers * shape.hidden + per_layer)
     else:
-        layer_bytes = act * micro_rows * seq * shape.layers * per_layer
-    logits = 4 * micro_rows * seq * shape.vocab * 3  # fp32 logits, their log-softmax, its gradient
+        # A prompt's tokens pass once for its k rows (the update shares the prefix), each row's own
+        # completion after it.
+        tokens = (micro_rows // k) * (seq - new_tokens) + micro_rows * new_tokens if reinforcement else micro_rows * seq
+        layer_bytes = act * tokens * shape.layers * per_layer
+    scored = new_tokens if reinforcement else seq  # the positions whose log-probs the loss reads
+    logits = 4 * micro_rows * scored * shape.vocab * 3  # fp32 logits, their log-softmax, its gradient
     parts = {
         "weights": 4 * shape.parameters,
         "gradients": 4 * trainable,

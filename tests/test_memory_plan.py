@@ -15,7 +15,6 @@ from tests.helpers.api import assert_error, upload_ok
 from tests.helpers.data import job_body
 
 
-
 @pytest.fixture
 def shape(models_dir: Path) -> memoryplan.Shape:
     return memoryplan.model_shape(models_dir / "tiny-policy")
@@ -55,7 +54,8 @@ def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memoryplan.Shape) -
         "optimizer": 8 * p,
         "reference": 4 * p,  # kl_coef 0.05: a frozen copy
         "kv_cache": 4 * 2 * 2 * 64 * 208 * 8,
-        "activations": 4 * 4 * 208 * 2 * per_layer + 4 * 4 * 208 * 512 * 3,
+        # 2 prompts' 200 tokens once, the 4 rows' 8 completion tokens each; logits of the 4 x 8 scored.
+        "activations": 4 * (2 * 200 + 4 * 8) * 2 * per_layer + 4 * 4 * 8 * 512 * 3,
     }
     assert out["bytes_per_device"] == 20 * p + out["bytes"]["activations"]  # the larger of the two
     assert out["step_flops"] == {
@@ -75,9 +75,10 @@ def test_lora_trains_only_its_adapters_and_needs_no_reference_copy(shape: memory
     assert out["bytes"]["reference"] == 0
     everything = memoryplan.plan(shape, _hp(lora={"r": 4}), method="reinforcement", device="cuda")
     assert everything["trainable_parameters"] == sum(4 * (i + o) for _, i, o in shape.linear)  # all-linear
-    # bf16 on CUDA halves the activations; checkpointing keeps each layer's input and one layer whole.
+    # bf16 on CUDA halves the activations; checkpointing keeps each layer's input and one layer whole,
+    # every row its whole sequence.
     rows, seq = 8 * 4, 256  # 512 + 64 tokens, cut to the context
-    assert out["bytes"]["activations"] == 2 * rows * seq * (2 * 64 + 1856) + 4 * rows * seq * 512 * 3
+    assert out["bytes"]["activations"] == 2 * rows * seq * (2 * 64 + 1856) + 4 * rows * 64 * 512 * 3
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # nothing backend-specific
