@@ -13,6 +13,7 @@
    and per event, delivery latency, memory per stream (``benchmarks.streams``).
 7. ``serving``: chat completions streamed through the service, one and 8 at once, against
    ``generate`` called directly (``benchmarks.serving``).
+8. ``memory_plan``: a job's memory plan against its measured peak (``benchmarks.memory_plan``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -58,6 +59,7 @@ SUBPROCESS_SECTIONS = {
     "isolation": "benchmarks.isolation",
     "streams": "benchmarks.streams",
     "serving": "benchmarks.serving",
+    "memory_plan": "benchmarks.memory_plan",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -209,7 +211,16 @@ def main() -> None:
     if sys.argv[1:2] == ["--engine-case"]:
         _engine_case(sys.argv[2])
         return
-    sections = sys.argv[1:] or ["engine", "reference_memory", "service", "api", "isolation", "streams", "serving"]
+    sections = sys.argv[1:] or [
+        "engine",
+        "reference_memory",
+        "service",
+        "api",
+        "isolation",
+        "streams",
+        "serving",
+        "memory_plan",
+    ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {platform.python_version()}",

@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+RUNTIME = {"cpu": 200 * 2**20, "cuda": 2**30}
+"""What a training process holds besides its tensors: measured on the CPU here (the tiny model's peak
+above its pre-load baseline is ~210 MiB, whatever its settings); on CUDA, the context and the caching
+allocator's slack, an allowance not yet measured on a GPU."""
 HEADROOM = 0.9
 """The share of a device's memory a plan may fill: allocators, CUDA context and fragmentation
 take the rest."""
@@ -164,6 +168,7 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda") -> dict[st
         "reference": 4 * shape.parameters if needs_reference else 0,
         "kv_cache": act * 2 * shape.layers * shape.kv_width * seq * rows if reinforcement else 0,
         "activations": layer_bytes + logits,
+        "runtime": RUNTIME.get(device, RUNTIME["cuda"]),
     }
     per_device = sum(v for k, v in parts.items() if k not in ("kv_cache", "activations"))
     per_device += max(parts["kv_cache"], parts["activations"])
@@ -217,6 +222,7 @@ def for_job(
         "object": "fine_tuning.job.estimate",
         "model": base_model,
         "method": method,
+        "device": "cuda",  # bf16 activations where precision is auto, as a GPU worker runs it
         "devices": 1,
         **out,
         "fits": fits(out["bytes_per_device"], accelerators),

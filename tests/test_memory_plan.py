@@ -56,8 +56,9 @@ def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memoryplan.Shape) -
         "kv_cache": 4 * 2 * 2 * 64 * 208 * 8,
         # 2 prompts' 200 tokens once, the 4 rows' 8 completion tokens each; logits of the 4 x 8 scored.
         "activations": 4 * (2 * 200 + 4 * 8) * 2 * per_layer + 4 * 4 * 8 * 512 * 3,
+        "runtime": 200 * 2**20,
     }
-    assert out["bytes_per_device"] == 20 * p + out["bytes"]["activations"]  # the larger of the two
+    assert out["bytes_per_device"] == 20 * p + out["bytes"]["activations"] + 200 * 2**20  # the larger of the two
     assert out["step_flops"] == {
         "generate": 2 * p * 8 * 8,
         "reference": 2 * p * 8 * 208,
