@@ -60,17 +60,10 @@ def _case(models: str, model: str, case: str) -> None:
         prompts.write_text(
             "".join(json.dumps({"prompt": "the cat and the dog sat on the red mat " * 40}) + "\n" for _ in range(16))
         )
-        grader = {
-            "type": "string_check",
-            "name": "a",
-            "input": "{{ sample.output_text }}",
-            "reference": "a",
-            "operation": "like",
-        }
         cfg = TrainConfig(
             model=model,
             training_file=prompts,
-            grader=parse_grader(grader),
+            grader=parse_grader(PLACEHOLDER_GRADER),
             hyperparameters=hp,
             output_dir=Path(tmp) / "out",
             models_dir=Path(models),
