@@ -46,6 +46,7 @@ def _case(models: str, model: str, case: str) -> None:
     import torch  # noqa: F401 - imported before the baseline, as the worker has it
     import transformers  # noqa: F401
 
+    from benchmarks.common import PLACEHOLDER_GRADER
     from service import memoryplan
     from service.graders import parse_grader
     from service.schemas import Hyperparameters
