@@ -1,8 +1,9 @@
 """Inference through real processes (the API under uvicorn, a training worker, an inference worker
-with its supervisor): a job's latest checkpoint sampled while the job runs; a key at its limit of
-requests in flight (429) whose client goes away mid-stream and frees its place at once; an inference
-worker killed mid-request (503, or an error event once the stream began) and a new one serving the
-next request, while the training job goes on."""
+with its supervisor), in this order: a job's latest checkpoint sampled while the job runs; an
+inference worker killed mid-request (503, or an error event once the stream began) and a new one
+serving the next request, while that training job goes on (then it is cancelled, freeing the
+training worker); a key at its limit of requests in flight (429) whose client goes away mid-stream
+and frees its place at once; an evaluation of a trained job's checkpoints."""
 
 from __future__ import annotations
 
@@ -80,6 +81,41 @@ def test_a_running_jobs_latest_checkpoint_is_sampled_while_it_trains(stack: Live
     stack.shared_job = job["id"]  # type: ignore[attr-defined]  # the kill test checks it goes on
 
 
+def test_an_inference_worker_killed_mid_request_fails_it_and_a_new_one_serves_the_next(stack: LiveStack) -> None:
+    victim = _serving_process(stack)
+    results: list[httpx.Response] = []
+
+    def wait() -> None:
+        with stack.http as http:
+            http.timeout = httpx.Timeout(60)
+            results.append(http.post("/completions", json=LONG))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(1.5)
+    os.kill(victim, signal.SIGKILL)
+    waiting.join(timeout=60)
+    assert results and results[0].status_code == 503, results[0].text if results else stack.log_tail()
+    assert results[0].json()["error"]["code"] == "worker_lost"
+    victim = _serving_process(stack, other_than=victim)
+    _served_again(stack)
+    # Streamed: the 200 was sent, so the failure comes as an error event, as OpenAI's streams carry one.
+    with stack.http as http, http.stream("POST", "/completions", json={**LONG, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(victim, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    assert rest and json.loads(rest[-1].removeprefix("data: "))["error"]["code"] == "worker_lost", rest[-3:]
+    _serving_process(stack, other_than=victim)
+    _served_again(stack)
+    job_id: Any = getattr(stack, "shared_job", None)
+    if job_id is not None:  # the training job never noticed
+        with stack.http as http:
+            job = http.get(f"/fine_tuning/jobs/{job_id}").json()
+            assert job["status"] in ("running", "succeeded"), job
+            http.post(f"/fine_tuning/jobs/{job_id}/cancel")
+
+
 def test_a_key_at_its_limit_is_429_and_a_client_that_leaves_frees_its_place_at_once(stack: LiveStack) -> None:
     with stack.http as http, http.stream("POST", "/completions", json={**LONG, "stream": True}) as first:
         assert first.status_code == 200
@@ -140,38 +176,3 @@ def test_an_evaluation_scores_the_starting_model_and_every_checkpoint_on_a_file(
         assert row["samples"] == 6 and 0 <= row["reward_mean"] <= 1 and row["reward_std_error"] >= 0
         assert row["grader_means"]["answer"] == pytest.approx(row["reward_mean"])  # one grader: the reward
         assert row["completion_length_mean"] > 0
-
-
-def test_an_inference_worker_killed_mid_request_fails_it_and_a_new_one_serves_the_next(stack: LiveStack) -> None:
-    victim = _serving_process(stack)
-    results: list[httpx.Response] = []
-
-    def wait() -> None:
-        with stack.http as http:
-            http.timeout = httpx.Timeout(60)
-            results.append(http.post("/completions", json=LONG))
-
-    waiting = threading.Thread(target=wait)
-    waiting.start()
-    time.sleep(1.5)
-    os.kill(victim, signal.SIGKILL)
-    waiting.join(timeout=60)
-    assert results and results[0].status_code == 503, results[0].text if results else stack.log_tail()
-    assert results[0].json()["error"]["code"] == "worker_lost"
-    victim = _serving_process(stack, other_than=victim)
-    _served_again(stack)
-    # Streamed: the 200 was sent, so the failure comes as an error event, as OpenAI's streams carry one.
-    with stack.http as http, http.stream("POST", "/completions", json={**LONG, "stream": True}) as stream:
-        lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")
-        os.kill(victim, signal.SIGKILL)
-        rest = [line for line in lines if line]
-    assert rest and json.loads(rest[-1].removeprefix("data: "))["error"]["code"] == "worker_lost", rest[-3:]
-    _serving_process(stack, other_than=victim)
-    _served_again(stack)
-    job_id: Any = getattr(stack, "shared_job", None)
-    if job_id is not None:  # the training job never noticed
-        with stack.http as http:
-            job = http.get(f"/fine_tuning/jobs/{job_id}").json()
-            assert job["status"] in ("running", "succeeded"), job
-            http.post(f"/fine_tuning/jobs/{job_id}/cancel")
