@@ -56,6 +56,16 @@ def model_not_found(model_id: str) -> APIError:
     )
 
 
+def no_inference_worker(needed_for: str) -> APIError:
+    """503 when work for an inference worker finds none running: what it was needed for, how to start one."""
+    return APIError(
+        503,
+        f"{needed_for}: start one with `rloo worker --serve` (`rloo up` starts one).",
+        code="no_inference_worker",
+        headers={"Retry-After": "5"},
+    )
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from service import finetuned, inference
-from service.errors import APIError
+from service.errors import APIError, no_inference_worker
 from service.models import Checkpoint
 from service.settings import Settings
 
@@ -42,13 +42,7 @@ def merged(session: Session, settings: Settings, *, project_seq: int, checkpoint
     try:
         answer = inference.ask(envelope, timeout=settings.inference_timeout_seconds)
     except inference.NoWorker:
-        raise APIError(
-            503,
-            "Merging an adapter needs an inference worker: start one with `rloo worker --serve` "
-            "(`rloo up` starts one).",
-            code="no_inference_worker",
-            headers={"Retry-After": "5"},
-        ) from None
+        raise no_inference_worker("Merging an adapter needs an inference worker") from None
     except (inference.WorkerLost, inference.TimedOut):
         raise APIError(
             503,

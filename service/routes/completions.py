@@ -27,7 +27,7 @@ from service import inference, servable
 from service.crud import Caller
 from service.db import run_db
 from service.deps import ProjectDep, SessionDep, SettingsDep
-from service.errors import APIError, error_body
+from service.errors import APIError, error_body, no_inference_worker
 from service.responses import JSON
 from service.routing import StrictJSONRoute
 from service.sampling import ChatCompletionCreate, CompletionCreate, Sampling
@@ -183,12 +183,7 @@ async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, 
             token_cap=settings.inference_max_tokens_in_flight,
         )
     except inference.NoWorker:
-        raise APIError(
-            503,
-            "No inference worker is running: start one with `rloo worker --serve` (`rloo up` starts one).",
-            code="no_inference_worker",
-            headers={"Retry-After": "5"},
-        ) from None
+        raise no_inference_worker("No inference worker is running") from None
     except inference.Refused as refused:
         limit = (
             f"{settings.inference_max_concurrent} requests in flight (RLOO_INFERENCE_MAX_CONCURRENT)"
