@@ -11,7 +11,14 @@ from service import finetuned, graders
 from service.datasets import first_line_not
 from service.errors import bad_request
 from service.modelroot import model_context, resolve_model
-from service.schemas import AnyResolved, Hyperparameters, JobCreate, ResolvedHyperparameters, least_rloo_k
+from service.schemas import (
+    AnyResolved,
+    Hyperparameters,
+    JobCreate,
+    ResolvedHyperparameters,
+    Resources,
+    least_rloo_k,
+)
 from service.settings import Settings
 
 
@@ -67,6 +74,8 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
         raise bad_request("eval_interval needs a validation_file to score.", f"{hp_param}.eval_interval")
     if isinstance(hp, ResolvedHyperparameters):
         _check_reinforcement(hp, hp_param)
+    if body.resources is not None:
+        check_resources(body.resources, hp, method.type, settings)
     if hp.batch_size % hp.gradient_accumulation_steps:
         raise bad_request(
             f"gradient_accumulation_steps ({hp.gradient_accumulation_steps}) must divide batch_size "
@@ -79,6 +88,35 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
             f"{hp_param}.gradient_accumulation_steps",
         )
     return grader, hp
+
+
+def check_resources(resources: Resources, hp: AnyResolved, kind: str, settings: Settings) -> None:
+    """The devices a job asks for: a kind the operator declared (when they declared any), and a
+    batch the ranks can share: each rank takes ``batch_size / gpus`` whole prompts (with their
+    ``rloo_k`` completions), in ``gradient_accumulation_steps`` micro-batches."""
+    declared = settings.accelerators or {}
+    if resources.accelerator is not None and declared and resources.accelerator not in declared:
+        raise bad_request(
+            f"No accelerator kind '{resources.accelerator}' here; this deployment declares "
+            f"{', '.join(sorted(declared))} (RLOO_ACCELERATORS). Name one of them, or leave accelerator out for any.",
+            "resources.accelerator",
+        )
+    if resources.gpus == 1:
+        return
+    if kind not in ("reinforcement", "rloo"):
+        raise bad_request(
+            f"resources.gpus > 1 runs the RLOO loop on several ranks; a {kind} job runs on one device. "
+            "Set resources.gpus to 1.",
+            "resources.gpus",
+        )
+    share = resources.gpus * hp.gradient_accumulation_steps
+    if hp.batch_size % share:
+        raise bad_request(
+            f"batch_size ({hp.batch_size}) must be a multiple of resources.gpus x gradient_accumulation_steps "
+            f"({resources.gpus} x {hp.gradient_accumulation_steps} = {share}): each rank takes whole prompts, "
+            "the same number in each of its micro-batches.",
+            f"method.{kind}.hyperparameters.batch_size",
+        )
 
 
 def check_context(body: JobCreate, model: Path | str) -> None:

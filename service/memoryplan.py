@@ -128,8 +128,11 @@ def _targeted(shape: Shape, targets: list[str] | str) -> list[tuple[str, int, in
     return [layer for layer in shape.linear if any(re.search(rf"(^|\.){re.escape(t)}$", layer[0]) for t in names)]
 
 
-def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda") -> dict[str, Any]:
-    """The plan of a job of ``method`` with resolved hyperparameters ``hp``, in bytes per device."""
+def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda", devices: int = 1) -> dict[str, Any]:
+    """The plan of a job of ``method`` with resolved hyperparameters ``hp``, in bytes per device, on
+    ``devices`` ranks: weights, gradients, optimizer state and the reference sharded N ways (FSDP2),
+    each rank holding its share of the batch's rows (and, while one layer computes, that layer's
+    whole weights: the all-gathered layer is counted with the runtime's buffers, under ``weights``)."""
     lora = getattr(hp, "lora", None)
     if lora is not None:
         trainable = sum(lora.r * (i + o) for _, i, o in _targeted(shape, lora.target_modules))
@@ -137,7 +140,8 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda") -> dict[st
         trainable = shape.parameters
     reinforcement = method in ("reinforcement", "rloo")
     rows = hp.batch_size * (hp.rloo_k if reinforcement else 2 if method == "dpo" else 1)  # DPO: both answers
-    micro_rows = rows // max(1, hp.gradient_accumulation_steps)
+    rank_rows = rows // devices  # each rank's share: whole prompts (jobspec.check_resources)
+    micro_rows = rank_rows // max(1, hp.gradient_accumulation_steps)
     new_tokens = hp.max_new_tokens if reinforcement else 0
     prompt = hp.max_prompt_length if reinforcement else (getattr(hp, "max_length", None) or shape.context or 2048)
     seq = prompt + new_tokens
@@ -161,12 +165,13 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda") -> dict[st
         layer_bytes = act * tokens * shape.layers * per_layer
     scored = new_tokens if reinforcement else seq  # the positions whose log-probs the loss reads
     logits = 4 * micro_rows * scored * shape.vocab * 3  # fp32 logits, their log-softmax, its gradient
+    gathered = 4 * shape.parameters // shape.layers if devices > 1 else 0  # one layer all-gathered at a time
     parts = {
-        "weights": 4 * shape.parameters,
-        "gradients": 4 * trainable,
-        "optimizer": 8 * trainable,
-        "reference": 4 * shape.parameters if needs_reference else 0,
-        "kv_cache": act * 2 * shape.layers * shape.kv_width * seq * rows if reinforcement else 0,
+        "weights": -(-4 * shape.parameters // devices) + gathered,
+        "gradients": -(-4 * trainable // devices),
+        "optimizer": -(-8 * trainable // devices),
+        "reference": -(-4 * shape.parameters // devices) if needs_reference else 0,
+        "kv_cache": act * 2 * shape.layers * shape.kv_width * seq * rank_rows if reinforcement else 0,
         "activations": layer_bytes + logits,
         "runtime": RUNTIME.get(device, RUNTIME["cuda"]),
     }
@@ -182,6 +187,7 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda") -> dict[st
         "parameters": shape.parameters,
         "trainable_parameters": trainable,
         "sequence_length": seq,
+        "devices": devices,
         "rows_per_step": rows,
         "rows_per_micro_batch": micro_rows,
         "bytes": parts,
@@ -202,28 +208,37 @@ def what_to_change(hp: Any, parts: dict[str, int]) -> str:
         advice.append("train a LoRA adapter (lora: {r: 16}) instead of every weight")
     if not hp.gradient_checkpointing and parts["activations"] >= parts["kv_cache"]:
         advice.append("set gradient_checkpointing: true")
+    advice.append("shard it over more devices (resources.gpus)")
     advice.append("raise gradient_accumulation_steps or lower batch_size, rloo_k, max_new_tokens or max_prompt_length")
     return "; ".join(advice)
 
 
 def for_job(
-    models_dir: Path, base_model: str, hp: Any, *, method: str, accelerators: dict[str, float]
+    models_dir: Path,
+    base_model: str,
+    hp: Any,
+    *,
+    method: str,
+    accelerators: dict[str, float],
+    devices: int = 1,
+    accelerator: str | None = None,
 ) -> dict[str, Any]:
-    """The answer of ``POST /v1/fine_tuning/jobs/estimate``: the plan, and which declared kinds hold it.
-    Raises ``UnknownShape`` when the base model's files do not say its shape."""
+    """The answer of ``POST /v1/fine_tuning/jobs/estimate``: the plan on ``devices`` ranks, and which
+    declared kinds hold it (only ``accelerator``, when the job names one). Raises ``UnknownShape``
+    when the base model's files do not say its shape."""
     from service.storage import confined
 
     try:
         directory = confined(models_dir, base_model)
     except ValueError:
         raise UnknownShape("it is not under the models root") from None
-    out = plan(model_shape(directory), hp, method=method)
+    out = plan(model_shape(directory), hp, method=method, devices=devices)
+    kinds = {accelerator: accelerators[accelerator]} if accelerator in accelerators else accelerators
     return {
         "object": "fine_tuning.job.estimate",
         "model": base_model,
         "method": method,
         "device": "cuda",  # bf16 activations where precision is auto, as a GPU worker runs it
-        "devices": 1,
         **out,
-        "fits": fits(out["bytes_per_device"], accelerators),
+        "fits": fits(out["bytes_per_device"], kinds),
     }

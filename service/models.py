@@ -103,6 +103,8 @@ class Job(Base):
     # DELETE /v1/models/{fine_tuned_model}: the model is gone from /v1/models and cannot start jobs.
     model_deleted_at: Mapped[int | None] = mapped_column(BigInteger)
     integrations: Mapped[list[Any] | None] = mapped_column(JSON)
+    # {gpus, accelerator} as the job asked (schemas.Resources); null: one device of any kind.
+    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     worker: Mapped[str | None] = mapped_column(String(256))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # Times its worker died while running it (killed, out of memory, host gone); RLOO_MAX_JOB_CRASHES fails it.

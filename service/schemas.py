@@ -409,6 +409,22 @@ class Integration(Strict):
     wandb: WandbSpec
 
 
+ACCELERATOR_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
+
+
+class Resources(Strict):
+    """Our extension key ``resources``: the devices a job runs on. ``gpus`` ranks, one process a
+    device (on a CPU host, ``gpus: 2`` means two processes); ``accelerator`` the kind of device, as
+    the workers name theirs (``rloo worker --accelerator``), none meaning any kind."""
+
+    gpus: int = Field(1, ge=1, le=64, description="Devices (one rank each) the job runs on; on a CPU host, processes.")
+    accelerator: str | None = Field(
+        None,
+        pattern=ACCELERATOR_PATTERN,
+        description="The kind of device (e.g. 'h100'), as workers name theirs; none means any kind.",
+    )
+
+
 class JobCreate(Strict):
     model: str = Field(min_length=1, max_length=512, description="Model directory under the models root.")
     training_file: str = Field(min_length=1, max_length=64)
@@ -420,6 +436,7 @@ class JobCreate(Strict):
     # OpenAI's deprecated spelling of a supervised job's hyperparameters (method.supervised.hyperparameters).
     hyperparameters: SupervisedHyperparameters | None = None
     integrations: list[Integration] | None = Field(None, max_length=5)
+    resources: Resources | None = Field(None, description="Our extension: the devices the job runs on.")
 
     @model_validator(mode="after")
     def _default_method(self) -> JobCreate:

@@ -119,3 +119,62 @@ def test_estimate_answers_the_plan_and_a_job_too_large_for_every_accelerator_is_
     )
     r = client.post("/v1/fine_tuning/jobs/estimate", json=lean, headers=auth)
     assert r.json()["bytes_per_device"] < plan["bytes_per_device"]
+
+
+def test_sharding_over_devices_divides_the_states_and_each_rank_holds_its_rows(shape: memoryplan.Shape) -> None:
+    hp = _hp(batch_size=4, rloo_k=2, gradient_accumulation_steps=2, max_prompt_length=200, max_new_tokens=8)
+    one = memoryplan.plan(shape, hp, method="reinforcement", device="cpu")
+    two = memoryplan.plan(shape, hp, method="reinforcement", device="cpu", devices=2)
+    p = shape.parameters
+    assert two["devices"] == 2 and one["devices"] == 1
+    assert two["bytes"]["weights"] == -(-4 * p // 2) + 4 * p // shape.layers  # its shard, one layer gathered
+    assert two["bytes"]["gradients"] == -(-4 * p // 2) and two["bytes"]["optimizer"] == -(-8 * p // 2)
+    assert two["bytes"]["reference"] == -(-4 * p // 2)
+    assert two["bytes"]["kv_cache"] == one["bytes"]["kv_cache"] // 2  # 4 of the 8 rows a rank
+    assert two["rows_per_micro_batch"] == one["rows_per_micro_batch"] // 2
+    assert two["step_flops"] == one["step_flops"]  # the same work, spread
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # nothing backend-specific
+def test_a_job_asks_for_devices_and_is_refused_what_the_ranks_cannot_share(
+    client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.settings import get_settings
+
+    file_id = upload_ok(client, auth)["id"]
+    plain = client.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers=auth).json()
+    assert plain["resources"] == {"gpus": 1, "accelerator": None}
+    body = job_body(file_id, hp={"batch_size": 4}, resources={"gpus": 2})
+    job = client.post("/v1/fine_tuning/jobs", json=body, headers=auth).json()
+    assert job["resources"] == {"gpus": 2, "accelerator": None}
+    assert client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth).json()["resources"] == job["resources"]
+    plan = client.post("/v1/fine_tuning/jobs/estimate", json=body, headers=auth).json()
+    assert plan["devices"] == 2
+
+    error = assert_error(
+        client.post(
+            "/v1/fine_tuning/jobs",
+            json=job_body(file_id, hp={"batch_size": 4, "gradient_accumulation_steps": 4}, resources={"gpus": 2}),
+            headers=auth,
+        ),
+        400,
+        param="method.reinforcement.hyperparameters.batch_size",
+    )
+    assert "2 x 4 = 8" in error["message"]
+    supervised = {"model": "tiny-policy", "training_file": file_id, "resources": {"gpus": 2}}
+    assert_error(client.post("/v1/fine_tuning/jobs", json=supervised, headers=auth), 400, param="resources.gpus")
+    for bad in ({"gpus": 0}, {"gpus": 65}, {"accelerator": "H 100"}, {"cpus": 2}):
+        r = client.post("/v1/fine_tuning/jobs", json=job_body(file_id, resources=bad), headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("resources"), r.text
+
+    # A kind the operator did not declare; a declared kind narrows the plan's fits to it.
+    monkeypatch.setenv("RLOO_ACCELERATORS", '{"h100": 80, "l4": 24}')
+    get_settings.cache_clear()
+    error = assert_error(
+        client.post("/v1/fine_tuning/jobs", json=job_body(file_id, resources={"accelerator": "a100"}), headers=auth),
+        400,
+        param="resources.accelerator",
+    )
+    assert "h100, l4" in error["message"]
+    r = client.post("/v1/fine_tuning/jobs/estimate", json=job_body(file_id, resources={"accelerator": "l4"}), headers=auth)
+    assert r.json()["fits"] == {"l4": True}

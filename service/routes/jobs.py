@@ -22,7 +22,7 @@ from service.lifecycle import JobStatus
 from service.models import Checkpoint, File, Job, JobEvent
 from service.responses import JSON, page
 from service.routing import StrictJSONRoute
-from service.schemas import JobCreate
+from service.schemas import JobCreate, Resources
 from service.storage import confined
 from service.tarstream import TarLayout, tar_response
 
@@ -57,8 +57,14 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
         "estimated_finish": estimated,
         "error": job.error,
         "integrations": job.integrations or [],
+        "resources": resources_answer(job.resources),
         "progress": {"step": job.step, "total_steps": job.total_steps},
     }
+
+
+def resources_answer(stored: dict[str, Any] | None) -> dict[str, Any]:
+    """A job's ``resources`` as answered: as asked, or one device of any kind."""
+    return {"gpus": 1, "accelerator": None, **(stored or {})}
 
 
 def method_answer(method: dict[str, Any]) -> dict[str, Any]:
@@ -94,11 +100,7 @@ def estimate_job(session: SessionDep, project: ProjectDep, settings: SettingsDep
     _, hp = jobspec.check_spec(body, settings=settings)
     base_model = _base_model(session, project, settings, body)
     try:
-        return JSON(
-            memoryplan.for_job(
-                settings.models_dir, base_model, hp, method=body.method_.type, accelerators=settings.accelerators
-            )
-        )
+        return JSON(_plan(settings, base_model, hp, body))
     except memoryplan.UnknownShape as exc:
         raise bad_request(f"The memory of a job on '{base_model}' cannot be planned: {exc}.", "model") from None
 
@@ -122,7 +124,7 @@ def create_job(
     base_model = _base_model(session, project, settings, body)
     method = body.method_
     kind = method.type
-    _check_memory(settings, base_model, hp, kind)
+    _check_memory(settings, base_model, hp, body)
     training = _file(session, project, body.training_file, "training_file")
     validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
     for f, which in ((training, "training_file"), (validation, "validation_file")):
@@ -148,6 +150,7 @@ def create_job(
         suffix=body.suffix,
         metadata_=body.metadata,
         integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
+        resources=body.resources.model_dump() if body.resources else None,
         method=method_object,
         hyperparameters=stored_hp,
         status=JobStatus.QUEUED.value,
@@ -212,25 +215,40 @@ def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, bod
     return source.base_model
 
 
-def _check_memory(settings: SettingsDep, base_model: str, hp: Any, kind: str) -> None:
+def _plan(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> dict[str, Any]:
+    """The job's memory plan on the devices it asks for (``resources``)."""
+    resources = body.resources or Resources()
+    return memoryplan.for_job(
+        settings.models_dir,
+        base_model,
+        hp,
+        method=body.method_.type,
+        accelerators=settings.accelerators,
+        devices=resources.gpus,
+        accelerator=resources.accelerator,
+    )
+
+
+def _check_memory(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> None:
     """A job whose memory plan fits no accelerator kind the operator declared (RLOO_ACCELERATORS) is
     a 400 now, not a failure hours later (``service.memoryplan``). A model whose shape its files do
     not say (a hub id) is not checked."""
     if not settings.accelerators:
         return
+    kind = body.method_.type
     try:
-        estimate = memoryplan.for_job(
-            settings.models_dir, base_model, hp, method=kind, accelerators=settings.accelerators
-        )
+        estimate = _plan(settings, base_model, hp, body)
     except memoryplan.UnknownShape:
         return
     if any(estimate["fits"].values()):
         return
     need = estimate["bytes_per_device"] / 2**30
-    largest = max(settings.accelerators.items(), key=lambda kv: kv[1])
+    considered = {kind: settings.accelerators[kind] for kind in estimate["fits"]}
+    largest = max(considered.items(), key=lambda kv: kv[1])
     raise bad_request(
-        f"This job needs about {need:.1f} GiB a device (POST /v1/fine_tuning/jobs/estimate shows the parts); the "
-        f"largest accelerator here is {largest[0]} with {largest[1]:g} GiB, {memoryplan.HEADROOM:.0%} of it usable. "
+        f"This job needs about {need:.1f} GiB a device on {estimate['devices']} device(s) (POST "
+        f"/v1/fine_tuning/jobs/estimate shows the parts); the largest accelerator it may run on is {largest[0]} "
+        f"with {largest[1]:g} GiB, {memoryplan.HEADROOM:.0%} of it usable. "
         f"To fit: {memoryplan.what_to_change(hp, estimate['bytes'])}.",
         f"method.{kind}.hyperparameters",
         "insufficient_memory",
