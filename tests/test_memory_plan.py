@@ -176,5 +176,7 @@ def test_a_job_asks_for_devices_and_is_refused_what_the_ranks_cannot_share(
         param="resources.accelerator",
     )
     assert "h100, l4" in error["message"]
-    r = client.post("/v1/fine_tuning/jobs/estimate", json=job_body(file_id, resources={"accelerator": "l4"}), headers=auth)
+    r = client.post(
+        "/v1/fine_tuning/jobs/estimate", json=job_body(file_id, resources={"accelerator": "l4"}), headers=auth
+    )
     assert r.json()["fits"] == {"l4": True}
