@@ -266,7 +266,7 @@ def parse_line(raw: bytes, lineno: int) -> Any:
 
 
 def _read_lines(
-    source: IO[bytes], out: IO[bytes], summary: UploadSummary, *, max_bytes: int, max_line_bytes: int, chunk: int
+    source: IO[bytes], out: Any, summary: UploadSummary, *, max_bytes: int, max_line_bytes: int, chunk: int
 ) -> Iterator[tuple[int, bytes]]:
     """Yield ``(line number, raw line)`` from ``source``, copying every byte to ``out``.
 
@@ -321,28 +321,38 @@ def store_jsonl(
     line is valid: on any error nothing is left behind.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    summary = UploadSummary()
     fd, tmp_name = tempfile.mkstemp(prefix=f".upload-{writer_tag()}-", dir=dest.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
-            blank_at: int | None = None
-            for lineno, raw in _read_lines(
-                source, out, summary, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk
-            ):
-                if len(raw) > max_line_bytes:
-                    raise _invalid(_too_long(lineno, max_line_bytes))
-                if not raw.strip():
-                    blank_at = blank_at or lineno
-                    continue
-                if blank_at is not None:
-                    raise _invalid(f"Line {blank_at} is empty; remove blank lines.")
-                summary.add(summary.lines + 1, *check_line(parse_line(raw, lineno), lineno))
-                summary.lines += 1
-        if summary.lines == 0:
-            raise _invalid("The file is empty: it needs at least one JSONL line.")
+            summary = copy_jsonl(source, out, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk)
         tmp.replace(dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return summary
+
+
+def copy_jsonl(
+    source: IO[bytes], out: Any, *, max_bytes: int, max_line_bytes: int, chunk: int = 1 << 20
+) -> UploadSummary:
+    """Copy ``source`` to ``out`` (anything with ``write(bytes)``: a file, an object store's
+    multipart upload) a block at a time while validating it line by line; a 400 or 413 at the first
+    fault, with what was written so far left to the caller to discard."""
+    summary = UploadSummary()
+    blank_at: int | None = None
+    for lineno, raw in _read_lines(
+        source, out, summary, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk
+    ):
+        if len(raw) > max_line_bytes:
+            raise _invalid(_too_long(lineno, max_line_bytes))
+        if not raw.strip():
+            blank_at = blank_at or lineno
+            continue
+        if blank_at is not None:
+            raise _invalid(f"Line {blank_at} is empty; remove blank lines.")
+        summary.add(summary.lines + 1, *check_line(parse_line(raw, lineno), lineno))
+        summary.lines += 1
+    if summary.lines == 0:
+        raise _invalid("The file is empty: it needs at least one JSONL line.")
     return summary

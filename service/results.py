@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import crud
+from service.artifacts import open_store
 from service.models import File, Job, Project
-from service.storage import confined
+from service.settings import get_settings
 
 PURPOSE = "fine-tune-results"
 OPENAI_COLUMNS = ("step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy")
@@ -57,12 +57,8 @@ def write_results(*, session: Session, job: Job, artifacts_dir: Path) -> str:
     rows = [{"step": m.step, **m.data} for m in crud.list_metrics(session=session, job=job)]
     project_id = session.scalar(select(Project.id).where(Project.seq == job.project_seq))
     rel = f"files/{project_id}/{file_id}.csv"
-    dest = confined(artifacts_dir, rel)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     data = metrics_csv(rows).encode()
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.replace(dest)
+    open_store(get_settings(), artifacts_dir).put_bytes(rel, data)  # written whole before its row
     session.add(
         File(
             id=file_id,
@@ -86,8 +82,9 @@ def discard_results(*, session: Session, job: Job, artifacts_dir: Path) -> None:
     row = session.scalar(select(File).where(File.id == file_id))
     if row is None:
         return
-    path = confined(artifacts_dir, row.path)
+    store, path = open_store(get_settings(), artifacts_dir), row.path
+    store.local(path)  # (a tampered row's path is refused before anything is deleted)
     session.delete(row)
     crud.set_result_files(session=session, job=job, file_ids=[])
     session.commit()
-    path.unlink(missing_ok=True)
+    store.delete(path)

@@ -1,6 +1,7 @@
-"""What an inference request's ``model`` serves, as directories an inference worker loads: a base
-model under the models root, or a fine-tuned model or checkpoint id of the caller's project (its
-base model and its chain of checkpoints, ``service.finetuned``). Anything else is OpenAI's 404.
+"""What an inference request's ``model`` serves, as directories an inference worker loads (or, for
+checkpoints in an object store, the keys it fetches): a base model under the models root, or a
+fine-tuned model or checkpoint id of the caller's project (its base model and its chain of
+checkpoints, ``service.finetuned``). Anything else is OpenAI's 404.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from service import finetuned
+from service.artifacts import S3Store, open_store, relative_key
 from service.errors import model_not_found
 from service.settings import Settings
 from service.storage import confined
@@ -25,16 +27,30 @@ def resolve(
         source = finetuned.find(session=session, project_seq=project_seq, name=name, include_deleted=include_deleted)
         if source is None:
             raise model_not_found(name)
-        try:
-            chain = [confined(settings.artifacts_dir, path) for path in source.chain]
-        except ValueError:
-            raise model_not_found(name) from None
-        if not all(path.is_dir() for path in chain):  # a checkpoint pruned by keep_checkpoints
-            raise model_not_found(name)
-        return {"base": _base(settings, source.base_model), "chain": [str(p) for p in chain]}
+        return {"base": _base(settings, source.base_model), "chain": chain_of(settings, source.chain, name)}
     if _is_base_model(settings, name):
         return {"base": str(settings.models_dir / name), "chain": []}
     raise model_not_found(name)
+
+
+def chain_of(settings: Settings, chain: tuple[str, ...], name: str) -> list[str]:
+    """A fine-tuned chain's checkpoints as a worker finds them: directories under the artifacts root,
+    or, with an object store, their keys (relative: the worker fetches them into its cache,
+    ``worker.serving.models.Servable.from_wire``). A checkpoint that is gone (pruned by
+    ``keep_checkpoints``) is OpenAI's 404 of ``name``."""
+    store = open_store(settings)
+    try:
+        if isinstance(store, S3Store):
+            keys = [relative_key(path) for path in chain]
+            if any(store.manifest(key) is None for key in keys):
+                raise model_not_found(name)
+            return keys
+        paths = [confined(settings.artifacts_dir, path) for path in chain]
+    except ValueError:
+        raise model_not_found(name) from None
+    if not all(path.is_dir() for path in paths):
+        raise model_not_found(name)
+    return [str(p) for p in paths]
 
 
 def _is_base_model(settings: Settings, name: str) -> bool:

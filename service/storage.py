@@ -1,5 +1,5 @@
-"""Artifacts on disk: uploaded files and checkpoints, all confined to their roots, and the sweep of
-what interrupted uploads leave.
+"""Artifacts on disk: the sweep of what interrupted uploads leave (and, with an object store, of
+what they leave there: ``service.artifacts``).
 
 Every path that reaches the database is relative to the artifacts root; every path read back is
 resolved and checked to lie inside that root, so a tampered row cannot point outside it.
@@ -13,20 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.artifacts import confined as confined  # (its home now, beside the store's keys)
 from service.identity import process_gone, writer_tag
-
-
-def confined(root: Path, relative: str | Path) -> Path:
-    """``root / relative`` resolved, or ValueError if it escapes ``root`` (``..``, absolute, symlinks)."""
-    root = root.resolve()
-    rel = Path(relative)
-    if rel.is_absolute():
-        raise ValueError(f"'{relative}' is an absolute path; name it relative to {root}")
-    path = (root / rel).resolve()
-    if path != root and root not in path.parents:
-        raise ValueError(f"'{relative}' points outside {root}")
-    return path
-
 
 # Leftovers of interrupted uploads ----------------------------------------------------------------
 # An upload streams into ``.upload-<host>-<pid>-…``, is renamed to ``.staged-<file id>-<host>-<pid>``
@@ -49,14 +37,25 @@ def _abandoned(path: Path, host: str, pid: str) -> bool:
         return False
 
 
+def _sweep_store(session: Any, counts: dict[str, int]) -> None:
+    """The object store's part of the sweep, when there is one (``service.artifacts``)."""
+    from service.artifacts import sweep_store
+    from service.settings import get_settings  # (imported by service.artifacts already)
+
+    for name, n in sweep_store(session, get_settings(), older_than=ORPHAN_AGE_SECONDS).items():
+        counts[name] = counts.get(name, 0) + n
+
+
 def sweep_uploads(session: Any, artifacts_dir: Path) -> dict[str, int]:
-    """Remove what killed uploads left under ``files/``, or finish their last rename (see above)."""
+    """Remove what killed uploads left under ``files/``, or finish their last rename (see above);
+    with an object store, sweep it too (``service.artifacts.sweep_store``, every few minutes)."""
     from sqlalchemy import select  # (imported by the caller's session already)
 
     from service.models import File
 
     counts = {"removed": 0, "finished": 0}
     cutoff = time.time() - ORPHAN_AGE_SECONDS
+    _sweep_store(session, counts)
     # Checkpoint downloads of earlier versions were copied to tmp*.tar in the artifacts root, and a
     # refused byte range left the copy behind; downloads are made while they are sent now.
     for path in artifacts_dir.glob("tmp*.tar"):

@@ -1,4 +1,5 @@
-"""A directory as a tar archive made while it is sent: no copy on disk, and byte ranges served.
+"""A directory (or a checkpoint in the object store) as a tar archive made while it is sent: no copy
+on disk, and byte ranges served.
 
 The archive's layout (a 512-byte header, the file's bytes and their padding, per file; two zero
 blocks and the padding to tar's 10240-byte record at the end) is computed from the files' sizes
@@ -12,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import re
 import tarfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from starlette.responses import Response, StreamingResponse
 
@@ -23,35 +25,55 @@ RECORD = tarfile.RECORDSIZE
 CHUNK = 1 << 20
 
 
+class Stored(Protocol):
+    """A file kept elsewhere (an object store's, ``service.artifacts.Member``): its size, its
+    modification time and a reader of its byte ranges."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def mtime(self) -> float: ...
+
+    def read(self, start: int, stop: int) -> Iterator[bytes]: ...
+
+
 @dataclass(frozen=True)
 class _Part:
     offset: int
     length: int
     data: bytes | None = None  # a header or padding
     path: Path | None = None  # or a file's bytes
+    stored: Stored | None = None  # or a stored file's
 
 
 class TarLayout:
-    def __init__(self, files: list[tuple[str, Path]]) -> None:
-        """``files``: (name in the archive, path), in archive order."""
+    def __init__(self, files: Sequence[tuple[str, Path | Stored]]) -> None:
+        """``files``: (name in the archive, path or stored file), in archive order."""
         parts: list[_Part] = []
         offset = 0
         digest = hashlib.sha256()
-        for name, path in files:
-            stat = path.stat()
+        for name, source in files:
+            if isinstance(source, Path):
+                stat = source.stat()
+                size, mtime, mtime_ns = stat.st_size, stat.st_mtime, stat.st_mtime_ns
+                body = _Part(offset, size, path=source)
+            else:
+                size, mtime, mtime_ns = source.size, source.mtime, int(source.mtime * 1e9)
+                body = _Part(offset, size, stored=source)
             info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
+            info.size, info.mtime, info.mode = size, int(mtime), 0o644
             header = info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
-            padding = -stat.st_size % BLOCK
+            padding = -size % BLOCK
             for part in (
                 _Part(offset, len(header), data=header),
-                _Part(offset + len(header), stat.st_size, path=path),
-                _Part(offset + len(header) + stat.st_size, padding, data=bytes(padding)),
+                replace(body, offset=offset + len(header)),
+                _Part(offset + len(header) + size, padding, data=bytes(padding)),
             ):
                 if part.length:
                     parts.append(part)
-            offset += len(header) + stat.st_size + padding
-            digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            offset += len(header) + size + padding
+            digest.update(f"{name}\0{size}\0{mtime_ns}\0".encode())
         end = 2 * BLOCK
         end += -(offset + end) % RECORD
         parts.append(_Part(offset, end, data=bytes(end)))
@@ -67,6 +89,9 @@ class TarLayout:
             if part.data is not None:
                 yield part.data[lo - part.offset : hi - part.offset]
                 continue
+            if part.stored is not None:
+                yield from _exactly(part.stored.read(lo - part.offset, hi - part.offset), hi - lo, name="a stored file")
+                continue
             assert part.path is not None
             with open(part.path, "rb") as f:
                 f.seek(lo - part.offset)
@@ -77,6 +102,16 @@ class TarLayout:
                         raise OSError(f"{part.path.name} changed while it was being sent")
                     left -= len(chunk)
                     yield chunk
+
+
+def _exactly(chunks: Iterator[bytes], length: int, *, name: str) -> Iterator[bytes]:
+    """``chunks``, which must add up to ``length`` bytes: a shorter read ends the response short."""
+    left = length
+    for chunk in chunks:
+        left -= len(chunk)
+        yield chunk
+    if left:
+        raise OSError(f"{name} changed while it was being sent")
 
 
 _RANGE = re.compile(r"bytes=(\d{0,18})-(\d{0,18})", re.IGNORECASE)  # (a longer number is past any file)

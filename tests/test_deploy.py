@@ -31,6 +31,38 @@ def test_compose_has_the_production_stack() -> None:
             assert source.startswith(".") or source in declared, source
 
 
+def test_compose_keeps_files_and_checkpoints_in_minio_and_shares_no_artifacts_volume() -> None:
+    """Every service of our image that reads or writes artifacts names the one bucket minio-init
+    makes, at MinIO's S3 port, with MinIO's root credentials; none mounts a volume at the artifacts
+    directory (each container's is its own cache), so workers may run on any host."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    minio, init = services["minio"], services["minio-init"]
+    assert minio["command"][:2] == ["server", "/data"] and "miniodata" in compose["volumes"]
+    assert init["depends_on"]["minio"]["condition"] == "service_healthy" and init["restart"] == "no"
+    made = re.search(r"mc mb --ignore-existing store/([a-z0-9.-]+)", " ".join(init["command"]))
+    assert made, init["command"]
+    assert "http://minio:9000" in " ".join(init["command"])
+    for name in ("api", "worker", "grader-worker", "inference-worker"):
+        service = services[name]
+        env = service["environment"]
+        bucket = re.fullmatch(r"s3://([^/]+)/.+", env["RLOO_ARTIFACTS_URL"])
+        assert bucket and bucket.group(1) == made.group(1), (name, env["RLOO_ARTIFACTS_URL"])
+        assert env["RLOO_S3_ENDPOINT_URL"] == "http://minio:9000"
+        assert (
+            env["AWS_ACCESS_KEY_ID"]
+            == minio["environment"]["MINIO_ROOT_USER"]
+            == init["environment"]["MINIO_ROOT_USER"]
+        )
+        assert env["AWS_SECRET_ACCESS_KEY"] == minio["environment"]["MINIO_ROOT_PASSWORD"]
+        mounts = [volume.split(":")[1] for volume in service.get("volumes", [])]
+        assert env["RLOO_ARTIFACTS_DIR"] not in mounts, name
+        if name != "grader-worker":  # (dry runs read no artifacts)
+            assert service["depends_on"]["minio-init"]["condition"] == "service_completed_successfully", name
+    # The image installs the client the store needs.
+    assert re.search(r"pip install .*\[[^\]]*\bs3\b", (ROOT / "docker" / "Dockerfile").read_text())
+
+
 def test_dockerfile_copies_paths_that_exist() -> None:
     text = (ROOT / "docker" / "Dockerfile").read_text()
     for src in re.findall(r"^COPY\s+(.+?)\s+\S+$", text, flags=re.M):

@@ -11,7 +11,10 @@ Layout of ``<output_dir>/step-N/``:
   checks. Files named ``training_state*`` stay server-side (the download leaves them out).
 
 A checkpoint is written under a temporary name and renamed into place: a crash leaves either the
-whole directory or none of it.
+whole directory or none of it. With an object store (``service.artifacts``), the worker then
+publishes it there (``publish_checkpoint``: every file, the completion marker last) before its row is
+written; only checkpoints with the marker count (``resumable_checkpoint``), and a job resumed on a
+host whose disk holds nothing fetches its newest one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+from service.artifacts import S3Store, Store
 
 TRAINING_STATE = "training_state.pt"
 TRAINING_INFO = "training_state.json"
@@ -114,3 +119,44 @@ def prune_checkpoints(output_dir: Path, keep: int) -> list[int]:
         if not path.exists():  # a directory that would not go is kept, and stays listed
             removed.append(step)
     return removed
+
+
+# The object store --------------------------------------------------------------------------------
+def checkpoint_key(store: Store, path: Path) -> str:
+    """A checkpoint directory's key: its path relative to the artifacts root (or the store's cache)."""
+    return path.resolve().relative_to(store.root).as_posix()
+
+
+def publish_checkpoint(store: Store, path: Path) -> str:
+    """Make the saved checkpoint ``path`` visible in the store, whole (nothing to do for the
+    artifacts directory alone); returns its key, the row's path."""
+    key = checkpoint_key(store, path)
+    store.publish_checkpoint(key, path)
+    return key
+
+
+def unpublish_checkpoint(store: Store, output_dir: Path, step: int) -> None:
+    """A pruned checkpoint (``prune_checkpoints``) removed from the store as well: marker first."""
+    store.remove_checkpoint(checkpoint_key(store, checkpoint_dir(output_dir, step)))
+
+
+def resumable_checkpoint(store: Store, output_dir: Path) -> Path | None:
+    """``latest_resumable``, counting only what the store holds complete: the newest complete
+    checkpoint with a training state, fetched into ``output_dir`` if this host lacks it. Local
+    directories the store does not hold complete (written, then the upload cut off) are deleted:
+    they are no checkpoint, and a resumed run must not see them as newer ones."""
+    if not isinstance(store, S3Store):
+        return latest_resumable(output_dir)
+    complete = {
+        int(m.group(1)): key
+        for key in store.complete_checkpoints(checkpoint_key(store, output_dir))
+        if (m := _STEP_DIR.fullmatch(key.rsplit("/", 1)[-1]))
+    }
+    for step, path in list_checkpoints(output_dir):
+        if step not in complete:
+            shutil.rmtree(path, ignore_errors=True)
+    for step in sorted(complete, reverse=True):
+        files = store.manifest(complete[step]) or {}
+        if TRAINING_STATE in files and TRAINING_INFO in files:
+            return store.fetch_checkpoint(complete[step])
+    return None

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from service import crud, finetuned, lifecycle, webhooks
+from service.artifacts import open_store
 from service.db import retrying, session_scope
 from service.identity import process_name
 from service.models import Job
 from service.settings import get_settings
+from worker.checkpoints import job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
 from worker.records import json_safe, step_message
 
 log = logging.getLogger("rloo.worker")
@@ -36,6 +38,7 @@ class DatabaseRecorder:
         self.job = job
         settings = get_settings()
         self.artifacts = settings.artifacts_dir
+        self.store = open_store(settings)
         self.retry_seconds = settings.db_retry_seconds
         self.model_id: str | None = None
 
@@ -83,7 +86,8 @@ class DatabaseRecorder:
         return self.model_id
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
-        rel = str(path.resolve().relative_to(self.artifacts))
+        """The saved checkpoint's row, once it is whole in the artifacts store (``publish_checkpoint``)."""
+        rel = publish_checkpoint(self.store, path)
 
         def saved(session: Any) -> None:
             model = self._model_id(session)
@@ -114,6 +118,7 @@ class DatabaseRecorder:
             session.commit()
 
         self._write(f"checkpoint {step} removed", removed)
+        unpublish_checkpoint(self.store, job_checkpoints_dir(self.artifacts, self.job.id), step)
 
 
 class Heartbeat(threading.Thread):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from service import crud, lifecycle
+from service.artifacts import open_store
 from service.db import session_scope
 from service.identity import died_here, process_name
 from service.lifecycle import JobStatus
@@ -20,7 +21,7 @@ from service.queue import RUN_GRADER_TASK, RUN_JOB_TASK
 from service.schemas import method_family
 from service.settings import get_settings
 from worker.celery_app import app
-from worker.checkpoints import job_checkpoints_dir, latest_resumable
+from worker.checkpoints import job_checkpoints_dir, resumable_checkpoint
 from worker.failures import cap_memory, classify
 from worker.recording import DatabaseRecorder, Heartbeat, write
 from worker.records import JobError
@@ -210,11 +211,12 @@ def _train(job: Job) -> Any:
             for f in (job.training_file, job.validation_file)
             if f
         }
+    store = open_store(settings)  # the artifacts directory, or an object store and this host's cache of it
     paths = {}
     for file_id, f in files.items():
         if f is None:
             raise JobError("file_not_found", f"file {file_id} was deleted before the job started")
-        paths[file_id] = settings.artifacts_dir / f.path
+        paths[file_id] = store.fetch_file(f.path)
     grader, hyperparameters = _stored_spec(job, settings)
     output_dir = job_checkpoints_dir(settings.artifacts_dir, job.id)
     base, init_from = _starting_point(job, settings)
@@ -229,7 +231,7 @@ def _train(job: Job) -> Any:
         seed=job.seed,
         job_name=job.id,
         # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
-        resume_from=latest_resumable(output_dir),
+        resume_from=resumable_checkpoint(store, output_dir),
         extra=worker_extra(settings),
         method=method_family(job.method["type"]),
         init_from=init_from,
@@ -250,7 +252,8 @@ def _starting_point(job: Job, settings: Any) -> tuple[str, tuple[Path, ...]]:
         source = finetuned.find(session=session, project_seq=job.project_seq, name=job.model, include_deleted=True)
     if source is None:
         raise JobError("model_load_failed", f"the checkpoints of the fine-tuned model '{job.model}' are gone")
-    return source.base_model, tuple(settings.artifacts_dir / path for path in source.chain)
+    store = open_store(settings)  # (fetched into this host's cache from an object store)
+    return source.base_model, tuple(store.fetch_checkpoint(path) for path in source.chain)
 
 
 def _upgraded(stored: dict[str, Any]) -> dict[str, Any]:

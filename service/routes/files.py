@@ -1,23 +1,27 @@
-"""Files: JSONL prompt datasets, streamed to disk, validated line by line."""
+"""Files: JSONL prompt datasets, streamed to the artifacts store (``service.artifacts``: the directory,
+or an object store), validated line by line."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Header, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
 from service import crud, idempotency
-from service.datasets import store_jsonl
+from service.artifacts import S3Store, open_store
+from service.datasets import UploadSummary, copy_jsonl, store_jsonl
 from service.db import ends_session, write_lock
 from service.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import File, new_id
 from service.responses import JSON, page
 from service.routing import StrictJSONRoute
+from service.settings import Settings
 from service.storage import confined, staged_path
 
 router = APIRouter(prefix="/v1/files", route_class=StrictJSONRoute, tags=["files"])
@@ -55,13 +59,11 @@ def create_file(
     filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_").replace("\x00", "_")[:255]
     file_id = new_id("file")
     rel = f"files/{project.id}/{file_id}.jsonl"
-    dest = confined(settings.artifacts_dir, rel)
-    # Validated into a staging name; the final name only once the row is committed, so that a
-    # process killed at any point leaves nothing a sweep cannot clean up (storage.sweep_uploads).
-    staged = staged_path(dest, file_id)
-    summary = store_jsonl(
-        file.file, dest=staged, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+    store = open_store(settings)
+    staged: _StagedLocal | _StagedRemote = (
+        _stage_remote(file, settings, store, rel) if isinstance(store, S3Store) else _stage_local(file, settings, rel)
     )
+    summary = staged.summary
     row = File(
         id=file_id,
         project_seq=project.seq,
@@ -76,10 +78,10 @@ def create_file(
     committing = False
     try:
         if key is not None:
-            digest = idempotency.request_hash([filename, purpose, _sha256(staged)])
+            digest = idempotency.request_hash([filename, purpose, staged.sha256()])
             replayed = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
             if replayed is not None:
-                staged.unlink(missing_ok=True)  # the first upload's file is the one
+                staged.discard()  # the first upload's file is the one
                 return replayed
         with write_lock(session):
             session.add(row)
@@ -91,29 +93,84 @@ def create_file(
             committing = True  # from here the row may exist even if commit() raises
             session.commit()
     except IntegrityError:
-        staged.unlink(missing_ok=True)
+        staged.discard()
         return idempotency.replay_after_conflict(
             session, project_seq=project.seq, route="files", key=key, digest=digest
         )
     except BaseException:
         if not committing:
-            staged.unlink(missing_ok=True)  # no file on disk without its row
+            staged.discard()  # no file stored without its row
         # else the sweep decides, by whether the row exists: renamed into place, or deleted
         raise
-    try:
-        staged.replace(dest)
-    except FileNotFoundError:  # a sweep made the rename first
-        if not dest.exists():
-            raise
+    staged.publish()
     return JSON(file_object(row))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+class _StagedLocal:
+    """An upload validated into a staging name in the artifacts directory; its final name only once
+    the row is committed, so that a process killed at any point leaves nothing a sweep cannot clean
+    up (storage.sweep_uploads)."""
+
+    def __init__(self, summary: UploadSummary, staged: Path, dest: Path) -> None:
+        self.summary, self.staged, self.dest = summary, staged, dest
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        with open(self.staged, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def discard(self) -> None:
+        self.staged.unlink(missing_ok=True)
+
+    def publish(self) -> None:
+        try:
+            self.staged.replace(self.dest)
+        except FileNotFoundError:  # a sweep made the rename first
+            if not self.dest.exists():
+                raise
+
+
+def _stage_local(file: UploadFile, settings: Settings, rel: str) -> _StagedLocal:
+    dest = confined(settings.artifacts_dir, rel)
+    staged = staged_path(dest, Path(rel).stem)  # (the stem is the file's id)
+    summary = store_jsonl(
+        file.file, dest=staged, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+    )
+    return _StagedLocal(summary, staged, dest)
+
+
+class _StagedRemote:
+    """An upload streamed into the object store as a multipart upload, validated as it goes: the
+    object is whole before the row is committed; an upload cut off is aborted here, or by the sweep
+    (``S3Store.sweep``) when the process was killed, and an object whose row never came is deleted by
+    the sweep too."""
+
+    def __init__(self, summary: UploadSummary, store: S3Store, rel: str, digest: str) -> None:
+        self.summary, self.store, self.rel, self.digest = summary, store, rel, digest
+
+    def sha256(self) -> str:
+        return self.digest
+
+    def discard(self) -> None:
+        self.store.delete(self.rel)
+
+    def publish(self) -> None:
+        """Nothing left to do: the object was complete before its row."""
+
+
+def _stage_remote(file: UploadFile, settings: Settings, store: S3Store, rel: str) -> _StagedRemote:
+    upload = store.upload(rel)
+    try:
+        summary = copy_jsonl(
+            file.file, upload, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+        )
+        upload.complete()
+    except BaseException:
+        upload.abort()
+        raise
+    return _StagedRemote(summary, store, rel, upload.sha256())
 
 
 @router.get("", summary="List files")
@@ -139,20 +196,41 @@ def read_file(session: SessionDep, project: ProjectDep, file_id: str) -> JSON:
 
 @router.get("/{file_id}/content", summary="Download a file's content", response_class=FileResponse)
 @ends_session
-def read_file_content(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> FileResponse:
+def read_file_content(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> Response:
     f = _get(session, project, file_id)
+    media_type = "text/csv" if f.path.endswith(".csv") else "application/jsonl"
+    store = open_store(settings)
+    if isinstance(store, S3Store):
+        return _stream_object(store, f, media_type)
     path = confined(settings.artifacts_dir, f.path)
     if not path.is_file():
-        raise APIError(410, f"The content of file '{file_id}' is gone from storage.", code="file_gone")
-    media_type = "text/csv" if path.suffix == ".csv" else "application/jsonl"
+        raise _gone(file_id)
     return FileResponse(path, media_type=media_type, filename=f.filename)
+
+
+def _gone(file_id: str) -> APIError:
+    return APIError(410, f"The content of file '{file_id}' is gone from storage.", code="file_gone")
+
+
+def _stream_object(store: S3Store, f: File, media_type: str) -> Response:
+    """The stored object, read from the store as it is sent (nothing cached on the API's host)."""
+    size = store.size(f.path)
+    if size is None:
+        raise _gone(f.id)
+    quoted = quote(f.filename)
+    disposition = (
+        f"attachment; filename*=utf-8''{quoted}" if quoted != f.filename else f'attachment; filename="{f.filename}"'
+    )
+    headers = {"Content-Length": str(size), "Content-Disposition": disposition}
+    return StreamingResponse(store.read(f.path), media_type=media_type, headers=headers)
 
 
 @router.delete("/{file_id}", summary="Delete a file")
 @ends_session
 def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep, file_id: str) -> JSON:
     f = _get(session, project, file_id)
-    path = confined(settings.artifacts_dir, f.path)
+    store, rel = open_store(settings), f.path
+    store.local(rel)  # (a tampered row's path is refused before anything is deleted)
     with write_lock(session):  # against a job being created with it (crud.lock_files)
         if not crud.lock_files(session=session, project_seq=project.seq, file_ids=[f.id], for_delete=True):
             raise not_found("file", file_id)
@@ -166,5 +244,7 @@ def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep,
             )
         session.delete(f)
         session.commit()
-    path.unlink(missing_ok=True)  # after the commit: a row never points at a missing file
+    store.delete(rel)  # after the commit: a row never points at a missing file
+    if isinstance(store, S3Store):
+        store.local(rel).unlink(missing_ok=True)  # this host's cached copy
     return JSON({"id": file_id, "object": "file", "deleted": True})

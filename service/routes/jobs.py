@@ -14,6 +14,7 @@ from sqlalchemy import String, cast, select
 from sqlalchemy.exc import IntegrityError
 
 from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, memoryplan, queue, streams
+from service.artifacts import S3Store, open_store
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
@@ -23,7 +24,6 @@ from service.models import Checkpoint, File, Job, JobEvent
 from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 from service.schemas import JobCreate, Resources
-from service.storage import confined
 from service.tarstream import TarLayout, tar_response
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
@@ -533,7 +533,18 @@ def read_checkpoint_content(
     ckpt = crud.get_checkpoint(session=session, job=job, checkpoint_id=checkpoint_id)
     if ckpt is None:
         raise not_found("checkpoint", checkpoint_id)
-    directory = confined(settings.artifacts_dir, ckpt.path)
+    filename = f"{job.id}-step-{ckpt.step_number}.tar"
+    store = open_store(settings)
+    if isinstance(store, S3Store):  # read from the store as it is sent
+        key = ckpt.path
+        if merged and store.manifest(ckpt.path) is not None:
+            key = exports.merged_in_store(session, settings, store, project_seq=project.seq, checkpoint=ckpt) or key
+        members = store.members(key)
+        if members is None:
+            raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
+        stored = [(f"{checkpoint_id}/{n}", m) for n, m in members.items() if not n.startswith(TRAINING_STATE_PREFIX)]
+        return tar_response(TarLayout(stored), filename=filename, range_header=range_, if_range=if_range)
+    directory = store.local(ckpt.path)
     if not directory.is_dir():
         raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
     if merged:
@@ -545,6 +556,4 @@ def read_checkpoint_content(
         for item in sorted(directory.iterdir())
         if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX)
     ]
-    return tar_response(
-        TarLayout(files), filename=f"{job.id}-step-{ckpt.step_number}.tar", range_header=range_, if_range=if_range
-    )
+    return tar_response(TarLayout(files), filename=filename, range_header=range_, if_range=if_range)

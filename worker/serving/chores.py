@@ -40,7 +40,7 @@ class Chores:
         if envelope.get("kind") != "export":
             return inference.error_message(400, "unsupported", f"unknown request kind {envelope.get('kind')!r}")
         try:
-            export(Servable.from_wire(envelope["servable"]), Path(envelope["target"]))
+            export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
         except JobError as exc:
             return inference.error_message(500, exc.code, exc.message)
         except Exception as exc:  # a disk that is full, a checkpoint half gone: this export's answer
@@ -69,6 +69,22 @@ class Chores:
             return
         if not self.evaluation.step():
             self.evaluation = None
+
+
+def export_to(servable: Servable, target: str) -> None:
+    """``export`` to the API's ``target``: a directory, or (relative) a key of the object store,
+    made in this host's cache and published there whole, marker last (``service.artifacts``)."""
+    from service.artifacts import open_store
+    from service.settings import get_settings
+
+    if Path(target).is_absolute():
+        export(servable, Path(target))
+        return
+    store = open_store(get_settings())
+    local = store.local(target)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    export(servable, local)
+    store.publish_checkpoint(target, local)
 
 
 def export(servable: Servable, target: Path) -> None:

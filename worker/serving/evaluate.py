@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import or_, select, update
 
 from service import graders
+from service.artifacts import open_store
 from service.db import session_scope
 from service.models import Evaluation, File, Job
 from service.settings import get_settings
@@ -118,7 +119,7 @@ class Run:
         grader = graders.parse_grader(evaluation.grader, allow_python=settings.allow_python_grader)
         if file is None:
             raise JobError("file_not_found", f"the file {evaluation.file_id} is gone")
-        lines = (settings.artifacts_dir / file.path).read_text(encoding="utf-8-sig").splitlines()
+        lines = open_store(settings).fetch_file(file.path).read_text(encoding="utf-8-sig").splitlines()
         items = [json.loads(line) for line in lines if line.strip()][: evaluation.settings["samples"]]
         if not items:
             raise JobError("empty_file", f"the file {evaluation.file_id} has no lines to evaluate on")

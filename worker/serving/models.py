@@ -30,6 +30,15 @@ def is_adapter(path: Path) -> bool:
     return (path / "adapter_config.json").is_file()
 
 
+def _checkpoint(entry: str) -> Path:
+    if Path(entry).is_absolute():
+        return Path(entry)
+    from service.artifacts import open_store
+    from service.settings import get_settings
+
+    return open_store(get_settings()).fetch_checkpoint(entry)
+
+
 @dataclass(frozen=True)
 class Servable:
     """What one model id serves: ``base`` (a model directory), ``chain`` (checkpoint directories
@@ -40,7 +49,9 @@ class Servable:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Servable:
-        return cls(Path(data["base"]), tuple(Path(p) for p in data.get("chain", ())))
+        """What the API sent (``service.servable.resolve``): a relative chain entry is a key of the
+        object store, fetched into this host's cache (once: ``S3Store.fetch_checkpoint``)."""
+        return cls(Path(data["base"]), tuple(_checkpoint(p) for p in data.get("chain", ())))
 
     @property
     def adapter(self) -> Path | None:

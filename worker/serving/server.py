@@ -114,7 +114,13 @@ class Server:
             with self._lock:
                 self.held.add(envelope["id"])
             if envelope.get("kind") in ("chat", "completion"):
-                self.pending.append(Request(envelope, Servable.from_wire(envelope["servable"])))
+                try:  # (an object store's checkpoints are fetched here, once a host)
+                    servable = Servable.from_wire(envelope["servable"])
+                except (OSError, ValueError) as exc:
+                    message = f"The model's checkpoints could not be fetched: {exc}"
+                    self._answer(envelope["id"], inference.error_message(500, "model_load_failed", message))
+                    continue
+                self.pending.append(Request(envelope, servable))
             elif self.chores is not None:
                 self._answer(envelope["id"], self.chores.request(envelope))
             else:
