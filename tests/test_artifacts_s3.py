@@ -287,13 +287,24 @@ def test_the_sweep_aborts_dead_uploads_and_removes_objects_without_a_row(s3, cli
         assert storage.sweep_uploads(session, get_settings().artifacts_dir) == {"removed": 0, "finished": 0}
 
 
-def test_without_a_store_url_the_directory_is_the_store(env) -> None:
+def test_without_a_store_url_the_directory_is_the_store_and_boto3_stays_unimported(env) -> None:
+    import subprocess
+    import sys
+
     from service.artifacts import LocalStore, open_store
     from service.settings import get_settings
+    from tests.helpers.data import ROOT
 
     store = open_store(get_settings())
     assert isinstance(store, LocalStore) and store.root == get_settings().artifacts_dir
     assert store.fetch_checkpoint("checkpoints/j/step-1") == store.root / "checkpoints" / "j" / "step-1"
+    code = (
+        "import sys; from fastapi.testclient import TestClient; from service.main import create_app\n"
+        "with TestClient(create_app()) as c: c.get('/readyz')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr
 
 
 # End to end ----------------------------------------------------------------------------------------
