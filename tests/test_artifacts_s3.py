@@ -337,3 +337,63 @@ def test_a_job_end_to_end_shares_only_the_store(s3_server: str, tmp_path: Path, 
         assert (tmp_path / "worker-artifacts" / "checkpoints" / job_id / "step-4").is_dir()
         stored = keys(s3_server, values["RLOO_ARTIFACTS_URL"])
         assert f"checkpoints/{job_id}/step-4/.complete" in stored and f"checkpoints/{job_id}/step-2/.complete" in stored
+
+
+@pytest.mark.e2e
+def test_a_paused_job_resumes_on_a_worker_whose_disk_holds_nothing(
+    s3_server: str, tmp_path: Path, models_dir: Path
+) -> None:
+    """Paused at step 3 on one worker (its checkpoint published), resumed on another with an empty
+    artifacts directory: it fetches step 3 from the store and finishes from there."""
+    import threading
+
+    from tests.helpers.live import live_stack, upload_path, wait_for
+    from tests.helpers.scoring import Endpoint
+
+    held, scoring = threading.Event(), threading.Event()
+
+    def score(n: int, body: dict[str, Any]) -> tuple[int, Any]:
+        if n == 3:  # step 3: held until the test has paused the job
+            scoring.set()
+            held.wait(60)
+        return 200, {"scores": [0.5 for _ in body["samples"]]}
+
+    server = Endpoint(score)
+    values = {**bucket_env(s3_server), "RLOO_HTTP_GRADER_URLS": json.dumps([server.url])}
+    try:
+        with live_stack("embedded", tmp_path, models_dir, env=values, worker=False) as stack:
+            base_env = stack.env
+            stack.env = {**base_env, "RLOO_ARTIFACTS_DIR": str(tmp_path / "worker-a")}
+            stack.start("worker-a", "worker", "--loglevel", "INFO")
+            http = stack.http
+            body = job_body(upload_path(http, EXAMPLES / "demo" / "train.jsonl"), hp={"max_steps": 6})
+            body["method"]["reinforcement"]["grader"] = {"type": "http", "name": "held", "url": server.url}
+            job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+            assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
+            assert http.post(f"/fine_tuning/jobs/{job_id}/pause").status_code == 200
+            held.set()
+            deadline = time.monotonic() + 60
+            while http.get(f"/fine_tuning/jobs/{job_id}/checkpoints").json()["data"] == []:
+                assert time.monotonic() < deadline, stack.log_tail()
+                time.sleep(0.2)
+            wait_for(http, job_id, {"paused"}, 60, stack)
+            stack.stop("worker-a")
+
+            stack.env = {**base_env, "RLOO_ARTIFACTS_DIR": str(tmp_path / "worker-b")}
+            stack.start("worker-b", "worker", "--loglevel", "INFO")
+            deadline = time.monotonic() + 60
+            while (r := http.post(f"/fine_tuning/jobs/{job_id}/resume")).status_code == 409:
+                assert time.monotonic() < deadline, (r.text, stack.log_tail())  # the worker letting go
+                time.sleep(0.2)
+            assert r.status_code == 200, r.text
+            job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+            assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+            events = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
+            assert any("Resumed from the checkpoint at step 3" in e["message"] for e in events)
+            metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+            assert [m["step"] for m in metrics] == list(range(1, 7))
+            assert (tmp_path / "worker-b" / "checkpoints" / job_id / "step-3").is_dir()  # fetched
+            assert (tmp_path / "worker-b" / "checkpoints" / job_id / "step-6").is_dir()  # and trained on
+    finally:
+        held.set()
+        server.close()
