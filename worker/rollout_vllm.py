@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from worker.records import JobError
-from worker.rollout import Rollout, Sampling, _eos_ids
+from worker.rollout import Rollout, Sampling, _eos_ids, group_seed
 
 # Where vLLM keeps the model it runs, by version (V1 in-process engine first).
 _MODEL_PATHS = (
@@ -90,7 +90,7 @@ class VLLMBackend:
         if reset is not None:
             reset()  # cached prefixes were computed with the old weights
 
-    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         from vllm import SamplingParams
 
         if self.stale:
@@ -109,7 +109,7 @@ class VLLMBackend:
                 max_tokens=self.max_new_tokens,
                 stop=self.stop or None,
                 stop_token_ids=self.eos_ids,
-                seed=(generator_seed * 1_000_003 + i) % 2**31,
+                seed=group_seed(generator_seed, first + i) % 2**31,
                 skip_special_tokens=True,
             )
             for i in range(len(prompts))

@@ -271,7 +271,7 @@ def evaluate(run: Run) -> float:
     rewards: list[float] = []
     with preserved_rng(run.device):
         for i in range(0, len(batch), 64):
-            ro = run.sampler.generate(prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919 + i)
+            ro = run.sampler.generate(prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=i)
             graded = score_batch(
                 run.scorer,
                 prompts=prompts[i : i + 64],
