@@ -44,6 +44,16 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
+    def widened(self, width: int, pad_id: int) -> Rollout:
+        """The same completions ``width`` tokens wide (padding masked out): what a job's ranks, whose
+        completions ended at different lengths, agree on so that they run the same forwards."""
+        extra = width - self.completion_ids.shape[1]
+        if extra <= 0:
+            return self
+        ids = torch.nn.functional.pad(self.completion_ids, (0, extra), value=pad_id)
+        mask = torch.nn.functional.pad(self.completion_mask, (0, extra), value=0)
+        return Rollout(self.prompt_ids, self.prompt_mask, ids, mask, self.truncated, self.texts, self.group)
+
     def rows(self, rows: slice) -> Rollout:
         """The completions ``rows`` (a micro-batch); whole groups keep their grouping."""
         start, stop, step = rows.indices(len(self.texts))
