@@ -21,11 +21,13 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from worker.config import TrainConfig
-from worker.loop import TrainResult
 from worker.records import JobError
+
+if TYPE_CHECKING:  # the Celery task that starts ranks imports no torch itself
+    from worker.config import TrainConfig
+    from worker.loop import TrainResult
 
 
 class RanksLost(Exception):
@@ -86,6 +88,8 @@ def _stop(launcher: subprocess.Popen[Any]) -> None:
 
 def _outcome(where: Path, code: int, ranks: int) -> TrainResult:
     """Rank 0's result, or the error a rank reported, or ``RanksLost``."""
+    from worker.loop import TrainResult
+
     reports = [json.loads(p.read_text()) for p in sorted(where.glob("rank-*.json"))]
     for report in reports:
         if "result" in report:

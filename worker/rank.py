@@ -43,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     except JobError as exc:
         report = {"error": {"code": exc.code, "message": exc.message}}
     except Exception as exc:
-        code, message = classify(exc)
         log.exception("rank %d failed", ranks.rank)
+        if _lost_a_peer(exc):
+            return 1  # another rank ended (or hung): no error of this job's to report; the launcher says so
+        code, message = classify(exc)
         report = {"error": {"code": code, "message": message}}
     if ranks.is_main or "error" in report:
         out = args.dir / f"rank-{ranks.rank}.json"
@@ -54,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     if "error" not in report:
         leave()
     return 1 if "error" in report else 0
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """A collective that failed because another rank is gone or never came (a closed connection,
+    the timeout): not the job's error."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(word in text for word in ("gloo", "nccl", "connection closed"))
 
 
 def _recorder(args: argparse.Namespace, main: bool) -> Any:
