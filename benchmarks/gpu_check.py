@@ -36,8 +36,9 @@ model's sampled ids do. EOS is one id in 151,936: completions run to ``max_new_t
 plan's FLOPs assume.
 
 The whole check stops itself after ``--budget-s`` (540 s): a run still going is stopped (SIGTERM),
-what it recorded is kept, later runs are skipped, and the file is written after every run. Without
-a GPU it says so and exits 0, unless ``--cpu-smoke``: the same runs' code path on the CPU with a
+what it recorded is kept, later runs are skipped, and the file is written after every run. It exits
+1 when a run failed or was stopped, else 0 (skipped runs included). Without a GPU it says so and
+exits 0, unless ``--cpu-smoke``: the same runs' code path on the CPU with a
 tiny model of the same family, 2 steps, the measured peak then the training process's peak RSS
 (``tests/test_gpu_check.py``).
 """
@@ -168,7 +169,7 @@ def build_model(models: Path, arch: Architecture, *, seed: int = 0) -> Path:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(config).bfloat16()
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
     )
