@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                     shape, hp, method="reinforcement", device="cpu" if cpu else "cuda", devices=case.gpus
                 )
                 raw = run_case(case, work=work, models=models, spec=spec, device="cpu" if cpu else "cuda", timeout=left)
-                entry.update(_status(case, raw), wall_s=round(raw["wall_s"], 1))
+                entry.update(_status(case, raw), batch_size=hp.batch_size, wall_s=round(raw["wall_s"], 1))
                 if entry["status"] != "skipped":
                     rows = hp.batch_size * hp.rloo_k
                     entry.update(figures(raw, plan=plan, rows=rows, devices=case.gpus, peak=peak, cpu=cpu))
@@ -581,13 +581,12 @@ def _status(case: Case, raw: dict[str, Any]) -> dict[str, Any]:
     if raw["timed_out"]:
         return {"status": "timeout", "reason": f"stopped by the time budget after {len(raw['steps'])} steps"}
     if raw["returncode"] != 0 or not raw["steps"]:
+        error = (raw["summary"] or {}).get("error")  # a run that failed with a JobError says why
+        why = f"{error['code']}: {error['message']}" if error else (raw["stderr_tail"] or ["no output"])[-1]
+        why = f"rloo train exited {raw['returncode']}: {why}"
         if case.gpus > 1:
-            return {
-                "status": "skipped",
-                "reason": "rloo train failed on resources.gpus > 1 (several ranks may not be supported yet): "
-                + (raw["stderr_tail"][-1] if raw["stderr_tail"] else f"exit {raw['returncode']}"),
-            }
-        return {"status": "failed", "reason": f"rloo train exited {raw['returncode']}"}
+            return {"status": "skipped", "reason": f"{why} (several ranks may not be supported yet)"}
+        return {"status": "failed", "reason": why}
     used = sum(len(r["cuda"]) for r in raw["memory"])
     if case.gpus > 1 and used < case.gpus:
         return {
