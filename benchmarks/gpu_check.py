@@ -18,7 +18,7 @@ score, reference, update, step), model FLOPs utilisation (the step's FLOPs as
 ``service.memoryplan.plan`` counts them, over the step's time and the devices' bf16 dense peak:
 ``PEAK_TFLOPS``), the peak of ``torch.cuda.max_memory_allocated`` (read in each training process
 as it exits: ``benchmarks/gpu_check_hook``), and the memory plan's estimate for the same job against
-it. A table on stdout; JSON and a markdown table into ``--out`` (a ``.json`` path, the ``.md``
+it. A markdown table on stdout; it and the JSON into ``--out`` (a ``.json`` path, the ``.md``
 beside it, or a directory for both).
 
 Settings (``GPU_SETTINGS``): 32 prompts x k = 4, 128 new tokens after prompts of 128 tokens (every
@@ -409,43 +409,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
-def table(result: dict[str, Any]) -> str:
-    """The runs as aligned columns, for the terminal."""
-    header = (
-        "run",
-        "status",
-        "tok/s",
-        "gen s",
-        "score s",
-        "ref s",
-        "update s",
-        "step s",
-        "MFU",
-        "peak MiB",
-        "plan MiB",
-    )
-    rows = [header]
-    for run in result["runs"]:
-        split = run.get("step_split_s_median") or {}
-        mem = run.get("memory") or {}
-        mfu = run.get("mfu")
-        rows.append(
-            (
-                run["run"],
-                run["status"],
-                str(run.get("generated_tokens_per_s", "")),
-                *(str(split.get(p, "")) for p in ("generate", "score", "reference", "update", "step")),
-                f"{mfu['step']:.1%}" if mfu else "",
-                str(mem.get("measured_peak_mib", "")),
-                str(mem.get("estimate_mib", "")),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
-    lines += [f"{run['run']}: {run['reason']}" for run in result["runs"] if run.get("reason")]
-    return "\n".join(lines)
-
-
 def write(result: dict[str, Any], out: Path) -> None:
     json_path, md_path = out_paths(out)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -570,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].append(entry)
             result["wall_s"] = round(time.monotonic() - started, 1)
             write(result, args.out)
-    print(table(result))
+    print(markdown(result), end="")
     print(f"gpu-check: figures in {', '.join(str(p) for p in out_paths(args.out))}", file=sys.stderr)
     return 1 if any(run["status"] in ("failed", "timeout") for run in result["runs"]) else 0
 

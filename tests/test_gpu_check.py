@@ -30,8 +30,8 @@ def _check(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cpu_smoke_writes_the_figures(tmp_path: Path) -> None:
     proc = _check("--cpu-smoke", "--out", str(tmp_path / "check.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CPU, transformers  ok" in proc.stdout  # the table
-    assert "| CPU, transformers | ok |" in (tmp_path / "check.md").read_text()
+    assert "| CPU, transformers | ok |" in proc.stdout
+    assert (tmp_path / "check.md").read_text() == proc.stdout
     result = json.loads((tmp_path / "check.json").read_text())
     assert result["model"]["parameters"] > 0 and result["settings"]["max_steps"] == 2
     [run] = result["runs"]
