@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import tarfile
@@ -26,10 +27,11 @@ import httpx
 import pytest
 
 from tests.helpers.data import EXAMPLES
-from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
+from tests.helpers.live import LiveStack, child_env, live_stack, run_cli, upload_path, wait_for
 from worker.metrics import TIMING_METRICS
 
 pytestmark = pytest.mark.e2e
+FAKES = Path(__file__).parent / "fakes"
 
 METRIC_RTOL, METRIC_ATOL = 1e-4, 1e-5
 """Per-step metrics of 2 ranks against 1 (seen: 2e-6 relative at most, on the KL and grad norm)."""
@@ -138,7 +140,9 @@ def test_two_ranks_train_what_one_rank_does(stack: LiveStack, tmp_path: Path) ->
     assert wa.keys() == wb.keys()
     moved = max(float((wa[k] - w0).abs().max()) for k, w0 in _base_weights(stack).items())
     diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    print(f"\n2 ranks vs 1: largest metric difference {worst[0]:.2e} ({worst[1]}); weights {diff:.2e} (moved {moved:.2e})")
+    print(
+        f"\n2 ranks vs 1: largest metric difference {worst[0]:.2e} ({worst[1]}); weights {diff:.2e} (moved {moved:.2e})"
+    )
     assert diff <= WEIGHT_ATOL < moved  # the weights did move, much more than the ranks differ
 
 
@@ -187,3 +191,61 @@ def test_a_two_rank_job_paused_resumed_and_a_rank_killed_succeeds_with_every_ste
     assert sum("Resumed from the checkpoint" in m for m in events) == 2  # after the pause, after the kill
     steps = [m["step"] for m in _metrics(http, job_id)]
     assert steps == list(range(1, 41))  # every step once: a replayed step overwrote its row
+
+
+def _spec(tmp_path: Path, name: str, gpus: int, **hp: Any) -> Path:
+    """The demo job with a LoRA adapter and two micro-batches, on ``gpus`` ranks."""
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
+    body["resources"] = {"gpus": gpus}
+    body["method"]["reinforcement"]["hyperparameters"].update(
+        lora={"r": 4}, gradient_accumulation_steps=2, max_steps=3, precision="fp32", **hp
+    )
+    spec = tmp_path / name
+    spec.write_text(json.dumps(body))
+    return spec
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_rloo_train_runs_a_lora_job_on_two_ranks_as_on_one(tmp_path: Path, models_dir: Path, backend: str) -> None:
+    """Through ``rloo train``; on the vLLM backend (its stand-in, tests/fakes/vllm) one engine a
+    rank, each loaded with the weights gathered from the sharded policy, asleep through updates."""
+    env = child_env(tmp_path, models_dir, RLOO_ROLLOUT_BACKEND=backend)
+    if backend == "vllm":
+        env["PYTHONPATH"] = os.pathsep.join([str(FAKES), env.get("PYTHONPATH", "")])
+    runs = {}
+    for gpus in (1, 2):
+        out = run_cli(
+            "train",
+            str(_spec(tmp_path, f"job{gpus}.json", gpus)),
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path / f"run{gpus}"),
+            env=env,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        runs[gpus] = lines
+    (*steps1, _), (*steps2, summary2) = runs[1], runs[2]
+    assert summary2["status"] == "succeeded" and [s["step"] for s in steps2] == [1, 2, 3]  # rank 0 alone prints
+    for a, b in zip(steps1, steps2, strict=True):
+        for name in ("train_reward_mean", "kl", "loss", "grad_norm", "entropy", "advantage_std"):
+            assert b[name] == pytest.approx(a[name], rel=METRIC_RTOL, abs=METRIC_ATOL), (a["step"], name)
+    checkpoint = Path(summary2["final_checkpoint"])
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "training_state.dcp").is_dir()
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_two_only(tmp_path: Path, models_dir: Path) -> None:
+    from tests.helpers.training import config
+    from worker.records import JobError
+    from worker.resume import check_resumable
+
+    cfg = config(tmp_path, models_dir, max_steps=4)
+    info = {"format_version": 1, "model": cfg.model, "seed": cfg.seed, "step": 2, "total_steps": 4, "ranks": 2}
+    info["hyperparameters"] = cfg.hyperparameters.model_dump()
+    with pytest.raises(JobError) as exc:
+        check_resumable(cfg, info, 4)  # this process is one rank
+    assert exc.value.code == "resume_failed" and "written by 2 rank(s)" in exc.value.message
+    check_resumable(cfg, {**info, "ranks": 1}, 4)  # the same checkpoint from one rank would do

@@ -12,6 +12,7 @@ an error a rank reports (bad data, a grader that cannot run) fails the run with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -80,10 +81,8 @@ def _stop(launcher: subprocess.Popen[Any]) -> None:
         os.killpg(launcher.pid, signal.SIGTERM)
         launcher.wait(timeout=30)
     except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _outcome(where: Path, code: int, ranks: int) -> TrainResult:

@@ -130,13 +130,16 @@ class Ranks:
             return
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        kw = {"mp_policy": policy} if policy is not None else {}
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
         units = _layer_classes(model)
         for module in list(model.modules()):
             if type(module).__name__ in units:
-                fully_shard(module, **kw)
-        fully_shard(model, **kw)
+                fully_shard(module, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         # Each rank's loss is its rows' sum over the whole batch's normaliser: the gradient is the
         # sum over ranks, not their mean (a plain SUM: gloo has no pre-multiplied sum).
         for unit in _units(model):
@@ -163,7 +166,7 @@ class Ranks:
                 unit.reshard()
 
     # Checkpoints ---------------------------------------------------------------------------------
-    def full_state_dict(self, model: Any) -> dict[str, Tensor] | None:
+    def full_state_dict(self, model: Any) -> dict[str, Any] | None:
         """The whole model's weights on rank 0's CPU (None on the others; every rank must call it),
         for ``save_pretrained``; None for one process, whose model saves itself."""
         if not self.distributed:
@@ -173,10 +176,9 @@ class Ranks:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return None
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-            # A head tied to the input embeddings is saved once, as save_pretrained saves it.
-            state = {name: t for name, t in state.items() if not name.endswith("lm_head.weight")}
-        return state
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        # A head tied to the input embeddings is saved once, as save_pretrained saves it.
+        return {name: t for name, t in state.items() if not (tied and name.endswith("lm_head.weight"))}
 
     def save_sharded(self, path: Path, model: Any, optimizer: torch.optim.Optimizer) -> None:
         """Each rank writes its shard of the optimizer's state under ``path`` (a collective)."""

@@ -90,6 +90,8 @@ class RolloutBackend(Protocol):
     """
 
     name: str
+    samples_with_policy: bool
+    """Whether it samples with the policy object itself (whose weights a sharded job gathers for it)."""
 
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         """k completions of each prompt; prompt ``b``'s are drawn from ``group_seed(generator_seed,
@@ -106,6 +108,7 @@ class TransformersBackend:
     once and its KV cache shared by its k samples."""
 
     name = "transformers"
+    samples_with_policy = True
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -159,8 +162,9 @@ class TransformersBackend:
     def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, k: int, uniforms: Tensor) -> Tensor:
         """The sampling loop, lean: each prompt is prefilled once and its KV cache shared by its k
         samples; then one token a step for all ``B * k`` rows, sampled from ``softmax(logits / T)``
-        (nucleus-filtered when ``top_p < 1``) with the step's row of ``uniforms`` (``(T, B * k)``), until every row has an EOS or ``max_new_tokens``.
-        Stop strings are applied afterwards (``cut_at_stop``). Returns ``(B * k, T)`` token ids."""
+        (nucleus-filtered when ``top_p < 1``) with the step's row of ``uniforms`` (``(T, B * k)``),
+        until every row has an EOS or ``max_new_tokens``. Stop strings are applied afterwards
+        (``cut_at_stop``). Returns ``(B * k, T)`` token ids."""
         from transformers import DynamicCache
 
         model = self.model

@@ -78,8 +78,9 @@ def _run_job(job_id: str) -> str:
         _hand_back(job)  # the worker is being stopped: not a crash
         raise
     except RanksLost as exc:  # a rank died: a crash, continued from the last checkpoint as any other
-        log.warning("job %s: %s", job_id, exc)
-        write(lambda session: _requeue_crashed(session, job, str(exc)), seconds=settings.db_retry_seconds, what=job_id)
+        why = str(exc)
+        log.warning("job %s: %s", job_id, why)
+        write(lambda session: _requeue_crashed(session, job, why), seconds=settings.db_retry_seconds, what=job_id)
         return "requeued"
     except Exception as exc:
         code, message = classify(exc)
@@ -266,9 +267,7 @@ def _train(job: Job) -> Any:
     if cfg.gpus > 1:  # its ranks under torch.distributed.run; rank 0 records as this process
         from worker.launch import run_ranks
 
-        return run_ranks(
-            cfg, job_id=job.id, holder=process_name(), timeout_seconds=settings.collective_timeout_seconds
-        )
+        return run_ranks(cfg, job_id=job.id, holder=process_name(), timeout_seconds=settings.collective_timeout_seconds)
     return train(cfg, DatabaseRecorder(job))
 
 

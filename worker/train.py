@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         indices = batch_indices(n_items=len(run.items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
         batch = [run.items[i] for i in indices]
         prompts = [prompt_text(item, run.tokenizer) for item in batch]
-        with run.autocast, ranks.generating(run.model):
+        with run.autocast, sampling(run):
             ro = backend.generate(prompts[mine], k=k, generator_seed=cfg.seed * 1_000_003 + step, first=mine.start)
         # Every rank's completions as wide as the widest, so all ranks run the same forwards.
         ro = ro.widened(int(ranks.max(torch.tensor(ro.completion_ids.shape[1]))), run.tokenizer.pad_token_id)
@@ -118,7 +119,9 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         mask_all, truncated_all = ranks.whole(mask), ranks.whole(ro.truncated)
         counters["trained_tokens"] += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
         # A step takes as long as its slowest rank.
-        timings = Timings(*ranks.max(torch.tensor([t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step])).tolist())
+        timings = Timings(
+            *ranks.max(torch.tensor([t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step])).tolist()
+        )
         metrics = step_metrics(
             step=step,
             total_steps=run.total_steps,
@@ -141,6 +144,12 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
+
+
+def sampling(run: Run) -> AbstractContextManager[None]:
+    """While the rollout backend samples: a sharded policy that samples itself has its weights
+    gathered on each rank (once for all its decode steps)."""
+    return run.ranks.generating(run.model) if run.sampler.samples_with_policy else nullcontext()
 
 
 def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
@@ -322,7 +331,7 @@ def evaluate(run: Run) -> float:
     batch = valid[mine]
     prompts = [prompt_text(item, run.tokenizer) for item in batch]
     rewards: list[float] = []
-    with preserved_rng(run.device), run.ranks.generating(run.model):
+    with preserved_rng(run.device), sampling(run):
         for i in range(0, len(batch), 64):
             ro = run.sampler.generate(
                 prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i
