@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from service import graders
 from service.storage import confined
@@ -153,43 +154,68 @@ class RewardModels:
         items: Sequence[Mapping[str, Any]],
         prompts: Sequence[str],
     ) -> list[float]:
-        """One score per sample: the model's single logit on the conversation (or on ``leaf.input``).
-
-        Without ``input``, the classic RLHF reward: the prompt and its completion. A reward model
-        whose tokenizer has a chat template reads them as it was trained to: the item's ``messages``
-        (or its prompt as one user turn) and the completion as the assistant's turn, rendered with
-        its own template; one without reads ``prompt + completion`` as the policy saw them."""
+        """One score per sample: the model's single logit on the conversation (or on ``leaf.input``),
+        NaN where the input template missed a key. The stages (``reward_model_texts``,
+        ``encode_texts``, ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
         model, tok = self._load(leaf.model)
-        rendered = graders.render_reward_model_inputs(leaf, samples, items)
-        templated = leaf.input is None and bool(getattr(tok, "chat_template", None))
-        if templated:
-            rendered = [
-                tok.apply_chat_template(
-                    [*_conversation(item, prompt), {"role": "assistant", "content": sample.output_text}],
-                    tokenize=False,
-                )
-                for prompt, sample, item in zip(prompts, samples, items, strict=True)
-            ]
-        elif leaf.input is None:
-            rendered = [prompt + sample.output_text for prompt, sample in zip(prompts, samples, strict=True)]
-        todo = [i for i, text in enumerate(rendered) if text is not None]
-        texts = [rendered[i] for i in todo]
-        scores: list[float] = []
-        for i in range(0, len(texts), self.batch_size):
-            enc = tok(
-                texts[i : i + self.batch_size],
+        texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
+        todo = [i for i, text in enumerate(texts) if text is not None]
+        batches = encode_texts(tok, [texts[i] for i in todo], templated=templated, batch_size=self.batch_size)
+        scores = self.logits(model, batches).tolist()  # the one transfer to the host
+        out = [float("nan")] * len(texts)
+        for i, score in zip(todo, scores, strict=True):
+            out[i] = score
+        return out
+
+    def logits(self, model: Any, batches: list[dict[str, Tensor]]) -> Tensor:
+        """The model's logit per row of ``batches``, in order, as one fp32 tensor on the CPU."""
+        out = [model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0] for enc in batches]
+        return torch.cat(out).float().cpu() if out else torch.zeros(0)
+
+
+def reward_model_texts(
+    leaf: graders.RewardModelGrader,
+    tok: Any,
+    samples: Sequence[graders.Sample],
+    items: Sequence[Mapping[str, Any]],
+    prompts: Sequence[str],
+) -> tuple[list[str | None], bool]:
+    """The text a reward model reads per sample (None where ``leaf.input`` misses a key), and
+    whether its chat template wrote it.
+
+    Without ``input``, the classic RLHF reward: the prompt and its completion. A reward model whose
+    tokenizer has a chat template reads them as it was trained to: the item's ``messages`` (or its
+    prompt as one user turn) and the completion as the assistant's turn, rendered with its own
+    template; one without reads ``prompt + completion`` as the policy saw them."""
+    if leaf.input is not None:
+        return graders.render_reward_model_inputs(leaf, samples, items), False
+    if getattr(tok, "chat_template", None):
+        texts: list[str | None] = [
+            tok.apply_chat_template(
+                [*_conversation(item, prompt), {"role": "assistant", "content": sample.output_text}],
+                tokenize=False,
+            )
+            for prompt, sample, item in zip(prompts, samples, items, strict=True)
+        ]
+        return texts, True
+    return [prompt + sample.output_text for prompt, sample in zip(prompts, samples, strict=True)], False
+
+
+def encode_texts(tok: Any, texts: list[str], *, templated: bool, batch_size: int) -> list[dict[str, Tensor]]:
+    """``texts`` as the reward model's padded input batches of ``batch_size`` rows, in order."""
+    return [
+        dict(
+            tok(
+                texts[i : i + batch_size],
                 return_tensors="pt",
                 padding=True,
                 truncation=True,
                 add_special_tokens=not templated,  # a chat template writes its own BOS
                 max_length=_context(tok),
             )
-            logits = model(**{k: v.to(self.device) for k, v in enc.items()}).logits
-            scores.extend(logits[:, 0].float().cpu().tolist())
-        out = [float("nan")] * len(rendered)  # NaN where the input template missed a key
-        for i, score in zip(todo, scores, strict=True):
-            out[i] = score
-        return out
+        )
+        for i in range(0, len(texts), batch_size)
+    ]
 
 
 def _judge_prompts(
