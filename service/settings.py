@@ -142,9 +142,11 @@ class Settings(BaseSettings):
         description="How long a worker keeps retrying a write while the database is unreachable, before the job fails.",
     )
     collective_timeout_seconds: float = Field(
-        default=600.0,
+        default=1800.0,
         gt=0,
-        description="A multi-rank job's collectives wait no longer than this for a rank (resources.gpus > 1).",
+        description="A multi-rank job's collectives wait no longer than this for a rank (resources.gpus > 1): "
+        "longer than a checkpoint's upload and RLOO_DB_RETRY_SECONDS, which rank 0 may spend while the others wait. "
+        "A rank that dies is noticed by the launcher at once; this catches a rank that hangs.",
     )
     max_job_crashes: int = Field(
         default=3,

@@ -33,10 +33,12 @@ from worker.metrics import TIMING_METRICS
 pytestmark = pytest.mark.e2e
 FAKES = Path(__file__).parent / "fakes"
 
-METRIC_RTOL, METRIC_ATOL = 1e-4, 1e-5
-"""Per-step metrics of 2 ranks against 1 (seen: 2e-6 relative at most, on the KL and grad norm)."""
+METRIC_RTOL, METRIC_ATOL = 1e-3, 1e-5
+"""Per-step metrics of 2 ranks against 1. Rounding differences grow through AdamW (which scales a
+tiny gradient up) and a second pass over the batch: seen 3e-4 relative at most (the grad norm at
+step 4, two passes a step), against metrics that differ by tens of percent between seeds."""
 WEIGHT_ATOL = 2e-3
-"""Final weights after 4 steps at learning rate 0.01 (seen: 1.1e-4)."""
+"""Final weights after 4 steps of two passes at learning rate 0.01 (seen: 2.6e-4, of weights that moved 7e-2)."""
 
 
 @pytest.fixture
@@ -46,10 +48,11 @@ def stack(tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
         yield s
 
 
-def _job(http: httpx.Client, file_id: str, *, gpus: int, **hp: Any) -> str:
+def _job(http: httpx.Client, file_id: str, *, gpus: int, validation: str | None = None, **hp: Any) -> str:
     body = {
         "model": "tiny-policy",
         "training_file": file_id,
+        "validation_file": validation,
         "seed": 3,
         "resources": {"gpus": gpus},
         "method": {
@@ -113,8 +116,11 @@ def _final_weights(http: httpx.Client, job_id: str, where: Path) -> Any:
 def test_two_ranks_train_what_one_rank_does(stack: LiveStack, tmp_path: Path) -> None:
     http = stack.http
     file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-    one = _job(http, file_id, gpus=1, max_steps=4)
-    two = _job(http, file_id, gpus=2, max_steps=4)
+    valid = upload_path(http, EXAMPLES / "demo" / "valid.jsonl")
+    # Two passes a step (the second one's ratios clip), and validation on 5 prompts: 3 and 2 a rank.
+    hp = {"max_steps": 4, "ppo_epochs": 2, "eval_interval": 2, "eval_samples": 5}
+    one = _job(http, file_id, gpus=1, validation=valid, **hp)
+    two = _job(http, file_id, gpus=2, validation=valid, **hp)
     for job_id in (one, two):
         job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
         assert job["status"] == "succeeded", (job["error"], stack.log_tail())
@@ -131,18 +137,18 @@ def test_two_ranks_train_what_one_rank_does(stack: LiveStack, tmp_path: Path) ->
                 continue
             vb = mb[name]
             assert vb == pytest.approx(va, rel=METRIC_RTOL, abs=METRIC_ATOL), (ma["step"], name, va, vb)
-            worst = max(worst, (abs(va - vb), f"step {ma['step']} {name}"))
+            worst = max(worst, (abs(va - vb) / max(abs(va), 1e-2), f"step {ma['step']} {name}"))
     # The rollouts themselves are the same: each prompt group drew from its own seed.
     assert [m["completion_length_mean"] for m in a] == [m["completion_length_mean"] for m in b]
+    assert any(m["ratio_clip_frac"] > 0 for m in a) and sum("valid_reward_mean" in m for m in b) == 2
 
     wa = _final_weights(http, one, tmp_path / "one").state_dict()
     wb = _final_weights(http, two, tmp_path / "two").state_dict()
     assert wa.keys() == wb.keys()
     moved = max(float((wa[k] - w0).abs().max()) for k, w0 in _base_weights(stack).items())
     diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    print(
-        f"\n2 ranks vs 1: largest metric difference {worst[0]:.2e} ({worst[1]}); weights {diff:.2e} (moved {moved:.2e})"
-    )
+    print(f"\n2 ranks vs 1: largest relative metric difference {worst[0]:.2e} ({worst[1]})")
+    print(f"weights: {diff:.2e} apart; they moved {moved:.2e}")
     assert diff <= WEIGHT_ATOL < moved  # the weights did move, much more than the ranks differ
 
 
@@ -197,9 +203,10 @@ def _spec(tmp_path: Path, name: str, gpus: int, **hp: Any) -> Path:
     """The demo job with a LoRA adapter and two micro-batches, on ``gpus`` ranks."""
     body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
     body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
+    body["validation_file"] = str(EXAMPLES / "demo" / "valid.jsonl")
     body["resources"] = {"gpus": gpus}
     body["method"]["reinforcement"]["hyperparameters"].update(
-        lora={"r": 4}, gradient_accumulation_steps=2, max_steps=3, precision="fp32", **hp
+        lora={"r": 4}, gradient_accumulation_steps=2, max_steps=3, precision="fp32", eval_samples=5, **hp
     )
     spec = tmp_path / name
     spec.write_text(json.dumps(body))
@@ -231,10 +238,15 @@ def test_rloo_train_runs_a_lora_job_on_two_ranks_as_on_one(tmp_path: Path, model
     (*steps1, _), (*steps2, summary2) = runs[1], runs[2]
     assert summary2["status"] == "succeeded" and [s["step"] for s in steps2] == [1, 2, 3]  # rank 0 alone prints
     for a, b in zip(steps1, steps2, strict=True):
-        for name in ("train_reward_mean", "kl", "loss", "grad_norm", "entropy", "advantage_std"):
+        for name in ("train_reward_mean", "kl", "loss", "grad_norm", "entropy", "advantage_std", "valid_reward_mean"):
             assert b[name] == pytest.approx(a[name], rel=METRIC_RTOL, abs=METRIC_ATOL), (a["step"], name)
     checkpoint = Path(summary2["final_checkpoint"])
-    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "training_state.dcp").is_dir()
+    assert (checkpoint / "training_state.dcp").is_dir() and not (checkpoint / "model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    adapters = [load_file(tmp_path / f"run{gpus}" / "step-3" / "adapter_model.safetensors") for gpus in (1, 2)]
+    assert adapters[0].keys() == adapters[1].keys() and len(adapters[0]) > 0
+    assert max(float((adapters[0][k] - adapters[1][k]).abs().max()) for k in adapters[0]) <= WEIGHT_ATOL
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_two_only(tmp_path: Path, models_dir: Path) -> None:

@@ -85,7 +85,8 @@ def test_a_job_on_vllm_pushes_the_updated_policy_every_step(fake_vllm, tmp_path,
     from tests.helpers.training import ListRecorder, config
 
     rec = ListRecorder()
-    train(config(tmp_path, models_dir, max_steps=3, cfg={"extra": {"rollout_backend": "vllm"}}), rec)
+    extra = {"rollout_backend": "vllm", "vllm_options": {"sleep_mode": True}}
+    train(config(tmp_path, models_dir, max_steps=3, cfg={"extra": extra}), rec)
     assert len(rec.steps) == 3
     pushes = fake_vllm.LLM.instances[-1].runner.pushes
     assert len(pushes) == 3  # before each step's rollouts, none after the last update

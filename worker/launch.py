@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker.records import JobError
 
-if TYPE_CHECKING:  # the Celery task that starts ranks imports no torch itself
+if TYPE_CHECKING:  # importing this module (worker.tasks does, in Celery's parent process) imports no torch
     from worker.config import TrainConfig
     from worker.loop import TrainResult
 
@@ -37,11 +37,12 @@ class RanksLost(Exception):
 
 
 def run_ranks(
-    cfg: TrainConfig, *, job_id: str | None = None, holder: str | None = None, timeout_seconds: float = 600
+    cfg: TrainConfig, *, timeout_seconds: float, job_id: str | None = None, holder: str | None = None
 ) -> TrainResult:
     """Run ``cfg`` on ``cfg.gpus`` ranks and wait for them. With ``job_id`` rank 0 records to that
     job's rows as ``holder`` (the worker process that claimed it); without, it prints each step
-    (``rloo train``)."""
+    (``rloo train``). Every collective waits at most ``timeout_seconds``."""
+    _check_devices(cfg)
     with tempfile.TemporaryDirectory(prefix="rloo-ranks-") as scratch:
         where = Path(scratch)
         # The config goes to our own child processes as a file only they read: nothing crosses a network.
@@ -66,14 +67,40 @@ def run_ranks(
             "RLOO_COLLECTIVE_TIMEOUT_SECONDS": str(timeout_seconds),
         }
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.gpus)))
-        # Its own process group: stopping this worker stops the launcher and every rank with it.
-        launcher = subprocess.Popen(command, env=env, start_new_session=True)
+        # Its own process group, which stopping this worker stops; and, should this process die
+        # without a word (the out-of-memory killer), the kernel stops the launcher, which stops
+        # every rank: no ranks are left training a job that runs again elsewhere.
+        launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             code = launcher.wait()
         except BaseException:
             _stop(launcher)
             raise
         return _outcome(where, code, cfg.gpus)
+
+
+def _check_devices(cfg: TrainConfig) -> None:
+    """A job asking for more GPUs than this host has fails with what to change, not a lost rank."""
+    if cfg.device == "cpu":
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if have and have < cfg.gpus:
+        raise JobError(
+            "insufficient_devices",
+            f"the job asks for {cfg.gpus} GPUs (resources.gpus) and its worker has {have}; "
+            f"run it on a worker with {cfg.gpus} (rloo worker --gpus) or ask for {have}",
+        )
+
+
+def _die_with_parent() -> None:
+    """In the launcher, before it runs: SIGTERM when the process that started it dies (Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _stop(launcher: subprocess.Popen[Any]) -> None:
@@ -86,7 +113,8 @@ def _stop(launcher: subprocess.Popen[Any]) -> None:
 
 
 def _outcome(where: Path, code: int, ranks: int) -> TrainResult:
-    """Rank 0's result, or the error a rank reported, or ``RanksLost``."""
+    """Rank 0's result; else the job's error a rank reported; else ``RanksLost``: a rank that died
+    without a report (killed) or collectives that lost a rank or timed out."""
     from worker.loop import TrainResult
 
     reports = [json.loads(p.read_text()) for p in sorted(where.glob("rank-*.json"))]
@@ -98,7 +126,9 @@ def _outcome(where: Path, code: int, ranks: int) -> TrainResult:
     for report in reports:
         if "error" in report:
             raise JobError(report["error"]["code"], report["error"]["message"])
-    raise RanksLost(f"a rank of the job's {ranks} ended without a word (exit status {code})")
+    lost = [r["lost"] for r in reports if "lost" in r]
+    why = f"; rank {lost[0]['rank']}: {lost[0]['message']}" if lost else ""
+    raise RanksLost(f"{ranks - len(reports)} of the job's {ranks} ranks ended without a word (exit status {code}){why}")
 
 
 def result_report(result: TrainResult) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def run_spec(
             from worker.launch import RanksLost, run_ranks
 
             try:
-                result = run_ranks(cfg)
+                result = run_ranks(cfg, timeout_seconds=get_settings().collective_timeout_seconds)
             except RanksLost as exc:
                 raise JobError("rank_lost", f"{exc}; continue with --resume from its last checkpoint") from None
         else:

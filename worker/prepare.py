@@ -56,7 +56,9 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         resumed = read_training_state(cfg.resume_from)
         check_resumable(cfg, resumed[1], total_steps)
 
-    tokenizer, model, reference = _models(cfg, device)
+    # Ranks load on the CPU: sharding moves each rank's shards to its device, so no device ever
+    # holds a whole copy (or two, with the reference).
+    tokenizer, model, reference = _models(cfg, torch.device("cpu") if ranks.distributed else device)
     bf16 = hp.precision == "bf16" or (hp.precision == "auto" and device.type == "cuda")
     for module in (model, reference.model if reference is not None else None):
         if module is not None:

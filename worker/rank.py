@@ -32,41 +32,55 @@ def main(argv: list[str] | None = None) -> int:
     from worker.ranks import join, leave
     from worker.records import JobError
 
-    ranks = join(float(os.environ.get("RLOO_COLLECTIVE_TIMEOUT_SECONDS", "600")))
-    cfg = pickle.loads((args.dir / "config.pkl").read_bytes())
+    rank = int(os.environ.get("RANK", "0"))
     report: dict[str, Any]
     try:
+        ranks = join(float(os.environ["RLOO_COLLECTIVE_TIMEOUT_SECONDS"]))
+        cfg = pickle.loads((args.dir / "config.pkl").read_bytes())
         from worker.train import train
 
-        result = train(cfg, _recorder(args, ranks.is_main))
-        report = result_report(result)
+        report = result_report(train(cfg, _recorder(args, ranks.is_main)))
     except JobError as exc:
         report = {"error": {"code": exc.code, "message": exc.message}}
     except Exception as exc:
-        log.exception("rank %d failed", ranks.rank)
-        if _lost_a_peer(exc):
-            return 1  # another rank ended (or hung): no error of this job's to report; the launcher says so
-        code, message = classify(exc)
-        report = {"error": {"code": code, "message": message}}
-    if ranks.is_main or "error" in report:
-        out = args.dir / f"rank-{ranks.rank}.json"
+        log.exception("rank %d failed", rank)
+        if _lost_a_peer(exc):  # not this job's error: another rank is gone (the launcher ends us all)
+            report = {"lost": {"rank": rank, "message": f"{type(exc).__name__}: {exc}"[:500]}}
+        else:
+            code, message = classify(exc)
+            report = {"error": {"code": code, "message": message}}
+    if rank == 0 or "result" not in report:
+        out = args.dir / f"rank-{rank}.json"
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(report))
         tmp.rename(out)
-    if "error" not in report:
+    if "result" in report:
         leave()
-    return 1 if "error" in report else 0
+    return 0 if "result" in report else 1
+
+
+LOST_PEER = (
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "read error",
+    "timed out",
+    "timeout",
+)
+"""What a collective says when its peer is gone or never answered."""
 
 
 def _lost_a_peer(exc: BaseException) -> bool:
-    """A collective that failed because another rank is gone or never came (a closed connection,
-    the timeout): not the job's error."""
+    """A collective that failed because another rank is gone or never answered (a closed
+    connection, the timeout): not the job's error. A collective's other failures (mismatched
+    shapes, a device out of memory) are the job's."""
     import torch.distributed as dist
 
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, dist.DistNetworkError | dist.DistStoreError):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(word in text for word in ("gloo", "nccl", "connection closed"))
+    return isinstance(exc, RuntimeError) and any(words in text for words in LOST_PEER)
 
 
 def _recorder(args: argparse.Namespace, main: bool) -> Any:

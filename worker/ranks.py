@@ -144,7 +144,8 @@ class Ranks:
         # sum over ranks, not their mean (a plain SUM: gloo has no pre-multiplied sum).
         for unit in _units(model):
             unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
+            if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch >= 2.8
+                unit.set_force_sum_reduction_for_comms(True)
 
     @contextmanager
     def generating(self, model: Any) -> Iterator[None]:
@@ -162,15 +163,24 @@ class Ranks:
             yield
         finally:
             model.set_reshard_after_forward(True)
+            model.set_reshard_after_forward(False, recurse=False)  # FSDP2 keeps its root's weights after forward
             for unit in units:
                 unit.reshard()
 
     # Checkpoints ---------------------------------------------------------------------------------
     def full_state_dict(self, model: Any) -> dict[str, Any] | None:
-        """The whole model's weights on rank 0's CPU (None on the others; every rank must call it),
-        for ``save_pretrained``; None for one process, whose model saves itself."""
+        """The weights a checkpoint saves, whole, on rank 0's CPU (None on the others; every rank
+        must call it), for ``save_pretrained``: a LoRA model's adapter alone, else every weight.
+        None for one process, whose model saves itself."""
         if not self.distributed:
             return None
+        if hasattr(model, "peft_config"):  # the adapter, gathered tensor by tensor: never the whole base
+            adapter = {
+                name: whole_tensor(t).detach().cpu()
+                for name, t in model.state_dict().items()
+                if "lora_" in name or "modules_to_save" in name
+            }
+            return adapter if self.is_main else None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -220,6 +230,7 @@ def join(timeout_seconds: float) -> Ranks:
         backend = os.environ.get("RLOO_RANKS_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(ranks.local_rank)
+            backend = "cpu:gloo,cuda:nccl"  # device tensors over NCCL, the few host ones (sizes, timings) over gloo
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_seconds))
     _current = ranks
     return ranks
@@ -235,12 +246,25 @@ def leave() -> None:
     _current = SINGLE
 
 
+def whole_tensor(tensor: Tensor) -> Tensor:
+    """``tensor`` whole: a rank's shard (a DTensor) gathered from every rank (a collective), any
+    other tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
+
+
 def _layer_classes(model: Any) -> set[str]:
     """The class names of a model's repeated blocks, as Hugging Face declares them for sharding."""
+    from worker.records import JobError
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
     if not names:
-        raise ValueError(f"{type(base).__name__} names no decoder layer class (_no_split_modules): cannot shard it")
+        raise JobError(
+            "invalid_resources",
+            f"{type(base).__name__} names no decoder layer class (_no_split_modules), so it cannot be "
+            "sharded over ranks; set resources.gpus to 1",
+        )
     return names
 
 

@@ -159,11 +159,11 @@ class RewardModels:
         ``encode_texts``, ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
         model, tok = self._load(leaf.model)
         texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
-        todo = [i for i, text in enumerate(texts) if text is not None]
-        batches = encode_texts(tok, [texts[i] for i in todo], templated=templated, batch_size=self.batch_size)
+        todo = [(i, text) for i, text in enumerate(texts) if text is not None]
+        batches = encode_texts(tok, [text for _, text in todo], templated=templated, batch_size=self.batch_size)
         scores = self.logits(model, batches).tolist()  # the one transfer to the host
         out = [float("nan")] * len(texts)
-        for i, score in zip(todo, scores, strict=True):
+        for (i, _), score in zip(todo, scores, strict=True):
             out[i] = score
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -90,8 +91,12 @@ class RolloutBackend(Protocol):
     """
 
     name: str
-    samples_with_policy: bool
-    """Whether it samples with the policy object itself (whose weights a sharded job gathers for it)."""
+
+    def sampling(self) -> AbstractContextManager[None]:
+        """A phase of sampling (a step's rollouts, a validation pass): what it needs ready on entry
+        and let go on exit, the same on every rank of a job (it may make collectives), so that the
+        ``generate`` calls within it make none and ranks may make different numbers of them."""
+        ...
 
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         """k completions of each prompt; prompt ``b``'s are drawn from ``group_seed(generator_seed,
@@ -108,7 +113,6 @@ class TransformersBackend:
     once and its KV cache shared by its k samples."""
 
     name = "transformers"
-    samples_with_policy = True
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -119,6 +123,12 @@ class TransformersBackend:
 
     def sync(self) -> None:
         pass
+
+    def sampling(self) -> AbstractContextManager[None]:
+        """A sharded policy's whole weights on each rank while it samples (``Ranks.generating``)."""
+        from worker.ranks import current
+
+        return current().generating(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:

@@ -7,12 +7,13 @@ optimizer step the policy's weights are loaded into the engine before it samples
 adapters merged for the copy). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 as TRL's colocated mode does, and takes ``gpu_memory_utilization`` of the GPU (0.3 unless set).
 
-Between rollouts the engine sleeps (vLLM's sleep mode, level 2): its weights and KV cache are let
-go while the policy updates, which is what keeps a colocated engine and an update from running the
-GPU out of memory; the next rollout wakes the weights, loads the policy's, then wakes the KV cache.
 A job on several ranks runs one engine a rank (``external_launcher``: each on its rank's device, in
 its process), and the weights pushed into it come from the sharded policy one tensor at a time,
-gathered from the ranks' shards as they go in: no rank ever holds a second whole copy.
+gathered from the ranks' shards as they go in: no rank ever holds a second whole copy. Its engines
+sleep between sampling phases (vLLM's sleep mode, level 2; ``vllm_options.sleep_mode`` turns it on
+for one process too): weights and KV cache let go while the policy updates, which keeps a
+colocated engine and an update from running the GPU out of memory; a phase wakes the weights,
+loads the policy's, then wakes the KV cache.
 
 Not exercised on this project's CI (no GPU): its tests drive it with a stand-in ``vllm`` module that
 has the same surface (``tests/fakes/vllm``).
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from worker.ranks import current, whole_tensor
 from worker.records import JobError
 from worker.rollout import Rollout, Sampling, _eos_ids, group_seed
 
@@ -38,7 +41,6 @@ _MODEL_PATHS = (
 
 class VLLMBackend:
     name = "vllm"
-    samples_with_policy = False
 
     def __init__(
         self, model: Any, tokenizer: Any, sampling: Sampling, *, options: dict[str, Any] | None = None
@@ -46,10 +48,8 @@ class VLLMBackend:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         from vllm import LLM
 
-        from worker.ranks import current
-
         options = dict(options or {})
-        self.sleep_mode = bool(options.pop("sleep_mode", True))
+        self.sleep_mode = bool(options.pop("sleep_mode", current().distributed))
         if current().distributed:
             options.setdefault("distributed_executor_backend", "external_launcher")
         self.model, self.tokenizer = model, tokenizer
@@ -79,6 +79,17 @@ class VLLMBackend:
         self.stale = True  # the policy may already differ from the files (a resumed run)
         self.asleep = False
 
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """The engine awake, with the policy's newest weights, for one phase of sampling; asleep
+        again after it. Every rank enters it together: pushing a sharded policy's weights gathers
+        them; ``generate`` itself makes no collective."""
+        self._wake()
+        try:
+            yield
+        finally:
+            self._sleep()
+
     def _wake(self) -> None:
         """Weights first (the policy's loaded into them), then the KV cache: the two never need
         memory at once with the update's."""
@@ -93,7 +104,7 @@ class VLLMBackend:
             self.asleep = False
 
     def _sleep(self) -> None:
-        if self.sleep_mode:
+        if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
 
@@ -126,7 +137,8 @@ class VLLMBackend:
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         from vllm import SamplingParams
 
-        self._wake()
+        if self.stale or self.asleep:  # called outside ``sampling`` (one process only)
+            self._wake()
         tok = self.tokenizer
         encoded = [
             tok(p, add_special_tokens=False, truncation=True, max_length=self.max_prompt_length)["input_ids"]
@@ -146,7 +158,6 @@ class VLLMBackend:
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
-        self._sleep()
         rows: list[list[int]] = []
         texts: list[str] = []
         truncated: list[bool] = []
@@ -186,50 +197,68 @@ def _wake_up(llm: Any, tag: str) -> None:
             llm.wake_up()
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as the engine takes it: a rank's shard (a DTensor) gathered from every rank."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def _policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the base model's names, one tensor at a time (each gathered from
-    the ranks' shards as it goes, in the same order on every rank); LoRA adapters merged in."""
+    """The policy's weights under the base model's names, one tensor at a time; LoRA adapters
+    merged in for the copy (the policy's own weights are left as they were)."""
     if not hasattr(model, "peft_config"):
         for name, tensor in model.state_dict().items():
-            yield name, _whole(tensor)
+            yield name, whole_tensor(tensor)  # a shard gathered as it goes, in the same order on every rank
         return
-    scaled = _lora_deltas(model)
+    if not current().distributed:
+        yield from _merged_in_place(model)
+        return
+    deltas = _lora_deltas(model)
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
             continue
-        base = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        whole = _whole(tensor).detach()
-        delta = scaled.get(name)
-        # A new tensor where merged: the policy's own weights are never touched.
-        yield base, whole + delta().to(whole.dtype) if delta is not None else whole
+        whole = whole_tensor(tensor).detach()
+        delta = deltas.get(name)
+        yield _base_name(name), whole + delta().to(whole.dtype) if delta is not None else whole
+
+
+def _base_name(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def _merged_in_place(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """One process: peft merges every adapter kind it knows into the weights, then takes it out."""
+    model.merge_adapter()
+    try:
+        for name, tensor in model.state_dict().items():
+            if "lora_" in name or "modules_to_save" in name:
+                continue
+            # A copy: the merged values must survive the unmerge, however the engine consumes these.
+            yield _base_name(name), tensor.detach().clone()
+    finally:
+        model.unmerge_adapter()
 
 
 def _lora_deltas(model: Any) -> dict[str, Any]:
     """For each adapted weight's state-dict name, a function giving its LoRA delta (scaling x B @ A,
-    each factor gathered whole), evaluated when that weight goes to the engine."""
+    each factor gathered whole from the ranks' shards), evaluated when that weight goes to the
+    engine. Linear and embedding adapters; any other kind (DoRA) is refused rather than pushed wrong."""
     from peft.tuners.lora import LoraLayer
 
     names = {id(t): n for n, t in model.named_parameters()}
     deltas: dict[str, Any] = {}
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or getattr(module, "merged", False):
+        if not isinstance(module, LoraLayer):
             continue
         for adapter in module.active_adapters:
-            if adapter not in module.lora_A:
+            if getattr(module, "use_dora", {}).get(adapter):
+                raise JobError("rollout_backend_failed", "DoRA adapters cannot be pushed to vLLM from sharded ranks")
+            scale = module.scaling[adapter]
+            if adapter in module.lora_A:
+                a, b, transpose = module.lora_A[adapter].weight, module.lora_B[adapter].weight, False
+            elif adapter in getattr(module, "lora_embedding_A", {}):
+                a, b, transpose = module.lora_embedding_A[adapter], module.lora_embedding_B[adapter], True
+            else:
                 continue
-            weight = module.get_base_layer().weight
-            a, b, scale = module.lora_A[adapter].weight, module.lora_B[adapter].weight, module.scaling[adapter]
-            transpose = bool(getattr(module, "fan_in_fan_out", False))
-            name = names[id(weight)]
+            transpose ^= bool(getattr(module, "fan_in_fan_out", False))
 
             def delta(a: Any = a, b: Any = b, scale: float = scale, transpose: bool = transpose) -> torch.Tensor:
-                product = (_whole(b).detach() @ _whole(a).detach()) * scale
+                product = (whole_tensor(b).detach() @ whole_tensor(a).detach()) * scale
                 return product.T if transpose else product
 
-            deltas[name] = delta
+            deltas[names[id(module.get_base_layer().weight)]] = delta
     return deltas

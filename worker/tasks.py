@@ -50,13 +50,7 @@ def _run_job(job_id: str) -> str:
                 # The pool process that ran it was killed (the out-of-memory killer, most often) and
                 # Celery handed the task back: no need to wait for the heartbeat to go stale.
                 log.warning("job %s: its process %s was killed; Celery handed its task back", job_id, current.worker)
-                moved = lifecycle.recover(
-                    session=session,
-                    job=current,
-                    worker=current.worker,
-                    reason="The worker process running the job was killed",
-                    max_crashes=settings.max_job_crashes,
-                )
+                moved = _crashed(session, current, "The worker process running the job was killed")
                 if moved == JobStatus.QUEUED:
                     job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())
         if job is None:
@@ -107,19 +101,20 @@ def _run_job(job_id: str) -> str:
     return result.stopped or "succeeded"
 
 
+def _crashed(session: Any, job: Job, reason: str) -> str | None:
+    """A running job whose process died (``reason``): queued again, to continue from its last
+    checkpoint, or failed once its workers died ``max_job_crashes`` times. The new status, or None."""
+    return lifecycle.recover(
+        session=session, job=job, worker=job.worker, reason=reason, max_crashes=get_settings().max_job_crashes
+    )
+
+
 def _requeue_crashed(session: Any, job: Job, why: str) -> None:
-    """A job whose rank died: queued again (and its task sent) to continue from its last
-    checkpoint, or failed once its workers died ``max_job_crashes`` times."""
+    """A job whose rank died: a crash (``_crashed``), its task sent again when it is queued."""
     current = crud.get_job_by_id(session=session, job_id=job.id)
     if current is None or current.status != JobStatus.RUNNING:
         return
-    moved = lifecycle.recover(
-        session=session,
-        job=current,
-        worker=current.worker,
-        reason=f"A rank of the job died ({why})",
-        max_crashes=get_settings().max_job_crashes,
-    )
+    moved = _crashed(session, current, f"A rank of the job died ({why})")
     session.commit()
     if moved == JobStatus.QUEUED:
         from service import queue
@@ -267,7 +262,9 @@ def _train(job: Job) -> Any:
     if cfg.gpus > 1:  # its ranks under torch.distributed.run; rank 0 records as this process
         from worker.launch import run_ranks
 
-        return run_ranks(cfg, job_id=job.id, holder=process_name(), timeout_seconds=settings.collective_timeout_seconds)
+        return run_ranks(
+            cfg, timeout_seconds=settings.collective_timeout_seconds, job_id=job.id, holder=process_name()
+        )
     return train(cfg, DatabaseRecorder(job))
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from worker.data import batch_indices, prompt_text
 from worker.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
 from worker.metrics import Timings, UpdateStats, grader_metrics, step_metrics
 from worker.prepare import prepare
+from worker.ranks import whole_tensor
 from worker.records import JobError, Recorder
 from worker.resume import preserved_rng
 from worker.rewards import score_batch
@@ -79,7 +79,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         indices = batch_indices(n_items=len(run.items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
         batch = [run.items[i] for i in indices]
         prompts = [prompt_text(item, run.tokenizer) for item in batch]
-        with run.autocast, sampling(run):
+        with run.autocast, backend.sampling():
             ro = backend.generate(prompts[mine], k=k, generator_seed=cfg.seed * 1_000_003 + step, first=mine.start)
         # Every rank's completions as wide as the widest, so all ranks run the same forwards.
         ro = ro.widened(int(ranks.max(torch.tensor(ro.completion_ids.shape[1]))), run.tokenizer.pad_token_id)
@@ -119,9 +119,8 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         mask_all, truncated_all = ranks.whole(mask), ranks.whole(ro.truncated)
         counters["trained_tokens"] += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
         # A step takes as long as its slowest rank.
-        timings = Timings(
-            *ranks.max(torch.tensor([t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step])).tolist()
-        )
+        seconds = [t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step]
+        timings = Timings(*ranks.max(torch.tensor(seconds, dtype=torch.float64)).tolist())
         metrics = step_metrics(
             step=step,
             total_steps=run.total_steps,
@@ -144,12 +143,6 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
-
-
-def sampling(run: Run) -> AbstractContextManager[None]:
-    """While the rollout backend samples: a sharded policy that samples itself has its weights
-    gathered on each rank (once for all its decode steps)."""
-    return run.ranks.generating(run.model) if run.sampler.samples_with_policy else nullcontext()
 
 
 def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
@@ -294,14 +287,14 @@ def rloo_update(
     run.sampler.sync()  # the next rollouts come from the updated weights
     learning_rate = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
-    full_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor when sharded
+    # Each rank's loss and clip fraction are its rows' share of the whole batch's: they add up.
     return UpdateStats(
         ranks.whole(advantages[mine]),  # each rank computed its own rows for certain
         ranks.whole(kl_seq),
         ranks.sum(loss_sum),
-        ranks.sum(clip_sum) / ranks.world,
+        ranks.sum(clip_sum),
         ranks.sum(entropy_sum),
-        full_norm,
+        whole_tensor(grad_norm),  # a DTensor when sharded
         learning_rate,
     )
 
@@ -331,7 +324,7 @@ def evaluate(run: Run) -> float:
     batch = valid[mine]
     prompts = [prompt_text(item, run.tokenizer) for item in batch]
     rewards: list[float] = []
-    with preserved_rng(run.device), sampling(run):
+    with preserved_rng(run.device), run.sampler.sampling():
         for i in range(0, len(batch), 64):
             ro = run.sampler.generate(
                 prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i

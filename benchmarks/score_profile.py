@@ -1,0 +1,134 @@
+"""Where the score phase of a reward-model job goes (``python -m benchmarks.run score_profile``).
+
+For the *tiny*, *small* and 8-layer configs, a policy and a reward model of the same shape sharing
+its tokenizer (as the demo's reward-model job has), one step's rollouts sampled by the engine (k = 4,
+8 chat-rendered demo prompts, 32 new tokens), then the scoring of those 32 completions timed as the
+loop runs it (``worker.rewards.score_batch`` over the job's grader) and stage by stage:
+
+* ``render``: the text the reward model reads (its chat template, per sample);
+* ``tokenize``: those texts as padded input batches;
+* ``forward``: the reward model's forwards, in inference mode;
+* ``to_host``: the logits to Python floats;
+* ``other``: the rest of the whole path (the grader tree, samples, Python per sample);
+* ``floor``: one batched forward over the same 32 sequences, already tokenized.
+
+Each figure is the median of ``REPEATS`` runs after a warm-up, in milliseconds; one JSON object out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import DEMO_DATA, K, NEW_TOKENS, PROMPTS
+
+PROFILE_CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_layers": 2},
+    "small": {"hidden_size": 256, "num_layers": 4},
+    "8-layer": {"hidden_size": 512, "num_layers": 8},
+}
+REPEATS = 20
+GRADER = {"type": "reward_model", "name": "rm", "model": "rm"}
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, Any]:
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times), out
+
+
+def profile(config: str) -> dict[str, Any]:
+    from service.graders import parse_grader
+    from service.schemas import Hyperparameters
+    from worker.config import TrainConfig
+    from worker.data import prompt_text
+    from worker.prepare import prepare
+    from worker.records import QuietRecorder
+    from worker.rewards import encode_texts, reward_model_texts, score_batch
+    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        models = Path(tmp_name) / "models"
+        build_tiny_causal_lm(models / "policy", seed=0, **PROFILE_CONFIGS[config])
+        build_tiny_reward_model(models / "rm", tokenizer_from=models / "policy", seed=1, **PROFILE_CONFIGS[config])
+        hp = Hyperparameters(rloo_k=K, batch_size=PROMPTS, max_new_tokens=NEW_TOKENS, kl_coef=0.05).resolved()
+        cfg = TrainConfig(
+            model="policy",
+            training_file=DEMO_DATA,
+            grader=parse_grader(GRADER),
+            hyperparameters=hp,
+            output_dir=Path(tmp_name) / "out",
+            models_dir=models,
+            device="cpu",
+        )
+        run = prepare(cfg, QuietRecorder())
+        items = run.items[:PROMPTS]
+        prompts = [prompt_text(item, run.tokenizer) for item in items]
+        ro = run.sampler.generate(prompts, k=K, generator_seed=1)
+        rows_prompts = [p for p in prompts for _ in range(K)]
+        rows_items = [item for item in items for _ in range(K)]
+        assert run.reward_models is not None and run.cfg.grader is not None
+        rm = run.reward_models
+        leaf = run.cfg.grader
+        model, tok = rm._load("rm")
+        from service.graders import Sample
+
+        samples = [Sample(output_text=t) for t in ro.texts]
+
+        def whole() -> Any:
+            return score_batch(leaf, prompts=rows_prompts, texts=ro.texts, items=rows_items, reward_models=rm)
+
+        t_whole, _ = _median_ms(whole)
+        t_render, (texts, templated) = _median_ms(lambda: reward_model_texts(leaf, tok, samples, rows_items, rows_prompts))
+        t_tokenize, batches = _median_ms(lambda: encode_texts(tok, texts, templated=templated, batch_size=rm.batch_size))
+
+        def forward() -> Any:
+            with torch.inference_mode():
+                return [model(**enc).logits[:, 0] for enc in batches]
+
+        t_forward, logits = _median_ms(forward)
+        t_to_host, _ = _median_ms(lambda: torch.cat(logits).float().cpu().tolist())
+        # The floor: one batched forward of the same sequences, tokenized beforehand (one batch).
+        one = encode_texts(tok, texts, templated=templated, batch_size=len(texts))[0]
+
+        def floor() -> Any:
+            with torch.inference_mode():
+                return model(**one).logits
+
+        t_floor, _ = _median_ms(floor)
+        parts = t_render + t_tokenize + t_forward + t_to_host
+        return {
+            "config": config,
+            "rows": len(texts),
+            "tokens_per_row": int(one["input_ids"].shape[1]),
+            "whole_ms": round(t_whole, 2),
+            "render_ms": round(t_render, 2),
+            "tokenize_ms": round(t_tokenize, 2),
+            "forward_ms": round(t_forward, 2),
+            "to_host_ms": round(t_to_host, 2),
+            "other_ms": round(max(t_whole - parts, 0.0), 2),
+            "floor_ms": round(t_floor, 2),
+            "whole_over_floor": round(t_whole / t_floor, 2),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    configs = (argv if argv is not None else sys.argv[1:]) or list(PROFILE_CONFIGS)
+    print(json.dumps({"threads": torch.get_num_threads(), "profiles": [profile(c) for c in configs]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
