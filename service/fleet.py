@@ -75,13 +75,14 @@ def workers(session: Session) -> Sequence[Worker]:
 
 
 def is_live(worker: Worker, *, stale_after: float, now: float) -> bool:
+    """Whether the worker beat within ``stale_after`` seconds of ``now``."""
     return worker.heartbeat_at >= now - stale_after
 
 
-def live_workers(session: Session, *, stale_after: float, now: float | None = None) -> list[Worker]:
+def live_workers(session: Session, *, stale_after: float) -> list[Worker]:
     """The workers whose heartbeat is younger than ``stale_after``."""
-    cutoff = (now or time.time()) - stale_after
-    return list(session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.seq)).all())
+    now = time.time()
+    return [w for w in workers(session) if is_live(w, stale_after=stale_after, now=now)]
 
 
 def devices_asked(resources: Mapping[str, Any] | None) -> str:

@@ -85,11 +85,13 @@ def reconcile(
 def _note_waiting(session: Any, queued: Sequence[Job], live: list[Worker]) -> int:
     """Tell each queued job that no live worker consumes its queue what it waits for (once a wait:
     ``lifecycle.note_waiting``). With no live worker registered there is nothing to judge by."""
+    if not live:
+        return 0
     consumed = {name for worker in live for name in worker.queues}
     noted = 0
     for job in queued:
         name = queue.job_queue(job.resources)
-        if not live or job.waiting_at is not None or name in consumed:
+        if job.waiting_at is not None or name in consumed:
             continue
         if lifecycle.note_waiting(session=session, job=job, message=fleet.waiting_message(job.resources, live)):
             hosts = ", ".join(f"{w.id} ({w.devices} x {w.accelerator})" for w in live)

@@ -1,8 +1,9 @@
 """The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright) against a
 live stack: the key typed once, the jobs page, a job page whose reward curve draws the job's own
 points and gains a new step without a reload, the cancel button, the files page and the grader
-playground, and the fleet page to an operator's key; no JavaScript error in the console throughout. A screenshot of the job page is saved
-(``RLOO_DASHBOARD_SCREENSHOT``, or the test's temporary directory)."""
+playground, and the fleet page to an operator's key; no JavaScript error in the console
+throughout. Screenshots of the job page and the fleet page are saved (``RLOO_DASHBOARD_SCREENSHOT``,
+or the test's temporary directory)."""
 
 from __future__ import annotations
 

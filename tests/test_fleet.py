@@ -197,8 +197,11 @@ def test_workers_are_listed_to_operator_keys_only(client, auth, env) -> None:
     # A project's key: the route is the operator's (403, saying how to get such a key); no key: 401.
     assert_error(client.get("/v1/workers", headers=auth), 403, code="insufficient_permissions", contains="--operator")
     assert_error(client.get("/v1/workers"), 401)
-    # An operator's key is its own project's key too.
+    # An operator's key is its own project's key too; the one `rloo up` makes is an operator's.
     assert client.get("/v1/files", headers=operator).status_code == 200
+    from worker.cli.stack import ensure_local_key
+
+    assert client.get("/v1/workers", headers={"Authorization": f"Bearer {ensure_local_key()}"}).status_code == 200
     document = client.get("/openapi.json").json()
     assert "403" in document["paths"]["/v1/workers"]["get"]["responses"]
 

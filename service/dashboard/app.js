@@ -1,7 +1,8 @@
 // The dashboard: the service's own API, read with the key typed once (kept in this tab's
 // sessionStorage, sent as a Bearer header, never in a URL). Pages by the URL's hash:
-// #/jobs, #/jobs/<id>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the API's event streams, read with
-// fetch (EventSource cannot send a header), resumed after the last id when a connection drops.
+// #/jobs, #/jobs/<id>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
+// API's event streams, read with fetch (EventSource cannot send a header), resumed after the last id
+// when a connection drops.
 "use strict";
 
 const API = "/v1";
