@@ -8,7 +8,7 @@ PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: install system-packages demo up test test-fast bench bench-learning lint clean
+.PHONY: install system-packages demo up test test-fast bench bench-learning gpu-check lint clean
 
 install: $(STAMP) system-packages
 
@@ -54,6 +54,15 @@ bench: $(BENCH_STAMP)
 # drawn (about 20 minutes on 2 cores).
 bench-learning: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.learning
+
+# A GPU host's figures, unattended in under 10 minutes: a random-weight model of Qwen2.5-0.5B's shape
+# trains RLOO a few steps on 1 GPU (transformers, then vLLM where it is installed) and on all GPUs;
+# generated tokens/s, the step split, MFU, peak memory and the memory plan's error, on stdout and in
+# benchmarks/gpu_check.json and .md (GPU_CHECK_ARGS: e.g. --out DIR). Needs torch's CUDA build: the
+# install must skip the CPU pin, `make gpu-check CONSTRAINTS=` (in a venv made that way: a fresh
+# checkout, or VENV=.venv-gpu beside a CPU one). Without a GPU it says so and exits 0; CI never runs it.
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 lint: install
 	$(BIN)/ruff check service worker tests benchmarks examples

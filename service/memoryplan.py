@@ -132,7 +132,10 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda", devices: i
     """The plan of a job of ``method`` with resolved hyperparameters ``hp``, in bytes per device, on
     ``devices`` ranks: weights, gradients, optimizer state and the reference sharded N ways (FSDP2),
     each rank holding its share of the batch's rows (and, while one layer computes, that layer's
-    whole weights: the all-gathered layer is counted with the runtime's buffers, under ``weights``)."""
+    whole weights: the all-gathered layer is counted with the runtime's buffers, under ``weights``).
+    While a sharded policy samples its rollouts each rank holds its whole weights
+    (``sampling_weights``, beside the KV cache: the transformers backend gathers them once a rollout;
+    vLLM's engine keeps its own share of the GPU, ``RLOO_VLLM_GPU_MEMORY_UTILIZATION``)."""
     lora = getattr(hp, "lora", None)
     if lora is not None:
         trainable = sum(lora.r * (i + o) for _, i, o in _targeted(shape, lora.target_modules))
@@ -166,17 +169,21 @@ def plan(shape: Shape, hp: Any, *, method: str, device: str = "cuda", devices: i
     scored = new_tokens if reinforcement else seq  # the positions whose log-probs the loss reads
     logits = 4 * micro_rows * scored * shape.vocab * 3  # fp32 logits, their log-softmax, its gradient
     gathered = 4 * shape.parameters // shape.layers if devices > 1 else 0  # one layer all-gathered at a time
+    shard = -(-4 * shape.parameters // devices)
     parts = {
-        "weights": -(-4 * shape.parameters // devices) + gathered,
+        "weights": shard + gathered,
         "gradients": -(-4 * trainable // devices),
         "optimizer": -(-8 * trainable // devices),
         "reference": -(-4 * shape.parameters // devices) if needs_reference else 0,
         "kv_cache": act * 2 * shape.layers * shape.kv_width * seq * rank_rows if reinforcement else 0,
+        "sampling_weights": 4 * shape.parameters - shard - gathered if reinforcement and devices > 1 else 0,
         "activations": layer_bytes + logits,
         "runtime": RUNTIME.get(device, RUNTIME["cuda"]),
     }
-    per_device = sum(v for k, v in parts.items() if k not in ("kv_cache", "activations"))
-    per_device += max(parts["kv_cache"], parts["activations"])
+    # Sampling and the update never hold their working memory at once.
+    phases = ("kv_cache", "sampling_weights", "activations")
+    per_device = sum(v for k, v in parts.items() if k not in phases)
+    per_device += max(parts["kv_cache"] + parts["sampling_weights"], parts["activations"])
     tokens = rows * seq
     flops = {
         "generate": 2 * shape.parameters * rows * new_tokens,

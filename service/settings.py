@@ -141,6 +141,11 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a worker keeps retrying a write while the database is unreachable, before the job fails.",
     )
+    collective_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="A multi-rank job's collectives wait no longer than this for a rank (resources.gpus > 1).",
+    )
     max_job_crashes: int = Field(
         default=3,
         ge=1,

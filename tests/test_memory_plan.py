@@ -54,6 +54,7 @@ def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memoryplan.Shape) -
         "optimizer": 8 * p,
         "reference": 4 * p,  # kl_coef 0.05: a frozen copy
         "kv_cache": 4 * 2 * 2 * 64 * 208 * 8,
+        "sampling_weights": 0,  # one device: nothing gathered
         # 2 prompts' 200 tokens once, the 4 rows' 8 completion tokens each; logits of the 4 x 8 scored.
         "activations": 4 * (2 * 200 + 4 * 8) * 2 * per_layer + 4 * 4 * 8 * 512 * 3,
         "runtime": 200 * 2**20,
@@ -131,6 +132,11 @@ def test_sharding_over_devices_divides_the_states_and_each_rank_holds_its_rows(s
     assert two["bytes"]["gradients"] == -(-4 * p // 2) and two["bytes"]["optimizer"] == -(-8 * p // 2)
     assert two["bytes"]["reference"] == -(-4 * p // 2)
     assert two["bytes"]["kv_cache"] == one["bytes"]["kv_cache"] // 2  # 4 of the 8 rows a rank
+    # While it samples, a rank holds the policy's whole weights: the rest of them beside its shard.
+    assert two["bytes"]["sampling_weights"] == 4 * p - two["bytes"]["weights"] and one["bytes"]["sampling_weights"] == 0
+    fixed = sum(two["bytes"][k] for k in ("weights", "gradients", "optimizer", "reference", "runtime"))
+    sampling = two["bytes"]["kv_cache"] + two["bytes"]["sampling_weights"]
+    assert two["bytes_per_device"] == fixed + max(sampling, two["bytes"]["activations"])
     assert two["rows_per_micro_batch"] == one["rows_per_micro_batch"] // 2
     assert two["step_flops"] == one["step_flops"]  # the same work, spread
 

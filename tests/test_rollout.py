@@ -122,21 +122,36 @@ def test_top_p_sampling_never_draws_outside_the_nucleus(policy) -> None:
         assert set(ro.completion_ids[b * 16 : b * 16 + 16, 0].tolist()) <= nucleus
 
 
+def test_a_prompts_completions_do_not_depend_on_the_prompts_beside_it(policy) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt group draws from its own generator: the batch split in two (as two ranks take
+    it, ``first`` their place in it) samples exactly what the whole batch samples."""
+    whole = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS, k=3, generator_seed=23)
+    half = len(PROMPTS) // 2
+    head = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS[:half], k=3, generator_seed=23)
+    tail = backend(policy, max_new_tokens=12, temperature=2.0).generate(
+        PROMPTS[half:], k=3, generator_seed=23, first=half
+    )
+    assert head.texts + tail.texts == whole.texts
+    assert len(set(whole.texts)) > 2  # the rows really were sampled, and differently
+    shifted = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS[half:], k=3, generator_seed=23)
+    assert shifted.texts != tail.texts  # the place in the batch is part of the seed
+
+
 def test_sampling_draws_each_token_at_its_probability_and_never_a_zero() -> None:
     from worker.rollout import sample
 
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
     logits = probs.clamp(min=1e-45).log().expand(200_000, -1)  # -inf-like where the probability is 0
-    torch.manual_seed(0)
-    counts = torch.bincount(sample(logits, 1.0, 1.0), minlength=6).float()
+    uniform = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(sample(logits, 1.0, 1.0, uniform), minlength=6).float()
     freq = counts / counts.sum()
     # Four standard errors of a frequency over 200k draws.
     tolerance = 4 * (probs * (1 - probs) / 200_000).sqrt() + 1e-9
     assert ((freq - probs).abs() <= tolerance).all(), freq
     assert counts[1] == 0 and counts[5] == 0  # a zero-probability token is never drawn, even the last
     # With the nucleus at 0.7: only tokens 0 and 2, in proportion 5:3.
-    torch.manual_seed(1)
-    counts = torch.bincount(sample(logits, 1.0, 0.7), minlength=6).float()
+    uniform = torch.rand(200_000, generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(sample(logits, 1.0, 0.7, uniform), minlength=6).float()
     assert counts[[1, 3, 4, 5]].sum() == 0
     assert abs(counts[0] / counts.sum() - 0.625) < 4 * (0.625 * 0.375 / 200_000) ** 0.5
 
@@ -209,7 +224,7 @@ def test_nan_logits_fail_the_rollout_clearly_and_never_index_past_the_vocabulary
     from worker.rollout import sample
 
     logits = torch.tensor([[float("nan")] * 6, [0.0, float("-inf"), 1.0, 2.0, float("nan"), 0.5]])
-    assert (sample(logits, 1.0, 1.0) < 6).all()  # a valid id, whatever the row holds
+    assert (sample(logits, 1.0, 1.0, torch.tensor([0.3, 0.9])) < 6).all()  # a valid id, whatever the row holds
     model, tok = policy
     broken = copy.deepcopy(model)
     with torch.no_grad():

@@ -92,6 +92,8 @@ def test_a_job_on_vllm_pushes_the_updated_policy_every_step(fake_vllm, tmp_path,
     checksums = [p["checksum"] for p in pushes]
     assert len(set(checksums)) == 3  # each push carried weights the update had changed
     assert all(p["unexpected"] == [] for p in pushes)
+    # Asleep through every update: woken (weights, then the KV cache) for each step's rollouts only.
+    assert fake_vllm.LLM.instances[-1].sleeps == 3 and fake_vllm.LLM.instances[-1].options["enable_sleep_mode"]
 
 
 def test_a_lora_job_on_vllm_pushes_merged_weights_under_the_base_names(fake_vllm, tmp_path, models_dir) -> None:

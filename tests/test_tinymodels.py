@@ -50,6 +50,18 @@ def test_tokenizer_special_tokens_and_padding_side() -> None:
         tm.build_tokenizer(["x"], vocab_size=100)
 
 
+def test_a_filled_tokenizer_decodes_every_id_of_a_larger_embedding() -> None:
+    """``fill_to``: a random-weight model of a real model's vocabulary samples any id; each decodes."""
+    plain = tm.build_tokenizer(tm.DEMO_CORPUS, vocab_size=400)
+    tok = tm.build_tokenizer(tm.DEMO_CORPUS, vocab_size=400, fill_to=70_000)
+    assert len(plain) == 400 and len(tok) == 70_000
+    assert None not in tok.convert_ids_to_tokens(list(range(len(tok))))
+    assert tok.get_vocab().items() >= plain.get_vocab().items()  # the trained ids keep their tokens
+    text = "Anna likes the big red dog. Ω≈ç 日本語 🤖"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.decode([len(plain), 69_999]) != ""
+
+
 @pytest.mark.parametrize(
     "text",
     [

@@ -41,6 +41,16 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / f"step-{step}"
 
 
+def staging_dir(output_dir: Path, step: int, *, fresh: bool = False) -> Path:
+    """Where the checkpoint of ``step`` is written before it is renamed into place; ``fresh``
+    empties it first."""
+    tmp = output_dir / f".tmp-step-{step}"
+    if fresh:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    return tmp
+
+
 def save_checkpoint(
     *,
     model: Any,
@@ -49,20 +59,24 @@ def save_checkpoint(
     step: int,
     training_state: dict[str, Any] | None = None,
     info: dict[str, Any] | None = None,
+    state_dict: dict[str, Any] | None = None,
+    staged: bool = False,
 ) -> Path:
-    """Save ``model`` (or its adapter), ``tokenizer`` and the training state to ``output_dir/step-N``."""
+    """Save ``model`` (or its adapter), ``tokenizer`` and the training state to ``output_dir/step-N``.
+    ``state_dict`` is the model's weights when the model cannot give them itself (its ranks'
+    shards, gathered); ``staged``: the staging directory already holds part of the checkpoint (the
+    ranks' optimizer shards) and is kept, not emptied."""
     import torch
 
     final = checkpoint_dir(output_dir, step)
-    tmp = output_dir / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(output_dir, step, fresh=not staged)
+    weights = {"state_dict": state_dict} if state_dict is not None else {}
     try:
         if hasattr(model, "peft_config"):
             # The adapter alone: adapting a (tied) output head must not copy the base's embeddings into it.
-            model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+            model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False, **weights)
         else:
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True, **weights)
         tokenizer.save_pretrained(tmp)
         if training_state is not None:
             torch.save(training_state, tmp / TRAINING_STATE)

@@ -45,6 +45,9 @@ class TrainConfig:
     """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
     integrations: list[dict[str, Any]] = field(default_factory=list)
     """OpenAI's ``integrations`` of the job (``worker.wandb_recorder``)."""
+    gpus: int = 1
+    """Ranks the run takes (``resources.gpus``): one process a device, or on a CPU host N gloo
+    processes, started by ``worker.launch``."""
     init_from: tuple[Path, ...] = ()
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
     weights, applied in order (``service.finetuned.Source.chain``): a full model's weights loaded,

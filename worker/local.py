@@ -130,6 +130,7 @@ def spec_config(
         resume_from=resume_from,
         extra=worker_extra(settings),
         method=body.method_.family,
+        gpus=body.resources.gpus if body.resources is not None else 1,
     )
 
 
@@ -151,7 +152,15 @@ def run_spec(
     rec = recorder or StdoutRecorder()
     t0 = time.perf_counter()
     try:
-        result = train(cfg, rec)
+        if cfg.gpus > 1:  # resources.gpus: its ranks under torch.distributed.run, rank 0 printing the steps
+            from worker.launch import RanksLost, run_ranks
+
+            try:
+                result = run_ranks(cfg)
+            except RanksLost as exc:
+                raise JobError("rank_lost", f"{exc}; continue with --resume from its last checkpoint") from None
+        else:
+            result = train(cfg, rec)
     except JobError as exc:
         return {"status": "failed", "error": {"code": exc.code, "message": exc.message}}
     return {

@@ -72,7 +72,7 @@ def end_of_step(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder
     """Record the step, then checkpoint where the run stops (pause, cancel) or at the interval."""
     if run.counters.get("first") is None:
         run.counters["first"] = metrics.get(headline)
-    stopped = recorder.step(step, metrics)
+    stopped = run.ranks.agree(recorder.step(step, metrics))  # rank 0 records; every rank stops with it
     if stopped == "paused" and step == run.total_steps:
         stopped = None  # nothing is left to pause: finish
     if stopped in ("paused", "cancelled"):

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from service.schemas import LoraSpec
+from worker.ranks import current
 from worker.records import JobError
 from worker.rollout import Rollout, completion_logprobs
 
@@ -122,8 +123,9 @@ class Reference:
 
     def logprobs(self, rollout: Rollout, *, temperature: float) -> Tensor:
         # Inference mode (no autograd bookkeeping at all); the result leaves it as a normal tensor,
-        # since a KL loss term may save it for backward.
-        with torch.inference_mode():
+        # since a KL loss term may save it for backward. A sharded model's gathered weights must not
+        # become inference tensors (the update gathers into the same buffers): no_grad there.
+        with torch.no_grad() if current().distributed else torch.inference_mode():
             logp = self._logprobs(rollout, temperature)
         return logp.clone()
 

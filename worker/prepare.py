@@ -28,6 +28,7 @@ from worker.modeling import (
     pick_device,
     without_dropout,
 )
+from worker.ranks import current
 from worker.records import JobError, Recorder
 from worker.resume import check_resumable, load_full_weights, restore
 from worker.rewards import EMBEDDING_PACKAGE, RewardModels
@@ -40,7 +41,8 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     (initialising a LoRA adapter) draws them in the same order on every run of a seed."""
     t_setup = time.perf_counter()
     hp = cfg.hyperparameters
-    device = pick_device(cfg.device)
+    ranks = current()
+    device = ranks.device(cfg.device) or pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     items = load_items(cfg.training_file)
     valid_items = load_items(cfg.validation_file) if cfg.validation_file else []
@@ -55,7 +57,11 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         check_resumable(cfg, resumed[1], total_steps)
 
     tokenizer, model, reference = _models(cfg, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    bf16 = hp.precision == "bf16" or (hp.precision == "auto" and device.type == "cuda")
+    for module in (model, reference.model if reference is not None else None):
+        if module is not None:
+            ranks.shard(module, bf16=bf16)  # a no-op for one process
+    params = [p for p in model.parameters() if p.requires_grad]  # (shards, once sharded)
     optimizer = torch.optim.AdamW(
         params,
         lr=hp.learning_rate * hp.learning_rate_multiplier,
@@ -79,6 +85,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         backend=backend,
+        ranks=ranks,
     )
     n_params = sum(p.numel() for p in model.parameters())
     recorder.event(
@@ -89,8 +96,15 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         restore(run, *resumed)
         recorder.event(f"Resumed from the checkpoint at step {run.start}; continuing at step {run.start + 1}")
     else:
-        recorder.event(f"Training started: {total_steps} steps, {_what_a_step(run)}, on {device.type}")
+        recorder.event(f"Training started: {total_steps} steps, {_what_a_step(run)}, on {_where(run)}")
     return run
+
+
+def _where(run: Run) -> str:
+    """``cpu``, ``cuda``, or ``2 ranks on cpu (FSDP2)``."""
+    if run.ranks.distributed:
+        return f"{run.ranks.world} ranks on {run.device.type} (FSDP2)"
+    return run.device.type
 
 
 def _what_a_step(run: Run) -> str:

@@ -34,8 +34,10 @@ def write(fn: Any, *, seconds: float, what: str) -> Any:
 class DatabaseRecorder:
     """Writes a run's metrics, events, progress and checkpoints to the job's rows."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, *, holder: str | None = None) -> None:
         self.job = job
+        self.holder = holder or process_name()
+        """The worker process that claimed the job: a job's rank 0 writes as the task that started it."""
         settings = get_settings()
         self.artifacts = settings.artifacts_dir
         self.store = open_store(settings)
@@ -70,7 +72,7 @@ class DatabaseRecorder:
                 job=self.job,
                 step=step,
                 trained_tokens=int(metrics.get("trained_tokens", 0)),
-                worker=process_name(),
+                worker=self.holder,
             )
 
         status = self._write(f"step {step}", record)

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.checkpoints import list_checkpoints, prune_checkpoints, save_checkpoint
+from worker.checkpoints import checkpoint_dir, list_checkpoints, prune_checkpoints, save_checkpoint, staging_dir
 from worker.config import TrainConfig
 from worker.metrics import checkpoint_metrics
+from worker.ranks import SHARDED_STATE, current
 from worker.records import JobError, Recorder
 from worker.run import Run
 
@@ -41,9 +42,8 @@ RESUMABLE_CHANGES = frozenset(
 
 def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, final: bool) -> Path:
     """The checkpoint at ``step``, with what a run needs to continue from it; older ones pruned."""
-    cfg, hp = run.cfg, run.hp
+    cfg, hp, ranks = run.cfg, run.hp, run.ranks
     state = {
-        "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "rng": rng_state(run.device),
     }
@@ -59,20 +59,46 @@ def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, fi
         "data_position": {"epoch": epoch, "offset": offset, "n_items": len(run.items)},
         "hyperparameters": hp.model_dump(),
         "counters": run.counters,
+        "ranks": ranks.world,
     }
-    path = save_checkpoint(
-        model=run.model, tokenizer=run.tokenizer, output_dir=cfg.output_dir, step=step, training_state=state, info=info
-    )
-    recorder.checkpoint(step, path, checkpoint_metrics(metrics, run.counters), final)
-    if hp.keep_checkpoints:
-        for removed in prune_checkpoints(cfg.output_dir, hp.keep_checkpoints):
-            recorder.checkpoint_removed(removed)
+    weights = None
+    if ranks.distributed:
+        # Every rank writes its optimizer shard into the staging directory, then rank 0 the weights
+        # (gathered from every rank's shards) and the rest, and renames it into place.
+        if ranks.is_main:
+            staging_dir(cfg.output_dir, step, fresh=True)
+        ranks.barrier()
+        ranks.save_sharded(staging_dir(cfg.output_dir, step) / SHARDED_STATE, run.model, run.optimizer)
+        weights = ranks.full_state_dict(run.model)
+    else:
+        state["optimizer"] = run.optimizer.state_dict()
+    path = checkpoint_dir(cfg.output_dir, step)
+    if ranks.is_main:
+        path = save_checkpoint(
+            model=run.model,
+            tokenizer=run.tokenizer,
+            output_dir=cfg.output_dir,
+            step=step,
+            training_state=state,
+            info=info,
+            state_dict=weights,
+            staged=ranks.distributed,
+        )
+        recorder.checkpoint(step, path, checkpoint_metrics(metrics, run.counters), final)
+        if hp.keep_checkpoints:
+            for removed in prune_checkpoints(cfg.output_dir, hp.keep_checkpoints):
+                recorder.checkpoint_removed(removed)
+    ranks.barrier()  # the checkpoint is whole (and published) before any rank goes on
     return path
 
 
 def restore(run: Run, state: dict[str, Any], info: dict[str, Any]) -> None:
     """Continue ``run`` after the checkpoint's step: its optimizer, schedule, RNG and counters."""
-    run.optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:
+        run.optimizer.load_state_dict(state["optimizer"])
+    else:  # written by several ranks: each reads its shard
+        assert run.cfg.resume_from is not None
+        run.ranks.load_sharded(run.cfg.resume_from / SHARDED_STATE, run.model, run.optimizer)
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.device)
     run.counters.update(info["counters"])
@@ -105,6 +131,13 @@ def check_resumable(cfg: TrainConfig, info: dict[str, Any], total_steps: int) ->
             "resume_failed",
             f"{where} was trained with other values of {', '.join(changed)}; a resumed run may change "
             f"only {', '.join(sorted(RESUMABLE_CHANGES))}",
+        )
+    written_by, ranks = int(info.get("ranks", 1)), current().world
+    if written_by != ranks:
+        raise JobError(
+            "resume_failed",
+            f"{where} was written by {written_by} rank(s); it resumes on the same number, not {ranks} "
+            "(keep resources.gpus as it was)",
         )
     step = int(info["step"])
     if total_steps < step:

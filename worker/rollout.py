@@ -44,6 +44,16 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
+    def widened(self, width: int, pad_id: int) -> Rollout:
+        """The same completions ``width`` tokens wide (padding masked out): what a job's ranks, whose
+        completions ended at different lengths, agree on so that they run the same forwards."""
+        extra = width - self.completion_ids.shape[1]
+        if extra <= 0:
+            return self
+        ids = torch.nn.functional.pad(self.completion_ids, (0, extra), value=pad_id)
+        mask = torch.nn.functional.pad(self.completion_mask, (0, extra), value=0)
+        return Rollout(self.prompt_ids, self.prompt_mask, ids, mask, self.truncated, self.texts, self.group)
+
     def rows(self, rows: slice) -> Rollout:
         """The completions ``rows`` (a micro-batch); whole groups keep their grouping."""
         start, stop, step = rows.indices(len(self.texts))
@@ -80,8 +90,14 @@ class RolloutBackend(Protocol):
     """
 
     name: str
+    samples_with_policy: bool
+    """Whether it samples with the policy object itself (whose weights a sharded job gathers for it)."""
 
-    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout: ...
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
+        """k completions of each prompt; prompt ``b``'s are drawn from ``group_seed(generator_seed,
+        first + b)`` alone, so a prompt's completions do not depend on which others share the call
+        (a job's ranks each take a share of the batch: ``first`` is the share's place in it)."""
+        ...
 
     def sync(self) -> None:
         """The policy's weights changed (an optimizer step): sample from the new ones from now on."""
@@ -92,6 +108,7 @@ class TransformersBackend:
     once and its KV cache shared by its k samples."""
 
     name = "transformers"
+    samples_with_policy = True
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -104,7 +121,7 @@ class TransformersBackend:
         pass
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         tok = self.tokenizer
         device = next(self.model.parameters()).device
         enc = tok(
@@ -118,9 +135,10 @@ class TransformersBackend:
         unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         prompt_ids = unique_ids.repeat_interleave(k, dim=0)
         prompt_mask = unique_mask.repeat_interleave(k, dim=0)
-        # Sampling draws from torch's global generator; seeding it per step makes a run (and a
-        # resumed run) reproducible on the CPU.
-        torch.manual_seed(generator_seed)
+        # Every uniform a prompt's k rows will draw, from that prompt's own generator: a run (and a
+        # resumed run) is reproducible, and a prompt's completions are the same however the batch
+        # is split between ranks.
+        uniforms = group_uniforms(generator_seed, first, len(prompts), k, self.max_new_tokens).to(device)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -128,7 +146,7 @@ class TransformersBackend:
             # a tenth of a small model's decode step; the ids leave it as a normal tensor (clone),
             # since the update's embedding lookup saves them for backward.
             with torch.inference_mode():
-                completion_ids = self._sample(unique_ids, unique_mask, k)
+                completion_ids = self._sample(unique_ids, unique_mask, k, uniforms)
             completion_ids = completion_ids.clone()
         finally:
             self.model.train(was_training)
@@ -141,11 +159,12 @@ class TransformersBackend:
             texts = cut_at_stop(completion_ids, completion_mask, truncated, texts, tok, self.stop)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, k)
 
-    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, k: int) -> Tensor:
+    def _sample(self, prompt_ids: Tensor, prompt_mask: Tensor, k: int, uniforms: Tensor) -> Tensor:
         """The sampling loop, lean: each prompt is prefilled once and its KV cache shared by its k
         samples; then one token a step for all ``B * k`` rows, sampled from ``softmax(logits / T)``
-        (nucleus-filtered when ``top_p < 1``), until every row has an EOS or ``max_new_tokens``.
-        Stop strings are applied afterwards (``cut_at_stop``). Returns ``(B * k, T)`` token ids."""
+        (nucleus-filtered when ``top_p < 1``) with the step's row of ``uniforms`` (``(T, B * k)``),
+        until every row has an EOS or ``max_new_tokens``. Stop strings are applied afterwards
+        (``cut_at_stop``). Returns ``(B * k, T)`` token ids."""
         from transformers import DynamicCache
 
         model = self.model
@@ -178,7 +197,7 @@ class TransformersBackend:
         # Diverged weights show from the first logits on: one check a rollout, not one a token.
         broken = torch.isnan(logits).any() | (~torch.isfinite(logits)).all(dim=-1).any()
         for t in range(self.max_new_tokens):
-            token = sample(logits, self.temperature, self.top_p)
+            token = sample(logits, self.temperature, self.top_p, uniforms[t])
             token = token.masked_fill_(done, pad)
             tokens.append(token)
             done = done | (token.unsqueeze(1) == eos).any(dim=1)
@@ -285,29 +304,47 @@ class NonFiniteLogits(JobError):
         super().__init__("non_finite_logits", message)
 
 
-def sample(logits: Tensor, temperature: float, top_p: float) -> Tensor:
-    """One token per row from ``softmax(logits / temperature)``, nucleus-filtered when ``top_p < 1``.
+def group_seed(generator_seed: int, prompt: int) -> int:
+    """The seed of one prompt's k samples: the call's seed and the prompt's place in the step's
+    batch, mixed (splitmix64) so that neighbouring prompts and steps draw unrelated streams."""
+    z = (generator_seed * 0x9E3779B97F4A7C15 + prompt + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
-    On the CPU, inverse-CDF sampling: one uniform per row, placed in the row's cumulative
-    distribution. That is exact categorical sampling, like ``torch.multinomial``, which draws one
-    exponential per vocabulary entry instead (a 32 x 512 draw costs 0.29 ms against 0.02 ms here, a
-    tenth of a small model's decode step). A token of probability 0 is never drawn: the CPU's
-    cumulative sum adds in order, so its value equals its predecessor's, and the uniform lies
-    strictly below the total. Elsewhere ``torch.multinomial``: a GPU's parallel scan adds in another
-    order, so the sum could step (or dip) by an ulp at a token of probability 0, and its exponential
-    draw is cheap there. Rows whose logits hold NaN give some valid token id; ``_sample`` reports them."""
+
+def group_uniforms(generator_seed: int, first: int, prompts: int, k: int, steps: int) -> Tensor:
+    """``(steps, prompts * k)`` uniforms in [0, 1), prompt-major: prompt ``b``'s k columns come from
+    its own CPU generator (``group_seed(generator_seed, first + b)``), the same on any device."""
+    columns = []
+    for b in range(prompts):
+        g = torch.Generator().manual_seed(group_seed(generator_seed, first + b))
+        columns.append(torch.rand(steps, k, generator=g))
+    return torch.cat(columns, dim=1) if columns else torch.zeros(steps, 0)
+
+
+def sample(logits: Tensor, temperature: float, top_p: float, uniform: Tensor) -> Tensor:
+    """One token per row from ``softmax(logits / temperature)``, nucleus-filtered when ``top_p < 1``,
+    by inverse CDF: row ``i``'s uniform ``uniform[i]`` placed in its cumulative distribution. That is
+    exact categorical sampling with one given uniform a row (``torch.multinomial`` draws one
+    exponential per vocabulary entry instead, from a generator shared by the rows, and costs 15
+    times more on the CPU). A token of probability 0 is never drawn: on the CPU the cumulative sum
+    adds in order, so its value equals its predecessor's and the uniform lies strictly below the
+    total; a GPU's parallel scan adds in another order, so its sum could step by an ulp there, and
+    such a rare draw takes the row's most likely token instead. Rows whose logits hold NaN give
+    some valid token id; ``_sample`` reports them."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         probs = _nucleus(probs, top_p)
-    if probs.device.type != "cpu":
-        probs = torch.nan_to_num(probs, nan=0.0)
-        empty = probs.sum(dim=-1, keepdim=True) <= 0  # NaN rows: uniform, so multinomial does not raise
-        return torch.multinomial(probs + empty, 1).squeeze(1)
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
+    u = torch.minimum(uniform.to(total).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     token = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    return token.masked_fill_(token >= probs.shape[-1], 0)  # NaN rows only (reported by _sample)
+    token = token.masked_fill_(token >= probs.shape[-1], 0)  # NaN rows only (reported by _sample)
+    if probs.device.type != "cpu":
+        drawn = probs.gather(1, token.unsqueeze(1)).squeeze(1)
+        token = torch.where(drawn > 0, token, probs.argmax(dim=-1))
+    return token
 
 
 def _nucleus(probs: Tensor, top_p: float | Tensor) -> Tensor:

@@ -7,6 +7,13 @@ optimizer step the policy's weights are loaded into the engine before it samples
 adapters merged for the copy). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 as TRL's colocated mode does, and takes ``gpu_memory_utilization`` of the GPU (0.3 unless set).
 
+Between rollouts the engine sleeps (vLLM's sleep mode, level 2): its weights and KV cache are let
+go while the policy updates, which is what keeps a colocated engine and an update from running the
+GPU out of memory; the next rollout wakes the weights, loads the policy's, then wakes the KV cache.
+A job on several ranks runs one engine a rank (``external_launcher``: each on its rank's device, in
+its process), and the weights pushed into it come from the sharded policy one tensor at a time,
+gathered from the ranks' shards as they go in: no rank ever holds a second whole copy.
+
 Not exercised on this project's CI (no GPU): its tests drive it with a stand-in ``vllm`` module that
 has the same surface (``tests/fakes/vllm``).
 """
@@ -20,7 +27,7 @@ from typing import Any
 import torch
 
 from worker.records import JobError
-from worker.rollout import Rollout, Sampling, _eos_ids
+from worker.rollout import Rollout, Sampling, _eos_ids, group_seed
 
 # Where vLLM keeps the model it runs, by version (V1 in-process engine first).
 _MODEL_PATHS = (
@@ -31,6 +38,7 @@ _MODEL_PATHS = (
 
 class VLLMBackend:
     name = "vllm"
+    samples_with_policy = False
 
     def __init__(
         self, model: Any, tokenizer: Any, sampling: Sampling, *, options: dict[str, Any] | None = None
@@ -38,7 +46,12 @@ class VLLMBackend:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         from vllm import LLM
 
+        from worker.ranks import current
+
         options = dict(options or {})
+        self.sleep_mode = bool(options.pop("sleep_mode", True))
+        if current().distributed:
+            options.setdefault("distributed_executor_backend", "external_launcher")
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.max_prompt_length = sampling.max_new_tokens, sampling.max_prompt_length
         self.temperature, self.top_p, self.stop = sampling.temperature, sampling.top_p, list(sampling.stop)
@@ -53,6 +66,7 @@ class VLLMBackend:
                 gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.3)),
                 max_model_len=self.max_prompt_length + self.max_new_tokens,
                 enable_prefix_caching=True,  # a prompt's k samples share its prefill
+                enable_sleep_mode=self.sleep_mode,
                 seed=0,
                 **options,
             )
@@ -63,6 +77,25 @@ class VLLMBackend:
                 "Set RLOO_ROLLOUT_BACKEND=transformers to sample with the policy itself.",
             ) from None
         self.stale = True  # the policy may already differ from the files (a resumed run)
+        self.asleep = False
+
+    def _wake(self) -> None:
+        """Weights first (the policy's loaded into them), then the KV cache: the two never need
+        memory at once with the update's."""
+        if self.asleep:
+            _wake_up(self.llm, "weights")
+            self.stale = True  # a level-2 sleep let its weights go
+        if self.stale:
+            self._push_weights()
+            self.stale = False
+        if self.asleep:
+            _wake_up(self.llm, "kv_cache")
+            self.asleep = False
+
+    def _sleep(self) -> None:
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync(self) -> None:
         self.stale = True  # pushed before the next generate: one copy per step, not per call
@@ -90,12 +123,10 @@ class VLLMBackend:
         if reset is not None:
             reset()  # cached prefixes were computed with the old weights
 
-    def generate(self, prompts: list[str], *, k: int, generator_seed: int) -> Rollout:
+    def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         from vllm import SamplingParams
 
-        if self.stale:
-            self._push_weights()
-            self.stale = False
+        self._wake()
         tok = self.tokenizer
         encoded = [
             tok(p, add_special_tokens=False, truncation=True, max_length=self.max_prompt_length)["input_ids"]
@@ -109,12 +140,13 @@ class VLLMBackend:
                 max_tokens=self.max_new_tokens,
                 stop=self.stop or None,
                 stop_token_ids=self.eos_ids,
-                seed=(generator_seed * 1_000_003 + i) % 2**31,
+                seed=group_seed(generator_seed, first + i) % 2**31,
                 skip_special_tokens=True,
             )
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+        self._sleep()
         rows: list[list[int]] = []
         texts: list[str] = []
         truncated: list[bool] = []
@@ -146,17 +178,58 @@ class VLLMBackend:
         )
 
 
-def _policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the base model's names; LoRA adapters merged in for the copy."""
-    if not hasattr(model, "merge_adapter"):
-        yield from model.state_dict().items()
-        return
-    model.merge_adapter()
+def _wake_up(llm: Any, tag: str) -> None:
     try:
+        llm.wake_up(tags=[tag])
+    except TypeError:  # a vLLM that wakes everything at once
+        if tag == "weights":
+            llm.wake_up()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as the engine takes it: a rank's shard (a DTensor) gathered from every rank."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the base model's names, one tensor at a time (each gathered from
+    the ranks' shards as it goes, in the same order on every rank); LoRA adapters merged in."""
+    if not hasattr(model, "peft_config"):
         for name, tensor in model.state_dict().items():
-            if "lora_" in name or "modules_to_save" in name:
+            yield name, _whole(tensor)
+        return
+    scaled = _lora_deltas(model)
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or "modules_to_save" in name:
+            continue
+        base = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        whole = _whole(tensor).detach()
+        delta = scaled.get(name)
+        # A new tensor where merged: the policy's own weights are never touched.
+        yield base, whole + delta().to(whole.dtype) if delta is not None else whole
+
+
+def _lora_deltas(model: Any) -> dict[str, Any]:
+    """For each adapted weight's state-dict name, a function giving its LoRA delta (scaling x B @ A,
+    each factor gathered whole), evaluated when that weight goes to the engine."""
+    from peft.tuners.lora import LoraLayer
+
+    names = {id(t): n for n, t in model.named_parameters()}
+    deltas: dict[str, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or getattr(module, "merged", False):
+            continue
+        for adapter in module.active_adapters:
+            if adapter not in module.lora_A:
                 continue
-            # A copy: the merged values must survive the unmerge, however the engine consumes these.
-            yield name.removeprefix("base_model.model.").replace(".base_layer", ""), tensor.detach().clone()
-    finally:
-        model.unmerge_adapter()
+            weight = module.get_base_layer().weight
+            a, b, scale = module.lora_A[adapter].weight, module.lora_B[adapter].weight, module.scaling[adapter]
+            transpose = bool(getattr(module, "fan_in_fan_out", False))
+            name = names[id(weight)]
+
+            def delta(a: Any = a, b: Any = b, scale: float = scale, transpose: bool = transpose) -> torch.Tensor:
+                product = (_whole(b).detach() @ _whole(a).detach()) * scale
+                return product.T if transpose else product
+
+            deltas[name] = delta
+    return deltas

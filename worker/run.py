@@ -12,6 +12,7 @@ from service import graders
 from service.schemas import AnyResolved, ResolvedHyperparameters
 from worker.config import TrainConfig
 from worker.modeling import Reference
+from worker.ranks import SINGLE, Ranks
 from worker.rewards import RewardModels
 from worker.rollout import RolloutBackend
 
@@ -36,6 +37,8 @@ class Run:
     scheduler: Any
     backend: RolloutBackend | None = None
     """Who samples completions (reinforcement only)."""
+    ranks: Ranks = SINGLE
+    """The job's processes, when it runs on several (``worker.ranks``)."""
     start: int = 0
     counters: dict[str, Any] = field(default_factory=lambda: {"trained_tokens": 0, "first": None})
 

@@ -23,6 +23,7 @@ from service.settings import get_settings
 from worker.celery_app import app
 from worker.checkpoints import job_checkpoints_dir, resumable_checkpoint
 from worker.failures import cap_memory, classify
+from worker.launch import RanksLost
 from worker.recording import DatabaseRecorder, Heartbeat, write
 from worker.records import JobError
 
@@ -76,6 +77,11 @@ def _run_job(job_id: str) -> str:
     except (SystemExit, KeyboardInterrupt):
         _hand_back(job)  # the worker is being stopped: not a crash
         raise
+    except RanksLost as exc:  # a rank died: a crash, continued from the last checkpoint as any other
+        why = str(exc)
+        log.warning("job %s: %s", job_id, why)
+        write(lambda session: _requeue_crashed(session, job, why), seconds=settings.db_retry_seconds, what=job_id)
+        return "requeued"
     except Exception as exc:
         code, message = classify(exc)
         log.error("job %s failed: %s\n%s", job_id, message, traceback.format_exc())
@@ -99,6 +105,26 @@ def _run_job(job_id: str) -> str:
 
     write(lambda session: _finish(session, job, result), seconds=settings.db_retry_seconds, what=f"{job_id}: finished")
     return result.stopped or "succeeded"
+
+
+def _requeue_crashed(session: Any, job: Job, why: str) -> None:
+    """A job whose rank died: queued again (and its task sent) to continue from its last
+    checkpoint, or failed once its workers died ``max_job_crashes`` times."""
+    current = crud.get_job_by_id(session=session, job_id=job.id)
+    if current is None or current.status != JobStatus.RUNNING:
+        return
+    moved = lifecycle.recover(
+        session=session,
+        job=current,
+        worker=current.worker,
+        reason=f"A rank of the job died ({why})",
+        max_crashes=get_settings().max_job_crashes,
+    )
+    session.commit()
+    if moved == JobStatus.QUEUED:
+        from service import queue
+
+        queue.enqueue_job(current)
 
 
 def _hand_back(job: Job) -> None:
@@ -236,7 +262,12 @@ def _train(job: Job) -> Any:
         method=method_family(job.method["type"]),
         init_from=init_from,
         integrations=list(job.integrations or []),
+        gpus=int((job.resources or {}).get("gpus") or 1),
     )
+    if cfg.gpus > 1:  # its ranks under torch.distributed.run; rank 0 records as this process
+        from worker.launch import run_ranks
+
+        return run_ranks(cfg, job_id=job.id, holder=process_name(), timeout_seconds=settings.collective_timeout_seconds)
     return train(cfg, DatabaseRecorder(job))
 
 

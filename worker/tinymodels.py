@@ -31,6 +31,7 @@ reward model fitted to prefer texts containing a keyword), the models the exampl
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -157,12 +158,15 @@ def build_tokenizer(
     *,
     vocab_size: int = 512,
     model_max_length: int | None = None,
+    fill_to: int | None = None,
 ) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE tokenizer on ``corpus``.
 
     All 256 byte symbols are in the initial alphabet, so any text encodes and
     decodes losslessly.  The vocabulary may come out smaller than
     ``vocab_size`` when the corpus runs out of merges; use ``len(tokenizer)``.
+    ``fill_to`` then grows it to exactly that many ids (``_fill``), for a model
+    whose embedding has a real model's size: every id it samples decodes.
     """
     min_size = len(SPECIAL_TOKENS) + 256
     if vocab_size < min_size:
@@ -181,6 +185,8 @@ def build_tokenizer(
     backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
     for i, tok in enumerate(SPECIAL_TOKENS):  # the conventions above rely on it
         assert backend.token_to_id(tok) == i, (tok, backend.token_to_id(tok))
+    if fill_to is not None:
+        backend = _fill(backend, fill_to)
 
     kwargs = {}
     if model_max_length is not None:
@@ -197,6 +203,29 @@ def build_tokenizer(
         clean_up_tokenization_spaces=False,
         **kwargs,
     )
+
+
+def _fill(backend: Tokenizer, size: int) -> Tokenizer:
+    """``backend`` with its BPE vocabulary grown to ``size`` ids: merges of two byte symbols, then
+    of such a pair and a third, appended after the trained merges (which keep their ranks, so text
+    encodes to the trained tokens first). Every added id decodes to its bytes (not always valid
+    UTF-8: the decoder replaces those with U+FFFD)."""
+    data = json.loads(backend.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list[Any] = data["model"]["merges"]
+    as_text = bool(merges) and isinstance(merges[0], str)  # "a b" in older tokenizers, ["a", "b"] now
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    pairs = ((a, b) for a in alphabet for b in alphabet)
+    triples = ((a + b, c) for a in alphabet for b in alphabet for c in alphabet)
+    next_id = max(vocab.values()) + 1
+    for left, right in itertools.chain(pairs, triples):
+        if next_id >= size:
+            break
+        if left + right not in vocab:
+            vocab[left + right] = next_id
+            merges.append(f"{left} {right}" if as_text else [left, right])
+            next_id += 1
+    return Tokenizer.from_str(json.dumps(data))
 
 
 # --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -63,27 +64,32 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
 
 def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     run = prepare(cfg, recorder)
-    hp, counters = run.rl, run.counters
+    hp, counters, ranks = run.rl, run.counters, run.ranks
     backend = run.sampler
     k, batch_size = hp.rloo_k, hp.batch_size
-    rows_per_micro = batch_size // hp.gradient_accumulation_steps
-    micro = [slice(m * rows_per_micro * k, (m + 1) * rows_per_micro * k) for m in range(hp.gradient_accumulation_steps)]
+    # This rank's prompts of every step (all of them for one process): whole prompts, so a prompt's
+    # k completions stay together and leave-one-out needs no communication.
+    mine = ranks.share(batch_size)
+    micro = micro_batches(mine.stop - mine.start, k, hp.gradient_accumulation_steps)
     stop = Stop(run.start, {})
     for step in range(run.start + 1, run.total_steps + 1):
         t_step = time.perf_counter()
 
-        # 1. Rollout: k completions for each of B prompts, prompt-major ----------------------------
+        # 1. Rollout: k completions for each of this rank's prompts, prompt-major ------------------
         indices = batch_indices(n_items=len(run.items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
         batch = [run.items[i] for i in indices]
         prompts = [prompt_text(item, run.tokenizer) for item in batch]
-        with run.autocast:
-            ro = backend.generate(prompts, k=k, generator_seed=cfg.seed * 1_000_003 + step)
+        with run.autocast, sampling(run):
+            ro = backend.generate(prompts[mine], k=k, generator_seed=cfg.seed * 1_000_003 + step, first=mine.start)
+        # Every rank's completions as wide as the widest, so all ranks run the same forwards.
+        ro = ro.widened(int(ranks.max(torch.tensor(ro.completion_ids.shape[1]))), run.tokenizer.pad_token_id)
         mask = ro.completion_mask.to(torch.float32)
         t_generate = time.perf_counter() - t_step
 
         # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
+        # Each rank scores its own completions; every rank then holds the whole batch's rewards.
         t0 = time.perf_counter()
-        graded = _score(run, step, prompts, batch, ro)
+        graded = merged_grades(ranks.whole_objects(_score(run, step, prompts[mine], batch[mine], ro)))
         rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
         finite = torch.isfinite(rewards)
         if not finite.any():
@@ -109,16 +115,20 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         update = rloo_update(run, ro, mask, rewards, finite, ref_logp, micro)
         t_update = time.perf_counter() - t0
 
-        # 6. Record, evaluate, checkpoint -------------------------------------------------------------
-        counters["trained_tokens"] += int(mask.sum().item()) + int(ro.prompt_mask.sum().item())
-        timings = Timings(t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step)
+        # 6. Record, evaluate, checkpoint (the whole batch's figures, on every rank) ------------------
+        mask_all, truncated_all = ranks.whole(mask), ranks.whole(ro.truncated)
+        counters["trained_tokens"] += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
+        # A step takes as long as its slowest rank.
+        timings = Timings(
+            *ranks.max(torch.tensor([t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step])).tolist()
+        )
         metrics = step_metrics(
             step=step,
             total_steps=run.total_steps,
             rewards=rewards,
             finite=finite,
-            mask=mask,
-            truncated=ro.truncated,
+            mask=mask_all,
+            truncated=truncated_all,
             update=update,
             timings=timings,
             trained_tokens=counters["trained_tokens"],
@@ -126,15 +136,47 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         _report_grader_errors(graded, step, counters, recorder)
         metrics.update(grader_metrics(graded))
         if is_sample_step(step, run.total_steps, hp.sample_interval):
-            recorder.samples(
-                step, sample_groups(prompts, ro.texts, rewards, update.advantages, groups=hp.sample_groups)
-            )
+            texts = [text for share in ranks.whole_objects(ro.texts) for text in share]
+            recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
         if is_eval_step(run, step):
             with run.autocast:
                 metrics["valid_reward_mean"] = counters["valid_reward_mean"] = evaluate(run)
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
+
+
+def sampling(run: Run) -> AbstractContextManager[None]:
+    """While the rollout backend samples: a sharded policy that samples itself has its weights
+    gathered on each rank (once for all its decode steps)."""
+    return run.ranks.generating(run.model) if run.sampler.samples_with_policy else nullcontext()
+
+
+def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
+    """The rows of each of ``accumulation`` micro-batches of ``prompts`` prompts' ``k`` completions:
+    whole groups, so leave-one-out baselines never cross a micro-batch."""
+    per = prompts // accumulation
+    return [slice(m * per * k, (m + 1) * per * k) for m in range(accumulation)]
+
+
+def merged_grades(parts: list[graders.GradeResult]) -> graders.GradeResult:
+    """The ranks' scores of their shares as one batch's, in rank (so batch) order."""
+    if len(parts) == 1:
+        return parts[0]
+    names = list(parts[0].sub_rewards)
+    errors: dict[str, int] = {}
+    messages: dict[str, str] = {}
+    for part in parts:
+        for name, count in part.errors.items():
+            errors[name] = errors.get(name, 0) + count
+        for name, message in part.messages.items():
+            messages.setdefault(name, message)
+    return graders.GradeResult(
+        rewards=[r for part in parts for r in part.rewards],
+        sub_rewards={name: [v for part in parts for v in part.sub_rewards[name]] for name in names},
+        errors=errors,
+        messages=messages,
+    )
 
 
 HEADLINE = "train_reward_mean"
@@ -164,10 +206,16 @@ def rloo_update(
     ref_logp: Tensor | None,
     micro: list[slice],
 ) -> UpdateStats:
-    """Advantages, then ``ppo_epochs`` passes of micro-batched loss, backward and optimizer step."""
-    hp, model, device = run.rl, run.model, run.device
-    k, batch_size, temperature = hp.rloo_k, hp.batch_size, hp.temperature
-    rows_per_micro = batch_size // len(micro)
+    """Advantages, then ``ppo_epochs`` passes of micro-batched loss, backward and optimizer step.
+
+    ``rewards`` and ``finite`` are the whole batch's ``(B, k)``; ``ro``, ``mask``, ``ref_logp`` and
+    ``micro`` this rank's rows (all of them for one process). The loss of each rank's rows is divided
+    by the whole batch's normaliser and the ranks' gradients are summed, so the update is the one a
+    single process makes on the whole batch. The stats are the whole batch's."""
+    hp, model, device, ranks = run.rl, run.model, run.device, run.ranks
+    k, temperature = hp.rloo_k, hp.temperature
+    mine = ranks.share(hp.batch_size)
+    rows_per_micro = (mine.stop - mine.start) // len(micro)
     loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
     advantages_of = functools.partial(
         rloo.batch_advantages,
@@ -178,10 +226,10 @@ def rloo_update(
     )
     model.train()
     fold_kl = ref_logp is not None and hp.kl_in_reward
-    # Whitening a KL-shaped reward over several micro-batches needs every group's KL up front.
-    prepass = fold_kl and len(micro) > 1 and hp.normalize_advantages
-    kl_seq = torch.zeros(batch_size * k, device=device)
-    advantages = torch.zeros(batch_size, k, device=device)
+    # Whitening a KL-shaped reward over several micro-batches (or ranks) needs every group's KL up front.
+    prepass = fold_kl and hp.normalize_advantages and (len(micro) > 1 or ranks.distributed)
+    kl_seq = torch.zeros(ro.completion_ids.shape[0], device=device)
+    advantages = torch.zeros_like(rewards)  # the whole batch's (B, k)
     old_logp: list[Tensor] = []
     if not fold_kl:
         # The advantages do not depend on the policy's log-probs: all of them now.
@@ -192,9 +240,10 @@ def rloo_update(
             for sl in micro:
                 old_logp.append(completion_logprobs(model, ro.rows(sl), temperature=temperature)[0])
         kl_seq = rloo.sequence_kl(torch.cat(old_logp), ref_logp, mask, hp.kl_estimator).float()
-        advantages = advantages_of(rewards, kl_seq.view(batch_size, k), finite)
-    norm = rloo.loss_normalizer(loss_mask, hp.loss_aggregation)
-    has_loss = bool(loss_mask.any())
+        advantages = advantages_of(rewards, ranks.whole(kl_seq).view_as(rewards), finite)
+    whole_loss_mask = ranks.whole(loss_mask)
+    norm = rloo.loss_normalizer(whole_loss_mask, hp.loss_aggregation)
+    has_loss = bool(whole_loss_mask.any())
     entropy_sum = torch.zeros((), device=device)
     for epoch in range(hp.ppo_epochs):
         run.optimizer.zero_grad(set_to_none=True)
@@ -205,6 +254,8 @@ def rloo_update(
                 logp, entropy = completion_logprobs(
                     model, ro.rows(sl), temperature=temperature, with_entropy=epoch == 0
                 )
+            # This micro-batch's prompts, as rows of the whole batch.
+            rows = slice(mine.start + m * rows_per_micro, mine.start + (m + 1) * rows_per_micro)
             if epoch == 0:
                 if not prepass:
                     old_logp.append(logp.detach())  # the sampling policy: no extra forward for it
@@ -214,12 +265,11 @@ def rloo_update(
                     kl_seq[sl] = rloo.sequence_kl(old_logp[m], ref_logp[sl], mask[sl], hp.kl_estimator)
                 if fold_kl and not prepass:
                     # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
-                    rows = slice(m * rows_per_micro, (m + 1) * rows_per_micro)
                     advantages[rows] = advantages_of(rewards[rows], kl_seq[sl].view(rows_per_micro, k), finite[rows])
             loss, stats = rloo.policy_loss(
                 logp.float(),
                 old_logp[m].float(),
-                advantages.view(-1)[sl].to(device),
+                advantages[rows].reshape(-1).to(device),
                 loss_mask[sl],
                 clip_epsilon=hp.clip_epsilon,
                 clip_epsilon_high=hp.clip_epsilon_high,
@@ -244,7 +294,16 @@ def rloo_update(
     run.sampler.sync()  # the next rollouts come from the updated weights
     learning_rate = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
-    return UpdateStats(advantages, kl_seq, loss_sum, clip_sum, entropy_sum, grad_norm, learning_rate)
+    full_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor when sharded
+    return UpdateStats(
+        ranks.whole(advantages[mine]),  # each rank computed its own rows for certain
+        ranks.whole(kl_seq),
+        ranks.sum(loss_sum),
+        ranks.sum(clip_sum) / ranks.world,
+        ranks.sum(entropy_sum),
+        full_norm,
+        learning_rate,
+    )
 
 
 def _report_grader_errors(graded: graders.GradeResult, step: int, counters: dict[str, Any], recorder: Recorder) -> None:
@@ -263,15 +322,20 @@ def _report_grader_errors(graded: graders.GradeResult, step: int, counters: dict
 def evaluate(run: Run) -> float:
     """Mean reward of one sample on each of the first ``eval_samples`` validation prompts.
 
-    Sampling is seeded the same way at every pass, so passes differ only by the model, and the
-    training run's random state is left as it was.
+    Each prompt is sampled from its own seed, the same at every pass, so passes differ only by the
+    model, and the training run's random state is left as it was. Ranks each take a share of the
+    prompts.
     """
-    batch = run.valid_items[: run.hp.eval_samples]
+    valid = run.valid_items[: run.hp.eval_samples]
+    mine = run.ranks.share(len(valid))
+    batch = valid[mine]
     prompts = [prompt_text(item, run.tokenizer) for item in batch]
     rewards: list[float] = []
-    with preserved_rng(run.device):
+    with preserved_rng(run.device), sampling(run):
         for i in range(0, len(batch), 64):
-            ro = run.sampler.generate(prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919 + i)
+            ro = run.sampler.generate(
+                prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i
+            )
             graded = score_batch(
                 run.scorer,
                 prompts=prompts[i : i + 64],
@@ -280,4 +344,5 @@ def evaluate(run: Run) -> float:
                 reward_models=run.reward_models,
             )
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
-    return sum(rewards) / len(rewards) if rewards else float("nan")
+    scored = [r for share in run.ranks.whole_objects(rewards) for r in share]
+    return sum(scored) / len(scored) if scored else float("nan")

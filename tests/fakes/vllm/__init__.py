@@ -5,6 +5,9 @@ transformers model on the CPU. vLLM itself needs a GPU, which the CI does not ha
 Like vLLM, it stops at ``stop_token_ids`` without putting the EOS in ``token_ids`` (the backend
 must add it back) and at ``stop`` strings, which it leaves out of ``text``; temperature 0 is greedy;
 a prompt's ``LoRARequest`` (``vllm.lora.request``) runs it through that adapter on the base.
+Its sleep mode keeps vLLM's rules: ``sleep(level=2)`` lets the weights and the KV cache go, so
+loading weights before ``wake_up(tags=["weights"])`` or generating before the KV cache is awake
+raises, as it would fail on the GPU.
 """
 
 from __future__ import annotations
@@ -52,8 +55,11 @@ class _Runner:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.pushes: list[dict[str, Any]] = []
+        self.asleep: set[str] = set()
 
     def load_weights(self, weights: Any) -> None:
+        if "weights" in self.asleep:
+            raise RuntimeError("load_weights on a sleeping engine: wake_up(tags=['weights']) first")
         state = {name: tensor.detach().clone() for name, tensor in weights}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         self.pushes.append(
@@ -79,7 +85,19 @@ class LLM:
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.runner))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
         self.prefix_cache_resets = 0
+        self.sleeps = 0
         LLM.instances.append(self)
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.options.get("enable_sleep_mode"):
+            raise ValueError("sleep mode is not enabled (enable_sleep_mode=True)")
+        self.runner.asleep = {"weights", "kv_cache"}
+        if level == 2:  # the weights are discarded, not kept on the CPU
+            self.hf.apply(lambda m: [p.data.zero_() for p in m.parameters(recurse=False)])
+        self.sleeps += 1
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.runner.asleep -= set(tags or ("weights", "kv_cache"))
 
     def reset_prefix_cache(self) -> None:
         self.prefix_cache_resets += 1
@@ -107,6 +125,8 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: list[Any] | None = None,
     ) -> list[RequestOutput]:
+        if self.runner.asleep:
+            raise RuntimeError(f"generate on a sleeping engine ({sorted(self.runner.asleep)} asleep)")
         outputs = []
         for n_prompt, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             model = self._with(lora_request[n_prompt] if lora_request else None)
