@@ -38,10 +38,11 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_api_key(*, session: Session, project: Project, name: str = "") -> tuple[ApiKey, str]:
-    """Create a key; returns the row and the secret, which is never stored and shown only now."""
+def create_api_key(*, session: Session, project: Project, name: str = "", operator: bool = False) -> tuple[ApiKey, str]:
+    """Create a key (``operator``: one that may also call the operator's routes); returns the row and
+    the secret, which is never stored and shown only now."""
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = ApiKey(project_seq=project.seq, name=name, prefix=secret[:12], key_hash=hash_key(secret))
+    row = ApiKey(project_seq=project.seq, name=name, prefix=secret[:12], key_hash=hash_key(secret), operator=operator)
     session.add(row)
     session.flush()
     return row, secret
@@ -55,12 +56,13 @@ class Caller:
     seq: int
     id: str
     key_id: str = ""  # the key's id (key-…): what a per-key limit counts by, never the secret
+    operator: bool = False  # the operator's key: the operator's routes too (``deps.OperatorDep``)
 
 
 def authenticate(*, session: Session, secret: str) -> Caller | None:
     digest = hash_key(secret)
     row = session.execute(
-        select(ApiKey.key_hash, ApiKey.revoked_at, ApiKey.id.label("key_id"), Project.seq, Project.id)
+        select(ApiKey.key_hash, ApiKey.revoked_at, ApiKey.id.label("key_id"), ApiKey.operator, Project.seq, Project.id)
         .join(Project, Project.seq == ApiKey.project_seq)
         .where(ApiKey.key_hash == digest)
     ).first()
@@ -68,7 +70,7 @@ def authenticate(*, session: Session, secret: str) -> Caller | None:
     # difference tells an attacker how much of a digest matched.
     if row is None or row.revoked_at is not None or not hmac.compare_digest(row.key_hash, digest):
         return None
-    return Caller(seq=row.seq, id=row.id, key_id=row.key_id)
+    return Caller(seq=row.seq, id=row.id, key_id=row.key_id, operator=bool(row.operator))
 
 
 def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from service import crud
 from service.db import get_session
-from service.errors import APIError, bad_request
+from service.errors import APIError, bad_request, operator_only
 from service.settings import Settings, get_settings
 
 SessionDep = Annotated[Session, Depends(get_session)]
@@ -60,6 +60,18 @@ def authenticate_header(session: Session, authorization: str | None) -> crud.Cal
 
 
 ProjectDep = Annotated[crud.Caller, Depends(current_project)]
+
+
+async def current_operator(request: Request) -> crud.Caller:
+    """The request's key, which must be an operator's (``rloo keys create --operator``): a project's
+    key gets a 403 naming the route."""
+    caller = await current_project(request)
+    if not caller.operator:
+        raise operator_only(f"{request.method} {request.url.path}")
+    return caller
+
+
+OperatorDep = Annotated[crud.Caller, Depends(current_operator)]
 
 
 class Paging:

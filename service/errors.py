@@ -56,6 +56,16 @@ def model_not_found(model_id: str) -> APIError:
     )
 
 
+def operator_only(what: str) -> APIError:
+    """403 for a project's key on an operator's route (``deps.OperatorDep``)."""
+    return APIError(
+        403,
+        f"{what} is the operator's, over every project: ask with an operator key "
+        "(`rloo keys create --project NAME --operator`).",
+        code="insufficient_permissions",
+    )
+
+
 def no_inference_worker(needed_for: str) -> APIError:
     """503 when work for an inference worker finds none running: what it was needed for, how to start one."""
     return APIError(

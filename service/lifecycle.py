@@ -134,10 +134,33 @@ def claim(*, session: Session, job_id: str, worker: str) -> Job | None:
         session,
         update(Job)
         .where(Job.id == job_id, Job.status == S.QUEUED.value)
-        .values(status=S.RUNNING.value, worker=worker, heartbeat_at=t, started_at=int(t), attempts=Job.attempts + 1),
+        .values(
+            status=S.RUNNING.value,
+            worker=worker,
+            heartbeat_at=t,
+            started_at=int(t),
+            attempts=Job.attempts + 1,
+            waiting_at=None,  # a wait ends here: should it be queued again and wait, that is said again
+        ),
     )
     session.commit()
     return session.scalar(select(Job).where(Job.id == job_id)) if claimed else None
+
+
+def note_waiting(*, session: Session, job: Job, message: str) -> bool:
+    """A queued job no live worker can run (``service.reconcile``): ``message`` in its events once a
+    wait, committed with the mark. False, writing nothing, when another reconciler said it first or
+    the job moved on."""
+    noted = _rows(
+        session,
+        update(Job)
+        .where(Job.seq == job.seq, Job.status == S.QUEUED.value, Job.waiting_at.is_(None))
+        .values(waiting_at=time.time()),
+    )
+    if noted:
+        add_event(session=session, job=job, message=message, level="warn")
+    session.commit()
+    return bool(noted)
 
 
 def heartbeat(*, session: Session, job: Job, worker: str) -> None:

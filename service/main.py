@@ -19,7 +19,7 @@ from service import prometheus as prometheus_module
 from service.db import get_engine, session_scope
 from service.errors import APIError
 from service.limits import AuthMiddleware, BodyLimitMiddleware
-from service.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks
+from service.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks, workers
 from service.settings import get_settings
 
 log = logging.getLogger("rloo.api")
@@ -77,6 +77,7 @@ def create_app() -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(completions.router)
     app.include_router(evaluations.router)
+    app.include_router(workers.router)
     dashboard.install(app)
 
     @app.get("/healthz", tags=["ops"], summary="The process is alive")

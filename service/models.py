@@ -11,7 +11,7 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 # BigInteger on PostgreSQL, but INTEGER on SQLite so that the column is the rowid alias and autoincrements.
@@ -53,6 +53,9 @@ class ApiKey(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     last_used_at: Mapped[int | None] = mapped_column(BigInteger)
     revoked_at: Mapped[int | None] = mapped_column(BigInteger)
+    # The operator's key (``rloo keys create --operator``): besides its project's objects, the
+    # operator's routes (``GET /v1/workers``).
+    operator: Mapped[bool] = mapped_column(default=False, server_default=false())
 
     project: Mapped[Project] = relationship(lazy="joined")
 
@@ -110,6 +113,9 @@ class Job(Base):
     # Times its worker died while running it (killed, out of memory, host gone); RLOO_MAX_JOB_CRASHES fails it.
     crashes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     heartbeat_at: Mapped[float | None] = mapped_column(Float)
+    # When a reconciler found no live worker that consumes the job's queue and said so in an event
+    # (once a wait: the next claim clears it).
+    waiting_at: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     started_at: Mapped[int | None] = mapped_column(BigInteger)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
@@ -201,6 +207,27 @@ class Evaluation(Base):
     heartbeat_at: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class Worker(Base):
+    """A training worker (``rloo worker``), as it registered itself (``service.fleet``): its devices
+    and the queues it consumes. Its reconciler writes the row at start and its heartbeat every round;
+    a worker that stops deletes it, one that dies leaves it to go stale."""
+
+    __tablename__ = "workers"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    # The Celery node name (``rloo-worker-<pid>@<host>``): what the worker's logs and Flower call it.
+    id: Mapped[str] = mapped_column(String(255), unique=True)
+    host: Mapped[str] = mapped_column(String(255))
+    devices: Mapped[int] = mapped_column(Integer)
+    accelerator: Mapped[str] = mapped_column(String(32))
+    # GiB a device holds (the host's memory on a CPU worker); null when the worker could not tell.
+    memory_per_device_gib: Mapped[float | None] = mapped_column(Float)
+    queues: Mapped[list[Any]] = mapped_column()
+    version: Mapped[str] = mapped_column(String(64))
+    started_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
 
 
 class IdempotentRequest(Base):

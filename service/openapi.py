@@ -32,7 +32,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 WHY = {
     "400": "Invalid request: `param` names the field, `message` what to change.",
     "401": "Missing, invalid or revoked API key.",
-    "403": "Not allowed on this object (a base model cannot be deleted).",
+    "403": "Not allowed on this object (a base model cannot be deleted), or an operator's route asked with a "
+    "project's key.",
     "404": "No such object in this project (another project's objects are not found either).",
     "405": "Method not allowed on this path.",
     "409": "Conflict: the object's state does not allow it, or an Idempotency-Key reused for another request.",
@@ -51,6 +52,8 @@ WHY = {
 # Statuses beyond the ones every /v1 operation may answer (400, 401, 429, 503), by operation.
 CONFLICTS = ("/cancel", "/pause", "/resume")
 INFERENCE = ("/v1/chat/completions", "/v1/completions")
+OPERATOR = ("/v1/workers",)
+"""The operator's routes (``deps.OperatorDep``): a project's key gets a 403."""
 
 
 def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
@@ -65,6 +68,8 @@ def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
     if method == "delete" and path.startswith("/v1/files/"):
         statuses.append("409")
     if method == "delete" and path.startswith("/v1/models/"):
+        statuses.append("403")
+    if path in OPERATOR:
         statuses.append("403")
     if path.endswith("/files/{file_id}/content"):
         statuses.append("410")

@@ -1,13 +1,30 @@
-"""Sending work to the workers, by task name: the API never imports the worker (or torch)."""
+"""Sending work to the workers, by task name: the API never imports the worker (or torch).
+
+A job's task goes to the queue its devices name (``job_queue``), and a training worker consumes
+the queues of every job its devices can run (``training_queues``):
+
+* one device of any kind (no ``resources``, or ``{gpus: 1}``): the default queue (``RLOO_QUEUE``,
+  ``rloo``), as before there were queues by device, which every training worker consumes;
+* ``n`` devices of kind ``k``: ``<queue>.train.<k>.<n>`` (``rloo.train.h100.4``);
+* ``n`` devices of any kind (``n`` > 1): ``<queue>.train.any.<n>``.
+
+A worker of ``D`` devices of kind ``K`` consumes ``<queue>.train.K.n`` and ``<queue>.train.any.n``
+for every ``n`` ≤ ``D``, and the default queue: a 4-device job never lands on a 2-device worker.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from service.settings import get_settings
+
+if TYPE_CHECKING:
+    from service.models import Job
 
 log = logging.getLogger("rloo.queue")
 
@@ -32,13 +49,43 @@ def client() -> Celery:
     return app
 
 
-def enqueue_job(job_id: str) -> bool:
-    """Queue the job by id. Returns False (and logs) if the broker is unreachable."""
+ANY_KIND = "any"
+
+
+def asked(resources: Mapping[str, Any] | None) -> tuple[int, str | None]:
+    """The devices a job asks for, from its stored ``resources`` (``schemas.Resources``; null: one
+    device of any kind): how many, and their kind (None: any, also when it names the kind "any")."""
+    resources = resources or {}
+    kind = resources.get("accelerator") or None
+    return int(resources.get("gpus") or 1), None if kind == ANY_KIND else kind
+
+
+def job_queue(resources: Mapping[str, Any] | None) -> str:
+    """The queue of a job that asks for ``resources`` (the module's docstring has the scheme)."""
+    gpus, kind = asked(resources)
+    base = get_settings().queue
+    if gpus == 1 and kind is None:
+        return base
+    return f"{base}.train.{kind or ANY_KIND}.{gpus}"
+
+
+def training_queues(devices: int, accelerator: str) -> list[str]:
+    """The queues a training worker of ``devices`` devices of kind ``accelerator`` consumes: the
+    default queue, then the queue of every job it can run, fewest devices first."""
+    can_run = [
+        job_queue({"gpus": n, "accelerator": kind}) for n in range(1, devices + 1) for kind in (accelerator, None)
+    ]
+    return list(dict.fromkeys([get_settings().queue, *can_run]))
+
+
+def enqueue_job(job: Job) -> bool:
+    """Queue the job's task on the queue of the devices it asks for. Returns False (and logs) if the
+    broker is unreachable."""
     try:
-        client().send_task(RUN_JOB_TASK, args=[job_id], queue=get_settings().queue, retry=True)
+        client().send_task(RUN_JOB_TASK, args=[job.id], queue=job_queue(job.resources), retry=True)
         return True
     except Exception as exc:  # the broker is down; the reconciler re-sends queued jobs
-        log.warning("could not queue %s: %s", job_id, exc)
+        log.warning("could not queue %s: %s", job.id, exc)
         return False
 
 

@@ -247,6 +247,13 @@ class Settings(BaseSettings):
         return max(self.stale_seconds, 3 * self.heartbeat_seconds)
 
     @property
+    def worker_stale_after(self) -> float:
+        """Seconds without a heartbeat after which a registered training worker is not live: its
+        reconciler beats once a round (RLOO_RECONCILE_SECONDS), so 3 rounds at least, and never
+        sooner than a job's worker is judged dead (``stale_after``)."""
+        return max(self.stale_after, 3 * self.reconcile_seconds)
+
+    @property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()
 

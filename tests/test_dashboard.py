@@ -1,8 +1,9 @@
 """The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright) against a
 live stack: the key typed once, the jobs page, a job page whose reward curve draws the job's own
 points and gains a new step without a reload, the cancel button, the files page and the grader
-playground; no JavaScript error in the console throughout. A screenshot of the job page is saved
-(``RLOO_DASHBOARD_SCREENSHOT``, or the test's temporary directory)."""
+playground, and the fleet page to an operator's key; no JavaScript error in the console
+throughout. Screenshots of the job page and the fleet page are saved (``RLOO_DASHBOARD_SCREENSHOT``,
+or the test's temporary directory)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.helpers.data import EXAMPLES, job_body
@@ -111,3 +113,41 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             assert problems == [], problems
     finally:
         scorer.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium: .ci/system-packages installs it")
+def test_the_dashboard_shows_the_fleet_to_an_operator_key(tmp_path: Path, models_dir: Path) -> None:
+    """The fleet page lists the training workers as GET /v1/workers answers them, to an operator's
+    key; a project's key is shown the API's 403, which says how to get one."""
+    from playwright.sync_api import sync_playwright
+
+    with live_stack("embedded", tmp_path, models_dir) as stack, sync_playwright() as pw:
+        operator = stack.cli("keys", "create", "--project", "ops", "--operator").stdout.strip().splitlines()[-1]
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        problems: list[str] = []
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+
+        page.goto(stack.url + "/dashboard/#/fleet")
+        page.fill("#key", operator)
+        page.click("#login button[type=submit]")
+        page.wait_for_selector("#fleet tr.live td.devices")  # the stack's worker, once it has registered
+        shown = page.eval_on_selector_all("#fleet tr.live", "rows => rows.map(r => r.cells[0].textContent)")
+        listed = httpx.get(f"{stack.url}/v1/workers", headers={"Authorization": f"Bearer {operator}"}).json()["data"]
+        assert shown == [w["id"] for w in listed] and len(shown) == 1, (shown, listed)
+        assert page.text_content("#fleet tr.live td.devices") == f"{listed[0]['devices']} x {listed[0]['accelerator']}"
+        shot = Path(os.environ.get("RLOO_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
+        page.screenshot(path=str(shot.with_name(shot.stem + "-fleet.png")), full_page=True)
+        assert problems == [], problems
+
+        page.click("#signout")
+        page.fill("#key", stack.key)  # the project's key
+        page.click("#login button[type=submit]")
+        page.wait_for_selector("main .error >> text=operator key")
+        assert page.query_selector("#fleet") is None
+        browser.close()
+        # The one error the console saw: the API's 403 itself.
+        assert problems == [
+            "console error: Failed to load resource: the server responded with a status of 403 (Forbidden)"
+        ]

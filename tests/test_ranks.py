@@ -44,7 +44,9 @@ WEIGHT_ATOL = 2e-3
 @pytest.fixture
 def stack(tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
     # Two ranks' collectives wait at most 60 s for a rank; a dead rank is noticed within a heartbeat.
-    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_COLLECTIVE_TIMEOUT_SECONDS": "60"}) as s:
+    env = {"RLOO_COLLECTIVE_TIMEOUT_SECONDS": "60"}
+    with live_stack("embedded", tmp_path, models_dir, env=env, worker=False) as s:
+        s.start("worker", "worker", "--gpus", "2")  # a CPU host offers one device unless told: two gloo ranks
         yield s
 
 

@@ -18,7 +18,7 @@ def test_reconcile_requeues_the_dead_releases_the_paused_and_resends_the_lost(cl
     from service import queue
 
     sent: list[str] = []
-    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: sent.append(job_id) or True)
+    monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)
     file_id = upload_ok(client, auth)["id"]
     ids = [create_job(client, auth, job_body(file_id))["id"] for _ in range(5)]
     dead, alive, paused, lost, fresh = ids
@@ -35,10 +35,10 @@ def test_reconcile_requeues_the_dead_releases_the_paused_and_resends_the_lost(cl
         for job_id, values in rows.items():
             session.query(Job).filter(Job.id == job_id).update(values)
         session.commit()
-        busy = reconcile(session, stale_after=30, queued_grace=60, queue_length=2)  # tasks are waiting
-        assert busy == {"requeued": 1, "failed": 0, "released": 1, "resent": 0} and sent == [dead]
-        idle = reconcile(session, stale_after=30, queued_grace=60, queue_length=0)  # the queue lost its tasks
-        assert idle == {"requeued": 0, "failed": 0, "released": 0, "resent": 1} and sent[1:] == [lost]
+        busy = reconcile(session, stale_after=30, queued_grace=60, queue_length=lambda _: 2)  # tasks are waiting
+        assert busy == {"requeued": 1, "failed": 0, "released": 1, "resent": 0, "waiting": 0} and sent == [dead]
+        idle = reconcile(session, stale_after=30, queued_grace=60, queue_length=lambda _: 0)  # the queue lost its tasks
+        assert idle == {"requeued": 0, "failed": 0, "released": 0, "resent": 1, "waiting": 0} and sent[1:] == [lost]
         state = {j.id: (j.status, j.worker) for j in session.query(Job).filter(Job.id.in_(ids))}
     assert state[dead] == ("queued", None)
     assert state[alive] == ("running", "host:2")
@@ -55,7 +55,7 @@ def test_a_job_whose_worker_keeps_dying_fails_worker_lost(client, auth, monkeypa
     from service import queue
 
     sent: list[str] = []
-    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: sent.append(job_id) or True)
+    monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     for crash in (1, 2, 3):
         with session_scope() as session:
@@ -63,9 +63,9 @@ def test_a_job_whose_worker_keeps_dying_fails_worker_lost(client, auth, monkeypa
                 {"status": "running", "worker": f"host:{crash}", "heartbeat_at": time.time() - 100, "step": crash}
             )
             session.commit()
-            counts = reconcile(session, stale_after=30, queued_grace=60, queue_length=1, max_crashes=3)
-            again = reconcile(session, stale_after=30, queued_grace=60, queue_length=1, max_crashes=3)
-        assert again == {"requeued": 0, "failed": 0, "released": 0, "resent": 0}  # moved once only
+            counts = reconcile(session, stale_after=30, queued_grace=60, queue_length=lambda _: 1, max_crashes=3)
+            again = reconcile(session, stale_after=30, queued_grace=60, queue_length=lambda _: 1, max_crashes=3)
+        assert again == {"requeued": 0, "failed": 0, "released": 0, "resent": 0, "waiting": 0}  # moved once only
         job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
         if crash < 3:
             assert counts["requeued"] == 1 and job["status"] == "queued" and job["error"] is None
@@ -128,7 +128,7 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatc
     from service.identity import process_name
     from worker.recording import DatabaseRecorder
 
-    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: True)
+    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     _running(job_id, process_name())
     recorder = DatabaseRecorder(_row(job_id))
@@ -169,13 +169,13 @@ def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
 def test_after_its_own_outage_the_reconciler_takes_no_job_from_its_worker(client, auth, monkeypatch) -> None:
     from service import queue
 
-    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: True)
+    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     _running(job_id, "host:1", heartbeat_at=time.time() - 1000)
     with session_scope() as session:
-        blind = reconcile(session, stale_after=30, queued_grace=60, queue_length=1, judge_heartbeats=False)
+        blind = reconcile(session, stale_after=30, queued_grace=60, queue_length=lambda _: 1, judge_heartbeats=False)
         assert blind["requeued"] == 0 and _row(job_id).status == "running"
-        seeing = reconcile(session, stale_after=30, queued_grace=60, queue_length=1)
+        seeing = reconcile(session, stale_after=30, queued_grace=60, queue_length=lambda _: 1)
         assert seeing["requeued"] == 1 and _row(job_id).status == "queued"
 
 
@@ -188,7 +188,7 @@ def test_a_worker_stopped_mid_job_hands_it_back_without_a_crash(client, auth, mo
     from worker import tasks
 
     sent: list[str] = []
-    monkeypatch.setattr(queue, "enqueue_job", lambda job_id: sent.append(job_id) or True)
+    monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
 
     def stopped(job: Job) -> None:

@@ -119,7 +119,7 @@ def _requeue_crashed(session: Any, job: Job, why: str) -> None:
     if moved == JobStatus.QUEUED:
         from service import queue
 
-        queue.enqueue_job(job.id)
+        queue.enqueue_job(current)
 
 
 def _hand_back(job: Job) -> None:
@@ -142,7 +142,7 @@ def _hand_back(job: Job) -> None:
             ):
                 from service import queue
 
-                queue.enqueue_job(job.id)
+                queue.enqueue_job(job)
             else:
                 lifecycle.release(session=session, job=job)  # a pause being saved: resumable
     except Exception as exc:  # the reconciler will see the stale heartbeat instead

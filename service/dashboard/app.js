@@ -1,7 +1,8 @@
 // The dashboard: the service's own API, read with the key typed once (kept in this tab's
 // sessionStorage, sent as a Bearer header, never in a URL). Pages by the URL's hash:
-// #/jobs, #/jobs/<id>, #/files, #/graders. Live data comes from the API's event streams, read with
-// fetch (EventSource cannot send a header), resumed after the last id when a connection drops.
+// #/jobs, #/jobs/<id>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
+// API's event streams, read with fetch (EventSource cannot send a header), resumed after the last id
+// when a connection drops.
 "use strict";
 
 const API = "/v1";
@@ -268,6 +269,32 @@ async function filesPage() {
       el("td", { text: f.bytes }), el("td", { text: f.line_count ?? "" }), el("td", { text: time(f.created_at) })))));
 }
 
+// Fleet ---------------------------------------------------------------------------------------------
+// The training workers (GET /v1/workers), for an operator's key; any other key sees the API's 403,
+// which says how to get one.
+async function fleetPage(signal) {
+  const root = el("section", {}, el("h1", { text: "Fleet" }));
+  main().replaceChildren(root);
+  const table = el("table", { id: "fleet" });
+  root.append(el("p", { text: "The training workers as they registered themselves, and the queues they consume." }), table);
+  const draw = async () => {
+    const workers = (await api("/workers")).data;
+    table.replaceChildren(
+      el("tr", {}, ...["worker", "host", "devices", "memory a device", "queues", "version", "started", "heartbeat", ""].map(h => el("th", { text: h }))),
+      ...workers.map(w => el("tr", { class: w.live ? "live" : "stale" },
+        el("td", { text: w.id }), el("td", { text: w.host }),
+        el("td", { class: "devices", text: `${w.devices} x ${w.accelerator}` }),
+        el("td", { text: w.memory_per_device_gib === null ? "" : `${w.memory_per_device_gib} GiB` }),
+        el("td", { text: w.queues.join(", ") }), el("td", { text: w.version }),
+        el("td", { text: time(w.started_at) }), el("td", { text: time(w.heartbeat_at) }),
+        el("td", { class: w.live ? "status-succeeded" : "status-failed", text: w.live ? "live" : "stale" }))),
+      ...(workers.length ? [] : [el("tr", {}, el("td", { text: "no worker has registered" }))]));
+  };
+  await draw();
+  const timer = setInterval(() => draw().catch(e => showError(root, e)), 5000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+}
+
 // Grader playground --------------------------------------------------------------------------------
 function gradersPage() {
   const grader = el("textarea", { id: "grader", rows: "9" });
@@ -307,6 +334,7 @@ async function route() {
     if (section === "jobs" && id) await jobPage(id, page.signal);
     else if (section === "files") await filesPage();
     else if (section === "graders") gradersPage();
+    else if (section === "fleet") await fleetPage(page.signal);
     else await jobsPage(page.signal);
   } catch (e) {
     showError(main(), e);

@@ -192,7 +192,7 @@ def create_job(
             return idempotency.replay_after_conflict(
                 session, project_seq=project.seq, route="jobs", key=key, digest=digest
             )
-    if not queue.enqueue_job(job.id):
+    if not queue.enqueue_job(job):
         lifecycle.add_event(
             session=session,
             job=job,
@@ -355,7 +355,7 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
                 code="invalid_state",
             )
         raise APIError(409, f"Job {job_id} is {job.status}; only a paused job can be resumed.", code="invalid_state")
-    if not queue.enqueue_job(job.id):
+    if not queue.enqueue_job(job):
         lifecycle.add_event(
             session=session,
             job=job,

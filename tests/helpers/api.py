@@ -117,12 +117,13 @@ def fresh_client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
     return TestClient(create_app(), client=LOCAL)
 
 
-def make_key(project: str) -> str:
+def make_key(project: str, *, operator: bool = False) -> str:
+    """A new key of ``project`` (an operator's key with ``operator``)."""
     from service import crud
     from service.db import session_scope
 
     with session_scope() as session:
         proj = crud.get_or_create_project(session=session, name=project)
-        _, secret = crud.create_api_key(session=session, project=proj)
+        _, secret = crud.create_api_key(session=session, project=proj, operator=operator)
         session.commit()
     return secret

@@ -30,21 +30,28 @@ def db_upgrade(
 def keys_create(
     project: Annotated[str, typer.Option(metavar="NAME", help="Project name; created if new.")],
     name: Annotated[str, typer.Option(metavar="LABEL", help="A label for the key.")] = "",
+    operator: Annotated[
+        bool,
+        typer.Option("--operator", help="The operator's key: also the routes over every project (GET /v1/workers)."),
+    ] = False,
 ) -> None:
-    """Create an API key. It is shown once, on the last line; only its hash is stored.
+    """Create an API key. It is shown once, on the last line; only its hash is stored. An operator's
+    key (--operator) is its project's key too, and also lists the fleet of workers.
 
     \b
     Example:
       export RLOO_API_KEY=$(rloo keys create --project research | tail -1)
+      rloo keys create --project ops --operator
     """
     from service import crud
     from service.db import session_scope
 
     with session_scope() as session:
         proj = crud.get_or_create_project(session=session, name=project)
-        row, secret = crud.create_api_key(session=session, project=proj, name=name)
+        row, secret = crud.create_api_key(session=session, project=proj, name=name, operator=operator)
         session.commit()
-        typer.echo(f"project {proj.name} ({proj.id}), key {row.id} (prefix {row.prefix}); store it now:", err=True)
+        kind = "operator key" if operator else "key"
+        typer.echo(f"project {proj.name} ({proj.id}), {kind} {row.id} (prefix {row.prefix}); store it now:", err=True)
     typer.echo(secret)
 
 
@@ -78,4 +85,4 @@ def keys_list() -> None:
     with session_scope() as session:
         for row in crud.list_api_keys(session=session):
             state = "revoked" if row.revoked_at else "active"
-            typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{state}")
+            typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{state}" + ("\toperator" if row.operator else ""))

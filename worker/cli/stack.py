@@ -39,7 +39,8 @@ def _interrupt(*_: Any) -> None:
 
 
 def ensure_local_key() -> str:
-    """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600)."""
+    """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600). It
+    is an operator's key (the fleet on the dashboard): whoever runs `rloo up` runs the machine."""
     from service import crud
     from service.db import session_scope
 
@@ -52,7 +53,7 @@ def ensure_local_key() -> str:
                 return secret
     with session_scope() as session:
         proj = crud.get_or_create_project(session=session, name=LOCAL_PROJECT)
-        _, secret = crud.create_api_key(session=session, project=proj, name="rloo up")
+        _, secret = crud.create_api_key(session=session, project=proj, name="rloo up", operator=True)
         session.commit()
     key_file.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
