@@ -262,9 +262,7 @@ def _train(job: Job) -> Any:
     if cfg.gpus > 1:  # its ranks under torch.distributed.run; rank 0 records as this process
         from worker.launch import run_ranks
 
-        return run_ranks(
-            cfg, timeout_seconds=settings.collective_timeout_seconds, job_id=job.id, holder=process_name()
-        )
+        return run_ranks(cfg, timeout_seconds=settings.collective_timeout_seconds, job_id=job.id, holder=process_name())
     return train(cfg, DatabaseRecorder(job))
 
 
