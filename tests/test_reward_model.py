@@ -74,3 +74,66 @@ def test_an_input_template_is_what_the_reward_model_reads(models_dir: Path) -> N
     got = rm.score(parse_grader(spec), [Sample("blue"), Sample("x")], [{"answer": "blue"}, {}], ["", ""])
     assert got[0] == pytest.approx(logit(models_dir, "tiny-reward", "Answer: blue / expected blue"), abs=1e-5)
     assert math.isnan(got[1])  # the second item lacks answer
+
+
+def _plain_copy(models_dir: Path, tmp_path: Path) -> Path:
+    """tiny-reward without a chat template: it reads prompt + completion."""
+    plain = tmp_path / "plain-reward"
+    shutil.copytree(models_dir / "tiny-reward", plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in plain.glob("chat_template.*"):
+        extra.unlink()
+    return tmp_path
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_each_prompt_read_once_scores_what_the_whole_texts_score(
+    models_dir: Path, tmp_path: Path, templated: bool
+) -> None:
+    """A step's rows, k = 3 of each of 4 prompts (an empty completion among them), scored with
+    each prompt's part read once, equal the scores of the rows' whole texts, in chunks of whole
+    groups (batch_size 5 keeps one group a chunk, the longest prompts last)."""
+    root, name = (models_dir, "tiny-reward") if templated else (_plain_copy(models_dir, tmp_path), "plain-reward")
+    rm = RewardModels(models_dir=root, device=torch.device("cpu"), batch_size=5)
+    leaf = parse_grader({**RM, "model": name})
+    questions = ["What is 2 plus 2?", "Sky?", "Name a colour that the sea is, on most days.", "Grass?"]
+    items = [{"messages": [{"role": "user", "content": q}]} for q in questions for _ in range(3)]
+    prompts = [f"Q: {q}\nA:" for q in questions for _ in range(3)]
+    texts = [" four", " 4", "", " blue", " grey!", " It is blue.", " green", " g", " teal", " x", " yy", " zzz"]
+    samples = [Sample(t) for t in texts]
+    model, tok = rm._load(name)
+    shared = rm._shared_prefix_scores(leaf, model, tok, samples, items, prompts)
+    assert shared is not None  # the rows shared their prompts' part: it was read once
+    rm._shared_prefix_scores = lambda *args: None  # type: ignore[method-assign]
+    whole = rm.score(leaf, samples, items, prompts)
+    assert shared == pytest.approx(whole, abs=1e-5)
+    assert len({round(s, 4) for s in whole}) > 6  # the rows really differ
+
+
+def test_rows_read_whole_where_the_prompt_cannot_be_cut_off(models_dir: Path, tmp_path: Path) -> None:
+    """An ``input`` template, rows of distinct prompts, or a completion whose first token merges with
+    the prompt's last (no token boundary at the cut): each row is read whole, as before."""
+    rm = RewardModels(models_dir=_plain_copy(models_dir, tmp_path), device=torch.device("cpu"))
+    leaf = parse_grader({**RM, "model": "plain-reward"})
+    model, tok = rm._load("plain-reward")
+    item: dict[str, str] = {}
+    two = [Sample(" a"), Sample(" b")]
+    assert rm._shared_prefix_scores(leaf, model, tok, two, [item, item], ["p", "q"]) is None  # no shared prompt
+    templated = parse_grader({**RM, "model": "plain-reward", "input": "{{ sample.output_text }}"})
+    assert rm._shared_prefix_scores(templated, model, tok, two, [item, item], ["p", "p"]) is None
+    # A prompt and completion whose tokens merge across the cut (BPE joins the word they split).
+    candidates = [("the bl", "ue sky"), ("gre", "en"), ("Q: sk", "y"), ("wat", "er")]
+    cuts = [(p, c) for p, c in candidates if _merges(tok, p, c)]
+    assert cuts, "no candidate merges across the cut with this tokenizer"
+    prompt, completion = cuts[0]
+    merged = [Sample(completion), Sample(completion)]
+    assert rm._shared_prefix_scores(leaf, model, tok, merged, [item, item], [prompt, prompt]) is None
+    whole = rm.score(leaf, merged, [item, item], [prompt, prompt])
+    assert whole == pytest.approx([logit(tmp_path, "plain-reward", prompt + completion)] * 2, abs=1e-5)
+
+
+def _merges(tok: object, prompt: str, completion: str) -> bool:
+    head = tok(prompt)["input_ids"]  # type: ignore[operator]
+    return bool(tok(prompt + completion)["input_ids"][: len(head)] != head)  # type: ignore[operator]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -155,17 +156,73 @@ class RewardModels:
         prompts: Sequence[str],
     ) -> list[float]:
         """One score per sample: the model's single logit on the conversation (or on ``leaf.input``),
-        NaN where the input template missed a key. The stages (``reward_model_texts``,
+        NaN where the input template missed a key; each prompt's part read once where rows share it
+        (``_shared_prefix_scores``), in bf16 on a GPU. The stages (``reward_model_texts``,
         ``encode_texts``, ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
         model, tok = self._load(leaf.model)
-        texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
-        todo = [(i, text) for i, text in enumerate(texts) if text is not None]
-        batches = encode_texts(tok, [text for _, text in todo], templated=templated, batch_size=self.batch_size)
-        scores = self.logits(model, batches).tolist()  # the one transfer to the host
+        with self._precision():
+            shared = self._shared_prefix_scores(leaf, model, tok, samples, items, prompts)
+            if shared is not None:
+                return shared
+            texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
+            todo = [(i, text) for i, text in enumerate(texts) if text is not None]
+            batches = encode_texts(tok, [text for _, text in todo], templated=templated, batch_size=self.batch_size)
+            scores = self.logits(model, batches).tolist()  # the one transfer to the host
         out = [float("nan")] * len(texts)
         for (i, _), score in zip(todo, scores, strict=True):
             out[i] = score
         return out
+
+    def _precision(self) -> AbstractContextManager[Any]:
+        """bf16 on a GPU that has it (a reward model's score needs no more), fp32 elsewhere."""
+        if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _shared_prefix_scores(
+        self,
+        leaf: graders.RewardModelGrader,
+        model: Any,
+        tok: Any,
+        samples: Sequence[graders.Sample],
+        items: Sequence[Mapping[str, Any]],
+        prompts: Sequence[str],
+    ) -> list[float] | None:
+        """The scores with each prompt's part read once (``worker.shared_prefix``), for the reward
+        model that reads the conversation itself (no ``input``) of rows that share prompts; None
+        where that does not apply, and the rows are read whole."""
+        from worker.shared_prefix import PLACEHOLDER, groups, prefix_logits, split_rows
+
+        group_of = groups(prompts, items)
+        if leaf.input is not None or len(set(group_of)) == len(group_of):
+            return None
+        firsts = [group_of.index(g) for g in range(group_of[-1] + 1)]
+        templated = bool(getattr(tok, "chat_template", None))
+        if templated:
+            # Each group's conversation rendered once, its answer a placeholder to cut at.
+            def chat(row: int, answer: str) -> str:
+                turns = [*_conversation(items[row], prompts[row]), {"role": "assistant", "content": answer}]
+                return str(tok.apply_chat_template(turns, tokenize=False))
+
+            rendered = [chat(r, PLACEHOLDER) for r in firsts]
+            if any(text.count(PLACEHOLDER) != 1 for text in rendered):
+                return None
+            prefix_texts, suffix_texts = zip(*(text.split(PLACEHOLDER) for text in rendered), strict=True)
+            if chat(0, samples[0].output_text) != prefix_texts[0] + samples[0].output_text + suffix_texts[0]:
+                return None  # a template that does not write the answer as it is
+        else:
+            prefix_texts, suffix_texts = tuple(prompts[r] for r in firsts), tuple("" for _ in firsts)
+        split = split_rows(
+            tok,
+            prefix_texts=list(prefix_texts),
+            suffix_texts=list(suffix_texts),
+            completions=[s.output_text for s in samples],
+            group_of=group_of,
+            add_special_tokens=not templated,  # a chat template writes its own BOS
+            max_length=_context(tok),
+        )
+        logits = None if split is None else prefix_logits(model, split, self.device, self.batch_size)
+        return None if logits is None else logits.tolist()
 
     def logits(self, model: Any, batches: list[dict[str, Tensor]]) -> Tensor:
         """The model's logit per row of ``batches``, in order, as one fp32 tensor on the CPU."""
