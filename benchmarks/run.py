@@ -14,6 +14,10 @@
 7. ``serving``: chat completions streamed through the service, one and 8 at once, against
    ``generate`` called directly (``benchmarks.serving``).
 8. ``memory_plan``: a job's memory plan against its measured peak (``benchmarks.memory_plan``).
+9. ``score_profile``: where a reward-model job's score phase goes, stage by stage, against one
+   batched forward of the reward model (``benchmarks.score_profile``).
+10. ``train_vs_engine``: ``rloo train`` against the engine's run on the same settings, with a rule
+   grader and a reward model (``benchmarks.train_vs_engine``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -60,6 +64,8 @@ SUBPROCESS_SECTIONS = {
     "streams": "benchmarks.streams",
     "serving": "benchmarks.serving",
     "memory_plan": "benchmarks.memory_plan",
+    "score_profile": "benchmarks.score_profile",
+    "train_vs_engine": "benchmarks.train_vs_engine",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -220,6 +226,8 @@ def main() -> None:
         "streams",
         "serving",
         "memory_plan",
+        "score_profile",
+        "train_vs_engine",
     ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -243,7 +251,7 @@ def main() -> None:
             result[section] = json.loads(proc.stdout)
         else:
             raise SystemExit(
-                f"unknown section '{section}': engine, reference_memory, service, api, isolation, streams, serving"
+                f"unknown section '{section}': engine, reference_memory, service, {', '.join(SUBPROCESS_SECTIONS)}"
             )
     print(json.dumps(result, indent=2))
 

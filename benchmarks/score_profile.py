@@ -3,13 +3,14 @@
 For the *tiny*, *small* and 8-layer configs, a policy and a reward model of the same shape sharing
 its tokenizer (as the demo's reward-model job has), one step's rollouts sampled by the engine (k = 4,
 8 chat-rendered demo prompts, 32 new tokens), then the scoring of those 32 completions timed as the
-loop runs it (``worker.rewards.score_batch`` over the job's grader) and stage by stage:
+loop runs it (``worker.rewards.score_batch`` over the job's grader: ``whole``), the same with each
+row read whole as before each prompt's part was read once (``whole_texts``), and stage by stage:
 
-* ``render``: the text the reward model reads (its chat template, per sample);
-* ``tokenize``: those texts as padded input batches;
-* ``forward``: the reward model's forwards, in inference mode;
-* ``to_host``: the logits to Python floats;
-* ``other``: the rest of the whole path (the grader tree, samples, Python per sample);
+* reading whole texts: ``render`` (the reward model's chat template, per sample), ``tokenize``
+  (padded input batches), ``forward`` (the forwards, in inference mode), ``to_host`` (the logits to
+  Python floats), ``other`` (the rest of that path: the grader tree, samples, Python per sample);
+* each prompt's part read once (``worker.shared_prefix``): ``split`` (a render a prompt, the rows
+  tokenized and cut) and ``prefix_forward`` (a prompt's forward once, its rows after it);
 * ``floor``: one batched forward over the same 32 sequences, already tokenized.
 
 Each figure is the median of ``REPEATS`` runs after a warm-up, in milliseconds; one JSON object out.
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import DEMO_DATA, K, NEW_TOKENS, PROMPTS
+from benchmarks.common import DEMO_DATA, NEW_TOKENS, PROMPTS, K
 
 PROFILE_CONFIGS: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_layers": 2},
@@ -57,6 +58,7 @@ def profile(config: str) -> dict[str, Any]:
     from worker.prepare import prepare
     from worker.records import QuietRecorder
     from worker.rewards import encode_texts, reward_model_texts, score_batch
+    from worker.shared_prefix import prefix_logits
     from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -91,8 +93,23 @@ def profile(config: str) -> dict[str, Any]:
             return score_batch(leaf, prompts=rows_prompts, texts=ro.texts, items=rows_items, reward_models=rm)
 
         t_whole, _ = _median_ms(whole)
-        t_render, (texts, templated) = _median_ms(lambda: reward_model_texts(leaf, tok, samples, rows_items, rows_prompts))
-        t_tokenize, batches = _median_ms(lambda: encode_texts(tok, texts, templated=templated, batch_size=rm.batch_size))
+        t_split, split = _median_ms(lambda: _split(rm, leaf, tok, samples, rows_items, rows_prompts))
+
+        def shared_forward() -> Any:
+            with torch.inference_mode():
+                return prefix_logits(model, split, rm.device, rm.batch_size)
+
+        t_prefix, _ = _median_ms(shared_forward)
+        shared = rm._shared_prefix_scores
+        rm._shared_prefix_scores = lambda *args: None  # type: ignore[method-assign]
+        t_whole_texts, _ = _median_ms(whole)
+        rm._shared_prefix_scores = shared  # type: ignore[method-assign]
+        t_render, (texts, templated) = _median_ms(
+            lambda: reward_model_texts(leaf, tok, samples, rows_items, rows_prompts)
+        )
+        t_tokenize, batches = _median_ms(
+            lambda: encode_texts(tok, texts, templated=templated, batch_size=rm.batch_size)
+        )
 
         def forward() -> Any:
             with torch.inference_mode():
@@ -113,15 +130,40 @@ def profile(config: str) -> dict[str, Any]:
             "config": config,
             "rows": len(texts),
             "tokens_per_row": int(one["input_ids"].shape[1]),
+            "prompt_tokens": round(statistics.mean(len(p) for p in split.prefixes), 1),
             "whole_ms": round(t_whole, 2),
+            "whole_over_floor": round(t_whole / t_floor, 2),
+            "split_ms": round(t_split, 2),
+            "prefix_forward_ms": round(t_prefix, 2),
+            "whole_texts_ms": round(t_whole_texts, 2),
+            "whole_texts_over_floor": round(t_whole_texts / t_floor, 2),
             "render_ms": round(t_render, 2),
             "tokenize_ms": round(t_tokenize, 2),
             "forward_ms": round(t_forward, 2),
             "to_host_ms": round(t_to_host, 2),
-            "other_ms": round(max(t_whole - parts, 0.0), 2),
+            "other_ms": round(max(t_whole_texts - parts, 0.0), 2),
             "floor_ms": round(t_floor, 2),
-            "whole_over_floor": round(t_whole / t_floor, 2),
         }
+
+
+def _split(rm: Any, leaf: Any, tok: Any, samples: Any, items: Any, prompts: Any) -> Any:
+    """The rows cut after their prompts' part, as ``RewardModels._shared_prefix_scores`` cuts them."""
+    from worker import shared_prefix
+
+    captured: dict[str, Any] = {}
+    real = shared_prefix.prefix_logits
+
+    def keep(model: Any, split: Any, device: Any, max_rows: int) -> None:
+        captured["split"] = split
+        return None
+
+    shared_prefix.prefix_logits = keep  # type: ignore[assignment]
+    try:
+        model, _ = rm._load(leaf.model)
+        rm._shared_prefix_scores(leaf, model, tok, samples, items, prompts)
+    finally:
+        shared_prefix.prefix_logits = real  # type: ignore[assignment]
+    return captured["split"]
 
 
 def main(argv: list[str] | None = None) -> int:
