@@ -38,6 +38,19 @@ PLACEHOLDER_GRADER = {
 }
 
 
+def spec_hyperparameters(steps: int = STEPS) -> dict[str, Any]:
+    """The settings above as a job's hyperparameters (a spec for ``rloo train`` or the API)."""
+    return {
+        "rloo_k": K,
+        "batch_size": PROMPTS,
+        "max_new_tokens": NEW_TOKENS,
+        "learning_rate": LR,
+        "kl_coef": KL,
+        "max_steps": steps,
+        "n_epochs": 1000,
+    }
+
+
 def count_reward(texts: list[str]) -> list[float]:
     """The benchmark's reward, one Python function for both trainers."""
     return [float(t.count("a")) for t in texts]

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEMO_DATA, KL, LR, NEW_TOKENS, PROMPTS, STEPS, K, build
+from benchmarks.common import DEMO_DATA, NEW_TOKENS, PROMPTS, STEPS, K, build, spec_hyperparameters
 
 GRADER = {
     "type": "text_similarity",
@@ -37,15 +37,7 @@ GRADER = {
     "reference": "{{ item.answer }}",
     "evaluation_metric": "fuzzy_match",
 }
-HYPERPARAMETERS = {
-    "rloo_k": K,
-    "batch_size": PROMPTS,
-    "max_new_tokens": NEW_TOKENS,
-    "learning_rate": LR,
-    "kl_coef": KL,
-    "max_steps": STEPS,
-    "n_epochs": 100,
-}
+HYPERPARAMETERS = spec_hyperparameters()
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEMO_DATA, KL, LR, NEW_TOKENS, PLACEHOLDER_GRADER, PROMPTS, ROOT, K, ours, plain_prompts
+from benchmarks.common import DEMO_DATA, PLACEHOLDER_GRADER, ROOT, ours, plain_prompts, spec_hyperparameters
 
 STEPS = 12
 PHASES = ("time_generate", "time_score", "time_reference", "time_update", "time_step")
@@ -46,15 +46,7 @@ def _train(models: Path, data: Path, grader: dict[str, Any], out: Path) -> dict[
                     "type": "reinforcement",
                     "reinforcement": {
                         "grader": grader,
-                        "hyperparameters": {
-                            "rloo_k": K,
-                            "batch_size": PROMPTS,
-                            "max_new_tokens": NEW_TOKENS,
-                            "learning_rate": LR,
-                            "kl_coef": KL,
-                            "max_steps": STEPS,
-                            "n_epochs": 1000,
-                        },
+                        "hyperparameters": spec_hyperparameters(STEPS),
                     },
                 },
             }

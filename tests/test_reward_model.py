@@ -56,14 +56,7 @@ def test_a_chat_reward_model_reads_the_conversation_with_its_own_template(models
 
 
 def test_a_plain_reward_model_reads_prompt_and_completion(models_dir: Path, tmp_path: Path) -> None:
-    plain = tmp_path / "plain-reward"
-    shutil.copytree(models_dir / "tiny-reward", plain)
-    config = json.loads((plain / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (plain / "tokenizer_config.json").write_text(json.dumps(config))
-    for extra in plain.glob("chat_template.*"):
-        extra.unlink()
-    rm = RewardModels(models_dir=tmp_path, device=torch.device("cpu"))
+    rm = RewardModels(models_dir=_plain_copy(models_dir, tmp_path), device=torch.device("cpu"))
     got = rm.score(parse_grader({**RM, "model": "plain-reward"}), [Sample(" Blue.")], [{}], ["Q: sky?"])
     assert got == pytest.approx([logit(tmp_path, "plain-reward", "Q: sky? Blue.")], abs=1e-5)
 
