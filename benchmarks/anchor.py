@@ -6,7 +6,12 @@ settings: k=4, 8 prompts a step, 32 new tokens, lr 1e-3, KL 0.05 in the reward (
 checkpointing, no dropout. The two run alternately in this one process, ``rounds`` times each, and the
 medians are compared.
 
-Run it with ``make bench`` (or ``python -m benchmarks.anchor [tiny|small]``); it prints one JSON object.
+With ``--reward-model`` the reward is a reward model of the policy's shape instead (the same files
+for both, sharing the policy's tokenizer, no chat template: each reads prompt + completion), one
+round: the score phase's own cost, which the count reward leaves out.
+
+Run it with ``make bench`` (or ``python -m benchmarks.anchor [--reward-model] [tiny|small]``); it
+prints one JSON object.
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ from benchmarks.common import (
     trl_config,
 )
 
+REWARD_MODEL = {"type": "reward_model", "name": "rm", "model": "reward"}
 
-def trl(models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS, seed: int = 0) -> dict[str, Any]:
+
+def trl(
+    models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS, seed: int = 0, reward_model: bool = False
+) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -60,7 +69,21 @@ def trl(models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS,
     args = trl_config(
         out, seed=seed, steps=steps, learning_rate=LR, k=K, prompts=PROMPTS, new_tokens=NEW_TOKENS, beta=KL
     )
-    trainer = RLOOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok)
+    funcs: Any = reward
+    processing: Any = None
+    if reward_model:
+        from transformers import AutoModelForSequenceClassification
+
+        funcs = AutoModelForSequenceClassification.from_pretrained(models / "reward", dtype=torch.float32)
+        processing = AutoTokenizer.from_pretrained(models / "reward")
+    trainer = RLOOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        reward_processing_classes=processing,
+    )
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its logs; stdout is for our JSON
         trainer.train()
@@ -69,18 +92,22 @@ def trl(models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS,
     return {"wall_s": wall, "rewards": rewards}
 
 
-def compare(config: str, *, rounds: int = 3) -> dict[str, Any]:
+def compare(config: str, *, rounds: int = 3, reward_model: bool = False) -> dict[str, Any]:
     """``rounds`` runs of each, alternating, round r with seed r: the speed is the median round, the
     reward the mean over seeds (one seed's trajectory is mostly sampling noise)."""
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         build(tmp / "models", config)
+        if reward_model:
+            build_plain_reward_model(tmp / "models", config)
         data = plain_prompts(tmp)
         runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
+        ours_kw: dict[str, Any] = {"grader": REWARD_MODEL} if reward_model else {}
+        trl_kw: dict[str, Any] = {"reward_model": True} if reward_model else {}
         for r in range(rounds):  # alternating, so drift in the machine's speed hits both alike
-            for who, fn in (("ours", ours), ("trl", trl)):
+            for who, fn, kw in (("ours", ours, ours_kw), ("trl", trl, trl_kw)):
                 print(f"[{config}] round {r + 1} (seed {r}): {who}", file=sys.stderr, flush=True)
-                runs[who].append(fn(tmp / "models", config, data, tmp / f"{who}-{r}", seed=r))
+                runs[who].append(fn(tmp / "models", config, data, tmp / f"{who}-{r}", seed=r, **kw))
     out: dict[str, Any] = {"config": f"{config}: {CONFIGS[config]}, vocab 512, {STEPS} steps, seeds 0..{rounds - 1}"}
     for who, rs in runs.items():
         wall = statistics.median(r["wall_s"] for r in rs)
@@ -97,11 +124,26 @@ def compare(config: str, *, rounds: int = 3) -> dict[str, Any]:
     return out
 
 
+def build_plain_reward_model(models: Path, config: str) -> None:
+    """A reward model of ``config``'s shape sharing its policy's tokenizer, without a chat template."""
+    from worker.tinymodels import build_tiny_reward_model
+
+    path = build_tiny_reward_model(models / "reward", tokenizer_from=models / config, seed=1, **CONFIGS[config])
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    for extra in path.glob("chat_template.*"):
+        extra.unlink()
+
+
 def main() -> None:
     import transformers
     import trl as trl_pkg
 
-    configs = sys.argv[1:] or list(CONFIGS)
+    args = sys.argv[1:]
+    reward_model = "--reward-model" in args
+    configs = [a for a in args if a != "--reward-model"] or list(CONFIGS)
+    rounds = 1 if reward_model else 3
     print(
         json.dumps(
             {
@@ -111,7 +153,8 @@ def main() -> None:
                 "transformers": transformers.__version__,
                 "trl": trl_pkg.__version__,
                 "torch_threads": torch.get_num_threads(),
-                **{c: compare(c) for c in configs},
+                "reward": "a reward model of the policy's shape" if reward_model else "count_reward",
+                **{c: compare(c, rounds=rounds, reward_model=reward_model) for c in configs},
             },
             indent=2,
         )

@@ -108,9 +108,18 @@ class Collect(QuietRecorder):
 
 
 def ours(
-    models: Path, config: str, data: Path, out: Path, *, steps: int = STEPS, seed: int = 0, **hp: Any
+    models: Path,
+    config: str,
+    data: Path,
+    out: Path,
+    *,
+    steps: int = STEPS,
+    seed: int = 0,
+    grader: dict[str, Any] | None = None,
+    **hp: Any,
 ) -> dict[str, Any]:
-    """One run of our engine (the same ``train`` a job runs); wall time and each step's metrics."""
+    """One run of our engine (the same ``train`` a job runs); wall time and each step's metrics.
+    The reward is ``count_reward`` unless ``grader`` names the job's own (a reward model, say)."""
     from service.schemas import Hyperparameters
     from worker.config import TrainConfig
     from worker.train import train
@@ -128,7 +137,7 @@ def ours(
     cfg = TrainConfig(
         model=config,
         training_file=data,
-        grader=graders.parse_grader(PLACEHOLDER_GRADER),
+        grader=graders.parse_grader(grader or PLACEHOLDER_GRADER),
         hyperparameters=hyper,
         output_dir=out,
         models_dir=models,
@@ -136,7 +145,7 @@ def ours(
         device="cpu",
     )
     rec = Collect(quiet=True)
-    with counting_reward():
+    with counting_reward() if grader is None else contextlib.nullcontext():
         t0 = time.perf_counter()
         train(cfg, rec)  # type: ignore[arg-type]
         wall = time.perf_counter() - t0
