@@ -130,3 +130,53 @@ def test_rows_read_whole_where_the_prompt_cannot_be_cut_off(models_dir: Path, tm
 def _merges(tok: object, prompt: str, completion: str) -> bool:
     head = tok(prompt)["input_ids"]  # type: ignore[operator]
     return bool(tok(prompt + completion)["input_ids"][: len(head)] != head)  # type: ignore[operator]
+
+
+def _ids_logit(models_dir: Path, name: str, ids: list[int]) -> float:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(models_dir / name).eval()
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+@pytest.mark.parametrize("templated", [True, False])
+def test_a_reward_model_with_the_policys_tokenizer_reads_the_sampled_tokens(
+    models_dir: Path, tmp_path: Path, templated: bool
+) -> None:
+    """Given the policy's sampled tokens, a reward model with the policy's tokenizer reads them as
+    they are: a completion sampled as single characters (not its text's encoding) scores what
+    those tokens score, not what its text re-encoded scores; a row whose tokens do not decode to its
+    text (cut at a stop string) is read from its text. A reward model with another tokenizer
+    ignores the tokens."""
+    from transformers import AutoTokenizer
+
+    root, name = (models_dir, "tiny-reward") if templated else (_plain_copy(models_dir, tmp_path), "plain-reward")
+    tok = AutoTokenizer.from_pretrained(root / name)
+    rm = RewardModels(models_dir=root, device=torch.device("cpu"), policy_tokenizer=tok)
+    assert rm.shares_policy_tokenizer(name)
+    leaf = parse_grader({**RM, "model": name})
+    text, prompt = " blue sky", "Q: colour?\nA:"
+    canonical = tok(text, add_special_tokens=False)["input_ids"]
+    spelled = [tid for c in text for tid in tok(c, add_special_tokens=False)["input_ids"]]  # one char a token
+    assert spelled != canonical and tok.decode(spelled) == text
+    items = [{"prompt": "colour?"}] * 3
+    samples = [Sample(text), Sample(text), Sample(" blue")]
+    got = rm.score(leaf, samples, items, [prompt] * 3, sampled=[canonical, spelled, canonical])  # row 3: cut text
+
+    def read(completion_ids: list[int]) -> float:
+        if templated:
+            turns = [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "\x00"}]
+            head, tail = tok.apply_chat_template(turns, tokenize=False).split("\x00")
+            ids = tok(head, add_special_tokens=False)["input_ids"] + completion_ids
+            return _ids_logit(root, name, ids + tok(tail, add_special_tokens=False)["input_ids"])
+        return _ids_logit(root, name, tok(prompt)["input_ids"] + completion_ids)
+
+    short = tok(" blue", add_special_tokens=False)["input_ids"]
+    assert got == pytest.approx([read(canonical), read(spelled), read(short)], abs=1e-5)
+    assert abs(got[0] - got[1]) > 1e-4  # the spelled-out tokens really score otherwise
+
+    other = RewardModels(models_dir=root, device=torch.device("cpu"))  # no policy tokenizer: texts
+    assert not other.shares_policy_tokenizer(name)
+    texts_only = other.score(leaf, samples[:2], items[:2], [prompt] * 2, sampled=[canonical, spelled])
+    assert texts_only == pytest.approx([got[0], got[0]], abs=1e-5)

@@ -21,11 +21,21 @@ class RewardModels:
     """Loads each reward model a grader names once, and scores batches on the worker's device."""
 
     def __init__(
-        self, *, models_dir: Path, device: torch.device, batch_size: int = 32, embedding_model: str = EMBEDDING_PACKAGE
+        self,
+        *,
+        models_dir: Path,
+        device: torch.device,
+        batch_size: int = 32,
+        embedding_model: str = EMBEDDING_PACKAGE,
+        policy_tokenizer: Any = None,
     ) -> None:
+        """``policy_tokenizer``: the tokenizer of the policy whose completions are scored; a reward
+        model with the same one reads the sampled tokens (``score``'s ``sampled``)."""
         self.models_dir, self.device, self.batch_size = models_dir, device, batch_size
         self.embedding_model = embedding_model
+        self.policy_tokenizer = None if policy_tokenizer is None else tokenizer_fingerprint(policy_tokenizer)
         self._loaded: dict[str, tuple[Any, Any]] = {}
+        self._fingerprints: dict[str, str | None] = {}
         self._embedding: Any = None
 
     def _load(self, name: str) -> tuple[Any, Any]:
@@ -154,14 +164,19 @@ class RewardModels:
         samples: Sequence[graders.Sample],
         items: Sequence[Mapping[str, Any]],
         prompts: Sequence[str],
+        sampled: Sequence[Sequence[int]] | None = None,
     ) -> list[float]:
         """One score per sample: the model's single logit on the conversation (or on ``leaf.input``),
         NaN where the input template missed a key; each prompt's part read once where rows share it
-        (``_shared_prefix_scores``), in bf16 on a GPU. The stages (``reward_model_texts``,
-        ``encode_texts``, ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
+        (``_shared_prefix_scores``), in bf16 on a GPU. ``sampled``: each completion's tokens as the
+        policy sampled them, which a reward model with the policy's tokenizer reads instead of
+        encoding the texts again. The stages (``reward_model_texts``, ``encode_texts``, ``logits``)
+        are apart so that ``benchmarks.score_profile`` times each."""
         model, tok = self._load(leaf.model)
+        if sampled is not None and not self.shares_policy_tokenizer(leaf.model):
+            sampled = None
         with self._precision():
-            shared = self._shared_prefix_scores(leaf, model, tok, samples, items, prompts)
+            shared = self._shared_prefix_scores(leaf, model, tok, samples, items, prompts, sampled)
             if shared is not None:
                 return shared
             texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
@@ -187,14 +202,16 @@ class RewardModels:
         samples: Sequence[graders.Sample],
         items: Sequence[Mapping[str, Any]],
         prompts: Sequence[str],
+        sampled: Sequence[Sequence[int]] | None = None,
     ) -> list[float] | None:
         """The scores with each prompt's part read once (``worker.shared_prefix``), for the reward
-        model that reads the conversation itself (no ``input``) of rows that share prompts; None
-        where that does not apply, and the rows are read whole."""
-        from worker.shared_prefix import PLACEHOLDER, groups, prefix_logits, split_rows
+        model that reads the conversation itself (no ``input``) of rows that share prompts, or of
+        any rows whose ``sampled`` tokens it reads; None where that does not apply, and the rows are
+        read whole."""
+        from worker.shared_prefix import PLACEHOLDER, groups, prefix_logits, sampled_rows, split_rows
 
         group_of = groups(prompts, items)
-        if leaf.input is not None or len(set(group_of)) == len(group_of):
+        if leaf.input is not None or (sampled is None and len(set(group_of)) == len(group_of)):
             return None
         firsts = [group_of.index(g) for g in range(group_of[-1] + 1)]
         templated = bool(getattr(tok, "chat_template", None))
@@ -212,22 +229,40 @@ class RewardModels:
                 return None  # a template that does not write the answer as it is
         else:
             prefix_texts, suffix_texts = tuple(prompts[r] for r in firsts), tuple("" for _ in firsts)
-        split = split_rows(
-            tok,
-            prefix_texts=list(prefix_texts),
-            suffix_texts=list(suffix_texts),
-            completions=[s.output_text for s in samples],
-            group_of=group_of,
-            add_special_tokens=not templated,  # a chat template writes its own BOS
-            max_length=_context(tok),
-        )
+        cut: dict[str, Any] = {
+            "prefix_texts": list(prefix_texts),
+            "suffix_texts": list(suffix_texts),
+            "completions": [s.output_text for s in samples],
+            "group_of": group_of,
+            "add_special_tokens": not templated,  # a chat template writes its own BOS
+            "max_length": _context(tok),
+        }
+        split = None if sampled is None else sampled_rows(tok, sampled=sampled, **cut)
+        split = split or split_rows(tok, **cut)
         logits = None if split is None else prefix_logits(model, split, self.device, self.batch_size)
         return None if logits is None else logits.tolist()
+
+    def shares_policy_tokenizer(self, name: str) -> bool:
+        """Whether reward model ``name``'s tokenizer is the policy's, token for token."""
+        if name not in self._fingerprints:
+            self._fingerprints[name] = tokenizer_fingerprint(self._load(name)[1])
+        return self.policy_tokenizer is not None and self._fingerprints[name] == self.policy_tokenizer
 
     def logits(self, model: Any, batches: list[dict[str, Tensor]]) -> Tensor:
         """The model's logit per row of ``batches``, in order, as one fp32 tensor on the CPU."""
         out = [model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0] for enc in batches]
         return torch.cat(out).float().cpu() if out else torch.zeros(0)
+
+
+def tokenizer_fingerprint(tok: Any) -> str | None:
+    """A digest of everything a fast tokenizer does (vocabulary, merges, normalisation, added and
+    special tokens): two tokenizers with one digest turn text into the same ids. None for a slow one."""
+    import hashlib
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()
 
 
 def reward_model_texts(
@@ -327,11 +362,16 @@ def embedding_model_path(name: str, models_dir: Path) -> Path:
     raise ValueError(f"no embedding model '{name}' under the models root ({models_dir}); set RLOO_EMBEDDING_MODEL")
 
 
-def model_scorers(reward_models: RewardModels, prompts: Sequence[str]) -> dict[type[graders.Grader], graders.Scorer]:
+def model_scorers(
+    reward_models: RewardModels, prompts: Sequence[str], sampled: Sequence[Sequence[int]] | None = None
+) -> dict[type[graders.Grader], graders.Scorer]:
     """The grader table's entries for graders that need a model, scored here on ``reward_models``
-    (a reward model reads the prompts the completions answer)."""
+    (a reward model reads the prompts the completions answer, and the ``sampled`` tokens where it
+    can)."""
     return {
-        graders.RewardModelGrader: lambda leaf, batch: reward_models.score(leaf, batch.samples, batch.items, prompts),
+        graders.RewardModelGrader: lambda leaf, batch: reward_models.score(
+            leaf, batch.samples, batch.items, prompts, sampled
+        ),
         graders.ScoreModelGrader: lambda leaf, batch: reward_models.judge(leaf, batch.samples, batch.items),
         graders.LabelModelGrader: lambda leaf, batch: reward_models.label(leaf, batch.samples, batch.items),
         graders.CosineGrader: lambda leaf, batch: reward_models.cosine(leaf, batch.samples, batch.items),
@@ -345,8 +385,10 @@ def score_batch(
     texts: list[str],
     items: list[dict[str, Any]],
     reward_models: RewardModels | None,
+    sampled: Sequence[Sequence[int]] | None = None,
 ) -> graders.GradeResult:
-    """Rewards ``(N,)`` (NaN where a completion could not be scored) and per-grader details."""
+    """Rewards ``(N,)`` (NaN where a completion could not be scored) and per-grader details.
+    ``sampled``: each completion's tokens as the policy sampled them, special tokens dropped."""
     samples = [graders.Sample(output_text=t) for t in texts]
-    scorers = None if reward_models is None else model_scorers(reward_models, prompts)
+    scorers = None if reward_models is None else model_scorers(reward_models, prompts, sampled)
     return graders.grade_batch(grader, samples, items, scorers=scorers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +45,15 @@ class Rollout:
     @property
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def sampled(self, special_ids: Sequence[int]) -> list[list[int]]:
+        """Each completion's tokens as sampled (within its mask), ``special_ids`` dropped: the ids
+        its text was decoded from."""
+        keep = self.completion_mask.bool() & ~torch.isin(
+            self.completion_ids, torch.tensor(list(special_ids), dtype=torch.long, device=self.completion_ids.device)
+        )
+        rows, kept = self.completion_ids.tolist(), keep.tolist()
+        return [[t for t, k in zip(row, use, strict=True) if k] for row, use in zip(rows, kept, strict=True)]
 
     def widened(self, width: int, pad_id: int) -> Rollout:
         """The same completions ``width`` tokens wide (padding masked out): what a job's ranks, whose

@@ -6,9 +6,11 @@ completion, and a suffix (the template's end of turn). ``split_rows`` renders ea
 with a placeholder answer and cuts it there; each row's text is then its group's prefix, its
 completion and the suffix, tokenized whole and cut after the prefix's tokens (a row whose tokens do
 not begin with them, a merge across the cut, sends the batch back to whole texts).
-``prefix_logits`` then runs the model's body once over each group's prefix, repeats its keys and
-values for the group's rows, runs the rows after it, and reads each row's last token through the
-head, as the model's own forward reads the whole text: for k = 4 and prompts of most of a row's
+Where the reward model shares the policy's tokenizer, ``sampled_rows`` takes each row's completion
+tokens as the policy sampled them instead of encoding its text again. ``prefix_logits`` then runs
+the model's body once over each group's prefix, repeats its keys and values for the group's rows,
+runs the rows after it, and reads each row's last token through the head, as the model's own
+forward reads the whole text: for k = 4 and prompts of most of a row's
 tokens, a half or less of the FLOPs of one batched forward over every row.
 """
 
@@ -73,6 +75,45 @@ def split_rows(
             return None
         rows.append(ids[len(prefix) :])
     return Split(prefixes, rows, group_of)
+
+
+def sampled_rows(
+    tok: Any,
+    *,
+    prefix_texts: list[str],
+    suffix_texts: list[str],
+    sampled: Sequence[Sequence[int]],
+    completions: Sequence[str],
+    group_of: list[int],
+    add_special_tokens: bool,
+    max_length: int,
+) -> Split | None:
+    """The rows as ``Split`` from the tokens the policy sampled (``sampled``, special tokens dropped;
+    ``tok`` is the policy's tokenizer): each group's prefix tokenized once, each row its sampled
+    completion tokens and the suffix's. The reward model so reads what the policy wrote, token for
+    token, where a re-encoding of its text may differ (a sampled sequence that is not its text's
+    canonical encoding, a merge across the cut). A row whose tokens do not decode to its text (a
+    completion cut at a stop string) is encoded from its text. None where the tokenizer ends a text
+    with a token of its own (no place to cut) or a row is longer than ``max_length``."""
+    if add_special_tokens and _appends_special_tokens(tok):
+        return None
+    prefixes = tok(prefix_texts, add_special_tokens=add_special_tokens)["input_ids"]
+    suffixes = tok(suffix_texts, add_special_tokens=False)["input_ids"]
+    decoded = tok.batch_decode([list(ids) for ids in sampled])
+    rows = []
+    for ids, text, back, g in zip(sampled, completions, decoded, group_of, strict=True):
+        own = list(ids) if back == text else tok(text, add_special_tokens=False)["input_ids"]
+        row = own + suffixes[g]
+        if len(prefixes[g]) + len(row) > max_length:
+            return None
+        rows.append(row)
+    return Split(prefixes, rows, group_of)
+
+
+def _appends_special_tokens(tok: Any) -> bool:
+    """Whether the tokenizer ends an encoded text with a special token of its own (an EOS)."""
+    ids = tok("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[-1] in set(tok.all_special_ids) and ids != tok("a", add_special_tokens=False)["input_ids"]
 
 
 def prefix_logits(model: Any, split: Split, device: torch.device, max_rows: int) -> Tensor | None:

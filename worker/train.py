@@ -179,15 +179,18 @@ def _score(run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]],
     """The grader's scores of the step's completions (each prompt and item repeated k times)."""
     k = run.rl.rloo_k
     try:
-        return score_batch(
-            run.scorer,
-            prompts=[p for p in prompts for _ in range(k)],
-            texts=ro.texts,
-            items=[item for item in batch for _ in range(k)],
-            reward_models=run.reward_models,
-        )
+        return _grade(run, [p for p in prompts for _ in range(k)], [item for item in batch for _ in range(k)], ro)
     except graders.GraderUnavailable as exc:
         raise JobError("grader_unavailable", f"step {step}: {exc}") from None
+
+
+def _grade(run: Run, prompts: list[str], items: list[dict[str, Any]], ro: Rollout) -> graders.GradeResult:
+    """The grader's scores of ``ro``'s completions, row ``i`` answering ``prompts[i]`` of ``items[i]``
+    (a reward model with the policy's tokenizer reads the sampled tokens)."""
+    sampled = None if run.reward_models is None else ro.sampled(run.tokenizer.all_special_ids)
+    return score_batch(
+        run.scorer, prompts=prompts, texts=ro.texts, items=items, reward_models=run.reward_models, sampled=sampled
+    )
 
 
 def rloo_update(
@@ -329,13 +332,7 @@ def evaluate(run: Run) -> float:
             ro = run.sampler.generate(
                 prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i
             )
-            graded = score_batch(
-                run.scorer,
-                prompts=prompts[i : i + 64],
-                texts=ro.texts,
-                items=batch[i : i + 64],
-                reward_models=run.reward_models,
-            )
+            graded = _grade(run, prompts[i : i + 64], batch[i : i + 64], ro)
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
     scored = [r for share in run.ranks.whole_objects(rewards) for r in share]
     return sum(scored) / len(scored) if scored else float("nan")
