@@ -78,9 +78,11 @@ def namespace(queue: str) -> str:
 
 
 def serve_queue() -> str:
+    """The queue the inference workers serve: ``RLOO_SERVE_QUEUE``, or ``<queue>-serve``."""
     from service.settings import get_settings
 
-    return f"{get_settings().queue}-serve"
+    settings = get_settings()
+    return settings.serve_queue or f"{settings.queue}-serve"
 
 
 def connect_async() -> Any:
@@ -150,14 +152,15 @@ async def replies(
             raise WorkerLost()  # queued, and every worker is gone: none will take it
 
 
-def ask(envelope: dict[str, Any], *, timeout: float) -> dict[str, Any]:
-    """A request that is no completion (an export), from a sync handler: queued, then its one last
-    message waited for. Raises ``NoWorker``, ``WorkerLost`` or ``TimedOut``."""
+def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -> dict[str, Any]:
+    """A request that is no completion (an export, a remote reward model's batch), from sync code:
+    queued on ``queue`` (the inference workers' own by default), then its one last message waited
+    for. Raises ``NoWorker``, ``WorkerLost`` or ``TimedOut``."""
     import redis
 
     from service.settings import get_settings
 
-    ns = namespace(serve_queue())
+    ns = namespace(queue or serve_queue())
     conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=30, socket_connect_timeout=5)
     try:
         if not conn.zcount(f"{ns}:workers", time.time(), "+inf"):

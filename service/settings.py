@@ -211,6 +211,22 @@ class Settings(BaseSettings):
         le=3600,
         description="How long a completion request may take, queued and written (504 past it).",
     )
+    serve_queue: str | None = Field(
+        default=None,
+        description="The queue inference workers serve (rloo worker --serve --queue NAME sets it); "
+        "unset: <queue>-serve, where the API sends completions.",
+    )
+    reward_model_queue: str | None = Field(
+        default=None,
+        description='Where training workers send a remote reward model\'s batches ("remote": true): the queue of '
+        "the inference workers that score them; unset: the inference workers' own queue.",
+    )
+    reward_model_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        le=86400,
+        description="How long a remote reward model may take to score one batch, queued and scored.",
+    )
     inference_max_batch: int = Field(
         default=32, ge=1, le=1024, description="Rows (completions) an inference worker decodes in one batch."
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from service.graders import Sample, parse_grader
-from worker.rewards import RewardModels
+from worker.rewards import RewardModels, SampledTokens, tokenizer_fingerprint
 
 RM = {"type": "reward_model", "name": "rm", "model": "tiny-reward"}
 
@@ -153,8 +153,9 @@ def test_a_reward_model_with_the_policys_tokenizer_reads_the_sampled_tokens(
 
     root, name = (models_dir, "tiny-reward") if templated else (_plain_copy(models_dir, tmp_path), "plain-reward")
     tok = AutoTokenizer.from_pretrained(root / name)
-    rm = RewardModels(models_dir=root, device=torch.device("cpu"), policy_tokenizer=tok)
-    assert rm.shares_policy_tokenizer(name)
+    rm = RewardModels(models_dir=root, device=torch.device("cpu"))
+    digest = tokenizer_fingerprint(tok)
+    assert rm.reads_tokens_of(name, digest)
     leaf = parse_grader({**RM, "model": name})
     text, prompt = " blue sky", "Q: colour?\nA:"
     canonical = tok(text, add_special_tokens=False)["input_ids"]
@@ -162,7 +163,8 @@ def test_a_reward_model_with_the_policys_tokenizer_reads_the_sampled_tokens(
     assert spelled != canonical and tok.decode(spelled) == text
     items = [{"prompt": "colour?"}] * 3
     samples = [Sample(text), Sample(text), Sample(" blue")]
-    got = rm.score(leaf, samples, items, [prompt] * 3, sampled=[canonical, spelled, canonical])  # row 3: cut text
+    sampled = SampledTokens(digest, [canonical, spelled, canonical])  # row 3: its text cut at a stop string
+    got = rm.score(leaf, samples, items, [prompt] * 3, sampled)
 
     def read(completion_ids: list[int]) -> float:
         if templated:
@@ -176,7 +178,7 @@ def test_a_reward_model_with_the_policys_tokenizer_reads_the_sampled_tokens(
     assert got == pytest.approx([read(canonical), read(spelled), read(short)], abs=1e-5)
     assert abs(got[0] - got[1]) > 1e-4  # the spelled-out tokens really score otherwise
 
-    other = RewardModels(models_dir=root, device=torch.device("cpu"))  # no policy tokenizer: texts
-    assert not other.shares_policy_tokenizer(name)
-    texts_only = other.score(leaf, samples[:2], items[:2], [prompt] * 2, sampled=[canonical, spelled])
+    # Another tokenizer's tokens (another digest) are not read: the texts are.
+    assert not rm.reads_tokens_of(name, "another-tokenizer")
+    texts_only = rm.score(leaf, samples[:2], items[:2], [prompt] * 2, SampledTokens("another", [canonical, spelled]))
     assert texts_only == pytest.approx([got[0], got[0]], abs=1e-5)

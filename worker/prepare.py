@@ -46,6 +46,10 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     torch.manual_seed(cfg.seed)
     items = load_items(cfg.training_file)
     valid_items = load_items(cfg.validation_file) if cfg.validation_file else []
+    reward_models = None
+    if cfg.grader is not None and graders.is_model_grader(cfg.grader):
+        embedding_model = cfg.extra.get("embedding_model") or EMBEDDING_PACKAGE
+        reward_models = RewardModels(models_dir=cfg.models_dir, device=device, embedding_model=embedding_model)
     total_steps = hp.total_steps(len(items))
     resumed = None
     if cfg.resume_from is not None:
@@ -55,12 +59,6 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     # Ranks load on the CPU: sharding moves each rank's shards to its device, so no device ever
     # holds a whole copy (or two, with the reference).
     tokenizer, model, reference = _models(cfg, torch.device("cpu") if ranks.distributed else device)
-    reward_models = None
-    if cfg.grader is not None and graders.is_model_grader(cfg.grader):
-        embedding_model = cfg.extra.get("embedding_model") or EMBEDDING_PACKAGE
-        reward_models = RewardModels(
-            models_dir=cfg.models_dir, device=device, embedding_model=embedding_model, policy_tokenizer=tokenizer
-        )
     bf16 = hp.precision == "bf16" or (hp.precision == "auto" and device.type == "cuda")
     for module in (model, reference.model if reference is not None else None):
         if module is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,9 @@ class RewardModels:
         device: torch.device,
         batch_size: int = 32,
         embedding_model: str = EMBEDDING_PACKAGE,
-        policy_tokenizer: Any = None,
     ) -> None:
-        """``policy_tokenizer``: the tokenizer of the policy whose completions are scored; a reward
-        model with the same one reads the sampled tokens (``score``'s ``sampled``)."""
         self.models_dir, self.device, self.batch_size = models_dir, device, batch_size
         self.embedding_model = embedding_model
-        self.policy_tokenizer = None if policy_tokenizer is None else tokenizer_fingerprint(policy_tokenizer)
         self._loaded: dict[str, tuple[Any, Any]] = {}
         self._fingerprints: dict[str, str | None] = {}
         self._embedding: Any = None
@@ -164,19 +161,23 @@ class RewardModels:
         samples: Sequence[graders.Sample],
         items: Sequence[Mapping[str, Any]],
         prompts: Sequence[str],
-        sampled: Sequence[Sequence[int]] | None = None,
+        sampled: SampledTokens | None = None,
     ) -> list[float]:
         """One score per sample: the model's single logit on the conversation (or on ``leaf.input``),
         NaN where the input template missed a key; each prompt's part read once where rows share it
-        (``_shared_prefix_scores``), in bf16 on a GPU. ``sampled``: each completion's tokens as the
+        (``_shared_prefix_scores``), in bf16 on a GPU. ``sampled``: the completions' tokens as the
         policy sampled them, which a reward model with the policy's tokenizer reads instead of
-        encoding the texts again. The stages (``reward_model_texts``, ``encode_texts``, ``logits``)
-        are apart so that ``benchmarks.score_profile`` times each."""
+        encoding the texts again. A ``remote`` reward model is scored by the inference workers
+        (``worker.remote_rewards``). The stages (``reward_model_texts``, ``encode_texts``,
+        ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
+        if leaf.remote:
+            from worker.remote_rewards import score_remotely
+
+            return score_remotely(leaf, samples, items, prompts, sampled)
         model, tok = self._load(leaf.model)
-        if sampled is not None and not self.shares_policy_tokenizer(leaf.model):
-            sampled = None
+        ids = sampled.ids if sampled is not None and self.reads_tokens_of(leaf.model, sampled.tokenizer) else None
         with self._precision():
-            shared = self._shared_prefix_scores(leaf, model, tok, samples, items, prompts, sampled)
+            shared = self._shared_prefix_scores(leaf, model, tok, samples, items, prompts, ids)
             if shared is not None:
                 return shared
             texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
@@ -242,16 +243,26 @@ class RewardModels:
         logits = None if split is None else prefix_logits(model, split, self.device, self.batch_size)
         return None if logits is None else logits.tolist()
 
-    def shares_policy_tokenizer(self, name: str) -> bool:
-        """Whether reward model ``name``'s tokenizer is the policy's, token for token."""
+    def reads_tokens_of(self, name: str, fingerprint: str | None) -> bool:
+        """Whether reward model ``name``'s tokenizer is the one of digest ``fingerprint``
+        (``tokenizer_fingerprint``), token for token."""
         if name not in self._fingerprints:
             self._fingerprints[name] = tokenizer_fingerprint(self._load(name)[1])
-        return self.policy_tokenizer is not None and self._fingerprints[name] == self.policy_tokenizer
+        return fingerprint is not None and self._fingerprints[name] == fingerprint
 
     def logits(self, model: Any, batches: list[dict[str, Tensor]]) -> Tensor:
         """The model's logit per row of ``batches``, in order, as one fp32 tensor on the CPU."""
         out = [model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0] for enc in batches]
         return torch.cat(out).float().cpu() if out else torch.zeros(0)
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """A batch's completions as the policy sampled them: per row its tokens (special tokens
+    dropped), and the digest of the tokenizer that reads them (``tokenizer_fingerprint``)."""
+
+    tokenizer: str | None
+    ids: list[list[int]]
 
 
 def tokenizer_fingerprint(tok: Any) -> str | None:
@@ -363,7 +374,7 @@ def embedding_model_path(name: str, models_dir: Path) -> Path:
 
 
 def model_scorers(
-    reward_models: RewardModels, prompts: Sequence[str], sampled: Sequence[Sequence[int]] | None = None
+    reward_models: RewardModels, prompts: Sequence[str], sampled: SampledTokens | None = None
 ) -> dict[type[graders.Grader], graders.Scorer]:
     """The grader table's entries for graders that need a model, scored here on ``reward_models``
     (a reward model reads the prompts the completions answer, and the ``sampled`` tokens where it
@@ -385,10 +396,10 @@ def score_batch(
     texts: list[str],
     items: list[dict[str, Any]],
     reward_models: RewardModels | None,
-    sampled: Sequence[Sequence[int]] | None = None,
+    sampled: SampledTokens | None = None,
 ) -> graders.GradeResult:
     """Rewards ``(N,)`` (NaN where a completion could not be scored) and per-grader details.
-    ``sampled``: each completion's tokens as the policy sampled them, special tokens dropped."""
+    ``sampled``: the completions' tokens as the policy sampled them."""
     samples = [graders.Sample(output_text=t) for t in texts]
     scorers = None if reward_models is None else model_scorers(reward_models, prompts, sampled)
     return graders.grade_batch(grader, samples, items, scorers=scorers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,14 @@ class Run:
         """The rollout backend of a reinforcement run."""
         assert self.backend is not None
         return self.backend
+
+    @functools.cached_property
+    def tokenizer_digest(self) -> str | None:
+        """The policy tokenizer's digest (``worker.rewards.tokenizer_fingerprint``): a reward model
+        with the same reads the sampled tokens."""
+        from worker.rewards import tokenizer_fingerprint
+
+        return tokenizer_fingerprint(self.tokenizer)
 
     @property
     def scorer(self) -> graders.Grader:

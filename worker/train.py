@@ -39,7 +39,7 @@ from worker.prepare import prepare
 from worker.ranks import whole_tensor
 from worker.records import JobError, Recorder
 from worker.resume import preserved_rng
-from worker.rewards import score_batch
+from worker.rewards import SampledTokens, score_batch
 from worker.rollout import Rollout, completion_logprobs
 from worker.run import Run
 from worker.samples import is_sample_step, sample_groups
@@ -187,7 +187,9 @@ def _score(run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]],
 def _grade(run: Run, prompts: list[str], items: list[dict[str, Any]], ro: Rollout) -> graders.GradeResult:
     """The grader's scores of ``ro``'s completions, row ``i`` answering ``prompts[i]`` of ``items[i]``
     (a reward model with the policy's tokenizer reads the sampled tokens)."""
-    sampled = None if run.reward_models is None else ro.sampled(run.tokenizer.all_special_ids)
+    sampled = None
+    if run.reward_models is not None:
+        sampled = SampledTokens(run.tokenizer_digest, ro.sampled(run.tokenizer.all_special_ids))
     return score_batch(
         run.scorer, prompts=prompts, texts=ro.texts, items=items, reward_models=run.reward_models, sampled=sampled
     )

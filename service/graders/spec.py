@@ -92,6 +92,15 @@ class Spec:
             raise GraderError(f"{key} of a {self.kind} grader must not be empty", param=self.at(key))
         return value
 
+    def flag(self, key: str) -> bool:
+        """An optional boolean: False when absent."""
+        value = self.raw.get(key, False)
+        if not isinstance(value, bool):
+            raise GraderError(
+                f"{key} of a {self.kind} grader must be true or false; got {describe(value)}", param=self.at(key)
+            )
+        return value
+
     def template(self, key: str) -> str:
         value = self.string(key)
         validate(value, param=self.at(key))
@@ -162,7 +171,7 @@ def _text_similarity(spec: Spec, name: str) -> TextSimilarityGrader:
 def _reward_model(spec: Spec, name: str) -> RewardModelGrader:
     model = spec.nonempty("model")
     template = spec.template("input") if spec.raw.get("input") is not None else None
-    return RewardModelGrader(name=name, model=model, input=template)
+    return RewardModelGrader(name=name, model=model, input=template, remote=spec.flag("remote"))
 
 
 JUDGE_SAMPLING = frozenset({"max_tokens", "max_completions_tokens", "temperature", "top_p", "seed", "reasoning_effort"})

@@ -162,21 +162,28 @@ class RewardModelGrader(Grader):
     """A Hugging Face sequence classifier (one label) scored on the worker.
 
     ``input`` is an optional template for the text the model scores; None means the completion
-    text. The worker renders it with ``render_reward_model_inputs``.
+    text. The worker renders it with ``render_reward_model_inputs``. ``remote``: scored by the
+    inference workers (``worker.remote_rewards``), not beside the policy.
     """
 
     type: ClassVar[str] = "reward_model"
     required: ClassVar[tuple[str, ...]] = ("model",)
-    optional: ClassVar[tuple[str, ...]] = ("input",)
+    optional: ClassVar[tuple[str, ...]] = ("input", "remote")
     needs_model: ClassVar[bool] = True
     model: str
     input: str | None = None
+    remote: bool = False
 
     def templates(self) -> tuple[str, ...]:
         return () if self.input is None else (self.input,)
 
     def fields(self) -> dict[str, object]:
-        return {"model": self.model} if self.input is None else {"model": self.model, "input": self.input}
+        out: dict[str, object] = {"model": self.model}
+        if self.input is not None:
+            out["input"] = self.input
+        if self.remote:
+            out["remote"] = True
+        return out
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,11 @@ def api(
 @app.command("worker")
 def worker(
     queue: Annotated[
-        str | None, typer.Option(metavar="QUEUE", help="Queue to consume (default: the training queue).")
+        str | None,
+        typer.Option(
+            metavar="QUEUE",
+            help="Queue to consume (default: the training queue; with --serve, the inference queue <queue>-serve).",
+        ),
     ] = None,
     loglevel: Annotated[str, typer.Option(metavar="LEVEL", help="DEBUG, INFO, WARNING…")] = "INFO",
     metrics_port: Annotated[
@@ -83,11 +87,16 @@ def worker(
       rloo worker --gpus 4 --accelerator h100
       rloo worker --queue rloo-graders     # grader dry runs
       rloo worker --serve                  # inference, on its own GPU or beside a training worker
+      rloo worker --serve --queue rewards  # remote reward models alone (RLOO_REWARD_MODEL_QUEUE=rewards)
       rloo worker --metrics-port 9100      # its metrics at :9100/metrics
     """
     _check_kind(accelerator)
     if serve:
         from worker.serving.supervisor import supervise
+
+        if queue is not None:  # a dedicated inference worker (remote reward models): its processes serve QUEUE
+            os.environ["RLOO_SERVE_QUEUE"] = queue
+            get_settings.cache_clear()
 
         ensure_embedded_broker()
         supervise()

@@ -3,6 +3,8 @@
 * exports: a fine-tuned checkpoint as one full model, every LoRA adapter of its chain merged in, saved
   in safetensors with its tokenizer (``from_pretrained`` and ``vllm serve`` load the directory as it
   is), under ``<artifacts>/exports/<job>/step-<N>``; asked by ``GET …/checkpoints/{id}/content?merged=true``;
+* remote reward models' batches (``worker.remote_rewards``): a training job's completions scored by
+  a reward model kept loaded here;
 * evaluations (``worker.serving.evaluate``): checkpoints scored on a file, a chunk of prompts at a time
   so that completions asked meanwhile are answered between chunks.
 """
@@ -37,8 +39,11 @@ class Chores:
 
     def request(self, envelope: dict[str, Any]) -> dict[str, Any]:
         """A request that is no completion: its last message (``done`` or ``error``)."""
-        if envelope.get("kind") != "export":
-            return inference.error_message(400, "unsupported", f"unknown request kind {envelope.get('kind')!r}")
+        kind = envelope.get("kind")
+        if kind == "score":
+            return self.score(envelope)
+        if kind != "export":
+            return inference.error_message(400, "unsupported", f"unknown request kind {kind!r}")
         try:
             export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
         except JobError as exc:
@@ -47,6 +52,21 @@ class Chores:
             log.exception("export failed")
             return inference.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
         return {"t": "done", "usage": None}
+
+    def score(self, envelope: dict[str, Any]) -> dict[str, Any]:
+        """A remote reward model's batch (``worker.remote_rewards``): its scores, or its error."""
+        import torch
+
+        from worker.remote_rewards import answer
+
+        try:
+            return answer(self.server.rewards(), envelope)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return inference.error_message(503, "out_of_memory", "The inference worker ran out of GPU memory scoring")
+        except Exception as exc:  # a broken model, a bug: this batch's answer, never the worker's end
+            log.exception("scoring failed")
+            return inference.error_message(500, "score_failed", f"Scoring failed: {type(exc).__name__}: {exc}")
 
     def beat(self) -> None:
         """The evaluation in progress is alive (from the heartbeat thread, however long a chunk takes)."""
