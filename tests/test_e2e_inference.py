@@ -3,7 +3,8 @@ with its supervisor), in this order: a job's latest checkpoint sampled while the
 inference worker killed mid-request (503, or an error event once the stream began) and a new one
 serving the next request, while that training job goes on (then it is cancelled, freeing the
 training worker); a key at its limit of requests in flight (429) whose client goes away mid-stream
-and frees its place at once; an evaluation of a trained job's checkpoints."""
+and frees its place at once; an evaluation of a trained job's checkpoints; a job whose reward model
+the inference worker scores (``"remote": true``)."""
 
 from __future__ import annotations
 
@@ -176,3 +177,24 @@ def test_an_evaluation_scores_the_starting_model_and_every_checkpoint_on_a_file(
         assert row["samples"] == 6 and 0 <= row["reward_mean"] <= 1 and row["reward_std_error"] >= 0
         assert row["grader_means"]["answer"] == pytest.approx(row["reward_mean"])  # one grader: the reward
         assert row["completion_length_mean"] > 0
+
+
+def test_a_job_whose_reward_model_is_remote_trains_as_one_that_scores_it_beside_the_policy(stack: LiveStack) -> None:
+    """Two jobs of one seed, a reward model scored by the training worker and the same scored by the
+    inference worker (``"remote": true``): the same rewards and updates, step for step."""
+    spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    spec["method"]["reinforcement"]["hyperparameters"].update({"max_steps": 3, "batch_size": 4, "rloo_k": 2})
+    rewards = {}
+    with stack.http as http:
+        spec["training_file"] = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        for remote in (False, True):
+            grader = {"type": "reward_model", "name": "rm", "model": "tiny-reward", "remote": remote}
+            spec["method"]["reinforcement"]["grader"] = grader
+            job = http.post("/fine_tuning/jobs", json=spec).json()
+            job = wait_for(http, job["id"], {"succeeded", "failed"}, 180, stack)
+            assert job["status"] == "succeeded", (job, stack.log_tail())
+            metrics = http.get(f"/fine_tuning/jobs/{job['id']}/metrics").json()["data"]
+            assert [m["step"] for m in metrics] == [1, 2, 3]
+            rewards[remote] = [m[name] for m in metrics for name in ("train_reward_mean", "kl", "loss")]
+    assert rewards[True] == pytest.approx(rewards[False], abs=1e-5)
+    assert len(set(rewards[False][::3])) > 1  # the steps' rewards really differ
