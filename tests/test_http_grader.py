@@ -206,3 +206,31 @@ def test_a_trickling_answer_is_cut_at_timeout_seconds(monkeypatch) -> None:
     finally:
         server.close()
         reset_caches()
+
+
+def test_an_http_graders_job_scores_beside_the_reference_and_computes_the_same(
+    serve, tmp_path, models_dir, monkeypatch
+) -> None:
+    """With a reference model (kl_coef > 0), an http grader scores on a thread while the reference
+    forward runs; the same seed without the thread gives the same rewards, KL, loss and gradients."""
+    from tests.helpers.training import ListRecorder, config
+    from worker import overlap, train
+
+    endpoint = serve(lambda _, body: (200, {"scores": [len(s["sample"]["output_text"]) / 4 for s in body["samples"]]}))
+    keys = ("train_reward_mean", "kl", "loss", "grad_norm", "entropy")
+    runs, flags = {}, []
+
+    class Spy(overlap.Started):  # type: ignore[type-arg]
+        def __init__(self, work, *, beside: bool) -> None:  # type: ignore[no-untyped-def]
+            flags.append(beside)
+            super().__init__(work, beside=beside)
+
+    monkeypatch.setattr(train, "Started", Spy)
+    for beside in (True, False):
+        monkeypatch.setattr(train, "scored_elsewhere", lambda grader, on=beside: on)
+        rec = ListRecorder()
+        train.train(config(tmp_path / str(beside), models_dir, spec(endpoint.url), max_steps=3, kl_coef=0.05), rec)
+        runs[beside] = [[m[k] for k in keys] for m in rec.steps]
+    assert flags == [True] * 3 + [False] * 3
+    assert runs[True] == runs[False]
+    assert len({row[0] for row in runs[True]}) > 1  # the steps' rewards differ: the scores were used

@@ -85,7 +85,9 @@ def _batch(models_dir: Path) -> tuple[list[Sample], list[dict[str, object]], lis
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models_dir / "tiny-policy")
-    items: list[dict[str, object]] = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS for _ in range(3)]
+    items: list[dict[str, object]] = [
+        {"messages": [{"role": "user", "content": q}]} for q in QUESTIONS for _ in range(3)
+    ]
     prompts = [f"Q: {q}\nA:" for q in QUESTIONS for _ in range(3)]
     # One row's tokens spelled out one character a token: read as sampled, both sides.
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]

@@ -389,6 +389,16 @@ def model_scorers(
     }
 
 
+def scored_elsewhere(grader: graders.Grader) -> bool:
+    """Whether scoring ``grader`` is mostly waiting on other processes (a python grader's sandbox,
+    an ``http`` endpoint, a remote reward model) and never on this process's device: a training
+    step scores it on a thread beside its reference forward (``worker.overlap``)."""
+    leaves = graders.leaves(grader)
+    remote = [leaf for leaf in leaves if isinstance(leaf, graders.RewardModelGrader) and leaf.remote]
+    waits = bool(remote) or any(isinstance(leaf, (graders.PythonGrader, graders.HttpGrader)) for leaf in leaves)
+    return waits and not any(leaf.needs_model and leaf not in remote for leaf in leaves)
+
+
 def score_batch(
     grader: graders.Grader,
     *,

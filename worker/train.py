@@ -10,7 +10,8 @@ A step, for ``B`` prompts and ``k`` completions each (``N = B * k``, prompt-majo
 1. generate the N completions (one prompt encoding shared by its k samples);
 2. score them (NaN where a completion cannot be scored);
 3. reference log-probs (no grad), when ``kl_coef > 0``: a frozen copy for full fine-tuning, the
-   same model with its adapter disabled for LoRA;
+   same model with its adapter disabled for LoRA. A grader that waits on other processes (a
+   sandbox, an endpoint, a remote reward model) scores on a thread meanwhile (``worker.overlap``);
 4. for each of ``gradient_accumulation_steps`` micro-batches (whole groups, so leave-one-out
    baselines never cross a micro-batch): policy log-probs with grad; on the first pass their
    detached values are the sampling policy's (no extra forward), which gives the KL and the
@@ -35,11 +36,12 @@ from worker.config import TrainConfig
 from worker.data import batch_indices, prompt_text
 from worker.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
 from worker.metrics import Timings, UpdateStats, grader_metrics, step_metrics
+from worker.overlap import Started
 from worker.prepare import prepare
 from worker.ranks import whole_tensor
 from worker.records import JobError, Recorder
 from worker.resume import preserved_rng
-from worker.rewards import SampledTokens, score_batch
+from worker.rewards import SampledTokens, score_batch, scored_elsewhere
 from worker.rollout import Rollout, completion_logprobs
 from worker.run import Run
 from worker.samples import is_sample_step, sample_groups
@@ -71,6 +73,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     # k completions stay together and leave-one-out needs no communication.
     mine = ranks.share(batch_size)
     micro = micro_batches(mine.stop - mine.start, k, hp.gradient_accumulation_steps)
+    overlap = run.reference is not None and scored_elsewhere(run.scorer)
     stop = Stop(run.start, {})
     for step in range(run.start + 1, run.total_steps + 1):
         t_step = time.perf_counter()
@@ -87,9 +90,21 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         t_generate = time.perf_counter() - t_step
 
         # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
-        # Each rank scores its own completions; every rank then holds the whole batch's rewards.
+        # Each rank scores its own completions. A grader that waits on other processes scores on a
+        # thread while the reference forward runs (worker.overlap); the others score here and now.
+        scoring = Started(functools.partial(_score, run, step, prompts[mine], batch[mine], ro), beside=overlap)
+
+        # 3. Reference log-probs, in micro-batches of whole groups ------------------------------------
         t0 = time.perf_counter()
-        graded = merged_grades(ranks.whole_objects(_score(run, step, prompts[mine], batch[mine], ro)))
+        ref_logp = None
+        if run.reference is not None:
+            with run.autocast:
+                ref_logp = torch.cat([run.reference.logprobs(ro.rows(sl), temperature=hp.temperature) for sl in micro])
+        t_ref = time.perf_counter() - t0
+
+        # Every rank holds the whole batch's rewards from here.
+        mine_graded, t_score = scoring.result()
+        graded = merged_grades(ranks.whole_objects(mine_graded))
         rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
         finite = torch.isfinite(rewards)
         if not finite.any():
@@ -100,15 +115,6 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             )
         # On the device from here: advantages and KL never travel back to the host within the step.
         rewards, finite = rewards.to(run.device), finite.to(run.device)
-        t_score = time.perf_counter() - t0
-
-        # 3. Reference log-probs, in micro-batches of whole groups ------------------------------------
-        t0 = time.perf_counter()
-        ref_logp = None
-        if run.reference is not None:
-            with run.autocast:
-                ref_logp = torch.cat([run.reference.logprobs(ro.rows(sl), temperature=hp.temperature) for sl in micro])
-        t_ref = time.perf_counter() - t0
 
         # 4-5. Advantages and the update ------------------------------------------------------------
         t0 = time.perf_counter()

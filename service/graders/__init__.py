@@ -59,6 +59,7 @@ from service.graders.types import (
     ScoreModelGrader,
     StringCheckGrader,
     TextSimilarityGrader,
+    leaves,
 )
 
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "grade_one",
     "grader_to_dict",
     "is_model_grader",
+    "leaves",
     "model_leaves",
     "openai_typed",
     "parse_grader",
