@@ -11,7 +11,11 @@ row read whole as before each prompt's part was read once (``whole_texts``), and
   Python floats), ``other`` (the rest of that path: the grader tree, samples, Python per sample);
 * each prompt's part read once (``worker.shared_prefix``): ``split`` (a render a prompt, the rows
   tokenized and cut) and ``prefix_forward`` (a prompt's forward once, its rows after it);
-* ``floor``: one batched forward over the same 32 sequences, already tokenized.
+* ``floor``: one batched forward over the same 32 sequences, already tokenized;
+* the policy's sampled tokens read as they are (``worker.rewards.SampledTokens``, what the loop
+  does since the reward model shares the policy's tokenizer): ``sampled`` (the loop's scoring), and
+  its floor ``floor_sampled``, one batched forward over those sequences (a random model's samples
+  re-encode longer than sampled, so these are shorter).
 
 Each figure is the median of ``REPEATS`` runs after a warm-up, in milliseconds; one JSON object out.
 """
@@ -57,7 +61,7 @@ def profile(config: str) -> dict[str, Any]:
     from worker.data import prompt_text
     from worker.prepare import prepare
     from worker.records import QuietRecorder
-    from worker.rewards import encode_texts, reward_model_texts, score_batch
+    from worker.rewards import SampledTokens, encode_texts, reward_model_texts, score_batch
     from worker.shared_prefix import prefix_logits
     from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
 
@@ -125,6 +129,23 @@ def profile(config: str) -> dict[str, Any]:
                 return model(**one).logits
 
         t_floor, _ = _median_ms(floor)
+        sampled = SampledTokens(run.tokenizer_digest, ro.sampled(run.tokenizer.all_special_ids))
+        t_sampled, _ = _median_ms(
+            lambda: score_batch(
+                leaf, prompts=rows_prompts, texts=ro.texts, items=rows_items, reward_models=rm, sampled=sampled
+            )
+        )
+        read = _split(rm, leaf, tok, samples, rows_items, rows_prompts, sampled.ids)
+        sequences = [read.prefixes[g] + row for row, g in zip(read.rows, read.group_of, strict=True)]
+        width = max(len(ids) for ids in sequences)
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in sequences])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in sequences])
+
+        def floor_sampled() -> Any:
+            with torch.inference_mode():
+                return model(input_ids=ids, attention_mask=mask).logits
+
+        t_floor_sampled, _ = _median_ms(floor_sampled)
         parts = t_render + t_tokenize + t_forward + t_to_host
         return {
             "config": config,
@@ -143,11 +164,16 @@ def profile(config: str) -> dict[str, Any]:
             "to_host_ms": round(t_to_host, 2),
             "other_ms": round(max(t_whole_texts - parts, 0.0), 2),
             "floor_ms": round(t_floor, 2),
+            "sampled_tokens_per_row": width,
+            "sampled_ms": round(t_sampled, 2),
+            "floor_sampled_ms": round(t_floor_sampled, 2),
+            "sampled_over_floor_sampled": round(t_sampled / t_floor_sampled, 2),
         }
 
 
-def _split(rm: Any, leaf: Any, tok: Any, samples: Any, items: Any, prompts: Any) -> Any:
-    """The rows cut after their prompts' part, as ``RewardModels._shared_prefix_scores`` cuts them."""
+def _split(rm: Any, leaf: Any, tok: Any, samples: Any, items: Any, prompts: Any, sampled: Any = None) -> Any:
+    """The rows cut after their prompts' part, as ``RewardModels._shared_prefix_scores`` cuts them
+    (from the ``sampled`` token ids, where given)."""
     from worker import shared_prefix
 
     captured: dict[str, Any] = {}
@@ -160,7 +186,7 @@ def _split(rm: Any, leaf: Any, tok: Any, samples: Any, items: Any, prompts: Any)
     shared_prefix.prefix_logits = keep  # type: ignore[assignment]
     try:
         model, _ = rm._load(leaf.model)
-        rm._shared_prefix_scores(leaf, model, tok, samples, items, prompts)
+        rm._shared_prefix_scores(leaf, model, tok, samples, items, prompts, sampled)
     finally:
         shared_prefix.prefix_logits = real  # type: ignore[assignment]
     return captured["split"]

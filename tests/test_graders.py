@@ -840,3 +840,18 @@ def test_a_judge_whose_template_misses_a_key_is_an_invalid_variable_not_a_parse_
     assert _flags(missing) == {"invalid_variable_error"}
     no_number = run_answer(judge, Sample("x"), {"q": "?"}, unscored, execution_time=0.01)
     assert _flags(no_number) == {"model_grader_parse_error"}
+
+
+def test_the_parts_of_a_batch_join_as_the_batchs_results() -> None:
+    """A job's ranks score consecutive shares; joined, they are the batch's results: rewards and
+    sub-rewards in order, NaN counts added, each grader's first message kept."""
+    from service.graders import GradeResult
+
+    nan = float("nan")
+    a = GradeResult([1.0, nan], {"x": [1.0, nan]}, {"m": 1, "x": 1}, {"x": "first"})
+    b = GradeResult([nan, 0.5], {"x": [nan, 0.5]}, {"m": 1, "x": 1}, {"x": "second"})
+    joined = GradeResult.joined([a, b])
+    assert joined.rewards[::3] == [1.0, 0.5] and all(r != r for r in joined.rewards[1:3])
+    assert joined.sub_rewards["x"][0] == 1.0 and joined.sub_rewards["x"][3] == 0.5
+    assert joined.errors == {"m": 2, "x": 2} and joined.messages == {"x": "first"}
+    assert GradeResult.joined([a]) is a

@@ -104,7 +104,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
 
         # Every rank holds the whole batch's rewards from here.
         mine_graded, t_score = scoring.result()
-        graded = merged_grades(ranks.whole_objects(mine_graded))
+        graded = graders.GradeResult.joined(ranks.whole_objects(mine_graded))
         rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
         finite = torch.isfinite(rewards)
         if not finite.any():
@@ -156,26 +156,6 @@ def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
     whole groups, so leave-one-out baselines never cross a micro-batch."""
     per = prompts // accumulation
     return [slice(m * per * k, (m + 1) * per * k) for m in range(accumulation)]
-
-
-def merged_grades(parts: list[graders.GradeResult]) -> graders.GradeResult:
-    """The ranks' scores of their shares as one batch's, in rank (so batch) order."""
-    if len(parts) == 1:
-        return parts[0]
-    names = list(parts[0].sub_rewards)
-    errors: dict[str, int] = {}
-    messages: dict[str, str] = {}
-    for part in parts:
-        for name, count in part.errors.items():
-            errors[name] = errors.get(name, 0) + count
-        for name, message in part.messages.items():
-            messages.setdefault(name, message)
-    return graders.GradeResult(
-        rewards=[r for part in parts for r in part.rewards],
-        sub_rewards={name: [v for part in parts for v in part.sub_rewards[name]] for name in names},
-        errors=errors,
-        messages=messages,
-    )
 
 
 HEADLINE = "train_reward_mean"

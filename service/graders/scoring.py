@@ -72,6 +72,25 @@ class GradeResult:
     messages: dict[str, str] = field(default_factory=dict)
     """The first error message of each grader that gave one (python graders: why a sample failed)."""
 
+    @classmethod
+    def joined(cls, parts: list[GradeResult]) -> GradeResult:
+        """The results of consecutive parts of a batch (a job's ranks' shares) as the batch's."""
+        if len(parts) == 1:
+            return parts[0]
+        errors: dict[str, int] = {}
+        messages: dict[str, str] = {}
+        for part in parts:
+            for name, count in part.errors.items():
+                errors[name] = errors.get(name, 0) + count
+            for name, message in part.messages.items():
+                messages.setdefault(name, message)
+        return cls(
+            rewards=[r for part in parts for r in part.rewards],
+            sub_rewards={name: [v for part in parts for v in part.sub_rewards[name]] for name in parts[0].sub_rewards},
+            errors=errors,
+            messages=messages,
+        )
+
 
 @dataclass(frozen=True)
 class Batch:
