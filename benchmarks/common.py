@@ -64,7 +64,9 @@ def counting_reward() -> Iterator[None]:
 
     real = train_mod.score_batch
 
-    def score(grader: Any, *, prompts: list[str], texts: list[str], items: Any, reward_models: Any) -> Any:
+    def score(
+        grader: Any, *, prompts: list[str], texts: list[str], items: Any, reward_models: Any, sampled: Any = None
+    ) -> Any:
         rewards = count_reward(texts)
         return graders.GradeResult(rewards=rewards, sub_rewards={"count_a": rewards}, errors={})
 

@@ -18,6 +18,8 @@
    batched forward of the reward model (``benchmarks.score_profile``).
 10. ``train_vs_engine``: ``rloo train`` against the engine's run on the same settings, with a rule
    grader and a reward model (``benchmarks.train_vs_engine``).
+11. ``score_beside``: a grader that waits on another process (an endpoint, a remote reward model)
+   scored beside the reference forward or before it (``benchmarks.score_beside``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -66,6 +68,7 @@ SUBPROCESS_SECTIONS = {
     "memory_plan": "benchmarks.memory_plan",
     "score_profile": "benchmarks.score_profile",
     "train_vs_engine": "benchmarks.train_vs_engine",
+    "score_beside": "benchmarks.score_beside",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -228,6 +231,7 @@ def main() -> None:
         "memory_plan",
         "score_profile",
         "train_vs_engine",
+        "score_beside",
     ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
