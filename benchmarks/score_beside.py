@@ -116,25 +116,33 @@ def _rm_cases(models: Path, data: Path, tmp: Path) -> dict[str, Any]:
         start_new_session=True,
     )
     try:
+        _wait_for_a_worker(120)
         out: dict[str, Any] = {}
         for case, remote in (("rm_local", False), ("rm_remote", True)):
             grader = {"type": "reward_model", "name": "rm", "model": "small-reward", "remote": remote}
-            deadline = time.monotonic() + 120
-            while True:  # until the inference worker answers (its first batch loads the model)
-                try:
-                    run = ours(models, "small", data, tmp / case, steps=STEPS, grader=grader)
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(1)
-            out[case] = _split(run["steps"])
+            out[case] = _split(ours(models, "small", data, tmp / case, steps=STEPS, grader=grader)["steps"])
         return out
     finally:
         os.killpg(worker.pid, 15)
         worker.wait(timeout=30)
         if redis is not None:
             redis.terminate()
+
+
+def _wait_for_a_worker(seconds: float) -> None:
+    """Until an inference worker has registered (its heartbeat in Redis)."""
+    import redis
+
+    from service import inference
+    from service.settings import get_settings
+
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    ns = inference.namespace(inference.serve_queue())
+    deadline = time.monotonic() + seconds
+    while not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+        if time.monotonic() > deadline:
+            raise RuntimeError("no inference worker registered within {seconds:g} s")
+        time.sleep(0.5)
 
 
 def main() -> int:

@@ -166,7 +166,8 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
         if not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
             raise NoWorker()
         deadline = time.time() + timeout
-        conn.rpush(f"{ns}:requests", json.dumps({**envelope, "deadline": deadline}, allow_nan=False))
+        body = json.dumps({**envelope, "deadline": deadline}, ensure_ascii=False, allow_nan=False)
+        conn.rpush(f"{ns}:requests", body)
         held = False
         while time.time() < deadline:
             item = conn.blpop([f"{ns}:reply:{envelope['id']}"], timeout=1)
@@ -175,8 +176,9 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
                 return answer
             if conn.exists(f"{ns}:lease:{envelope['id']}"):
                 held = True
-            elif held:
-                raise WorkerLost()
+            elif held or not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+                raise WorkerLost()  # its worker is gone, or (queued) every worker is
+        conn.set(f"{ns}:cancel:{envelope['id']}", 1, ex=600)  # no worker takes it now
         raise TimedOut()
     finally:
         conn.close()

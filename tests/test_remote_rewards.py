@@ -155,3 +155,69 @@ def test_remote_must_be_a_boolean() -> None:
     assert caught.value.param == "method.reinforcement.grader.remote"
     assert "true or false" in caught.value.message
     assert parse_grader({**RM, "remote": True}).to_dict()["remote"] is True
+
+
+def test_a_batch_that_arrives_while_a_batch_decodes_is_scored_after_it_not_inside(
+    serving: Callable[[str | None], None], models_dir: Path
+) -> None:
+    """A reward model's batch taken while completions decode waits for their batch to end: its
+    forward never runs inside a decoding batch (beside its KV cache, stalling its streams)."""
+    import json
+    import time
+
+    import redis
+
+    from service import inference
+    from service.settings import get_settings
+
+    serving(None)
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    ns = inference.namespace(inference.serve_queue())
+    deadline = time.time() + 60
+    servable = {"base": str(models_dir / "tiny-policy"), "chain": []}
+    long = {"id": "long", "kind": "completion", "prompts": ["the cat sat on"] * 8, "n": 4, "max_tokens": 120}
+    conn.rpush(f"{ns}:requests", json.dumps({**long, "servable": servable, "deadline": deadline}))
+    first = conn.blpop([f"{ns}:reply:long"], timeout=30)  # decoding has begun
+    assert first is not None and json.loads(first[1])["t"] == "start", first
+    here = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
+    scores = here.score(parse_grader({**RM, "remote": True}), [Sample(" x")], [{}], ["p"])
+    assert math.isfinite(scores[0])
+    rest = [json.loads(m) for m in conn.lrange(f"{ns}:reply:long", 0, -1)]
+    assert rest and rest[-1]["t"] == "done", "the score was answered before the decoding batch ended"
+
+
+def test_asking_fails_soon_when_its_workers_are_gone_and_a_timed_out_batch_is_cancelled(settings: str) -> None:
+    """Queued while the only worker's heartbeat runs out: lost within a second or two, not at the
+    time-out. A worker that holds it and never answers: a time-out, and the batch is cancelled so
+    that no worker scores it later."""
+    import time
+
+    import redis
+
+    from service import inference
+    from service.settings import get_settings
+
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    ns = inference.namespace(inference.serve_queue())
+    conn.zadd(f"{ns}:workers", {"dying": time.time() + 1.0})
+    t0 = time.monotonic()
+    with pytest.raises(inference.WorkerLost):
+        inference.ask({"id": "a", "kind": "score"}, timeout=30)
+    assert time.monotonic() - t0 < 10
+    conn.zadd(f"{ns}:workers", {"silent": time.time() + 60})
+    conn.set(f"{ns}:lease:b", "silent", ex=60)  # taken, never answered
+    with pytest.raises(inference.TimedOut):
+        inference.ask({"id": "b", "kind": "score"}, timeout=2)
+    assert conn.exists(f"{ns}:cancel:b")
+
+
+def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.serving import evaluate
+    from worker.serving.chores import Chores
+
+    claimed: list[object] = []
+    monkeypatch.setattr(evaluate, "claim_next", lambda server: claimed.append(server))
+    Chores(object(), evaluations=False).step()
+    assert claimed == []
+    Chores("server", evaluations=True).step()
+    assert claimed == ["server"]  # the check is the flag, not the stub

@@ -182,3 +182,57 @@ def test_a_reward_model_with_the_policys_tokenizer_reads_the_sampled_tokens(
     assert not rm.reads_tokens_of(name, "another-tokenizer")
     texts_only = rm.score(leaf, samples[:2], items[:2], [prompt] * 2, SampledTokens("another", [canonical, spelled]))
     assert texts_only == pytest.approx([got[0], got[0]], abs=1e-5)
+
+
+def test_the_tokenizer_digest_is_what_it_does_to_a_text_not_its_last_calls_padding(models_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "tiny-policy")
+    fresh = tokenizer_fingerprint(tok)
+    tok(["a", "bbb"], padding=True, truncation=True, max_length=4)  # what a rollout's encoding leaves set
+    assert (
+        tokenizer_fingerprint(tok)
+        == fresh
+        == tokenizer_fingerprint(AutoTokenizer.from_pretrained(models_dir / "tiny-reward"))
+    )
+    tok.add_tokens(["<new>"])  # a tokenizer that encodes otherwise digests otherwise
+    assert tokenizer_fingerprint(tok) != fresh
+
+
+def test_a_training_run_reads_the_sampled_tokens_and_ids_past_the_vocabulary_are_read_from_text(
+    tmp_path: Path, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop hands the reward model the sampled tokens and it reads them (its tokenizer is the
+    policy's); a row holding an id the reward model has no embedding for is read from its text."""
+    from tests.helpers.training import ListRecorder, config
+    from worker import shared_prefix
+    from worker.train import train
+
+    splits: list[object] = []
+    real = shared_prefix.sampled_rows
+
+    def spy(*args: object, **kwargs: object) -> object:
+        split = real(*args, **kwargs)  # type: ignore[arg-type]
+        splits.append(split)
+        return split
+
+    monkeypatch.setattr(shared_prefix, "sampled_rows", spy)
+    train(config(tmp_path, models_dir, {**RM, "name": "rm"}, max_steps=2), ListRecorder())
+    assert len(splits) == 2 and all(split is not None for split in splits)
+
+    rm = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
+    model, tok = rm._load("tiny-reward")
+    vocab = model.get_input_embeddings().num_embeddings
+    ok = tok(" blue", add_special_tokens=False)["input_ids"]
+    split = real(
+        tok,
+        prefix_texts=["Q:"],
+        suffix_texts=[""],
+        sampled=[ok, [*ok, vocab + 3]],
+        completions=[" blue", " blue"],
+        group_of=[0, 0],
+        add_special_tokens=True,
+        max_length=64,
+        vocab=vocab,
+    )
+    assert split is not None and split.rows == [ok, ok]  # the second row re-encoded from its text

@@ -19,8 +19,9 @@ T = TypeVar("T")
 
 
 class Started(Generic[T]):
-    """``work`` begun: on a thread when ``beside`` (the caller goes on meanwhile), else at once.
-    ``result()`` waits for its value (raising what it raised) and says how long it took."""
+    """``work`` begun: on a thread when ``beside`` (the caller goes on meanwhile), else done at once
+    (raising what it raises). ``result()`` waits for its value (raising what the thread's work
+    raised) and says how long it took."""
 
     def __init__(self, work: Callable[[], T], *, beside: bool) -> None:
         self._work = work
@@ -30,8 +31,10 @@ class Started(Generic[T]):
         self._thread = threading.Thread(target=self._run, name="score", daemon=True) if beside else None
         if self._thread is not None:
             self._thread.start()
-        else:
-            self._run()
+        else:  # at once, raising what it raises
+            t0 = time.perf_counter()
+            self._value = work()
+            self.seconds = time.perf_counter() - t0
 
     def _run(self) -> None:
         t0 = time.perf_counter()

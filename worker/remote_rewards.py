@@ -8,7 +8,7 @@ Redis as the API sends exports (``service.inference.ask``). A dedicated host for
 ``rloo worker --serve --queue NAME`` and the training workers set ``RLOO_REWARD_MODEL_QUEUE=NAME``.
 
 A request carries what the local scorer reads: the grader, the completions' texts, their items and
-prompts, and the policy's sampled tokens with its tokenizer's digest (``worker.rewards.SampledTokens``),
+prompts (once a group), and the policy's sampled tokens with its tokenizer's digest (``worker.rewards.SampledTokens``),
 so a remote reward model scores what the same model would score beside the policy. Its answer is
 the scores (``null`` for NaN). A worker that dies mid-batch is asked once more; no worker, a time-out
 or a worker's error make the grader unavailable (the job fails, saying what to start or change).
@@ -16,7 +16,6 @@ or a worker's error make the grader unavailable (the job fails, saying what to s
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import uuid
 from collections.abc import Mapping, Sequence
@@ -72,17 +71,25 @@ def request_body(
     prompts: Sequence[str],
     sampled: SampledTokens | None,
 ) -> dict[str, Any]:
+    """The request's JSON: each group's item and prompt once (a step's k completions of a prompt
+    share them), ``group_of`` saying each row's."""
+    from worker.shared_prefix import groups
+
+    group_of = groups(prompts, items)
+    firsts = [group_of.index(g) for g in range(group_of[-1] + 1)] if group_of else []
     return {
         "grader": leaf.to_dict(),
         "texts": [s.output_text for s in samples],
-        "items": [dict(item) for item in items],
-        "prompts": list(prompts),
+        "items": [dict(items[r]) for r in firsts],
+        "prompts": [prompts[r] for r in firsts],
+        "group_of": group_of,
         "sampled": None if sampled is None else {"tokenizer": sampled.tokenizer, "ids": sampled.ids},
     }
 
 
 def answer(reward_models: RewardModels, envelope: Mapping[str, Any]) -> dict[str, Any]:
-    """The inference worker's side: a ``score`` request's last message, its scores or its error."""
+    """The inference worker's side: a ``score`` request's last message, its scores or its error
+    (``reward_models`` is the worker's, ``serving``: it scores remote reward models itself)."""
     try:
         leaf = graders.parse_grader(envelope["grader"])
         if not isinstance(leaf, graders.RewardModelGrader):
@@ -90,8 +97,10 @@ def answer(reward_models: RewardModels, envelope: Mapping[str, Any]) -> dict[str
         raw = envelope.get("sampled")
         sampled = None if raw is None else SampledTokens(raw["tokenizer"], [list(ids) for ids in raw["ids"]])
         samples = [graders.Sample(output_text=t) for t in envelope["texts"]]
-        here = dataclasses.replace(leaf, remote=False)  # scored on this worker
-        scores = reward_models.score(here, samples, envelope["items"], envelope["prompts"], sampled)
-    except (graders.GraderError, KeyError, TypeError, ValueError, OSError) as exc:
+        group_of = envelope["group_of"]
+        items = [envelope["items"][g] for g in group_of]
+        prompts = [envelope["prompts"][g] for g in group_of]
+        scores = reward_models.score(leaf, samples, items, prompts, sampled)
+    except (graders.GraderError, KeyError, IndexError, TypeError, ValueError, OSError) as exc:
         return inference.error_message(400, "invalid_score_request", f"{type(exc).__name__}: {exc}")
     return {"t": "done", "scores": [s if math.isfinite(s) else None for s in scores]}

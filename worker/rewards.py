@@ -28,9 +28,11 @@ class RewardModels:
         device: torch.device,
         batch_size: int = 32,
         embedding_model: str = EMBEDDING_PACKAGE,
+        serving: bool = False,
     ) -> None:
+        """``serving``: an inference worker's, which scores ``remote`` reward models itself."""
         self.models_dir, self.device, self.batch_size = models_dir, device, batch_size
-        self.embedding_model = embedding_model
+        self.embedding_model, self.serving = embedding_model, serving
         self._loaded: dict[str, tuple[Any, Any]] = {}
         self._fingerprints: dict[str, str | None] = {}
         self._embedding: Any = None
@@ -170,7 +172,7 @@ class RewardModels:
         encoding the texts again. A ``remote`` reward model is scored by the inference workers
         (``worker.remote_rewards``). The stages (``reward_model_texts``, ``encode_texts``,
         ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
-        if leaf.remote:
+        if leaf.remote and not self.serving:
             from worker.remote_rewards import score_remotely
 
             return score_remotely(leaf, samples, items, prompts, sampled)
@@ -238,7 +240,8 @@ class RewardModels:
             "add_special_tokens": not templated,  # a chat template writes its own BOS
             "max_length": _context(tok),
         }
-        split = None if sampled is None else sampled_rows(tok, sampled=sampled, **cut)
+        vocab = model.get_input_embeddings().num_embeddings
+        split = None if sampled is None else sampled_rows(tok, sampled=sampled, vocab=vocab, **cut)
         split = split or split_rows(tok, **cut)
         logits = None if split is None else prefix_logits(model, split, self.device, self.batch_size)
         return None if logits is None else logits.tolist()
@@ -266,14 +269,19 @@ class SampledTokens:
 
 
 def tokenizer_fingerprint(tok: Any) -> str | None:
-    """A digest of everything a fast tokenizer does (vocabulary, merges, normalisation, added and
-    special tokens): two tokenizers with one digest turn text into the same ids. None for a slow one."""
+    """A digest of everything a fast tokenizer does to a text (vocabulary, merges, normalisation,
+    added and special tokens), not of the padding and truncation its last call left set: two
+    tokenizers with one digest turn a text into the same ids. None for a slow one."""
     import hashlib
+    import json
 
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return None
-    return hashlib.sha256(backend.to_str().encode()).hexdigest()
+    spec = json.loads(backend.to_str())
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def reward_model_texts(

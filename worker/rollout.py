@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,7 +46,7 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
-    def sampled(self, special_ids: Sequence[int]) -> list[list[int]]:
+    def sampled(self, special_ids: Collection[int]) -> list[list[int]]:
         """Each completion's tokens as sampled (within its mask), ``special_ids`` dropped: the ids
         its text was decoded from."""
         keep = self.completion_mask.bool() & ~torch.isin(

@@ -87,27 +87,63 @@ def sampled_rows(
     group_of: list[int],
     add_special_tokens: bool,
     max_length: int,
+    vocab: int,
 ) -> Split | None:
     """The rows as ``Split`` from the tokens the policy sampled (``sampled``, special tokens dropped;
     ``tok`` is the policy's tokenizer): each group's prefix tokenized once, each row its sampled
     completion tokens and the suffix's. The reward model so reads what the policy wrote, token for
     token, where a re-encoding of its text may differ (a sampled sequence that is not its text's
-    canonical encoding, a merge across the cut). A row whose tokens do not decode to its text (a
-    completion cut at a stop string) is encoded from its text. None where the tokenizer ends a text
-    with a token of its own (no place to cut) or a row is longer than ``max_length``."""
+    canonical encoding, a merge across the cut).
+
+    A group's suffix is tokenized where it stands, after its first row's completion (a tokenizer
+    that marks the start of a text, as SentencePiece's does, would tokenize it otherwise alone). A
+    row whose tokens do not decode to its text (a completion cut at a stop string) or that holds
+    an id past the reward model's ``vocab`` (a policy whose vocabulary is padded) is encoded from
+    its text. None where the tokenizer ends a text with a token of its own, a group's text does not
+    split at its completion, or a row is longer than ``max_length``: the caller then reads texts."""
     if add_special_tokens and _appends_special_tokens(tok):
         return None
     prefixes = tok(prefix_texts, add_special_tokens=add_special_tokens)["input_ids"]
-    suffixes = tok(suffix_texts, add_special_tokens=False)["input_ids"]
+    suffixes = _suffixes_in_place(tok, prefixes, prefix_texts, suffix_texts, completions, group_of, add_special_tokens)
+    if suffixes is None:
+        return None
     decoded = tok.batch_decode([list(ids) for ids in sampled])
     rows = []
     for ids, text, back, g in zip(sampled, completions, decoded, group_of, strict=True):
-        own = list(ids) if back == text else tok(text, add_special_tokens=False)["input_ids"]
+        readable = back == text and all(0 <= i < vocab for i in ids)
+        own = list(ids) if readable else tok(text, add_special_tokens=False)["input_ids"]
         row = own + suffixes[g]
         if len(prefixes[g]) + len(row) > max_length:
             return None
         rows.append(row)
     return Split(prefixes, rows, group_of)
+
+
+def _suffixes_in_place(
+    tok: Any,
+    prefixes: list[list[int]],
+    prefix_texts: list[str],
+    suffix_texts: list[str],
+    completions: Sequence[str],
+    group_of: list[int],
+    add_special_tokens: bool,
+) -> list[list[int]] | None:
+    """Each group's suffix tokens as its whole text has them after its first row's completion; None
+    where that text's tokens are not the prefix's, the completion's and the suffix's one after the
+    other."""
+    firsts = [group_of.index(g) for g in range(len(prefixes))]
+    texts = [completions[r] for r in firsts]
+    wholes = tok(
+        [p + t + x for p, t, x in zip(prefix_texts, texts, suffix_texts, strict=True)],
+        add_special_tokens=add_special_tokens,
+    )["input_ids"]
+    bodies = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+    out = []
+    for whole, prefix, body in zip(wholes, prefixes, bodies, strict=True):
+        if whole[: len(prefix) + len(body)] != prefix + body:
+            return None
+        out.append(whole[len(prefix) + len(body) :])
+    return out
 
 
 def _appends_special_tokens(tok: Any) -> bool:

@@ -92,7 +92,10 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
         # Each rank scores its own completions. A grader that waits on other processes scores on a
         # thread while the reference forward runs (worker.overlap); the others score here and now.
-        scoring = Started(functools.partial(_score, run, step, prompts[mine], batch[mine], ro), beside=overlap)
+        # The sampled tokens are read here, before the reference forward is queued on the device: read
+        # on the thread, they would wait for it.
+        sampled = sampled_tokens(run, ro)
+        scoring = Started(functools.partial(_score, run, step, prompts[mine], batch[mine], ro, sampled), beside=overlap)
 
         # 3. Reference log-probs, in micro-batches of whole groups ------------------------------------
         t0 = time.perf_counter()
@@ -161,24 +164,32 @@ def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
 HEADLINE = "train_reward_mean"
 
 
-def _score(run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]], ro: Rollout) -> graders.GradeResult:
+def _score(
+    run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]], ro: Rollout, sampled: SampledTokens | None
+) -> graders.GradeResult:
     """The grader's scores of the step's completions (each prompt and item repeated k times)."""
     k = run.rl.rloo_k
     try:
-        return _grade(run, [p for p in prompts for _ in range(k)], [item for item in batch for _ in range(k)], ro)
+        return score_batch(
+            run.scorer,
+            prompts=[p for p in prompts for _ in range(k)],
+            texts=ro.texts,
+            items=[item for item in batch for _ in range(k)],
+            reward_models=run.reward_models,
+            sampled=sampled,
+        )
     except graders.GraderUnavailable as exc:
         raise JobError("grader_unavailable", f"step {step}: {exc}") from None
 
 
-def _grade(run: Run, prompts: list[str], items: list[dict[str, Any]], ro: Rollout) -> graders.GradeResult:
-    """The grader's scores of ``ro``'s completions, row ``i`` answering ``prompts[i]`` of ``items[i]``
-    (a reward model with the policy's tokenizer reads the sampled tokens)."""
-    sampled = None
-    if run.reward_models is not None:
-        sampled = SampledTokens(run.tokenizer_digest, ro.sampled(run.tokenizer.all_special_ids))
-    return score_batch(
-        run.scorer, prompts=prompts, texts=ro.texts, items=items, reward_models=run.reward_models, sampled=sampled
-    )
+def sampled_tokens(run: Run, ro: Rollout) -> SampledTokens | None:
+    """``ro``'s completions as sampled, for a grader with a reward model (which reads them where it
+    has the policy's tokenizer); None for the others."""
+    if not any(isinstance(leaf, graders.RewardModelGrader) for leaf in graders.leaves(run.scorer)):
+        return None
+    tok = run.tokenizer
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return SampledTokens(run.tokenizer_digest, ro.sampled(special))
 
 
 def rloo_update(
@@ -320,7 +331,14 @@ def evaluate(run: Run) -> float:
             ro = run.sampler.generate(
                 prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i
             )
-            graded = _grade(run, prompts[i : i + 64], batch[i : i + 64], ro)
+            graded = score_batch(
+                run.scorer,
+                prompts=prompts[i : i + 64],
+                texts=ro.texts,
+                items=batch[i : i + 64],
+                reward_models=run.reward_models,
+                sampled=sampled_tokens(run, ro),
+            )
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
     scored = [r for share in run.ranks.whole_objects(rewards) for r in share]
     return sum(scored) / len(scored) if scored else float("nan")

@@ -28,8 +28,10 @@ POLL_SECONDS = 2.0  # how often an idle worker looks for an evaluation to run
 
 
 class Chores:
-    def __init__(self, server: Any) -> None:
-        self.server = server
+    def __init__(self, server: Any, *, evaluations: bool = True) -> None:
+        """``evaluations``: whether this worker claims evaluations (a dedicated worker of its own
+        queue does not)."""
+        self.server, self.evaluations = server, evaluations
         self.evaluation: Any = None  # the evaluation in progress (worker.serving.evaluate.Run)
         self._polled = 0.0
 
@@ -81,7 +83,7 @@ class Chores:
         from worker.serving import evaluate
 
         if self.evaluation is None:
-            if time.monotonic() - self._polled < POLL_SECONDS:
+            if not self.evaluations or time.monotonic() - self._polled < POLL_SECONDS:
                 time.sleep(0.05)
                 return
             self._polled = time.monotonic()

@@ -1,6 +1,7 @@
 """An inference worker's process: takes requests from Redis (``service.inference``), batches those for
-one base model, streams what each row writes back, and between batches runs the work that is not a
-request (checkpoint evaluations, merged exports: ``worker.serving.chores``).
+one base model, streams what each row writes back, and between batches does the rest
+(``worker.serving.chores``): requests that are no completion (merged exports, remote reward models'
+batches), never inside a batch's decoding, and checkpoint evaluations.
 
 A batch is formed from every waiting request whose model shares a base (LoRA adapters of one base
 decode in one batch, each row through its own adapter), up to ``RLOO_INFERENCE_MAX_BATCH`` rows.
@@ -28,6 +29,11 @@ from worker.serving.decode import Row
 from worker.serving.models import ModelCache, Servable
 
 log = logging.getLogger("rloo.serve")
+
+
+REWARD_MODELS_KEPT = 2
+"""Scoring models (reward models, judges) an inference worker keeps loaded besides the models it
+samples from; one more, and it starts afresh."""
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Server:
         self.ns = inference.namespace(inference.serve_queue())
         self.max_tokens = settings.inference_max_tokens
         self.pending: list[Request] = []
+        self.requests: list[dict[str, Any]] = []  # taken requests that are no completion, for between batches
         self.active_rows = 0  # rows of the batch decoding now
         self.held: set[str] = set()
         self.chores = chores
@@ -67,13 +74,20 @@ class Server:
         self._rewards: Any = None
 
     def rewards(self) -> Any:
-        """The reward models, judges and embedder that evaluations' graders load, kept between them."""
-        if self._rewards is None:
+        """The reward models, judges and embedder that evaluations' graders and remote reward models
+        load, kept between them (up to ``REWARD_MODELS_KEPT``; past that, loaded afresh)."""
+        if self._rewards is None or len(self._rewards._loaded) >= REWARD_MODELS_KEPT:
+            self._rewards = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             from worker.rewards import RewardModels
 
             settings = get_settings()
             self._rewards = RewardModels(
-                models_dir=settings.models_dir, device=self.cache.device, embedding_model=settings.embedding_model
+                models_dir=settings.models_dir,
+                device=self.cache.device,
+                embedding_model=settings.embedding_model,
+                serving=True,  # a job's remote reward model is scored here (an evaluation's too)
             )
         return self._rewards
 
@@ -83,8 +97,9 @@ class Server:
         beat.start()
         inference.heartbeat(self.conn, self.ns, self.worker, [])
         while keep_going():
-            idle = not self.pending and (self.chores is None or not self.chores.busy)
+            idle = not self.pending and not self.requests and (self.chores is None or not self.chores.busy)
             self._take(block=1.0 if idle else 0.0)
+            self._answer_requests()
             if self.pending:
                 self.serve_one_batch()
             elif self.chores is not None:
@@ -122,9 +137,16 @@ class Server:
                     continue
                 self.pending.append(Request(envelope, servable))
             elif self.chores is not None:
-                self._answer(envelope["id"], self.chores.request(envelope))
+                self.requests.append(envelope)  # answered between batches, never inside one's decoding
             else:
                 self._answer(envelope["id"], inference.error_message(400, "unsupported", "not served here"))
+
+    def _answer_requests(self) -> None:
+        """The taken requests that are no completion (exports, remote reward models' batches), each
+        answered by ``chores``, oldest first."""
+        while self.requests and self.chores is not None:
+            envelope = self.requests.pop(0)
+            self._answer(envelope["id"], self.chores.request(envelope))
 
     # A batch -------------------------------------------------------------------------------------------
     def serve_one_batch(self) -> None:
@@ -335,7 +357,8 @@ def main(worker: str) -> None:
     else:
         cache = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
     server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
-    server.chores = Chores(server)
+    # A worker of its own queue (`--serve --queue`, remote reward models) leaves evaluations to the others.
+    server.chores = Chores(server, evaluations=settings.serve_queue in (None, f"{settings.queue}-serve"))
     log.info("inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference.serve_queue())
     parent = os.getppid()  # its supervisor: in a container that is PID 1, so compare, never test for 1
     server.run(lambda: os.getppid() == parent)
