@@ -141,7 +141,7 @@ def _wait_for_a_worker(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
         if time.monotonic() > deadline:
-            raise RuntimeError("no inference worker registered within {seconds:g} s")
+            raise RuntimeError(f"no inference worker registered within {seconds:g} s")
         time.sleep(0.5)
 
 
