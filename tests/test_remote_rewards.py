@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -74,6 +75,10 @@ def serving(settings: str) -> Iterator[Callable[[str | None], None]]:
         thread = threading.Thread(target=server.run, args=(lambda: not stop.is_set(),), daemon=True)
         thread.start()
         threads.append(thread)
+        deadline = time.monotonic() + 30
+        while not conn.zscore(f"{server.ns}:workers", server.worker):  # registered: it takes requests
+            assert time.monotonic() < deadline, "the serving loop never registered"
+            time.sleep(0.02)
 
     yield start
     stop.set()

@@ -23,7 +23,7 @@ from typing import Any
 
 from service import graders, inference
 from service.settings import get_settings
-from worker.rewards import RewardModels, SampledTokens
+from worker.shared_prefix import SampledTokens, groups
 
 ATTEMPTS = 2
 """A batch is sent again once when the worker that held it died."""
@@ -73,8 +73,6 @@ def request_body(
 ) -> dict[str, Any]:
     """The request's JSON: each group's item and prompt once (a step's k completions of a prompt
     share them), ``group_of`` saying each row's."""
-    from worker.shared_prefix import groups
-
     group_of = groups(prompts, items)
     firsts = [group_of.index(g) for g in range(group_of[-1] + 1)] if group_of else []
     return {
@@ -87,9 +85,10 @@ def request_body(
     }
 
 
-def answer(reward_models: RewardModels, envelope: Mapping[str, Any]) -> dict[str, Any]:
+def answer(reward_models: Any, envelope: Mapping[str, Any]) -> dict[str, Any]:
     """The inference worker's side: a ``score`` request's last message, its scores or its error
-    (``reward_models`` is the worker's, ``serving``: it scores remote reward models itself)."""
+    (``reward_models``: the worker's ``worker.rewards.RewardModels``, ``serving``, which scores
+    remote reward models itself; this module imports nothing of ``worker.rewards``, which calls it)."""
     try:
         leaf = graders.parse_grader(envelope["grader"])
         if not isinstance(leaf, graders.RewardModelGrader):

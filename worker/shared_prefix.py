@@ -39,6 +39,31 @@ class Split:
     """Per row, its group."""
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """A batch's completions as the policy sampled them: per row its tokens (special tokens
+    dropped), and the digest of the tokenizer that reads them (``tokenizer_fingerprint``)."""
+
+    tokenizer: str | None
+    ids: list[list[int]]
+
+
+def tokenizer_fingerprint(tok: Any) -> str | None:
+    """A digest of everything a fast tokenizer does to a text (vocabulary, merges, normalisation,
+    added and special tokens), not of the padding and truncation its last call left set: two
+    tokenizers with one digest turn a text into the same ids. None for a slow one."""
+    import hashlib
+    import json
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
 def groups(prompts: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[int]:
     """Per row, the index of its group: consecutive rows of one prompt and item (the step's layout,
     prompt-major)."""
