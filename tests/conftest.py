@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # Nothing in the suite may reach a model hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    # One intra-op thread in every torch process of the suite (this one, and through the environment
+    # every API, worker, rank and CLI child it starts). make test runs two test processes, and most e2e
+    # tests add workers beside them: with torch's default of a thread per core, several processes'
+    # OpenMP threads fight over the 2 cores, and on tiny models waiting on each other costs more than
+    # the work (test_engine's 40-step LoRA run: 2.2 s alone, 29 s beside one other busy torch process,
+    # 2.5 s there on one thread). The models are far too small to gain from a second thread.
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+    if "torch" in sys.modules:  # imported before this hook (a plugin): its pool is sized already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # Databases -----------------------------------------------------------------------------------------
