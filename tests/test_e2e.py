@@ -50,9 +50,14 @@ RLOO_METRICS = [
 ]
 
 
-@pytest.fixture(params=["embedded", "production"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
-    with live_stack(request.param, tmp_path, models_dir) as s:
+@pytest.fixture(scope="module", params=["embedded", "production"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, models_dir: Path
+) -> Iterator[LiveStack]:
+    """One stack of each kind for the module's tests that need no settings of their own; each test
+    leaves its worker idle (its jobs finished or stopped) and the stack with its one worker."""
+    where = tmp_path_factory.mktemp(f"e2e-{request.param}")
+    with live_stack(request.param, where, models_dir, env={"RLOO_ALLOW_PYTHON_GRADER": "1"}) as s:
         yield s
 
 
@@ -239,31 +244,31 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
         assert resumed and int(resumed[0].split("step ")[1].split(";")[0]) <= killed_at
 
 
-def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_next(
-    tmp_path: Path, models_dir: Path
-) -> None:
-    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_ALLOW_PYTHON_GRADER": "1"}) as stack:
-        http = stack.http
-        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-        broken = job_body(file_id, hp={"max_steps": 3})
-        broken["method"]["reinforcement"]["grader"] = {
-            "type": "python",
-            "name": "nan",
-            "source": "def grade(sample, item):\n    return float('nan')\n",
-        }
-        bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
-        good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
-        failed = wait_for(http, bad, {"succeeded", "failed", "cancelled"}, 120, stack)
-        assert failed["status"] == "failed" and failed["error"]["code"] == "reward_not_finite", failed
-        assert "graders/run" in failed["error"]["message"]  # says where to try the grader
-        done = wait_for(http, good, {"succeeded", "failed", "cancelled"}, 120, stack)
-        assert done["status"] == "succeeded", (done["error"], stack.log_tail())
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)  # the worker's rule, not the database's
+def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_next(stack: LiveStack) -> None:
+    http = stack.http
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    broken = job_body(file_id, hp={"max_steps": 3})
+    broken["method"]["reinforcement"]["grader"] = {
+        "type": "python",
+        "name": "nan",
+        "source": "def grade(sample, item):\n    return float('nan')\n",
+    }
+    bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
+    good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
+    failed = wait_for(http, bad, {"succeeded", "failed", "cancelled"}, 120, stack)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "reward_not_finite", failed
+    assert "graders/run" in failed["error"]["message"]  # says where to try the grader
+    done = wait_for(http, good, {"succeeded", "failed", "cancelled"}, 120, stack)
+    assert done["status"] == "succeeded", (done["error"], stack.log_tail())
 
 
-def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Path) -> None:
-    """Two workers on one queue, four jobs: every job runs on exactly one worker, once."""
-    with live_stack("embedded", tmp_path, models_dir) as stack:
-        stack.start("worker2", "worker", "--loglevel", "INFO")
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
+def test_two_workers_several_jobs_each_runs_once(stack: LiveStack) -> None:
+    """Two workers on one queue, four jobs: every job runs on exactly one worker, once. (The second
+    worker is stopped after: the module's stack goes on with one.)"""
+    stack.start("worker2", "worker", "--loglevel", "INFO")
+    try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # both workers consuming before the jobs come
             logs = [(stack.logs / f"{name}.log").read_text() for name in ("worker", "worker2")]
@@ -293,3 +298,5 @@ def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Pat
             metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
             assert [m["step"] for m in metrics] == [1, 2, 3]
         assert len(workers) == 2  # both workers took jobs
+    finally:
+        stack.stop("worker2")
