@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.helpers.data import EXAMPLES, job_body
-from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
+from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 from tests.helpers.scoring import Endpoint
 
 pytestmark = pytest.mark.e2e
@@ -55,10 +55,19 @@ def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, models_dir: Path
 ) -> Iterator[LiveStack]:
     """One stack of each kind for the module's tests that need no settings of their own; each test
-    leaves its worker idle (its jobs finished or stopped) and the stack with its one worker."""
+    leaves its worker idle (its jobs finished or stopped) and the stack with its one worker. Python
+    graders are allowed, and http graders on one loopback port (``GRADER_PORT``) where a test
+    starts its own scoring server."""
     where = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    with live_stack(request.param, where, models_dir, env={"RLOO_ALLOW_PYTHON_GRADER": "1"}) as s:
+    port = free_port()
+    env = {"RLOO_ALLOW_PYTHON_GRADER": "1", "RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{port}/"])}
+    with live_stack(request.param, where, models_dir, env=env) as s:
+        s.env[GRADER_PORT] = str(port)
         yield s
+
+
+GRADER_PORT = "TEST_GRADER_PORT"
+"""The port of the module stack's allowed http grader, kept in its env (children ignore it)."""
 
 
 def test_job_runs_end_to_end(stack: LiveStack) -> None:
@@ -142,8 +151,7 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
         assert f"job {job_id} not claimed" not in log  # never reached a pool process
 
 
-@pytest.mark.parametrize("kind", ["embedded", "production"])
-def test_pause_then_resume_continues_from_the_checkpoint(kind: str, tmp_path: Path, models_dir: Path) -> None:
+def test_pause_then_resume_continues_from_the_checkpoint(stack: LiveStack) -> None:
     """running -> paused (the worker saves a checkpoint after its step and lets go), a resume that
     comes too early is 409, then paused -> queued -> running -> succeeded: every step recorded once.
 
@@ -157,60 +165,58 @@ def test_pause_then_resume_continues_from_the_checkpoint(kind: str, tmp_path: Pa
             held.wait(60)
         return 200, {"scores": [len(s["sample"]["output_text"]) % 3 / 2 for s in body["samples"]]}
 
-    server = Endpoint(score)
-    env = {"RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{server.server.server_port}/"])}
+    server = Endpoint(score, port=int(stack.env[GRADER_PORT]))
     try:
-        with live_stack(kind, tmp_path, models_dir, env=env) as stack:
-            http = stack.http
-            file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-            grader = {"type": "http", "name": "held", "url": server.url}
-            body = job_body(file_id, hp={"max_steps": 6})
-            body["method"]["reinforcement"]["grader"] = grader
-            job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
-            assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
-            # The SDK in strict mode over pause, resume, checkpoints and events; its status enum
-            # lacks OpenAI's own "paused", so only a lax SDK parses a paused job (the README says so).
-            strict = openai.OpenAI(
-                base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, _strict_response_validation=True
-            )
-            lax = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
-            with pytest.raises(openai.APIResponseValidationError):
-                strict.fine_tuning.jobs.pause(job_id)
-            assert lax.fine_tuning.jobs.retrieve(job_id).status == "paused"
-            with pytest.raises(openai.ConflictError):
-                lax.fine_tuning.jobs.pause(job_id)  # already paused
-            with pytest.raises(openai.ConflictError) as early:  # the worker is still in step 3
-                strict.fine_tuning.jobs.resume(job_id)
-            assert "pausing" in early.value.message
-            held.set()
+        http = stack.http
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        grader = {"type": "http", "name": "held", "url": server.url}
+        body = job_body(file_id, hp={"max_steps": 6})
+        body["method"]["reinforcement"]["grader"] = grader
+        job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+        assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
+        # The SDK in strict mode over pause, resume, checkpoints and events; its status enum
+        # lacks OpenAI's own "paused", so only a lax SDK parses a paused job (the README says so).
+        strict = openai.OpenAI(
+            base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, _strict_response_validation=True
+        )
+        lax = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
+        with pytest.raises(openai.APIResponseValidationError):
+            strict.fine_tuning.jobs.pause(job_id)
+        assert lax.fine_tuning.jobs.retrieve(job_id).status == "paused"
+        with pytest.raises(openai.ConflictError):
+            lax.fine_tuning.jobs.pause(job_id)  # already paused
+        with pytest.raises(openai.ConflictError) as early:  # the worker is still in step 3
+            strict.fine_tuning.jobs.resume(job_id)
+        assert "pausing" in early.value.message
+        held.set()
 
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # the worker finishes step 3, saves, lets go
-                events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
-                if any(e.message.startswith("Training stopped") for e in events):
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
-            paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
-            assert paused["status"] == "paused" and paused["progress"]["step"] == 3
-            ckpts = strict.fine_tuning.jobs.checkpoints.list(job_id).data
-            assert [c.step_number for c in ckpts] == [3]  # the pause's checkpoint
-
-            assert strict.fine_tuning.jobs.resume(job_id).status == "queued"
-            job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
-            assert job["status"] == "succeeded", (job["error"], stack.log_tail())
-            assert strict.fine_tuning.jobs.retrieve(job_id).status == "succeeded"
-            metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
-            assert [m["step"] for m in metrics] == list(range(1, 7))
-            # Events page through the SDK's cursor in the list's order, each once.
-            paged = [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=2)]
-            assert paged == [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=100).data]
-            assert len(paged) > 4 and len(set(paged)) == len(paged)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the worker finishes step 3, saves, lets go
             events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
-            assert any("Resumed from the checkpoint at step 3" in e.message for e in events)
-            with pytest.raises(openai.ConflictError):
-                strict.fine_tuning.jobs.resume(job_id)  # succeeded
+            if any(e.message.startswith("Training stopped") for e in events):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
+        paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
+        assert paused["status"] == "paused" and paused["progress"]["step"] == 3
+        ckpts = strict.fine_tuning.jobs.checkpoints.list(job_id).data
+        assert [c.step_number for c in ckpts] == [3]  # the pause's checkpoint
+
+        assert strict.fine_tuning.jobs.resume(job_id).status == "queued"
+        job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+        assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+        assert strict.fine_tuning.jobs.retrieve(job_id).status == "succeeded"
+        metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+        assert [m["step"] for m in metrics] == list(range(1, 7))
+        # Events page through the SDK's cursor in the list's order, each once.
+        paged = [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=2)]
+        assert paged == [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=100).data]
+        assert len(paged) > 4 and len(set(paged)) == len(paged)
+        events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
+        assert any("Resumed from the checkpoint at step 3" in e.message for e in events)
+        with pytest.raises(openai.ConflictError):
+            strict.fine_tuning.jobs.resume(job_id)  # succeeded
     finally:
         held.set()
         server.close()
