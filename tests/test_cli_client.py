@@ -20,9 +20,10 @@ from tests.helpers.live import LiveStack, live_stack
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def stack(tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
-    with live_stack("embedded", tmp_path, models_dir) as s:
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[LiveStack]:
+    """One stack for the tests that need no settings of their own (each makes and asserts on its own job)."""
+    with live_stack("embedded", tmp_path_factory.mktemp("cli-client"), models_dir) as s:
         s.env.update({"RLOO_BASE_URL": s.url + "/v1", "RLOO_API_KEY": s.key})
         yield s
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.helpers.data import EXAMPLES, job_body
-from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
+from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 from tests.helpers.scoring import Endpoint
 
 pytestmark = pytest.mark.e2e
@@ -50,10 +50,24 @@ RLOO_METRICS = [
 ]
 
 
-@pytest.fixture(params=["embedded", "production"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
-    with live_stack(request.param, tmp_path, models_dir) as s:
+@pytest.fixture(scope="module", params=["embedded", "production"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, models_dir: Path
+) -> Iterator[LiveStack]:
+    """One stack of each kind for the module's tests that need no settings of their own; each test
+    leaves its worker idle (its jobs finished or stopped) and the stack with its one worker. Python
+    graders are allowed, and http graders on one loopback port (``GRADER_PORT``) where a test
+    starts its own scoring server."""
+    where = tmp_path_factory.mktemp(f"e2e-{request.param}")
+    port = free_port()
+    env = {"RLOO_ALLOW_PYTHON_GRADER": "1", "RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{port}/"])}
+    with live_stack(request.param, where, models_dir, env=env) as s:
+        s.env[GRADER_PORT] = str(port)
         yield s
+
+
+GRADER_PORT = "TEST_GRADER_PORT"
+"""The port of the module stack's allowed http grader, kept in its env (children ignore it)."""
 
 
 def test_job_runs_end_to_end(stack: LiveStack) -> None:
@@ -137,8 +151,7 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
         assert f"job {job_id} not claimed" not in log  # never reached a pool process
 
 
-@pytest.mark.parametrize("kind", ["embedded", "production"])
-def test_pause_then_resume_continues_from_the_checkpoint(kind: str, tmp_path: Path, models_dir: Path) -> None:
+def test_pause_then_resume_continues_from_the_checkpoint(stack: LiveStack) -> None:
     """running -> paused (the worker saves a checkpoint after its step and lets go), a resume that
     comes too early is 409, then paused -> queued -> running -> succeeded: every step recorded once.
 
@@ -152,60 +165,58 @@ def test_pause_then_resume_continues_from_the_checkpoint(kind: str, tmp_path: Pa
             held.wait(60)
         return 200, {"scores": [len(s["sample"]["output_text"]) % 3 / 2 for s in body["samples"]]}
 
-    server = Endpoint(score)
-    env = {"RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{server.server.server_port}/"])}
+    server = Endpoint(score, port=int(stack.env[GRADER_PORT]))
     try:
-        with live_stack(kind, tmp_path, models_dir, env=env) as stack:
-            http = stack.http
-            file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-            grader = {"type": "http", "name": "held", "url": server.url}
-            body = job_body(file_id, hp={"max_steps": 6})
-            body["method"]["reinforcement"]["grader"] = grader
-            job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
-            assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
-            # The SDK in strict mode over pause, resume, checkpoints and events; its status enum
-            # lacks OpenAI's own "paused", so only a lax SDK parses a paused job (the README says so).
-            strict = openai.OpenAI(
-                base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, _strict_response_validation=True
-            )
-            lax = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
-            with pytest.raises(openai.APIResponseValidationError):
-                strict.fine_tuning.jobs.pause(job_id)
-            assert lax.fine_tuning.jobs.retrieve(job_id).status == "paused"
-            with pytest.raises(openai.ConflictError):
-                lax.fine_tuning.jobs.pause(job_id)  # already paused
-            with pytest.raises(openai.ConflictError) as early:  # the worker is still in step 3
-                strict.fine_tuning.jobs.resume(job_id)
-            assert "pausing" in early.value.message
-            held.set()
+        http = stack.http
+        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        grader = {"type": "http", "name": "held", "url": server.url}
+        body = job_body(file_id, hp={"max_steps": 6})
+        body["method"]["reinforcement"]["grader"] = grader
+        job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+        assert scoring.wait(120), "step 3 was never scored\n" + stack.log_tail()
+        # The SDK in strict mode over pause, resume, checkpoints and events; its status enum
+        # lacks OpenAI's own "paused", so only a lax SDK parses a paused job (the README says so).
+        strict = openai.OpenAI(
+            base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, _strict_response_validation=True
+        )
+        lax = openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
+        with pytest.raises(openai.APIResponseValidationError):
+            strict.fine_tuning.jobs.pause(job_id)
+        assert lax.fine_tuning.jobs.retrieve(job_id).status == "paused"
+        with pytest.raises(openai.ConflictError):
+            lax.fine_tuning.jobs.pause(job_id)  # already paused
+        with pytest.raises(openai.ConflictError) as early:  # the worker is still in step 3
+            strict.fine_tuning.jobs.resume(job_id)
+        assert "pausing" in early.value.message
+        held.set()
 
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # the worker finishes step 3, saves, lets go
-                events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
-                if any(e.message.startswith("Training stopped") for e in events):
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
-            paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
-            assert paused["status"] == "paused" and paused["progress"]["step"] == 3
-            ckpts = strict.fine_tuning.jobs.checkpoints.list(job_id).data
-            assert [c.step_number for c in ckpts] == [3]  # the pause's checkpoint
-
-            assert strict.fine_tuning.jobs.resume(job_id).status == "queued"
-            job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
-            assert job["status"] == "succeeded", (job["error"], stack.log_tail())
-            assert strict.fine_tuning.jobs.retrieve(job_id).status == "succeeded"
-            metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
-            assert [m["step"] for m in metrics] == list(range(1, 7))
-            # Events page through the SDK's cursor in the list's order, each once.
-            paged = [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=2)]
-            assert paged == [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=100).data]
-            assert len(paged) > 4 and len(set(paged)) == len(paged)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the worker finishes step 3, saves, lets go
             events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
-            assert any("Resumed from the checkpoint at step 3" in e.message for e in events)
-            with pytest.raises(openai.ConflictError):
-                strict.fine_tuning.jobs.resume(job_id)  # succeeded
+            if any(e.message.startswith("Training stopped") for e in events):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the worker did not stop the paused job\n" + stack.log_tail())
+        paused = http.get(f"/fine_tuning/jobs/{job_id}").json()
+        assert paused["status"] == "paused" and paused["progress"]["step"] == 3
+        ckpts = strict.fine_tuning.jobs.checkpoints.list(job_id).data
+        assert [c.step_number for c in ckpts] == [3]  # the pause's checkpoint
+
+        assert strict.fine_tuning.jobs.resume(job_id).status == "queued"
+        job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
+        assert job["status"] == "succeeded", (job["error"], stack.log_tail())
+        assert strict.fine_tuning.jobs.retrieve(job_id).status == "succeeded"
+        metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+        assert [m["step"] for m in metrics] == list(range(1, 7))
+        # Events page through the SDK's cursor in the list's order, each once.
+        paged = [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=2)]
+        assert paged == [e.id for e in strict.fine_tuning.jobs.list_events(job_id, limit=100).data]
+        assert len(paged) > 4 and len(set(paged)) == len(paged)
+        events = strict.fine_tuning.jobs.list_events(job_id, limit=100).data
+        assert any("Resumed from the checkpoint at step 3" in e.message for e in events)
+        with pytest.raises(openai.ConflictError):
+            strict.fine_tuning.jobs.resume(job_id)  # succeeded
     finally:
         held.set()
         server.close()
@@ -239,31 +250,31 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
         assert resumed and int(resumed[0].split("step ")[1].split(";")[0]) <= killed_at
 
 
-def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_next(
-    tmp_path: Path, models_dir: Path
-) -> None:
-    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_ALLOW_PYTHON_GRADER": "1"}) as stack:
-        http = stack.http
-        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-        broken = job_body(file_id, hp={"max_steps": 3})
-        broken["method"]["reinforcement"]["grader"] = {
-            "type": "python",
-            "name": "nan",
-            "source": "def grade(sample, item):\n    return float('nan')\n",
-        }
-        bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
-        good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
-        failed = wait_for(http, bad, {"succeeded", "failed", "cancelled"}, 120, stack)
-        assert failed["status"] == "failed" and failed["error"]["code"] == "reward_not_finite", failed
-        assert "graders/run" in failed["error"]["message"]  # says where to try the grader
-        done = wait_for(http, good, {"succeeded", "failed", "cancelled"}, 120, stack)
-        assert done["status"] == "succeeded", (done["error"], stack.log_tail())
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)  # the worker's rule, not the database's
+def test_a_job_whose_rewards_are_all_nan_fails_clearly_and_the_worker_takes_the_next(stack: LiveStack) -> None:
+    http = stack.http
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    broken = job_body(file_id, hp={"max_steps": 3})
+    broken["method"]["reinforcement"]["grader"] = {
+        "type": "python",
+        "name": "nan",
+        "source": "def grade(sample, item):\n    return float('nan')\n",
+    }
+    bad = http.post("/fine_tuning/jobs", json=broken).json()["id"]
+    good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
+    failed = wait_for(http, bad, {"succeeded", "failed", "cancelled"}, 120, stack)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "reward_not_finite", failed
+    assert "graders/run" in failed["error"]["message"]  # says where to try the grader
+    done = wait_for(http, good, {"succeeded", "failed", "cancelled"}, 120, stack)
+    assert done["status"] == "succeeded", (done["error"], stack.log_tail())
 
 
-def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Path) -> None:
-    """Two workers on one queue, four jobs: every job runs on exactly one worker, once."""
-    with live_stack("embedded", tmp_path, models_dir) as stack:
-        stack.start("worker2", "worker", "--loglevel", "INFO")
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
+def test_two_workers_several_jobs_each_runs_once(stack: LiveStack) -> None:
+    """Two workers on one queue, four jobs: every job runs on exactly one worker, once. (The second
+    worker is stopped after: the module's stack goes on with one.)"""
+    stack.start("worker2", "worker", "--loglevel", "INFO")
+    try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # both workers consuming before the jobs come
             logs = [(stack.logs / f"{name}.log").read_text() for name in ("worker", "worker2")]
@@ -293,3 +304,5 @@ def test_two_workers_several_jobs_each_runs_once(tmp_path: Path, models_dir: Pat
             metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
             assert [m["step"] for m in metrics] == [1, 2, 3]
         assert len(workers) == 2  # both workers took jobs
+    finally:
+        stack.stop("worker2")

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -379,61 +380,70 @@ def test_database_unreachable_gives_503_and_everything_recovers_without_a_restar
 
 
 # Out of memory, and a worker process killed again and again ----------------------------------------
-def test_a_job_out_of_memory_fails_clearly_and_the_worker_takes_the_next(tmp_path: Path, models_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def crash_stack(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[LiveStack]:
+    """One stack for the two tests below: a job memory cap (RLOO_JOB_MEMORY_MB), three crashes a job
+    at most, and no help from the heartbeat rule (RLOO_STALE_SECONDS 120). Each test leaves the
+    worker itself running and idle."""
+    env = {"RLOO_JOB_MEMORY_MB": "2048", "RLOO_MAX_JOB_CRASHES": "3", "RLOO_STALE_SECONDS": "120"}
+    with live_stack("embedded", tmp_path_factory.mktemp("crashes"), models_dir, env=env) as stack:
+        yield stack
+
+
+def test_a_job_out_of_memory_fails_clearly_and_the_worker_takes_the_next(crash_stack: LiveStack) -> None:
     """With the job memory cap (RLOO_JOB_MEMORY_MB), a job that asks for far more memory than it has
     fails with error.code out_of_memory and a message saying what to lower; the same worker then runs
     the next job to success."""
-    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_JOB_MEMORY_MB": "2048"}) as stack:
-        http = stack.http
-        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-        # 32 prompts x 256 samples x 255 new tokens (all the context leaves): gigabytes of KV cache and logits.
-        hungry = job_body(file_id, hp={"max_steps": 1, "batch_size": 32, "rloo_k": 256, "max_new_tokens": 255})
-        bad = http.post("/fine_tuning/jobs", json=hungry)
-        assert bad.status_code == 200, bad.text
-        good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
-        failed = wait_for(http, bad.json()["id"], FINAL, 180, stack)
-        assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory", failed
-        assert "batch_size" in failed["error"]["message"] and "max_new_tokens" in failed["error"]["message"]
-        assert_succeeded_once(http, good, 2, stack)
+    stack = crash_stack
+    http = stack.http
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    # 32 prompts x 256 samples x 255 new tokens (all the context leaves): gigabytes of KV cache and logits.
+    hungry = job_body(file_id, hp={"max_steps": 1, "batch_size": 32, "rloo_k": 256, "max_new_tokens": 255})
+    bad = http.post("/fine_tuning/jobs", json=hungry)
+    assert bad.status_code == 200, bad.text
+    good = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
+    failed = wait_for(http, bad.json()["id"], FINAL, 180, stack)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory", failed
+    assert "batch_size" in failed["error"]["message"] and "max_new_tokens" in failed["error"]["message"]
+    assert_succeeded_once(http, good, 2, stack)
 
 
-def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(tmp_path: Path, models_dir: Path) -> None:
+def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(crash_stack: LiveStack) -> None:
     """The pool process running a job is SIGKILLed (what the kernel's out-of-memory killer does) while
     the worker lives on: Celery hands the task back, the next pool process sees its predecessor is
     gone and continues the job at once from its checkpoint. Killed again before it saves another
     checkpoint, twice more: the third death fails the job (worker_lost) instead of looping for ever,
     and the worker takes the next job."""
-    env = {"RLOO_MAX_JOB_CRASHES": "3", "RLOO_STALE_SECONDS": "120"}  # no help from the heartbeat rule
-    with live_stack("embedded", tmp_path, models_dir, env=env) as stack:
-        http = stack.http
-        file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-        body = job_body(file_id, hp={"n_epochs": 100, "checkpoint_interval": 4})
-        job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
-        for crash in (1, 2, 3):
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                events = events_of(http, job_id)
-                starts = [e for e in events if e.startswith("Job started")]
-                resumed = [e for e in events if e.startswith("Resumed from the checkpoint")]
-                saved = [e for e in events if e.startswith("Checkpoint saved")]
-                # The first time once a checkpoint exists; then as soon as it has resumed from it.
-                if len(starts) == crash and (len(resumed) == crash - 1 if crash > 1 else saved):
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError(f"the job did not run again after crash {crash - 1}\n{stack.log_tail()}")
-            # The operator's log names the process ("job … started on worker … (process host:pid)").
-            log = (stack.logs / "worker.log").read_text()
-            pid = int(re.findall(rf"job {job_id} started on worker \S+ \(process \S+:(\d+)\)", log)[-1])
-            assert pid != stack.procs["worker"].pid  # a pool process, not the worker itself
-            os.kill(pid, signal.SIGKILL)
-        job = wait_for(http, job_id, FINAL, 120, stack)
-        assert job["status"] == "failed" and job["error"]["code"] == "worker_lost", job
-        events = events_of(http, job_id)
-        assert sum("The worker process running the job was killed" in e for e in events) == 3, events
-        resumed = [e for e in events if e.startswith("Resumed from the checkpoint")]
-        assert len(resumed) == 2  # crashes 1 and 2 continued from the checkpoint, not from scratch
-        assert len({e.split(" at step ")[1].split(";")[0] for e in resumed}) == 1, resumed  # the same one
-        assert stack.procs["worker"].poll() is None  # the worker itself lives on
-        nxt = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
-        assert_succeeded_once(http, nxt, 2, stack)
+    stack = crash_stack  # RLOO_MAX_JOB_CRASHES 3, RLOO_STALE_SECONDS 120: no help from the heartbeat rule
+    http = stack.http
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    body = job_body(file_id, hp={"n_epochs": 100, "checkpoint_interval": 4})
+    job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
+    for crash in (1, 2, 3):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            events = events_of(http, job_id)
+            starts = [e for e in events if e.startswith("Job started")]
+            resumed = [e for e in events if e.startswith("Resumed from the checkpoint")]
+            saved = [e for e in events if e.startswith("Checkpoint saved")]
+            # The first time once a checkpoint exists; then as soon as it has resumed from it.
+            if len(starts) == crash and (len(resumed) == crash - 1 if crash > 1 else saved):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the job did not run again after crash {crash - 1}\n{stack.log_tail()}")
+        # The operator's log names the process ("job … started on worker … (process host:pid)").
+        log = (stack.logs / "worker.log").read_text()
+        pid = int(re.findall(rf"job {job_id} started on worker \S+ \(process \S+:(\d+)\)", log)[-1])
+        assert pid != stack.procs["worker"].pid  # a pool process, not the worker itself
+        os.kill(pid, signal.SIGKILL)
+    job = wait_for(http, job_id, FINAL, 120, stack)
+    assert job["status"] == "failed" and job["error"]["code"] == "worker_lost", job
+    events = events_of(http, job_id)
+    assert sum("The worker process running the job was killed" in e for e in events) == 3, events
+    resumed = [e for e in events if e.startswith("Resumed from the checkpoint")]
+    assert len(resumed) == 2  # crashes 1 and 2 continued from the checkpoint, not from scratch
+    assert len({e.split(" at step ")[1].split(";")[0] for e in resumed}) == 1, resumed  # the same one
+    assert stack.procs["worker"].poll() is None  # the worker itself lives on
+    nxt = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
+    assert_succeeded_once(http, nxt, 2, stack)

@@ -24,9 +24,13 @@ from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(params=["embedded", "production"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
-    with live_stack(request.param, tmp_path, models_dir, env={"RLOO_MAX_STREAMS_PER_KEY": "2"}) as s:
+@pytest.fixture(scope="module", params=["embedded", "production"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, models_dir: Path
+) -> Iterator[LiveStack]:
+    """One stack of each kind for the module (each test makes and reads its own job)."""
+    where = tmp_path_factory.mktemp(f"streams-{request.param}")
+    with live_stack(request.param, where, models_dir, env={"RLOO_MAX_STREAMS_PER_KEY": "2"}) as s:
         yield s
 
 

@@ -30,3 +30,19 @@ def drop_postgres_database(server_url: str, name: str) -> None:
     with engine.connect() as conn:
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     engine.dispose()
+
+
+def copy_postgres_database(server_url: str, template: str) -> tuple[str, str]:
+    """A throw-away database on the test server made as a copy of ``template`` (which nobody may be
+    connected to); returns (url, name)."""
+    import sqlalchemy as sa
+
+    from service.settings import Settings
+
+    url = Settings(DATABASE_URL=server_url).database_url
+    name = f"rloo_test_{secrets.token_hex(6)}"
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+    engine.dispose()
+    return url.rsplit("/", 1)[0] + "/" + name, name
