@@ -226,3 +226,15 @@ def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.Mon
     assert claimed == []
     Chores("server", evaluations=True).step()
     assert claimed == ["server"]  # the check is the flag, not the stub
+
+
+def test_redis_away_makes_the_grader_unavailable_saying_so(
+    settings: str, models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.settings import get_settings
+
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
+    get_settings.cache_clear()
+    here = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
+    with pytest.raises(GraderUnavailable, match="Redis, which carries its batches, did not answer"):
+        here.score(parse_grader({**RM, "remote": True}), [Sample("x")], [{}], ["p"])

@@ -37,6 +37,8 @@ def score_remotely(
     sampled: SampledTokens | None,
 ) -> list[float]:
     """The scores of ``samples`` from the inference workers; raises ``GraderUnavailable``."""
+    import redis
+
     settings = get_settings()
     queue = settings.reward_model_queue or inference.serve_queue()
     body = request_body(leaf, samples, items, prompts, sampled)
@@ -53,6 +55,11 @@ def score_remotely(
             ) from None
         except inference.WorkerLost:
             continue
+        except redis.RedisError as exc:
+            raise graders.GraderUnavailable(
+                f"{where}: Redis, which carries its batches, did not answer ({type(exc).__name__}: {exc}); "
+                "check REDIS_URL on the training worker"
+            ) from None
         except inference.TimedOut:
             raise graders.GraderUnavailable(
                 f"{where}: no scores within {settings.reward_model_timeout_seconds:g} s "
