@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers.api import LOCAL, make_key
 from tests.helpers.conformance import conforms
-from tests.helpers.databases import copy_postgres_database, drop_postgres_database, fresh_postgres_database
+from tests.helpers.databases import drop_postgres_database, fresh_postgres_database
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,7 +79,7 @@ class MigratedTemplates:
             url, name = fresh_postgres_database(server)
             upgrade(url)  # its engine is disposed after: nobody stays connected to the template
             self.postgres = name
-        return copy_postgres_database(server, self.postgres)
+        return fresh_postgres_database(server, template=self.postgres)
 
     def close(self) -> None:
         if self.postgres is not None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import secrets
 
 
-def fresh_postgres_database(server_url: str) -> tuple[str, str]:
-    """Create a throw-away database on the test server; returns (url, name)."""
+def fresh_postgres_database(server_url: str, template: str | None = None) -> tuple[str, str]:
+    """Create a throw-away database on the test server, empty or a copy of ``template`` (which nobody
+    may be connected to); returns (url, name)."""
     import sqlalchemy as sa
 
     from service.settings import Settings
@@ -15,7 +16,7 @@ def fresh_postgres_database(server_url: str) -> tuple[str, str]:
     name = f"rloo_test_{secrets.token_hex(6)}"
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
     engine.dispose()
     return url.rsplit("/", 1)[0] + "/" + name, name
 
@@ -30,19 +31,3 @@ def drop_postgres_database(server_url: str, name: str) -> None:
     with engine.connect() as conn:
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     engine.dispose()
-
-
-def copy_postgres_database(server_url: str, template: str) -> tuple[str, str]:
-    """A throw-away database on the test server made as a copy of ``template`` (which nobody may be
-    connected to); returns (url, name)."""
-    import sqlalchemy as sa
-
-    from service.settings import Settings
-
-    url = Settings(DATABASE_URL=server_url).database_url
-    name = f"rloo_test_{secrets.token_hex(6)}"
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
-    engine.dispose()
-    return url.rsplit("/", 1)[0] + "/" + name, name
