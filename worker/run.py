@@ -67,6 +67,13 @@ class Run:
 
         return tokenizer_fingerprint(self.tokenizer)
 
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The policy tokenizer's special tokens (added ones marked special included): what a
+        completion's text leaves out, so what its sampled tokens leave out for a reward model."""
+        tok = self.tokenizer
+        return frozenset(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+
     @property
     def scorer(self) -> graders.Grader:
         """The grader of a reinforcement run."""

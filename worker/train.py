@@ -187,9 +187,7 @@ def sampled_tokens(run: Run, ro: Rollout) -> SampledTokens | None:
     has the policy's tokenizer); None for the others."""
     if not any(isinstance(leaf, graders.RewardModelGrader) for leaf in graders.leaves(run.scorer)):
         return None
-    tok = run.tokenizer
-    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
-    return SampledTokens(run.tokenizer_digest, ro.sampled(special))
+    return SampledTokens(run.tokenizer_digest, ro.sampled(run.special_token_ids))
 
 
 def rloo_update(
