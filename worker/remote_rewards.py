@@ -23,7 +23,7 @@ from typing import Any
 
 from service import graders, inference
 from service.settings import get_settings
-from worker.shared_prefix import SampledTokens, groups
+from worker.shared_prefix import SampledTokens, first_rows, groups
 
 ATTEMPTS = 2
 """A batch is sent again once when the worker that held it died."""
@@ -81,7 +81,7 @@ def request_body(
     """The request's JSON: each group's item and prompt once (a step's k completions of a prompt
     share them), ``group_of`` saying each row's."""
     group_of = groups(prompts, items)
-    firsts = [group_of.index(g) for g in range(group_of[-1] + 1)] if group_of else []
+    firsts = first_rows(group_of)
     return {
         "grader": leaf.to_dict(),
         "texts": [s.output_text for s in samples],

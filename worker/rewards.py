@@ -211,12 +211,12 @@ class RewardModels:
         model that reads the conversation itself (no ``input``) of rows that share prompts, or of
         any rows whose ``sampled`` tokens it reads; None where that does not apply, and the rows are
         read whole."""
-        from worker.shared_prefix import PLACEHOLDER, groups, prefix_logits, sampled_rows, split_rows
+        from worker.shared_prefix import PLACEHOLDER, first_rows, groups, prefix_logits, sampled_rows, split_rows
 
         group_of = groups(prompts, items)
         if leaf.input is not None or (sampled is None and len(set(group_of)) == len(group_of)):
             return None
-        firsts = [group_of.index(g) for g in range(group_of[-1] + 1)]
+        firsts = first_rows(group_of)
         templated = bool(getattr(tok, "chat_template", None))
         if templated:
             # Each group's conversation rendered once, its answer a placeholder to cut at.

@@ -74,6 +74,11 @@ def groups(prompts: Sequence[str], items: Sequence[Mapping[str, Any]]) -> list[i
     return out
 
 
+def first_rows(group_of: Sequence[int]) -> list[int]:
+    """Each group's first row (``groups``' groups are numbered 0, 1, … in row order)."""
+    return [row for row, g in enumerate(group_of) if row == 0 or g != group_of[row - 1]]
+
+
 def split_rows(
     tok: Any,
     *,
@@ -156,7 +161,7 @@ def _suffixes_in_place(
     """Each group's suffix tokens as its whole text has them after its first row's completion; None
     where that text's tokens are not the prefix's, the completion's and the suffix's one after the
     other."""
-    firsts = [group_of.index(g) for g in range(len(prefixes))]
+    firsts = first_rows(group_of)
     texts = [completions[r] for r in firsts]
     wholes = tok(
         [p + t + x for p, t, x in zip(prefix_texts, texts, suffix_texts, strict=True)],
