@@ -8,10 +8,10 @@ medians are compared.
 
 With ``--reward-model`` the reward is a reward model of the policy's shape instead (the same files
 for both, sharing the policy's tokenizer, no chat template: each reads prompt + completion), one
-round: the score phase's own cost, which the count reward leaves out.
+round unless ``--rounds=N``: the score phase's own cost, which the count reward leaves out.
 
-Run it with ``make bench`` (or ``python -m benchmarks.anchor [--reward-model] [tiny|small]``); it
-prints one JSON object.
+Run it with ``make bench`` (or ``python -m benchmarks.anchor [--reward-model] [--rounds=N]
+[tiny|small]``); it prints one JSON object.
 """
 
 from __future__ import annotations
@@ -142,8 +142,10 @@ def main() -> None:
 
     args = sys.argv[1:]
     reward_model = "--reward-model" in args
-    configs = [a for a in args if a != "--reward-model"] or list(CONFIGS)
-    rounds = 1 if reward_model else 3
+    rounds_args = [a for a in args if a.startswith("--rounds=")]
+    configs = [a for a in args if a != "--reward-model" and a not in rounds_args] or list(CONFIGS)
+    # A reward model's run is one round by default (it is slow); --rounds=N to take the median of N.
+    rounds = int(rounds_args[-1].split("=", 1)[1]) if rounds_args else 1 if reward_model else 3
     print(
         json.dumps(
             {
