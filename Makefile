@@ -48,7 +48,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.anchor
-	$(BIN)/python -m benchmarks.anchor --reward-model
+	$(BIN)/python -m benchmarks.anchor --reward-model --rounds=3
 
 # The four advantage estimators and TRL's RLOOTrainer on a task a tiny model learns (examples/addition),
 # 5 seeds each, with the gradient variance at fixed weights: figures on stdout, benchmarks/learning.png
