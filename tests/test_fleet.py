@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 
 from service.queue import job_queue, training_queues
 from tests.helpers.api import assert_error, create_job, make_key, upload_ok
-from tests.helpers.data import EXAMPLES, job_body
+from tests.helpers.data import EXAMPLES, ROOT, job_body
 from tests.helpers.live import LiveStack, live_stack, run_cli, upload_path, wait_for
 from worker import devices
 from worker.devices import GIB, Devices, kind_of
@@ -117,19 +119,47 @@ def test_gpus_are_counted_in_a_child_process_and_a_failing_count_means_a_cpu_hos
 ) -> None:
     """The parent imports no torch: the count runs in a child (which finds what torch finds here:
     none on a host without a GPU); a host without GPU device nodes starts no child at all."""
-    import subprocess
-
     import torch
 
-    monkeypatch.setattr(devices, "_has_gpu_nodes", lambda: True)
+    monkeypatch.setattr(devices, "has_gpu_nodes", lambda: True)
     assert len(devices.probe()) == torch.cuda.device_count()
     monkeypatch.setattr(devices, "_PROBE", "raise SystemExit('no driver here')")
     assert devices.probe() == []
     assert "could not count this host's GPUs" in caplog.text and "no driver here" in caplog.text
 
-    monkeypatch.setattr(devices, "_has_gpu_nodes", lambda: False)
+    monkeypatch.setattr(devices, "has_gpu_nodes", lambda: False)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a child was started"))
     assert devices.probe() == []
+
+
+def test_only_a_host_without_gpus_imports_torch_before_forking_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA context does not survive a fork: where a GPU could be initialised, the Celery parent
+    must never import torch; without one, it imports the training stack once for its pool."""
+    from worker import celery_app
+
+    monkeypatch.setattr(devices, "has_gpu_nodes", lambda: True)
+    assert not celery_app.imports_before_forking()
+    monkeypatch.setattr(devices, "has_gpu_nodes", lambda: False)
+    assert celery_app.imports_before_forking() == sys.platform.startswith("linux")
+
+
+def test_a_pool_process_imports_the_training_stack_in_a_thread_unless_forked_with_it() -> None:
+    """Each in a fresh interpreter: a pool process of a GPU host (its parent holds no torch) imports
+    the stack in a thread and a job waits for it; one forked from a parent that imported it starts
+    no thread."""
+    fresh = (
+        "import sys; from worker import celery_app as c; "
+        "assert 'torch' not in sys.modules; c._preload_training_stack(); "
+        "assert c._PRELOAD is not None; c.wait_for_preload(); "
+        "assert {'torch', 'transformers', 'worker.train'} <= set(sys.modules)"
+    )
+    forked = (
+        "from worker import celery_app as c; "
+        "c.import_training_stack(); c._preload_training_stack(); assert c._PRELOAD is None"
+    )
+    for code in (fresh, forked):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_the_worker_refuses_a_kind_jobs_could_not_name(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ Broker settings are chosen for tasks that run for hours:
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -62,34 +63,46 @@ def _forget_the_parents_connections(**_: object) -> None:
 
 
 PRELOAD_TRAINING_STACK = True
-"""Whether pool processes import torch as they start: a training worker's do (a fresh process per
-job); ``rloo worker --queue <queue>-graders`` sets it False: its processes live long, and a model
-grader's first dry run imports what it needs once."""
+"""Whether pool processes have torch imported before their job: a training worker's do (a fresh
+process per job); ``rloo worker --queue <queue>-graders`` sets it False: its processes live long, and
+a model grader's first dry run imports what it needs once."""
+
+
+def import_training_stack() -> None:
+    """torch, transformers and the training loop, with the classes transformers resolves lazily on
+    first use (each imports a tree of modules). A failure is left to the job's own import to report."""
+    try:
+        import transformers
+
+        import worker.train  # noqa: F401
+
+        for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast"):
+            getattr(transformers, name)
+    except Exception:
+        pass
+
+
+def imports_before_forking() -> bool:
+    """Whether a training worker's parent imports the training stack itself, so that every pool
+    process is forked with it loaded and a job pays no import (about 3.5 CPU-seconds a job): on a
+    Linux host without GPU device nodes only, where no GPU can be initialised before the fork. Where
+    one could be (a CUDA context does not survive a fork), the parent never imports torch, and each
+    pool process imports it in a thread as it starts."""
+    from worker.devices import has_gpu_nodes
+
+    return sys.platform == "linux" and not has_gpu_nodes()
 
 
 @worker_process_init.connect
 def _preload_training_stack(**_: object) -> None:
-    """In each pool child (a fresh one per job), import torch and transformers while it waits for a
-    job, so a job does not pay those seconds between "running" and its first step. A thread: the pool
-    gives a child's start only a few seconds. The parent never imports torch (forking after CUDA
-    initialisation is unsafe); a task that arrives first waits for it (``wait_for_preload``)."""
-
-    def preload() -> None:
-        try:
-            import transformers
-
-            import worker.train  # noqa: F401
-
-            # transformers resolves these lazily, on first use, each importing a tree of modules.
-            for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast"):
-                getattr(transformers, name)
-        except Exception:  # the task's own import will report it
-            pass
-
+    """In each pool child (a fresh one per job) whose parent did not import the training stack,
+    import it while the child waits for a job, so a job does not pay those seconds between "running"
+    and its first step. A thread: the pool gives a child's start only a few seconds. A task that
+    arrives first waits for it (``wait_for_preload``)."""
     global _PRELOAD
-    if not PRELOAD_TRAINING_STACK:
+    if not PRELOAD_TRAINING_STACK or "worker.train" in sys.modules:  # forked with it (imports_before_forking)
         return
-    _PRELOAD = threading.Thread(target=preload, name="preload-torch", daemon=True)
+    _PRELOAD = threading.Thread(target=import_training_stack, name="preload-torch", daemon=True)
     _PRELOAD.start()
 
 

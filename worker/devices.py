@@ -2,9 +2,10 @@
 ``--gpus`` and ``--accelerator`` override what is found).
 
 The GPUs are those torch sees (``CUDA_VISIBLE_DEVICES`` and ROCm included), counted in a child
-process: the Celery parent never imports torch (it forks a pool process per job, and forking after
-CUDA's initialisation is unsafe). A host without a GPU device node skips the child: one ``cpu``
-device. A kind is named from the device's name (``NVIDIA H100 80GB HBM3`` is ``h100``).
+process: on a host with GPUs the Celery parent never imports torch (it forks a pool process per job,
+and forking after CUDA's initialisation is unsafe). A host without a GPU device node skips the child:
+one ``cpu`` device (and there the parent imports torch once for its pool, ``worker.celery_app``).
+A kind is named from the device's name (``NVIDIA H100 80GB HBM3`` is ``h100``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def kind_of(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", chip)[:32] or "gpu"
 
 
-def _has_gpu_nodes() -> bool:
+def has_gpu_nodes() -> bool:
     """Whether the host shows an NVIDIA or AMD GPU device node at all (checked before paying for
     torch's import in a child)."""
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
@@ -64,7 +65,7 @@ def _has_gpu_nodes() -> bool:
 def probe() -> list[tuple[str, int]]:
     """The GPUs torch sees, ``(name, bytes)`` each, counted in a child process; none on a host
     without GPU device nodes, or when the child fails (said in the log)."""
-    if not _has_gpu_nodes():
+    if not has_gpu_nodes():
         return []
     try:
         out = subprocess.run(

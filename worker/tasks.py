@@ -217,7 +217,7 @@ def run_grader(self: Any) -> str:
 
 
 def _train(job: Job) -> Any:
-    # Imported here: the Celery parent process stays free of torch; only the process that trains loads it.
+    # Imported here: on a GPU host the Celery parent stays free of torch; only the process that trains loads it.
     from worker.celery_app import wait_for_preload
 
     wait_for_preload()

@@ -136,6 +136,10 @@ def worker(
         else ["--concurrency=1", "--max-tasks-per-child=1"]
     )
     celery_app_module.PRELOAD_TRAINING_STACK = not graders
+    if not graders and celery_app_module.imports_before_forking():
+        # After the reconciler's fork (it stays without torch), before the pool's first.
+        typer.echo("no GPU device here: the training stack is imported once, before each job's process forks", err=True)
+        celery_app_module.import_training_stack()
     celery_app.worker_main(
         [
             "worker",
