@@ -117,8 +117,8 @@ def test_a_worker_finds_its_devices_and_the_flags_override_them(monkeypatch: pyt
 def test_gpus_are_counted_in_a_child_process_and_a_failing_count_means_a_cpu_host(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The parent imports no torch: the count runs in a child (which finds what torch finds here:
-    none on a host without a GPU); a host without GPU device nodes starts no child at all."""
+    """The count runs in a child, so a GPU host's parent imports no torch (the child finds what torch
+    finds here: none on a host without a GPU); a host without GPU device nodes starts no child at all."""
     import torch
 
     monkeypatch.setattr(devices, "has_gpu_nodes", lambda: True)
@@ -132,15 +132,23 @@ def test_gpus_are_counted_in_a_child_process_and_a_failing_count_means_a_cpu_hos
     assert devices.probe() == []
 
 
-def test_only_a_host_without_gpus_imports_torch_before_forking_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CUDA context does not survive a fork: where a GPU could be initialised, the Celery parent
-    must never import torch; without one, it imports the training stack once for its pool."""
+def test_only_a_host_without_gpus_imports_torch_before_forking_its_pool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A CUDA context does not survive a fork: where a GPU or any graphics device node is, the Celery
+    parent must never import torch; without one, it imports the training stack once for its pool."""
     from worker import celery_app
 
-    monkeypatch.setattr(devices, "has_gpu_nodes", lambda: True)
-    assert not celery_app.imports_before_forking()
-    monkeypatch.setattr(devices, "has_gpu_nodes", lambda: False)
+    nodes = {name: tmp_path / name for name in ("nvidia0", "kfd", "dxg", "dri")}
+    monkeypatch.setattr(devices, "GPU_NODES", (str(tmp_path / "nvidia[0-9]*"), str(nodes["kfd"]), str(nodes["dxg"])))
+    monkeypatch.setattr(devices, "OTHER_DEVICE_NODES", (str(nodes["dri"]),))
+    assert not devices.has_device_nodes()
     assert celery_app.imports_before_forking() == sys.platform.startswith("linux")
+    for name, node in nodes.items():
+        node.touch()
+        assert devices.has_gpu_nodes() == (name != "dri") and devices.has_device_nodes(), name
+        assert not celery_app.imports_before_forking(), name
+        node.unlink()
 
 
 def test_a_pool_process_imports_the_training_stack_in_a_thread_unless_forked_with_it() -> None:

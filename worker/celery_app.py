@@ -81,9 +81,9 @@ LAZY_TRANSFORMERS = (
 the stack, a job's tokenizer loads in milliseconds instead of a second, and its model likewise."""
 
 
-def import_training_stack() -> None:
+def import_training_stack() -> bool:
     """torch, transformers and the training loop, with what loading a model and its tokenizer
-    imports. A failure is left to the job's own import to report."""
+    imports; whether that worked. A failure is left to the job's own import to report."""
     try:
         import transformers
 
@@ -93,18 +93,20 @@ def import_training_stack() -> None:
             getattr(transformers, name)
         importlib.import_module("transformers.modeling_layers")  # every decoder's layers (transformers 5)
     except Exception:
-        pass
+        return False
+    return True
 
 
 def imports_before_forking() -> bool:
     """Whether a training worker's parent imports the training stack itself, so that every pool
     process is forked with it loaded and a job pays no import (about 4 CPU-seconds a job): on a
-    Linux host without GPU device nodes only, where no GPU can be initialised before the fork. Where
-    one could be (a CUDA context does not survive a fork), the parent never imports torch, and each
-    pool process imports it in a thread as it starts."""
-    from worker.devices import has_gpu_nodes
+    Linux host without any GPU or graphics device node only (``worker.devices.has_device_nodes``),
+    where nothing imported can initialise a device before the fork. Where one could (a CUDA context
+    does not survive a fork; transformers asks for an Intel GPU as it is imported), the parent never
+    imports torch, and each pool process imports it in a thread as it starts."""
+    from worker.devices import has_device_nodes
 
-    return sys.platform == "linux" and not has_gpu_nodes()
+    return sys.platform == "linux" and not has_device_nodes()
 
 
 @worker_process_init.connect

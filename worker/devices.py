@@ -4,7 +4,8 @@
 The GPUs are those torch sees (``CUDA_VISIBLE_DEVICES`` and ROCm included), counted in a child
 process: on a host with GPUs the Celery parent never imports torch (it forks a pool process per job,
 and forking after CUDA's initialisation is unsafe). A host without a GPU device node skips the child:
-one ``cpu`` device (and there the parent imports torch once for its pool, ``worker.celery_app``).
+one ``cpu`` device (and, with no graphics device node either, the parent imports torch once for
+its pool: ``worker.celery_app``).
 A kind is named from the device's name (``NVIDIA H100 80GB HBM3`` is ``h100``).
 """
 
@@ -56,10 +57,22 @@ def kind_of(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", chip)[:32] or "gpu"
 
 
+GPU_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+"""NVIDIA's, AMD's (ROCm) and WSL2's GPU device nodes (glob patterns)."""
+OTHER_DEVICE_NODES = ("/dev/dri",)
+"""Other graphics and compute device nodes: Intel GPUs, a server's display chip."""
+
+
 def has_gpu_nodes() -> bool:
-    """Whether the host shows an NVIDIA or AMD GPU device node at all (checked before paying for
-    torch's import in a child)."""
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+    """Whether the host shows a GPU device node at all (checked before paying for torch's import in
+    a child)."""
+    return any(glob.glob(pattern) for pattern in GPU_NODES)
+
+
+def has_device_nodes() -> bool:
+    """``has_gpu_nodes``, or any other graphics or compute device node: where there is none, no
+    library can initialise a GPU in this process."""
+    return has_gpu_nodes() or any(glob.glob(pattern) for pattern in OTHER_DEVICE_NODES)
 
 
 def probe() -> list[tuple[str, int]]:

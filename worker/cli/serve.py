@@ -138,8 +138,10 @@ def worker(
     celery_app_module.PRELOAD_TRAINING_STACK = not graders
     if not graders and celery_app_module.imports_before_forking():
         # After the reconciler's fork (it stays without torch), before the pool's first.
-        typer.echo("no GPU device here: the training stack is imported once, before each job's process forks", err=True)
-        celery_app_module.import_training_stack()
+        if celery_app_module.import_training_stack():
+            typer.echo("no GPU here: each job's process is forked with the training stack imported", err=True)
+        else:
+            typer.echo("the training stack did not import; each job imports it itself and says why", err=True)
     celery_app.worker_main(
         [
             "worker",
