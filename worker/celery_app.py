@@ -65,8 +65,8 @@ def _forget_the_parents_connections(**_: object) -> None:
 
 PRELOAD_TRAINING_STACK = True
 """Whether pool processes have torch imported before their job: a training worker's do (a fresh
-process per job); ``rloo worker --queue <queue>-graders`` sets it False: its processes live long, and
-a model grader's first dry run imports what it needs once."""
+process per job); a graders worker's do not (``prepare_pool``): its processes live long, and a model
+grader's first dry run imports what it needs once."""
 
 
 LAZY_TRANSFORMERS = (
@@ -107,6 +107,19 @@ def imports_before_forking() -> bool:
     from worker.devices import has_device_nodes
 
     return sys.platform == "linux" and not has_device_nodes()
+
+
+def prepare_pool(*, graders: bool) -> str | None:
+    """How this worker's pool processes get the training stack, before the pool's first fork: a
+    graders worker's not at all; a training worker's from its parent where ``imports_before_forking``
+    (imported here and now), else each in a thread as it starts. Returns what to tell the operator."""
+    global PRELOAD_TRAINING_STACK
+    PRELOAD_TRAINING_STACK = not graders
+    if graders or not imports_before_forking():
+        return None
+    if import_training_stack():
+        return "no GPU here: each job's process is forked with the training stack imported"
+    return "the training stack did not import; each job imports it itself and says why"
 
 
 @worker_process_init.connect

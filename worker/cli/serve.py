@@ -135,13 +135,9 @@ def worker(
         # A fresh process per job: a job that leaks or fragments (GPU) memory cannot hurt the next.
         else ["--concurrency=1", "--max-tasks-per-child=1"]
     )
-    celery_app_module.PRELOAD_TRAINING_STACK = not graders
-    if not graders and celery_app_module.imports_before_forking():
-        # After the reconciler's fork (it stays without torch), before the pool's first.
-        if celery_app_module.import_training_stack():
-            typer.echo("no GPU here: each job's process is forked with the training stack imported", err=True)
-        else:
-            typer.echo("the training stack did not import; each job imports it itself and says why", err=True)
+    # After the reconciler's fork (it stays without torch), before the pool's first.
+    if said := celery_app_module.prepare_pool(graders=graders):
+        typer.echo(said, err=True)
     celery_app.worker_main(
         [
             "worker",
