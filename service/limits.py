@@ -137,6 +137,9 @@ class AuthMiddleware:
     ``/readyz``, ``/metrics``, ``/docs``) nothing is checked or counted."""
 
     CACHE_LIMIT = 10_000
+    CHECK_THREADS = 8
+    """Key checks (one indexed read each) at once: on threads of their own, so that no number of slow
+    routes holding the route threads can keep a request from being let in."""
 
     def __init__(
         self, app: ASGIApp, *, cache_seconds: float = 0.0, rate_limit: float = 0.0, rate_limit_burst: int = 1
@@ -149,6 +152,7 @@ class AuthMiddleware:
         # RLOO_RATE_LIMIT / RLOO_RATE_LIMIT_BURST; 0 = no limit (and no x-ratelimit headers).
         self.limiter = RateLimiter(rate_limit, rate_limit_burst) if rate_limit > 0 else None
         self.limit_header = str(rate_limit_burst).encode()
+        self._check_limiter: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -176,8 +180,12 @@ class AuthMiddleware:
             with session_scope() as session:
                 return authenticate_header(session, authorization)
 
+        if self._check_limiter is None:
+            from anyio import CapacityLimiter
+
+            self._check_limiter = CapacityLimiter(self.CHECK_THREADS)
         try:
-            caller = await to_thread.run_sync(check)
+            caller = await to_thread.run_sync(check, limiter=self._check_limiter)
         except APIError as exc:
             extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
             await _send_error(send, exc.status, exc.message, exc.code, extra, exc.param)

@@ -11,10 +11,10 @@ attempt), ``webhook-timestamp`` and ``webhook-signature: v1,<base64 HMAC-SHA256 
 "id.timestamp.body">`` under the endpoint's ``whsec_`` secret, which the ``openai`` SDK's
 ``client.webhooks.unwrap`` verifies. A 2xx answer delivers it; a connection error, a time-out, a
 408, 429 or 5xx is tried again after an exponential back-off with jitter, for
-``RLOO_WEBHOOK_RETRY_HOURS``; any other answer fails it. No redirect is followed, each phase of
-an attempt (connect, send, the status line) has ``RLOO_WEBHOOK_TIMEOUT_SECONDS``, and no answer's
-body is read. The URL is
-checked again before each attempt (``service.egress``).
+``RLOO_WEBHOOK_RETRY_HOURS``; any other answer fails it. No redirect is followed, an attempt has
+``RLOO_WEBHOOK_TIMEOUT_SECONDS`` in all (lookup, connection, TLS, the request and the status line:
+``service.outbound``), and no answer's body is read. The URL is checked again before each attempt
+and the connection made only to an address the rules admit (``service.egress``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,17 @@ import json
 import logging
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service import egress
+from service import egress, outbound
 from service.models import Job, WebhookDelivery, WebhookEndpoint, new_token_id, now
 from service.settings import Settings, redact_url
 
@@ -46,8 +47,6 @@ OUR_EVENT_TYPES = ("fine_tuning.job.paused", "fine_tuning.job.checkpoint.created
 EVENT_TYPES = OPENAI_EVENT_TYPES + OUR_EVENT_TYPES
 RETRIED_STATUSES = frozenset({408, 429})
 ATTEMPTS = Counter("rloo_webhook_deliveries", "Webhook delivery attempts this process made, by outcome.", ["outcome"])
-LEASE_SECONDS = 60.0
-"""A delivery being sent is due again after this (its sender died): at least once, never lost."""
 
 
 # Secrets and signatures ---------------------------------------------------------------------------
@@ -136,25 +135,21 @@ class Attempt:
 
 
 def send(endpoint: WebhookEndpoint, delivery_id: str, payload: dict[str, Any], settings: Settings) -> Attempt:
-    """One attempt: the URL checked again, the event POSTed and signed, the answer judged."""
-    import httpx
-
+    """One attempt: the URL checked again, the event POSTed and signed to an address the rules admit,
+    the answer's status judged, all within ``RLOO_WEBHOOK_TIMEOUT_SECONDS`` (``service.outbound``)."""
     try:
-        egress.check_url(endpoint.url, settings.webhook_urls)
+        rule = egress.check_url(endpoint.url, settings.webhook_urls, resolve=None)
     except egress.RefusedURL as exc:
         return Attempt(None, f"refused: {exc}")
     body = body_of(payload)
     headers = headers_for(endpoint, delivery_id, body, now())
     try:
-        # Only the status is read, never the body: a receiver that trickles an answer holds a
-        # sender no longer than the time-out's phases (connect, send, the status line).
-        with (
-            httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False) as client,
-            client.stream("POST", endpoint.url, content=body, headers=headers) as answer,
-        ):
-            return Attempt(answer.status_code, None if answer.is_success else f"answered {answer.status_code}")
-    except Exception as exc:  # any failure to get an answer (httpx's, an invalid URL): tried again
-        return Attempt(None, f"{type(exc).__name__}: {redact_url(str(exc))}"[:500])
+        reply = outbound.post(
+            endpoint.url, body, headers=headers, seconds=settings.webhook_timeout_seconds, addresses=rule
+        )
+    except outbound.OutboundError as exc:  # no answer in time, a connection refused, an address refused
+        return Attempt(None, redact_url(exc.reason)[:500])
+    return Attempt(reply.status, None if reply.ok else f"answered {reply.status}")
 
 
 def backoff(attempts: int, base: float) -> float:
@@ -164,37 +159,127 @@ def backoff(attempts: int, base: float) -> float:
     return random.uniform(ceiling / 2, ceiling)
 
 
-def deliver_due(session: Session, settings: Settings, *, limit: int = 20) -> int:
-    """Send the deliveries that are due, each claimed first (one conditional UPDATE: two senders
-    never send one at once, and one whose sender died is due again after its lease). Returns how
-    many were attempted."""
-    t = time.time()
-    due = session.execute(
-        select(WebhookDelivery.seq, WebhookDelivery.next_attempt_at)
-        .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= t)
-        .order_by(WebhookDelivery.next_attempt_at)
-        .limit(limit)
+class InFlight:
+    """What this process's senders are sending, by endpoint and by project: one attempt at a time an
+    endpoint, at most ``per_project`` at once a project, and the project served longest ago first,
+    so that a receiver that takes its whole time holds one sender, and one project at most
+    ``per_project`` of them, never every delivery of every project."""
+
+    def __init__(self, per_project: int) -> None:
+        self.per_project = per_project
+        self.lock = threading.Lock()
+        self.endpoints: set[int] = set()
+        self.projects: dict[int, int] = {}
+        self.served: dict[int, float] = {}
+
+    def take(self, candidates: list[tuple[int, int, float]]) -> tuple[int, int] | None:
+        """Of ``(endpoint, project, due)`` rows (oldest due first), the one to send next, marked as
+        being sent; None when every candidate's endpoint or project has its share in flight."""
+        with self.lock:
+            free = [
+                (self.served.get(project, 0.0), due, endpoint, project)
+                for endpoint, project, due in candidates
+                if endpoint not in self.endpoints and self.projects.get(project, 0) < self.per_project
+            ]
+            if not free:
+                return None
+            _, _, endpoint, project = min(free)
+            self.endpoints.add(endpoint)
+            self.projects[project] = self.projects.get(project, 0) + 1
+            self.served[project] = time.monotonic()
+            return endpoint, project
+
+    def done(self, endpoint: int, project: int) -> None:
+        with self.lock:
+            self.endpoints.discard(endpoint)
+            self.projects[project] -= 1
+            if not self.projects[project]:
+                del self.projects[project]
+
+
+SENDERS = 4
+"""Threads sending deliveries in each reconciler process."""
+IN_FLIGHT = InFlight(per_project=SENDERS // 2)
+LEASE_MARGIN_SECONDS = 30.0
+
+
+def lease_seconds(settings: Settings) -> float:
+    """How long a claimed delivery is this sender's: longer than any attempt (whose deadline is
+    total), so it is never claimed again while an attempt is in flight; due again after it (its
+    sender died): at least once, never lost."""
+    return settings.webhook_timeout_seconds + LEASE_MARGIN_SECONDS
+
+
+def deliver_due(session: Session, settings: Settings, *, limit: int = 20, in_flight: InFlight = IN_FLIGHT) -> int:
+    """Send up to ``limit`` deliveries that are due, one at a time, each taken fairly
+    (``InFlight``) and claimed first (one conditional UPDATE: two senders never send one at once).
+    Returns how many were attempted."""
+    attempted = 0
+    for _ in range(3 * limit):  # a claim another sender won costs a round, never a loop without end
+        if attempted >= limit:
+            break
+        candidates = _due_endpoints(session)
+        taken = in_flight.take(candidates)
+        if taken is None:
+            break
+        endpoint_seq, project_seq = taken
+        try:
+            delivery, endpoint = _claim_oldest(session, endpoint_seq, settings)
+            if delivery is None or endpoint is None:
+                continue  # another sender has it, or its endpoint was deleted meanwhile
+            attempt = send(endpoint, delivery.id, delivery.payload, settings)
+            attempted += 1
+            _record(session, delivery, attempt, settings, lease=delivery.next_attempt_at)
+        finally:
+            in_flight.done(endpoint_seq, project_seq)
+    return attempted
+
+
+def _due_endpoints(session: Session) -> list[tuple[int, int, float]]:
+    """Each endpoint with deliveries due: (endpoint, project, its oldest due time), oldest first."""
+    due = func.min(WebhookDelivery.next_attempt_at)
+    rows = session.execute(
+        select(WebhookDelivery.endpoint_seq, WebhookEndpoint.project_seq, due)
+        .join(WebhookEndpoint, WebhookEndpoint.seq == WebhookDelivery.endpoint_seq)
+        .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= time.time())
+        .group_by(WebhookDelivery.endpoint_seq, WebhookEndpoint.project_seq)
+        .order_by(due)
+        .limit(200)
     ).all()
     session.rollback()
-    attempted = 0
-    for seq, was_due in due:
-        claimed = session.execute(
-            update(WebhookDelivery)
-            .where(WebhookDelivery.seq == seq, WebhookDelivery.next_attempt_at == was_due)
-            .values(next_attempt_at=time.time() + LEASE_SECONDS, attempts=WebhookDelivery.attempts + 1)
-        ).rowcount  # type: ignore[attr-defined]
-        session.commit()
-        if not claimed:
-            continue  # another sender has it
-        delivery = session.get(WebhookDelivery, seq, populate_existing=True)
-        endpoint = session.get(WebhookEndpoint, delivery.endpoint_seq, populate_existing=True) if delivery else None
-        if delivery is None or endpoint is None:
-            continue  # its endpoint was deleted meanwhile
-        session.rollback()  # no transaction held while the receiver answers
-        attempt = send(endpoint, delivery.id, delivery.payload, settings)
-        attempted += 1
-        _record(session, delivery, attempt, settings, lease=delivery.next_attempt_at)
-    return attempted
+    return [(int(e), int(p), float(d)) for e, p, d in rows]
+
+
+def _claim_oldest(
+    session: Session, endpoint_seq: int, settings: Settings
+) -> tuple[WebhookDelivery | None, WebhookEndpoint | None]:
+    """The endpoint's oldest due delivery, claimed for this sender's lease (None: none left)."""
+    row = session.execute(
+        select(WebhookDelivery.seq, WebhookDelivery.next_attempt_at)
+        .where(
+            WebhookDelivery.endpoint_seq == endpoint_seq,
+            WebhookDelivery.status == "pending",
+            WebhookDelivery.next_attempt_at <= time.time(),
+        )
+        .order_by(WebhookDelivery.next_attempt_at)
+        .limit(1)
+    ).first()
+    if row is None:
+        session.rollback()
+        return None, None
+    seq, was_due = row
+    claimed = session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.seq == seq, WebhookDelivery.next_attempt_at == was_due)
+        .values(next_attempt_at=time.time() + lease_seconds(settings), attempts=WebhookDelivery.attempts + 1)
+    ).rowcount  # type: ignore[attr-defined]
+    session.commit()
+    if not claimed:
+        return None, None
+    delivery = session.get(WebhookDelivery, seq, populate_existing=True)
+    endpoint = session.get(WebhookEndpoint, delivery.endpoint_seq, populate_existing=True) if delivery else None
+    session.rollback()  # no transaction held while the receiver answers
+    return delivery, endpoint
 
 
 def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, settings: Settings, *, lease: float) -> None:
@@ -220,16 +305,9 @@ def _record(session: Session, delivery: WebhookDelivery, attempt: Attempt, setti
     session.commit()
 
 
-SENDERS = 4
-"""Threads sending deliveries in each reconciler process: a receiver that takes its whole time
-holds one of them, not every delivery."""
-
-
 def deliver_forever(keep_going: Callable[[], bool], *, poll_seconds: float = 1.0) -> None:
     """Send due deliveries while ``keep_going()``: in ``SENDERS`` threads, each polling the outbox
     every ``poll_seconds`` when it found nothing to send."""
-    import threading
-
     from service.db import session_scope
     from service.settings import get_settings
 

@@ -175,6 +175,74 @@ def test_bad_endpoints_are_400s_naming_the_field(client, auth, receiver: Receive
     assert_error(create(event_types=[]), 400, param="event_types")
 
 
+@pytest.mark.parametrize("status", [302, 500, 404])
+def test_a_test_event_succeeds_only_on_a_2xx(client, auth, receiver: Receiver, status: int) -> None:  # type: ignore[no-untyped-def]
+    body = {"name": "t", "url": receiver.url, "event_types": ["fine_tuning.job.succeeded"]}
+    made = client.post("/v1/webhook_endpoints", headers=auth, json=body).json()
+    receiver.statuses = [status]
+    r = client.post(f"/v1/webhook_endpoints/{made['id']}/test", headers=auth, json={})
+    assert r.status_code == 200 and (r.json()["status_code"], r.json()["success"]) == (status, False), r.text
+
+
+def test_a_test_event_to_a_trickling_receiver_ends_at_the_deadline_and_a_project_sends_two_at_once(
+    client, auth, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The status line a byte every 0.3 s held the request ~150 s (httpx's time-out is per read); now
+    the test event has RLOO_WEBHOOK_TIMEOUT_SECONDS in all, and a project's third at once is a 429."""
+    import socket
+
+    from service.db import reset_caches
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    port = server.getsockname()[1]
+
+    def trickle(conn: Any) -> None:
+        try:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                conn.sendall(bytes([byte]))
+                time.sleep(0.3)
+        except OSError:
+            pass
+        conn.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("RLOO_WEBHOOK_URLS", json.dumps([f"http://127.0.0.1:{port}/"]))
+    monkeypatch.setenv("RLOO_WEBHOOK_TIMEOUT_SECONDS", "1")
+    reset_caches()
+    try:
+        body = {"name": "t", "url": f"http://127.0.0.1:{port}/h", "event_types": ["fine_tuning.job.succeeded"]}
+        made = client.post("/v1/webhook_endpoints", headers=auth, json=body).json()
+        answers: list[tuple[int, str, float]] = []
+
+        def send() -> None:
+            t0 = time.monotonic()
+            r = client.post(f"/v1/webhook_endpoints/{made['id']}/test", headers=auth, json={})
+            answers.append((r.status_code, r.json()["error"]["code"], time.monotonic() - t0))
+
+        threads = [threading.Thread(target=send) for _ in range(5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        codes = sorted((status, code) for status, code, _ in answers)
+        assert codes == [(429, "rate_limit_exceeded")] * 3 + [(502, "webhook_unreachable")] * 2, answers
+        assert max(took for *_, took in answers) < 3, answers
+    finally:
+        server.close()
+        reset_caches()
+
+
 # The outbox and its sender ------------------------------------------------------------------------
 def test_a_state_change_writes_its_delivery_and_the_sender_retries_until_it_is_taken(
     sdk: openai.OpenAI, client, auth, receiver: Receiver
@@ -216,6 +284,122 @@ def test_a_receiver_that_refuses_fails_the_delivery_without_retrying(
     assert (d["status"], d["attempts"], d["last_status_code"]) == ("failed", 1, 410)
 
 
+class Silent:
+    """A receiver on loopback that takes connections and never answers; counts them at once."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hooks"
+        self.open = self.most = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: Any) -> None:
+        with self.lock:
+            self.open += 1
+            self.most = max(self.most, self.open)
+        try:
+            while conn.recv(65536):  # read what comes, answer nothing, until the sender hangs up
+                pass
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            with self.lock:
+                self.open -= 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_once(
+    client, auth, other_auth, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A project whose receivers never answer, with many deliveries due before another project's:
+    it holds at most half the senders (one attempt at a time an endpoint), the other project's
+    deliveries go out at once, and no delivery is claimed twice while its attempt is in flight."""
+    from service.db import reset_caches, session_scope
+    from service.models import WebhookDelivery, WebhookEndpoint
+
+    stuck, fine = Silent(), Receiver()
+    allowed = [stuck.url.rsplit("/", 1)[0] + "/", fine.url.rsplit("/", 1)[0] + "/"]
+    monkeypatch.setenv("RLOO_WEBHOOK_URLS", json.dumps(allowed))
+    monkeypatch.setenv("RLOO_WEBHOOK_TIMEOUT_SECONDS", "1.5")
+    reset_caches()
+    made = {}
+    for name, headers, url in [
+        ("a1", auth, stuck.url),
+        ("a2", auth, stuck.url),
+        ("a3", auth, stuck.url),
+        ("b", other_auth, fine.url),
+    ]:
+        body = {"name": name, "url": url, "event_types": ["fine_tuning.job.succeeded"]}
+        r = client.post("/v1/webhook_endpoints", headers=headers, json=body)
+        assert r.status_code == 200, r.text
+        made[name] = r.json()["id"]
+    with session_scope() as session:
+        seqs = {e.id: e.seq for e in session.query(WebhookEndpoint)}
+        t = time.time()
+        for i, name in enumerate(["a1", "a2", "a3"] * 4 + ["b"] * 3):  # the stuck project's are due first
+            payload = webhooks.event("fine_tuning.job.succeeded", f"ftjob-{i}")
+            session.add(
+                WebhookDelivery(
+                    endpoint_seq=seqs[made[name]],
+                    event_type=payload["type"],
+                    payload=payload,
+                    next_attempt_at=t - 100 + i,
+                )
+            )
+        session.commit()
+
+    going = True
+
+    def sender() -> None:
+        from service.settings import get_settings
+
+        while going:
+            with session_scope() as session:
+                if not webhooks.deliver_due(session, get_settings(), limit=1):
+                    time.sleep(0.05)
+
+    threads = [threading.Thread(target=sender, daemon=True) for _ in range(webhooks.SENDERS)]
+    try:
+        t0 = time.monotonic()
+        for thread in threads:
+            thread.start()
+        while len(fine.got) < 3 and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        assert len(fine.got) == 3 and took < 1.2, took  # before: behind 12 attempts of the stuck ones
+        time.sleep(2)
+        assert stuck.most <= webhooks.SENDERS // 2
+        with session_scope() as session:
+            attempts = [
+                d.attempts
+                for d in session.query(WebhookDelivery).where(WebhookDelivery.endpoint_seq != seqs[made["b"]])
+            ]
+        assert max(attempts) <= 1 and sum(attempts) >= 2  # retried later (back-off), never while in flight
+    finally:
+        going = False
+        for thread in threads:
+            thread.join(timeout=10)
+        stuck.close()
+        fine.close()
+        reset_caches()
+
+
 # Durable, through restarts ------------------------------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["embedded", "production"])
@@ -244,7 +428,7 @@ def test_a_delivery_survives_a_dead_receiver_and_a_restart_of_every_process(
             if len(rows) == 2 and all(d["last_error"] for d in rows):  # (claimed and sent: answered)
                 break
             time.sleep(0.2)
-        assert all(d["status"] == "pending" and "ConnectError" in (d["last_error"] or "") for d in rows), rows
+        assert all(d["status"] == "pending" and "could not connect" in (d["last_error"] or "") for d in rows), rows
         for name in list(stack.procs):  # every process of the stack, the embedded Redis with them
             stack.stop(name)
         if kind == "embedded":
