@@ -1,7 +1,9 @@
 """The route class of every /v1 router: a JSON body passes ``service.strictjson``'s door (UTF-8, no
-NaN or infinity, no lone surrogate or NUL, no deeper than 128 levels) before FastAPI parses it, so
-a value that cannot be stored or rendered is a 400 naming where it is, and never reaches the
-database."""
+NaN or infinity, no lone surrogate or NUL, no deeper than 128 levels, at most 100,000 arrays and
+objects and 1,000,000 values) before FastAPI parses it, so a value that cannot be stored or rendered
+is a 400 naming where it is, and never reaches the database; a body past the counts is a 413 before
+it is parsed. A body over ``OFF_LOOP_BYTES`` is parsed and checked on a thread (two at a time), so
+no body's parsing holds the event loop."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from fastapi import Request, Response, params
 from fastapi.routing import APIRoute
 
 from service import strictjson
-from service.errors import bad_request
+from service.errors import APIError, bad_request
 
 
 class StrictJSONRoute(APIRoute):
@@ -28,11 +30,24 @@ class StrictJSONRoute(APIRoute):
             content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if not content_type or content_type == "application/json" or content_type.endswith("+json"):
                 body = await request.body()  # at most the JSON limit (service.limits)
-                if body:
-                    request._json = _parse(body)  # Starlette's request.json() returns it: parsed once
+                if body:  # Starlette's request.json() returns it: parsed once
+                    request._json = _parse(body) if len(body) <= OFF_LOOP_BYTES else await _parse_off_loop(body)
             return await handler(request)
 
         return strict
+
+
+OFF_LOOP_BYTES = 64 * 1024
+_PARSERS: Any = None
+
+
+async def _parse_off_loop(body: bytes) -> Any:
+    from anyio import CapacityLimiter, to_thread
+
+    global _PARSERS
+    if _PARSERS is None:
+        _PARSERS = CapacityLimiter(2)
+    return await to_thread.run_sync(_parse, body, limiter=_PARSERS)
 
 
 def _parse(body: bytes) -> Any:
@@ -44,6 +59,13 @@ def _parse(body: bytes) -> Any:
         ) from None
     try:
         return strictjson.loads(text.removeprefix("\ufeff"))  # a byte-order mark, as json.loads(bytes) skips it
+    except strictjson.TooMany as exc:
+        raise APIError(
+            413,
+            f"The request body is too large to read: {exc.problem}. Send less in one request (large data goes "
+            "in an uploaded file).",
+            code="request_too_large",
+        ) from None
     except strictjson.InvalidJSON as exc:
         raise bad_request(f"The request body is not valid JSON: {exc.problem}.", exc.path) from None
     except json.JSONDecodeError as exc:

@@ -5,7 +5,7 @@ silently different answer. What an inference worker needs of a request is ``Samp
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -29,14 +29,14 @@ class Sampling(Strict):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=64)] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=512)
     presence_penalty: float = Field(default=0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
 
     @field_validator("stop")
     @classmethod
@@ -93,9 +93,9 @@ class TextPart(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=4096)] | None = None
     name: str | None = Field(default=None, max_length=256)
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = None
     refusal: str | None = None
 
@@ -113,12 +113,12 @@ class Message(Strict):
 class ChatCompletionCreate(Sampling):
     messages: list[Message] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
     logprobs: Literal[False] | None = Field(default=None, description="Log-probs are not returned by this server.")
     response_format: dict[Literal["type"], Literal["text"]] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=64)
     store: bool | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None
@@ -141,7 +141,9 @@ class ChatCompletionCreate(Sampling):
 
 
 class CompletionCreate(Sampling):
-    prompt: str | list[str] = Field(description="A prompt, or a list of prompts (each answered n times).")
+    prompt: str | Annotated[list[str], Field(max_length=1024)] = Field(
+        description="A prompt, or a list of prompts (each answered n times)."
+    )
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for text completions
     echo: Literal[False] = False
     suffix: None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,7 +37,7 @@ class LoraSpec(Strict):
     r: int = Field(16, ge=1, le=1024, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, le=65536, description="Scale: the update is (alpha / r) * B @ A.")
     dropout: float = Field(0.0, ge=0, lt=1.0, description="Dropout on the adapter's input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    target_modules: Annotated[list[str], Field(max_length=1024)] | Literal["all-linear"] = Field(
         "all-linear",
         description="Module names to adapt (e.g. ['q_proj', 'v_proj']), or 'all-linear' (every linear layer "
         "but the output head). Name 'embed_tokens' to adapt the input embeddings too.",
@@ -186,7 +186,9 @@ class Hyperparameters(TrainingHyperparameters):
         False, description="Completions cut at max_new_tokens give no gradient (they still count in baselines)."
     )
     stop: list[str] | None = Field(
-        None, description="Up to 4 strings that end a completion (kept in its tokens, cut from the graded text)."
+        None,
+        max_length=64,
+        description="Up to 4 strings that end a completion (kept in its tokens, cut from the graded text).",
     )
     sample_interval: int = Field(
         10,
@@ -431,7 +433,7 @@ class JobCreate(Strict):
     validation_file: str | None = Field(None, min_length=1, max_length=64)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, max_length=64)
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=64)
     method: Method | None = Field(None, description="How to train; none at all means supervised (OpenAI's default).")
     # OpenAI's deprecated spelling of a supervised job's hyperparameters (method.supervised.hyperparameters).
     hyperparameters: SupervisedHyperparameters | None = None

@@ -6,7 +6,7 @@ retrieved like jobs; the answer's ``results`` fills in, a row a model, as the wo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
 from pydantic import Field
@@ -30,7 +30,7 @@ DEFAULT_SAMPLES = 200
 
 class EvaluationCreate(Strict):
     file: str = Field(max_length=64, description="A file of the project (prompt lines, as a training file).")
-    checkpoints: list[str] | Literal["all"] = Field(
+    checkpoints: Annotated[list[str], Field(max_length=1024)] | Literal["all"] = Field(
         default="all",
         description="Checkpoint ids (ftckpt-… or ft:…:ckpt-step-N) of the job, or all it has so far (none: the "
         "starting model alone).",
