@@ -5,9 +5,13 @@ admits it against the key's limits, and queues it; an inference worker takes it,
 others for the same base model, and pushes what it writes back token by token. In Redis, under
 ``rloo:inference:<queue>``:
 
-* ``requests``: the queue of requests, as JSON (``RPUSH`` by the API, ``BLPOP`` by workers). Celery
-  is not in this path: a worker takes many requests at once into one batch, which a task per
-  request cannot.
+* ``pending:<project>:<key>``: the requests waiting, as JSON, a list for each project and key;
+  ``lanes:<project>``, that project's keys with requests waiting, and ``projects``, the projects with
+  any, each scored by its turn (``turns`` counts them). A worker takes the next request from the key
+  served longest ago of the project served longest ago: one project's many requests (or one key's)
+  wait behind another's one, not the reverse. ``ready`` holds a token a waiting request, for a worker
+  to block on. Celery is not in this path: a worker takes many requests at once into one batch,
+  which a task per request cannot.
 * ``reply:<id>``: what the worker wrote for a request, one JSON message an item: ``start`` (the
   prompt's token count), ``delta`` (new text of choice ``i``), ``end`` (choice ``i`` finished), then
   ``done`` (with the usage); or a single ``error`` (``status``, ``code``, ``message``, ``param``).
@@ -18,9 +22,9 @@ others for the same base model, and pushes what it writes back token by token. I
 * ``cancel:<id>``: the client went away: the worker drops the request's rows at its next token.
 * ``workers``: live workers, scored by when their heartbeat expires. No live worker: 503 at once.
 * ``active:<key>``: a key's requests in flight, scored by deadline, each holding its token budget
-  (``max_tokens`` times ``n``). Past ``RLOO_INFERENCE_MAX_CONCURRENT`` requests or
-  ``RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT`` tokens a key is answered 429; an entry leaves when its
-  request ends, whichever way, or at its deadline.
+  (its prompts' tokens, estimated from their bytes, and ``max_tokens``, times ``n``). Past
+  ``RLOO_INFERENCE_MAX_CONCURRENT`` requests or ``RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT`` tokens a key
+  is answered 429; an entry leaves when its request ends, whichever way, or at its deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 LEASE_SECONDS = 10
+BYTES_PER_TOKEN = 4
+"""A prompt's tokens, as the per-key budget estimates them from its UTF-8 bytes (the API tokenizes
+nothing): about what English text takes."""
+MAX_BYTES_PER_TOKEN = 32
+"""No token of any tokenizer we serve spans more bytes than this (a run of spaces is the longest), so a
+prompt of more than ``context`` times this many bytes cannot fit the context: refused untokenized."""
+
+
+def estimated_tokens(text: str) -> int:
+    """``text``'s tokens as the budget counts them, and a few for the template around it."""
+    return -(-len(text.encode()) // BYTES_PER_TOKEN) + 8
+
+
 LEASE_REFRESH = 2.0
 READ_AT_ONCE = 256  # reply messages the API takes in one round trip
 
@@ -48,6 +65,53 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
 redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 60)
 return 0
 """
+
+
+# Queue a request in its project's and key's lane; a lane new to the rotation takes the next turn.
+_PUSH = """
+redis.call('RPUSH', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[1], 3600)
+local turn = redis.call('INCR', KEYS[5])
+redis.call('ZADD', KEYS[2], 'NX', turn, ARGV[2])
+redis.call('EXPIRE', KEYS[2], 3600)
+redis.call('ZADD', KEYS[3], 'NX', turn, ARGV[1])
+redis.call('RPUSH', KEYS[4], 1)
+redis.call('EXPIRE', KEYS[4], 3600)
+return 1
+"""
+# Up to ARGV[2] requests, each from the key served longest ago of the project served longest ago;
+# one `ready` token taken for each (ARGV[3] of them were taken already, by the caller's BLPOP).
+_POP = """
+local out, spare = {}, tonumber(ARGV[3])
+while #out < tonumber(ARGV[2]) do
+  local project = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not project then break end
+  local lanes = ARGV[1] .. ':lanes:' .. project
+  local key = redis.call('ZRANGE', lanes, 0, 0)[1]
+  local envelope = false
+  if key then
+    local pending = ARGV[1] .. ':pending:' .. project .. ':' .. key
+    envelope = redis.call('LPOP', pending)
+    if redis.call('LLEN', pending) == 0 then
+      redis.call('ZREM', lanes, key)
+    else
+      redis.call('ZADD', lanes, redis.call('INCR', KEYS[3]), key)
+    end
+  end
+  if redis.call('ZCARD', lanes) == 0 then
+    redis.call('ZREM', KEYS[1], project)
+  else
+    redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[3]), project)
+  end
+  if envelope then
+    out[#out + 1] = envelope
+    if spare > 0 then spare = spare - 1 else redis.call('LPOP', KEYS[2]) end
+  end
+end
+return out
+"""
+SYSTEM_LANE = "_"
+"""The lane of requests that are no project's (a training job's remote reward model batches)."""
 
 
 class Refused(Exception):
@@ -110,8 +174,22 @@ async def release(conn: Any, ns: str, *, key: str, rid: str, tokens: int) -> Non
     await conn.zrem(f"{ns}:active:{key}", f"{rid}:{tokens}")
 
 
+def _push_args(ns: str, envelope: dict[str, Any]) -> tuple[Any, ...]:
+    """The arguments of ``_PUSH`` for ``envelope``, in its project's and key's lane."""
+    project, key = str(envelope.get("project") or SYSTEM_LANE), str(envelope.get("key") or SYSTEM_LANE)
+    body = json.dumps(envelope, ensure_ascii=False, allow_nan=False)
+    keys = (f"{ns}:pending:{project}:{key}", f"{ns}:lanes:{project}", f"{ns}:projects", f"{ns}:ready", f"{ns}:turns")
+    return (_PUSH, len(keys), *keys, project, key, body)
+
+
 async def submit(conn: Any, ns: str, envelope: dict[str, Any]) -> None:
-    await conn.rpush(f"{ns}:requests", json.dumps(envelope, ensure_ascii=False, allow_nan=False))
+    """Queue ``envelope`` (its ``project`` and ``key`` name its lane) for the inference workers."""
+    await conn.eval(*_push_args(ns, envelope))
+
+
+def submit_sync(conn: Any, ns: str, envelope: dict[str, Any]) -> None:
+    """``submit`` on a synchronous connection."""
+    conn.eval(*_push_args(ns, envelope))
 
 
 async def cancel(conn: Any, ns: str, rid: str) -> None:
@@ -153,9 +231,9 @@ async def replies(
 
 
 def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -> dict[str, Any]:
-    """A request that is no completion (an export, a remote reward model's batch), from sync code:
-    queued on ``queue`` (the inference workers' own by default), then its one last message waited
-    for. Raises ``NoWorker``, ``WorkerLost`` or ``TimedOut``."""
+    """A request that is no completion (a remote reward model's batch), from sync code: queued on
+    ``queue`` (the inference workers' own by default) in its ``project``'s lane (none: the system's),
+    then its one last message waited for. Raises ``NoWorker``, ``WorkerLost`` or ``TimedOut``."""
     import redis
 
     from service.settings import get_settings
@@ -166,8 +244,7 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
         if not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
             raise NoWorker()
         deadline = time.time() + timeout
-        body = json.dumps({**envelope, "deadline": deadline}, ensure_ascii=False, allow_nan=False)
-        conn.rpush(f"{ns}:requests", body)
+        submit_sync(conn, ns, {**envelope, "deadline": deadline})
         held = False
         while time.time() < deadline:
             item = conn.blpop([f"{ns}:reply:{envelope['id']}"], timeout=1)
@@ -186,16 +263,14 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
 
 # The worker's side -------------------------------------------------------------------------------------
 def take(conn: Any, ns: str, worker: str, *, block: float, most: int) -> list[dict[str, Any]]:
-    """Up to ``most`` requests, waiting up to ``block`` seconds for the first (0: none); each one
-    leased to ``worker``. Requests cancelled or past their deadline are dropped here."""
-    raw: list[Any] = []
-    if block > 0:
-        first = conn.blpop([f"{ns}:requests"], timeout=block)
-        if first is None:
-            return []
-        raw.append(first[1])
-    if most > len(raw):
-        raw.extend(conn.lpop(f"{ns}:requests", most - len(raw)) or [])
+    """Up to ``most`` requests, in turn between projects and their keys (``_POP``), waiting up to
+    ``block`` seconds for the first (0: none); each one leased to ``worker``. Requests cancelled or
+    past their deadline are dropped here."""
+    if most <= 0:
+        return []
+    raw: list[Any] = conn.eval(_POP, 3, f"{ns}:projects", f"{ns}:ready", f"{ns}:turns", ns, most, 0)
+    if not raw and block > 0 and conn.blpop([f"{ns}:ready"], timeout=block) is not None:
+        raw = conn.eval(_POP, 3, f"{ns}:projects", f"{ns}:ready", f"{ns}:turns", ns, most, 1)
     taken = []
     for item in raw:
         envelope = json.loads(item)

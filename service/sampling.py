@@ -5,11 +5,13 @@ silently different answer. What an inference worker needs of a request is ``Samp
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from service.errors import bad_request
+from service.errors import APIError, bad_request
+from service.inference import BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN, estimated_tokens
 from service.schemas import Strict, check_stop
 from service.settings import Settings
 
@@ -52,28 +54,77 @@ class Sampling(Strict):
             raise ValueError("logit_bias is not supported by this server; leave it out")
         return self
 
-    def check_limits(self, settings: Settings, *, budget_param: str = "max_tokens", prompts: int = 1) -> None:
+    prompt_param: ClassVar[str] = "prompt"
+
+    @property
+    def budget_param(self) -> str:
+        """The field that holds the tokens each completion may write, as the request spelt it."""
+        return "max_tokens"
+
+    def prompt_texts(self) -> list[str]:
+        """The text of each prompt (a chat's: its messages' and tools' text), for the byte counts."""
+        raise NotImplementedError
+
+    @property
+    def rows(self) -> int:
+        """Completions it asks for: ``n`` for each prompt."""
+        return self.n * len(self.prompt_texts())
+
+    def check_limits(self, settings: Settings) -> None:
+        """What no model or load could make acceptable: a 400 naming the field."""
+        param = self.budget_param
         if self.n > settings.inference_max_n:
             raise bad_request(f"n is at most {settings.inference_max_n} on this server; got {self.n}.", "n")
         if self.max_tokens is not None and self.max_tokens > settings.inference_max_tokens:
             raise bad_request(
-                f"{budget_param} is at most {settings.inference_max_tokens} on this server "
+                f"{param} is at most {settings.inference_max_tokens} on this server "
                 f"(RLOO_INFERENCE_MAX_TOKENS); got {self.max_tokens}.",
-                budget_param,
+                param,
             )
-        if self.budget(settings, prompts) > settings.inference_max_tokens_in_flight:
+        if self.rows > settings.inference_max_batch:
             raise bad_request(
-                f"This request asks for {self.budget(settings, prompts)} tokens ({budget_param} times n"
-                f"{' times the prompts' if prompts > 1 else ''}), more than a key may have in flight "
-                f"({settings.inference_max_tokens_in_flight}, RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT); ask for fewer.",
-                budget_param,
+                f"This request asks for {self.rows} completions (n times the prompts); an inference worker decodes "
+                f"at most {settings.inference_max_batch} at once (RLOO_INFERENCE_MAX_BATCH): send fewer prompts or "
+                "a smaller n, in several requests.",
+                "n" if len(self.prompt_texts()) == 1 else "prompt",
             )
+        self.check_budget(settings)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true.", "stream_options")
 
-    def budget(self, settings: Settings, prompts: int = 1) -> int:
-        """Tokens this request may write in all: what the key's tokens in flight count."""
-        return (self.max_tokens or settings.inference_max_tokens) * self.n * prompts
+    def check_context(self, context: int | None) -> None:
+        """A prompt longer than any ``context`` tokens of text could be is a 400 before a worker
+        tokenizes it (tokenizing 8 MB took a worker 45 s)."""
+        if context is None:
+            return
+        longest = max(len(text.encode()) for text in self.prompt_texts())
+        if longest > context * MAX_BYTES_PER_TOKEN:
+            param = self.prompt_param
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens. However, your {param} is {longest} "
+                f"bytes, more than {context} tokens of text can hold (at most {MAX_BYTES_PER_TOKEN} bytes a "
+                f"token). Shorten the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_budget(self, settings: Settings) -> None:
+        budget = self.budget(settings)
+        if budget > settings.inference_max_tokens_in_flight:
+            raise bad_request(
+                f"This request asks for {budget} tokens (its prompts' tokens, estimated at {BYTES_PER_TOKEN} bytes "
+                f"a token, and {self.budget_param}, times n), more than a key may have in flight "
+                f"({settings.inference_max_tokens_in_flight}, RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT); ask for fewer.",
+                self.budget_param,
+            )
+
+    def budget(self, settings: Settings) -> int:
+        """Tokens this request may hold in all, what the key's tokens in flight count: for each
+        completion, its prompt's tokens (estimated from its bytes; the API tokenizes nothing) and
+        what it may write."""
+        writes = self.max_tokens or settings.inference_max_tokens
+        return self.n * sum(estimated_tokens(text) + writes for text in self.prompt_texts())
 
     def wire(self) -> dict[str, Any]:
         return {
@@ -99,6 +150,11 @@ class Message(Strict):
     tool_call_id: str | None = None
     refusal: str | None = None
 
+    def text(self) -> str:
+        content = self.content
+        text = "".join(part.text for part in content) if isinstance(content, list) else (content or "")
+        return text + (json.dumps(self.tool_calls, ensure_ascii=False) if self.tool_calls else "")
+
     def for_template(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
@@ -111,6 +167,7 @@ class Message(Strict):
 
 
 class ChatCompletionCreate(Sampling):
+    prompt_param: ClassVar[str] = "messages"
     messages: list[Message] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
@@ -130,6 +187,16 @@ class ChatCompletionCreate(Sampling):
                 raise ValueError("give max_completion_tokens or max_tokens, not both")
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @property
+    def budget_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def prompt_texts(self) -> list[str]:
+        parts = [m.text() for m in self.messages]
+        if self.tools:
+            parts.append(json.dumps(self.tools, ensure_ascii=False))
+        return ["\n".join(parts)]
 
     def wire(self) -> dict[str, Any]:
         return {
@@ -166,6 +233,9 @@ class CompletionCreate(Sampling):
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def prompt_texts(self) -> list[str]:
+        return self.prompts
 
     def wire(self) -> dict[str, Any]:
         return {**super().wire(), "kind": "completion", "prompts": self.prompts}

@@ -6,6 +6,8 @@ checkpoints, ``service.finetuned``). Anything else is OpenAI's 404.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -13,6 +15,7 @@ from sqlalchemy.orm import Session
 from service import finetuned
 from service.artifacts import S3Store, open_store, relative_key
 from service.errors import model_not_found
+from service.modelroot import model_context
 from service.settings import Settings
 from service.storage import confined
 
@@ -31,6 +34,24 @@ def resolve(
     if _is_base_model(settings, name):
         return {"base": str(settings.models_dir / name), "chain": []}
     raise model_not_found(name)
+
+
+def context_of(served: dict[str, Any]) -> int | None:
+    """The context length of what ``resolve`` answered: its base model's (None where the base is a
+    hub id or its config does not say). Read from the config, kept while the file is unchanged."""
+    base = Path(served["base"])
+    if not base.is_absolute():  # a hub id
+        return None
+    try:
+        stamp = (base / "config.json").stat().st_mtime_ns
+    except OSError:
+        return None
+    return _context(base, stamp)
+
+
+@functools.lru_cache(maxsize=256)
+def _context(base: Path, stamp: int) -> int | None:
+    return model_context(base)
 
 
 def chain_of(settings: Settings, chain: tuple[str, ...], name: str) -> list[str]:

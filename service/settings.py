@@ -199,7 +199,8 @@ class Settings(BaseSettings):
     inference_max_tokens_in_flight: int = Field(
         default=65_536,
         ge=1,
-        description="Tokens (max_tokens times n) an API key's requests in flight may ask for together (429 past it).",
+        description="Tokens an API key's requests in flight may hold together: each completion's prompt (estimated "
+        "at 4 bytes a token) and max_tokens, times n (429 past it).",
     )
     inference_max_tokens: int = Field(
         default=4096, ge=1, description="Most tokens one completion may write (max_tokens above it is a 400)."
@@ -228,7 +229,10 @@ class Settings(BaseSettings):
         description="How long a remote reward model may take to score one batch, queued and scored.",
     )
     inference_max_batch: int = Field(
-        default=32, ge=1, le=1024, description="Rows (completions) an inference worker decodes in one batch."
+        default=32,
+        ge=1,
+        le=1024,
+        description="Rows (completions) an inference worker decodes in one batch; a request may ask for no more.",
     )
     inference_backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto",

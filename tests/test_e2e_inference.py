@@ -33,7 +33,11 @@ LONG = {"model": "tiny-policy", "prompt": [PROMPT] * 64, "n": 16, "max_tokens": 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[LiveStack]:
-    env = {"RLOO_INFERENCE_MAX_CONCURRENT": "1", "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT": str(10**6)}
+    env = {
+        "RLOO_INFERENCE_MAX_CONCURRENT": "1",
+        "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT": str(10**6),
+        "RLOO_INFERENCE_MAX_BATCH": "1024",  # LONG is one batch
+    }
     with live_stack("embedded", tmp_path_factory.mktemp("inference"), models_dir, env=env) as s:
         s.start("serve", "worker", "--serve")
         _served_again(s)

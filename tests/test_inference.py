@@ -325,3 +325,91 @@ def test_a_request_no_key_could_ever_have_in_flight_is_a_400_not_a_429_for_ever(
     r = client.post("/v1/completions", json=body, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT" in r.json()["error"]["message"]
+
+
+# Bounded and fair ------------------------------------------------------------------------------------
+def test_a_prompt_longer_than_any_context_is_a_400_before_any_worker_tokenizes_it(
+    env: dict[str, str], client: Any, auth: dict[str, str]
+) -> None:
+    """One 7.9 MB message held a worker 45 s tokenizing before its 400; the API now refuses a prompt
+    of more bytes than the model's context can hold (tiny-policy: 256 tokens), no worker asked."""
+    for url, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 9000}]}),
+        ("/v1/completions", {"prompt": ["hi", "y" * 9000]}),
+    ]:
+        r = client.post(url, json={"model": "tiny-policy", **body}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] in ("messages", "prompt") and "256 tokens" in r.json()["error"]["message"]
+
+
+def test_a_request_larger_than_a_batch_is_a_400_and_its_prompts_count_in_the_budget(
+    env: dict[str, str], client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 prompts x n 16 x max_tokens 1 counted as 1,024 tokens and ran as one 1,024-row batch of
+    243k prompt tokens. Now more completions than a batch holds is a 400, and the prompts count."""
+    from service.db import reset_caches
+
+    r = client.post("/v1/completions", json={"model": "tiny-policy", "prompt": ["p"] * 64, "n": 16}, headers=auth)
+    assert r.status_code == 400 and "RLOO_INFERENCE_MAX_BATCH" in r.json()["error"]["message"], r.text
+    monkeypatch.setenv("RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT", "1000")
+    reset_caches()
+    body = {"model": "tiny-policy", "prompt": ["z" * 600] * 8, "n": 4, "max_tokens": 1}  # 32 writes, ~5,000 read
+    r = client.post("/v1/completions", json=body, headers=auth)
+    assert r.status_code == 400 and "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/completions", json={**body, "prompt": ["z" * 60] * 8}, headers=auth)
+    assert r.status_code == 503, r.text  # within the budget: admitted, and no worker is up here
+
+
+def test_requests_are_taken_in_turn_between_projects_and_their_keys(env: dict[str, str]) -> None:
+    """One FIFO let a project's queue of requests hold another's one behind them all."""
+    import redis
+
+    from service import inference
+    from service.settings import get_settings
+
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    ns = inference.namespace(f"fair-{secrets.token_hex(4)}")
+    deadline = time.time() + 60
+    for i in range(4):
+        inference.submit_sync(conn, ns, {"id": f"a1-{i}", "project": "a", "key": "a1", "deadline": deadline})
+    for i in range(2):
+        inference.submit_sync(conn, ns, {"id": f"a2-{i}", "project": "a", "key": "a2", "deadline": deadline})
+    inference.submit_sync(conn, ns, {"id": "b1-0", "project": "b", "key": "b1", "deadline": deadline})
+    inference.submit_sync(conn, ns, {"id": "system-0", "deadline": deadline})  # no project: a lane of its own
+    order = [e["id"] for e in inference.take(conn, ns, "w", block=0, most=3)]
+    order += [e["id"] for _ in range(10) for e in inference.take(conn, ns, "w", block=0.05, most=1)]
+    assert order == ["a1-0", "b1-0", "system-0", "a2-0", "a1-1", "a2-1", "a1-2", "a1-3"], order
+    assert conn.llen(f"{ns}:ready") == 0 and not conn.exists(f"{ns}:projects")  # nothing left behind
+    t0 = time.monotonic()
+    assert inference.take(conn, ns, "w", block=0.3, most=4) == [] and time.monotonic() - t0 >= 0.25
+    conn.close()
+
+
+def test_a_worker_refuses_a_prompt_past_any_context_without_tokenizing_it(
+    served: dict[str, str], models_dir: Path
+) -> None:
+    """A request that reaches a worker past the API's check (another API version, a direct push)."""
+    import json
+
+    import redis
+
+    from service import inference
+    from service.settings import get_settings
+
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    ns = inference.namespace(inference.serve_queue())
+    envelope = {
+        "id": f"big-{secrets.token_hex(4)}",
+        "kind": "chat",
+        "messages": [{"role": "user", "content": "word " * 400_000}],  # 2 MB
+        "servable": {"base": str(models_dir / "tiny-policy"), "chain": []},
+        "deadline": time.time() + 60,
+        "n": 1,
+        "max_tokens": 4,
+    }
+    inference.submit_sync(conn, ns, envelope)
+    got = conn.blpop([f"{ns}:reply:{envelope['id']}"], timeout=30)
+    assert got is not None
+    message = json.loads(got[1])
+    assert message["code"] == "context_length_exceeded" and "bytes" in message["message"], message
+    conn.close()

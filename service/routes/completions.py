@@ -46,7 +46,7 @@ STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json
 async def chat_completions(
     request: Request, session: SessionDep, project: ProjectDep, settings: SettingsDep, body: ChatCompletionCreate
 ) -> Response:
-    body.check_limits(settings, budget_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    body.check_limits(settings)
     return await _complete(request, session, project, settings, body, ChatShape(body))
 
 
@@ -54,8 +54,8 @@ async def chat_completions(
 async def completions(
     request: Request, session: SessionDep, project: ProjectDep, settings: SettingsDep, body: CompletionCreate
 ) -> Response:
-    body.check_limits(settings, prompts=len(body.prompts))
-    return await _complete(request, session, project, settings, body, TextShape(body), prompts=len(body.prompts))
+    body.check_limits(settings)
+    return await _complete(request, session, project, settings, body, TextShape(body))
 
 
 # The answer's shapes ----------------------------------------------------------------------------------
@@ -121,21 +121,27 @@ async def _complete(
     settings: Settings,
     body: Sampling,
     shape: Shape,
-    *,
-    prompts: int = 1,
 ) -> Response:
     served = await run_db(
         session, lambda: servable.resolve(session, settings, project_seq=project.seq, name=body.model)
     )
+    body.check_context(servable.context_of(served))
     ns = inference.namespace(inference.serve_queue())
-    rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings, prompts)
+    rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings)
     deadline = time.time() + settings.inference_timeout_seconds
     conn = inference.connect_async()
     admitted = answered = handed = False
     try:
         await _admit(conn, ns, settings, key=key, rid=rid, tokens=tokens, deadline=deadline)
         admitted = True
-        envelope = {"id": rid, "project": project.id, "deadline": deadline, "servable": served, **body.wire()}
+        envelope = {
+            "id": rid,
+            "project": project.id,
+            "key": key,
+            "deadline": deadline,
+            "servable": served,
+            **body.wire(),
+        }
         await inference.submit(conn, ns, envelope)
 
         async def wanted() -> bool:  # a client that left while its request waited frees its place

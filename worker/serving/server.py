@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from service import inference
+from service.inference import MAX_BYTES_PER_TOKEN
 from service.settings import get_settings
 from worker.records import JobError
 from worker.serving.decode import Row
@@ -51,7 +52,11 @@ class Request:
     @property
     def row_count(self) -> int:
         """Completions it asks for: ``n`` for each prompt."""
-        return int(self.envelope.get("n", 1)) * len(self.envelope.get("prompts") or [None])
+        return self.rows_of(self.envelope)
+
+    @staticmethod
+    def rows_of(envelope: dict[str, Any]) -> int:
+        return int(envelope.get("n", 1)) * len(envelope.get("prompts") or [None])
 
 
 def seed_of(seed: int | None, choice: int) -> int | None:
@@ -129,6 +134,10 @@ class Server:
             with self._lock:
                 self.held.add(envelope["id"])
             if envelope.get("kind") in ("chat", "completion"):
+                if Request.rows_of(envelope) > self.max_rows:  # (the API refuses them: one from elsewhere)
+                    message = f"A request may ask for at most {self.max_rows} completions (n times the prompts)."
+                    self._answer(envelope["id"], inference.error_message(400, "too_many_completions", message, "n"))
+                    continue
                 try:  # (an object store's checkpoints are fetched here, once a host)
                     servable = Servable.from_wire(envelope["servable"])
                 except (OSError, ValueError) as exc:
@@ -150,8 +159,8 @@ class Server:
 
     # A batch -------------------------------------------------------------------------------------------
     def serve_one_batch(self) -> None:
-        """The oldest waiting request's base, with the waiting requests that share it, up to
-        ``max_rows`` rows (the oldest request goes whole, however many rows it has)."""
+        """The first waiting request's base (requests are taken in turn between projects and keys),
+        with the waiting requests that share it, up to ``max_rows`` rows (no request has more)."""
         key = self.pending[0].servable.base_key
         batch: list[Request] = []
         rows = 0
@@ -200,13 +209,23 @@ class Server:
         items = [{"messages": env["messages"], "tools": env.get("tools")}] if env["kind"] == "chat" else None
         items = items or [{"prompt": p} for p in env["prompts"]]
         param = "messages" if env["kind"] == "chat" else "prompt"
+        context = loaded.context
         try:
-            prompts = [tok(prompt_text(item, tok), add_special_tokens=False)["input_ids"] for item in items]
+            texts = [prompt_text(item, tok) for item in items]
         except JobError as exc:  # a chat template that cannot render these messages
             return inference.error_message(400, exc.code, exc.message, param)
         except Exception as exc:  # noqa: BLE001 - a template's own error (a role it refuses, …)
             return inference.error_message(400, "invalid_messages", f"The chat template refused them: {exc}", param)
-        context = loaded.context
+        longest_bytes = max(len(text.encode()) for text in texts)
+        if context is not None and longest_bytes > context * MAX_BYTES_PER_TOKEN:  # never tokenized whole
+            return inference.error_message(
+                400,
+                "context_length_exceeded",
+                f"This model's maximum context length is {context} tokens. However, your {param} is "
+                f"{longest_bytes} bytes, more than {context} tokens of text can hold. Shorten the {param}.",
+                param,
+            )
+        prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
         longest = max(len(p) for p in prompts)
         asked = env.get("max_tokens")
         if longest == 0:
