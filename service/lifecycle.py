@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session
 
 from service import wakeups, webhooks
@@ -145,6 +145,39 @@ def claim(*, session: Session, job_id: str, worker: str) -> Job | None:
     )
     session.commit()
     return session.scalar(select(Job).where(Job.id == job_id)) if claimed else None
+
+
+def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
+    """The next queued job of ``lane`` by turns between projects, claimed for this worker: of the
+    projects with a job waiting there, the one with the fewest jobs running, then the one whose last
+    job started longest ago; its oldest job. A task is a turn to run one job of its job's lane, not
+    that job: one project's many queued jobs wait behind another's one (each queued job has its own
+    task, so every one is claimed by some task). None when none is left to claim."""
+    running = (
+        select(Job.project_seq, func.count().label("n"))
+        .where(Job.status == S.RUNNING.value)
+        .group_by(Job.project_seq)
+        .subquery()
+    )
+    last = select(Job.project_seq, func.max(Job.started_at).label("at")).group_by(Job.project_seq).subquery()
+    turns = (
+        select(Job.id)
+        .outerjoin(running, running.c.project_seq == Job.project_seq)
+        .outerjoin(last, last.c.project_seq == Job.project_seq)
+        .where(Job.status == S.QUEUED.value, Job.lane == lane)
+        .order_by(func.coalesce(running.c.n, 0), func.coalesce(last.c.at, 0), Job.created_at, Job.seq)
+        .limit(4)
+    )
+    for _ in range(3):  # another worker may claim a candidate first: look again
+        candidates = list(session.scalars(turns))
+        session.rollback()
+        if not candidates:
+            return None
+        for job_id in candidates:
+            job = claim(session=session, job_id=job_id, worker=worker)
+            if job is not None:
+                return job
+    return None
 
 
 def note_waiting(*, session: Session, job: Job, message: str) -> bool:

@@ -108,6 +108,9 @@ class Job(Base):
     integrations: Mapped[list[Any] | None] = mapped_column(JSON)
     # {gpus, accelerator} as the job asked (schemas.Resources); null: one device of any kind.
     resources: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    lane: Mapped[str] = mapped_column(String(64), default="any.1", server_default="any.1")
+    """The devices it asks for (``service.queue.lane``): a worker's task claims the fairest queued job
+    of its own job's lane."""
     worker: Mapped[str | None] = mapped_column(String(256))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # Times its worker died while running it (killed, out of memory, host gone); RLOO_MAX_JOB_CRASHES fails it.
@@ -120,7 +123,10 @@ class Job(Base):
     started_at: Mapped[int | None] = mapped_column(BigInteger)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
 
-    __table_args__ = (Index("ix_jobs_project_seq_seq", "project_seq", "seq"),)
+    __table_args__ = (
+        Index("ix_jobs_project_seq_seq", "project_seq", "seq"),
+        Index("ix_jobs_status_lane", "status", "lane"),
+    )
 
 
 class JobEvent(Base):
@@ -205,6 +211,9 @@ class Evaluation(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     worker: Mapped[str | None] = mapped_column(String(200))
     heartbeat_at: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    """When a worker first took it: its time budget runs from here, and the project that started one
+    longest ago has the next turn."""
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
 

@@ -60,6 +60,14 @@ def asked(resources: Mapping[str, Any] | None) -> tuple[int, str | None]:
     return int(resources.get("gpus") or 1), None if kind == ANY_KIND else kind
 
 
+def lane(resources: Mapping[str, Any] | None) -> str:
+    """The devices a job asks for, as its row keeps them (``jobs.lane``): ``<kind or any>.<n>``; the
+    jobs of one lane share a queue, and a worker's task claims the fairest of them
+    (``lifecycle.claim_fairest``)."""
+    gpus, kind = asked(resources)
+    return f"{kind or ANY_KIND}.{gpus}"
+
+
 def job_queue(resources: Mapping[str, Any] | None) -> str:
     """The queue of a job that asks for ``resources`` (the module's docstring has the scheme)."""
     gpus, kind = asked(resources)

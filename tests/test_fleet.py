@@ -327,6 +327,43 @@ def test_a_job_no_live_worker_can_run_stays_queued_and_is_told_so_once(client, a
     assert rounds(1) == [0]
 
 
+def test_a_worker_takes_turns_between_projects_not_the_oldest_job(client, auth, other_auth, monkeypatch) -> None:
+    """One FIFO queue let three 30-step jobs of one project hold another's 2-step job 196 s. A task
+    is a turn in its job's lane: it runs the fairest queued job there, whichever task it came as."""
+    from service import lifecycle, queue
+    from service.db import session_scope
+    from service.models import Job
+    from worker.tasks import _claim_a_turn
+
+    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
+    theirs, ours = upload_ok(client, auth)["id"], upload_ok(client, other_auth)["id"]
+    a = [create_job(client, auth, job_body(theirs))["id"] for _ in range(3)]
+    big = create_job(client, auth, job_body(theirs, resources={"gpus": 2}))["id"]  # another lane
+    b = create_job(client, other_auth, job_body(ours))["id"]
+    with session_scope() as session:
+        for i, job_id in enumerate([*a, big, b]):  # created a second apart, the other project's last
+            session.query(Job).filter(Job.id == job_id).update({"created_at": 1000 + i})
+        session.commit()
+        assert {j.id: j.lane for j in session.query(Job)} == {**dict.fromkeys([*a, b], "any.1"), big: "any.2"}
+
+    def finish(job: Job) -> None:
+        with session_scope() as session:
+            session.query(Job).filter(Job.id == job.id).update({"status": "succeeded"})
+            session.commit()
+
+    order = []
+    with session_scope() as session:
+        for task in [a[0], a[1], a[2], b]:  # the tasks arrive in the order the jobs were created
+            job = _claim_a_turn(session, task)
+            assert job is not None
+            order.append(job.id)
+            if len(order) == 1:
+                finish(job)  # the first ends before the next task; the rest keep running
+        assert _claim_a_turn(session, b) is None  # every job of the lane is taken: a turn with nothing to run
+        assert lifecycle.claim_fairest(session=session, lane="any.2", worker="w") is not None
+    assert order == [a[0], b, a[1], a[2]], order  # before: a[0], a[1], a[2], b
+
+
 # End to end --------------------------------------------------------------------------------------
 @pytest.fixture(params=["embedded", "production"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:

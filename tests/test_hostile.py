@@ -213,6 +213,28 @@ def test_a_project_has_a_cap_of_waiting_jobs(client, auth, monkeypatch) -> None:
     create_job(client, auth, job_body(file_id))  # a place came free
 
 
+def test_resuming_counts_against_the_cap_of_waiting_jobs(client, auth, monkeypatch) -> None:
+    """Create answered 429 at the cap while resume answered 200: pause and resume cycles made the cap
+    unbounded. A resumed job waits for a worker as a new one does."""
+    from service.db import reset_caches, session_scope
+    from service.models import Job
+
+    monkeypatch.setenv("RLOO_MAX_QUEUED_JOBS", "2")
+    reset_caches()
+    file_id = upload_ok(client, auth)["id"]
+    paused = create_job(client, auth, job_body(file_id))["id"]
+    with session_scope() as session:  # it ran, was paused, and its worker let go
+        session.query(Job).filter(Job.id == paused).update({"status": "paused", "worker": None})
+        session.commit()
+    waiting = [create_job(client, auth, job_body(file_id, seed=i))["id"] for i in range(2)]
+    err = assert_error(client.post(f"{JOBS}/{paused}/resume", headers=auth), 429, code="too_many_queued_jobs")
+    assert "RLOO_MAX_QUEUED_JOBS=2" in err["message"] and "resume" in err["message"]
+    assert client.get(f"{JOBS}/{paused}", headers=auth).json()["status"] == "paused"  # nothing changed
+    client.post(f"{JOBS}/{waiting[0]}/cancel", headers=auth)
+    resp = client.post(f"{JOBS}/{paused}/resume", headers=auth)
+    assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+
+
 def test_a_file_deleted_while_a_job_using_it_is_created_one_of_the_two_loses(env, auth, monkeypatch) -> None:
     """Both at once, 31 times: never a job on a deleted file (it would fail later with file_not_found)."""
     from tests.helpers.api import fresh_client

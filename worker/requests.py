@@ -70,8 +70,8 @@ class GuardedRequest(Request):
 
 class JobRequest(GuardedRequest):
     """A job's task: one job id. A job that waits for no worker any more (cancelled while queued,
-    finished, paused) is dropped here at the cost of one query, so create-and-cancel churn never
-    costs a pool process."""
+    finished, paused), with no other job waiting in its lane, is dropped here at the cost of a query
+    or two, so create-and-cancel churn never costs a pool process."""
 
     def refusal(self) -> str | None:
         args, kwargs = self.args, self.kwargs
@@ -91,16 +91,25 @@ class WakeUpRequest(GuardedRequest):
 
 
 def _still_runnable(job_id: str) -> bool:
-    """queued (to claim), running (its worker may have died), or unknown to us (the database is
-    away: the pool process will see)."""
+    """queued (to claim), running (its worker may have died), unknown to us (the database is away:
+    the pool process will see), or another job waits in its lane (a task is a turn in its lane:
+    another task may have run this one in its place, ``lifecycle.claim_fairest``)."""
+    from sqlalchemy import select
+
     from service import crud
     from service.db import session_scope
     from service.lifecycle import JobStatus
+    from service.models import Job
 
     try:
         with session_scope() as session:
             job = crud.get_job_by_id(session=session, job_id=job_id)
-            return job is not None and job.status in (JobStatus.QUEUED, JobStatus.RUNNING)
+            if job is None:
+                return False
+            if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+                return True
+            waiting = select(Job.seq).where(Job.status == JobStatus.QUEUED.value, Job.lane == job.lane).limit(1)
+            return session.scalar(waiting) is not None
     except Exception:
         return True
 

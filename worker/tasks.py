@@ -33,36 +33,48 @@ log = logging.getLogger("rloo.worker")
 
 @app.task(name=RUN_JOB_TASK, Request="worker.requests:JobRequest")  # acks_late and the rest: worker.celery_app
 def run_job(job_id: str) -> str:
-    """Run one job to its end. Safe to deliver twice: only the delivery that claims the row trains.
-    Every line it logs names the job (``service.logs``)."""
+    """A turn to run one job of ``job_id``'s lane to its end: the fairest queued job there, by turns
+    between projects (``lifecycle.claim_fairest``), which is ``job_id`` itself unless another project
+    waits longer. Safe to deliver twice: only the delivery that claims a row trains it. Every line it
+    logs names the job it runs (``service.logs``)."""
     from service.logs import job_scope
 
-    with job_scope(job_id):
-        return _run_job(job_id)
-
-
-def _run_job(job_id: str) -> str:
-    settings = get_settings()
     with session_scope() as session:
-        job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())
+        job = _claim_a_turn(session, job_id)
         if job is None:
-            current = crud.get_job_by_id(session=session, job_id=job_id)
-            if current is not None and current.status == JobStatus.RUNNING and died_here(current.worker):
-                # The pool process that ran it was killed (the out-of-memory killer, most often) and
-                # Celery handed the task back: no need to wait for the heartbeat to go stale.
-                log.warning("job %s: its process %s was killed; Celery handed its task back", job_id, current.worker)
-                moved = _crashed(session, current, "The worker process running the job was killed")
-                if moved == JobStatus.QUEUED:
-                    job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())
-        if job is None:
-            current = crud.get_job_by_id(session=session, job_id=job_id)
-            log.info("job %s not claimed (status %s); nothing to do", job_id, current.status if current else "gone")
             return "skipped"
         node = getattr(run_job.request, "hostname", None) or "local"  # the Celery worker (rloo worker)
-        # Where it runs is the operator's business (this log); the tenant's event names no host.
-        log.info("job %s started on worker %s (process %s)", job_id, node, process_name())
-        lifecycle.add_event(session=session, job=job, message="Job started")
-        session.commit()
+        with job_scope(job.id):
+            # Where it runs is the operator's business (this log); the tenant's event names no host.
+            turn = "" if job.id == job_id else f", in the turn of job {job_id}"
+            log.info("job %s started on worker %s (process %s%s)", job.id, node, process_name(), turn)
+            lifecycle.add_event(session=session, job=job, message="Job started")
+            session.commit()
+    with job_scope(job.id):
+        return _run_job(job)
+
+
+def _claim_a_turn(session: Any, job_id: str) -> Job | None:
+    """The job this task runs, claimed; None when there is none to run (logged)."""
+    own = crud.get_job_by_id(session=session, job_id=job_id)
+    if own is None:
+        log.info("job %s is gone; nothing to do", job_id)
+        return None
+    if own.status == JobStatus.RUNNING and died_here(own.worker):
+        # The pool process that ran it was killed (the out-of-memory killer, most often) and Celery
+        # handed the task back: no need to wait for the heartbeat to go stale.
+        log.warning("job %s: its process %s was killed; Celery handed its task back", job_id, own.worker)
+        if _crashed(session, own, "The worker process running the job was killed") == JobStatus.QUEUED:
+            return lifecycle.claim(session=session, job_id=job_id, worker=process_name())
+    job = lifecycle.claim_fairest(session=session, lane=own.lane, worker=process_name())
+    if job is None:
+        log.info("job %s: no queued job in its lane %s to run (its own is %s)", job_id, own.lane, own.status)
+    return job
+
+
+def _run_job(job: Job) -> str:
+    job_id = job.id
+    settings = get_settings()
 
     heartbeat = Heartbeat(job, settings.heartbeat_seconds)
     heartbeat.start()

@@ -140,6 +140,7 @@ def create_job(
     if grader is not None:
         config = {"grader": graders.grader_to_dict(grader), **config}
     method_object = {"type": kind, kind: config}
+    resources = body.resources.model_dump() if body.resources else None
     job = Job(
         project_seq=project.seq,
         model=body.model,
@@ -150,7 +151,8 @@ def create_job(
         suffix=body.suffix,
         metadata_=body.metadata,
         integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
-        resources=body.resources.model_dump() if body.resources else None,
+        resources=resources,
+        lane=queue.lane(resources),
         method=method_object,
         hyperparameters=stored_hp,
         status=JobStatus.QUEUED.value,
@@ -262,7 +264,7 @@ def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
         raise APIError(
             429,
             f"This project has {waiting} jobs waiting for a worker, the most it may have (RLOO_MAX_QUEUED_JOBS="
-            f"{cap}); create this one when one of them has started, or cancel one.",
+            f"{cap}); create or resume this one when one of them has started, or cancel one.",
             code="too_many_queued_jobs",
             headers={"Retry-After": "10"},
         )
@@ -344,9 +346,14 @@ def pause_job(session: SessionDep, project: ProjectDep, job_id: str) -> JSON:
 @router.post("/{job_id}/resume", summary="Resume a paused fine-tuning job")
 @ends_session
 def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, job_id: str) -> JSON:
-    """paused -> queued: a worker continues from the job's last checkpoint."""
+    """paused -> queued: a worker continues from the job's last checkpoint. A resumed job waits for a
+    worker as a new one does, so it counts against the project's RLOO_MAX_QUEUED_JOBS (429 past it)."""
     job = _job(session, project, job_id)
-    if not lifecycle.resume(session=session, job=job, stale_after=settings.stale_after):
+    with write_lock(session):
+        if job.status == JobStatus.PAUSED:
+            _check_room(session, project, settings.max_queued_jobs)
+        resumed = lifecycle.resume(session=session, job=job, stale_after=settings.stale_after)
+    if not resumed:
         if job.status == JobStatus.PAUSED:
             raise APIError(
                 409,
