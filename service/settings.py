@@ -228,6 +228,16 @@ class Settings(BaseSettings):
         le=86400,
         description="How long a remote reward model may take to score one batch, queued and scored.",
     )
+    evaluation_max_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        le=7 * 86400,
+        description="How long one checkpoint evaluation may run in all, from its first start (it fails past it, "
+        "its results so far kept).",
+    )
+    evaluations_per_project: int = Field(
+        default=1, ge=1, le=1000, description="Checkpoint evaluations one project may have running at once."
+    )
     inference_max_batch: int = Field(
         default=32,
         ge=1,

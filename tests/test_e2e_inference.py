@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.data import EXAMPLES
-from tests.helpers.live import LiveStack, live_stack, upload_path, wait_for
+from tests.helpers.data import EXAMPLES, job_body
+from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -31,14 +31,21 @@ LONG = {"model": "tiny-policy", "prompt": [PROMPT] * 64, "n": 16, "max_tokens": 
 """A request that takes the tiny model some seconds: 1,024 completions of up to 200 tokens."""
 
 
+GRADER_SECONDS = 6.0
+"""What the slow http grader takes a chunk."""
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[LiveStack]:
+    grader_port = free_port()
     env = {
         "RLOO_INFERENCE_MAX_CONCURRENT": "1",
         "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT": str(10**6),
         "RLOO_INFERENCE_MAX_BATCH": "1024",  # LONG is one batch
+        "RLOO_HTTP_GRADER_URLS": json.dumps([f"http://127.0.0.1:{grader_port}/"]),
     }
     with live_stack("embedded", tmp_path_factory.mktemp("inference"), models_dir, env=env) as s:
+        s.http_grader_port = grader_port  # type: ignore[attr-defined]
         s.start("serve", "worker", "--serve")
         _served_again(s)
         yield s
@@ -202,3 +209,62 @@ def test_a_job_whose_reward_model_is_remote_trains_as_one_that_scores_it_beside_
             rewards[remote] = [m[name] for m in metrics for name in ("train_reward_mean", "kl", "loss")]
     assert rewards[True] == pytest.approx(rewards[False], abs=1e-5)
     assert len(set(rewards[False][::3])) > 1  # the steps' rewards really differ
+
+
+def test_an_evaluations_slow_grader_holds_no_chat_and_a_cancel_stops_it(stack: LiveStack) -> None:
+    """A grader that took 81 s a chunk ran inside the serving loop: another project's 4-token chat
+    waited for it. Grading runs on the worker's grading thread now; the chat is answered meanwhile,
+    and a cancelled evaluation ends at its worker's next heartbeat."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    graded = threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["samples"])
+            graded.set()
+            time.sleep(GRADER_SECONDS)
+            body = json.dumps({"scores": [0.5] * n}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", stack.http_grader_port), Slow)  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    other = stack.cli("keys", "create", "--project", "other").stdout.strip().splitlines()[-1]
+    try:
+        with stack.http as http:
+            file_id = upload_path(http, EXAMPLES / "demo" / "valid.jsonl")
+            job = http.post("/fine_tuning/jobs", json=job_body(upload_path(http, EXAMPLES / "demo" / "train.jsonl")))
+            job_id = job.json()["id"]
+            http.post(f"/fine_tuning/jobs/{job_id}/cancel")  # only its starting model is evaluated
+            grader = {"type": "http", "name": "slow", "url": f"http://127.0.0.1:{stack.http_grader_port}/g"}  # type: ignore[attr-defined]
+            r = http.post(
+                f"/fine_tuning/jobs/{job_id}/evaluations",
+                json={"file": file_id, "checkpoints": [], "samples": 40, "max_tokens": 4, "grader": grader},
+            )
+            assert r.status_code == 200, r.text
+            evaluation = r.json()
+            assert graded.wait(60), stack.log_tail()  # a chunk is being graded now
+            with httpx.Client(base_url=stack.url + "/v1", headers={"Authorization": f"Bearer {other}"}) as theirs:
+                t0 = time.monotonic()
+                chat = theirs.post(
+                    "/chat/completions",
+                    json={"model": "tiny-policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                    timeout=60,
+                )
+                took = time.monotonic() - t0
+            assert chat.status_code == 200, chat.text
+            assert took < GRADER_SECONDS / 2, took  # before: behind the chunk's grading
+            url = f"/fine_tuning/jobs/{job_id}/evaluations/{evaluation['id']}"
+            assert http.post(url + "/cancel").json()["status"] == "cancelled"
+            time.sleep(GRADER_SECONDS + 3)  # the grading in flight ends; its worker's heartbeat saw the cancel
+            after = http.get(url).json()
+            assert after["status"] == "cancelled" and after["progress"]["done"] < 40, after
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -2,7 +2,8 @@
 ``{checkpoints: [...] | "all", file, grader?, samples?, temperature?, max_tokens?, seed?}`` scores the
 job's starting model and each checkpoint named on the file's first ``samples`` lines, with the job's
 grader unless another is given, on the inference workers (``worker.serving.evaluate``). Listed and
-retrieved like jobs; the answer's ``results`` fills in, a row a model, as the work goes."""
+retrieved like jobs; the answer's ``results`` fills in, a row a model, as the work goes. ``POST
+…/evaluations/{id}/cancel`` stops one; deleting its file or the job's model cancels it too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi import APIRouter
 from pydantic import Field
 from sqlalchemy import select
 
-from service import graders, servable
+from service import evaluations, graders, servable
 from service.db import ends_session
 from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
@@ -129,11 +130,34 @@ def list_evaluations(session: SessionDep, project: ProjectDep, paging: PagingDep
     return page([evaluation_object(e, job) for e in rows], has_more)
 
 
+def _evaluation(session: SessionDep, job: Job, evaluation_id: str) -> Evaluation:
+    e = session.scalar(select(Evaluation).where(Evaluation.job_seq == job.seq, Evaluation.id == evaluation_id))
+    if e is None:
+        raise not_found("evaluation", evaluation_id)
+    return e
+
+
 @router.get("/{job_id}/evaluations/{evaluation_id}", summary="Retrieve an evaluation")
 @ends_session
 def read_evaluation(session: SessionDep, project: ProjectDep, job_id: str, evaluation_id: str) -> JSON:
     job = _job(session, project, job_id)
-    e = session.scalar(select(Evaluation).where(Evaluation.job_seq == job.seq, Evaluation.id == evaluation_id))
-    if e is None:
-        raise not_found("evaluation", evaluation_id)
+    return JSON(evaluation_object(_evaluation(session, job, evaluation_id), job))
+
+
+@router.post("/{job_id}/evaluations/{evaluation_id}/cancel", summary="Cancel an evaluation")
+@ends_session
+def cancel_evaluation(session: SessionDep, project: ProjectDep, job_id: str, evaluation_id: str) -> JSON:
+    """queued or running -> cancelled (its worker stops within a heartbeat, results so far kept); an
+    evaluation that has ended is a 409."""
+    job = _job(session, project, job_id)
+    e = _evaluation(session, job, evaluation_id)
+    if not evaluations.cancel(session, Evaluation.seq == e.seq, code="cancelled", message="Cancelled by request."):
+        session.rollback()
+        raise APIError(
+            409,
+            f"Evaluation {evaluation_id} is {e.status}; only one that has not ended can be cancelled.",
+            code="invalid_state",
+        )
+    session.commit()
+    session.refresh(e)
     return JSON(evaluation_object(e, job))

@@ -10,15 +10,16 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Header, UploadFile
 from fastapi.responses import FileResponse, Response, StreamingResponse
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, idempotency
+from service import crud, evaluations, idempotency
 from service.artifacts import S3Store, open_store
 from service.datasets import UploadSummary, copy_jsonl, store_jsonl
 from service.db import ends_session, write_lock
 from service.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
-from service.models import File, new_id
+from service.models import Evaluation, File, Job, new_id
 from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 from service.settings import Settings
@@ -243,6 +244,13 @@ def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep,
                 code="file_in_use",
             )
         session.delete(f)
+        evaluations.cancel(
+            session,
+            Evaluation.file_id == f.id,
+            Evaluation.job_seq.in_(select(Job.seq).where(Job.project_seq == project.seq)),
+            code="file_deleted",
+            message=f"The file {f.id} it read was deleted.",
+        )
         session.commit()
     store.delete(rel)  # after the commit: a row never points at a missing file
     if isinstance(store, S3Store):

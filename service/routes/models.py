@@ -14,14 +14,14 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from service import finetuned
+from service import evaluations, finetuned
 from service.crud import Caller
 from service.db import ends_session
 from service.deps import ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, model_not_found
 from service.lifecycle import JobStatus
 from service.modelroot import list_models
-from service.models import Job, now
+from service.models import Evaluation, Job, now
 from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 
@@ -98,5 +98,8 @@ def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, mode
             )
         raise model_not_found(model_id)
     job.model_deleted_at = now()
+    evaluations.cancel(
+        session, Evaluation.job_seq == job.seq, code="model_deleted", message=f"The model {model_id} was deleted."
+    )
     session.commit()
     return JSON({"id": model_id, "object": "model", "deleted": True})

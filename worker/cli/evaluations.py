@@ -1,4 +1,4 @@
-"""``rloo evals create|list|get``: a job's checkpoints evaluated on a file by the server's inference
+"""``rloo evals create|list|get|cancel``: a job's checkpoints evaluated on a file by the server's inference
 workers (``POST /v1/fine_tuning/jobs/{id}/evaluations``), printed as a table a model a row."""
 
 from __future__ import annotations
@@ -106,3 +106,15 @@ def evals_get(
         _show(evaluation)
     else:
         print_table(evaluation)
+
+
+@evals_app.command("cancel")
+def evals_cancel(
+    job_id: JobId,
+    evaluation_id: Annotated[str, typer.Argument(metavar="EVAL_ID")],
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Stop an evaluation that has not ended (its results so far are kept)."""
+    evaluation = Api(base_url, api_key).call("POST", f"/fine_tuning/jobs/{job_id}/evaluations/{evaluation_id}/cancel")
+    typer.echo(f"{evaluation['id']} {evaluation['status']}")

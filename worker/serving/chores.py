@@ -5,8 +5,8 @@
   is), under ``<artifacts>/exports/<job>/step-<N>``; asked by ``GET …/checkpoints/{id}/content?merged=true``;
 * remote reward models' batches (``worker.remote_rewards``): a training job's completions scored by
   a reward model kept loaded here;
-* evaluations (``worker.serving.evaluate``): checkpoints scored on a file, a chunk of prompts at a time
-  so that completions asked meanwhile are answered between chunks.
+* evaluations (``worker.serving.evaluate``): checkpoints scored on a file, a few tokens of a chunk at a
+  time between batches of completions, its grading on the worker's grading thread.
 """
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ class Chores:
 
     @property
     def busy(self) -> bool:
+        """An evaluation is under way (maybe only waiting for its grading)."""
         return self.evaluation is not None
+
+    @property
+    def ready(self) -> bool:
+        """An evaluation has work for the serving loop now (it is not only waiting for its grading)."""
+        return self.evaluation is not None and not self.evaluation.waiting
 
     def request(self, envelope: dict[str, Any]) -> dict[str, Any]:
         """A request that is no completion: its last message (``done`` or ``error``)."""
@@ -62,7 +68,8 @@ class Chores:
         from worker.remote_rewards import answer
 
         try:
-            return answer(self.server.rewards(), envelope)
+            with self.server.scoring:  # (an evaluation's model grader on the grading thread: in turn)
+                return answer(self.server.rewards(), envelope)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             return inference.error_message(503, "out_of_memory", "The inference worker ran out of GPU memory scoring")
@@ -71,15 +78,16 @@ class Chores:
             return inference.error_message(500, "score_failed", f"Scoring failed: {type(exc).__name__}: {exc}")
 
     def beat(self) -> None:
-        """The evaluation in progress is alive (from the heartbeat thread, however long a chunk takes)."""
+        """The evaluation in progress is alive (from the heartbeat thread, however long a chunk takes);
+        one cancelled meanwhile (or taken by another worker) is stopped at its next turn."""
         from worker.serving import evaluate
 
         running = self.evaluation
-        if running is not None:
-            evaluate.touch(running.seq, self.server.worker)
+        if running is not None and not evaluate.touch(running.seq, self.server.worker):
+            running.stopped = True
 
     def step(self) -> None:
-        """One chunk of the evaluation in progress, or (at most every POLL_SECONDS) a look for one."""
+        """One turn of the evaluation in progress, or (at most every POLL_SECONDS) a look for one."""
         from worker.serving import evaluate
 
         if self.evaluation is None:

@@ -1,7 +1,8 @@
 """An inference worker's process: takes requests from Redis (``service.inference``), batches those for
 one base model, streams what each row writes back, and between batches does the rest
 (``worker.serving.chores``): requests that are no completion (merged exports, remote reward models'
-batches), never inside a batch's decoding, and checkpoint evaluations.
+batches), never inside a batch's decoding, and checkpoint evaluations, whose grading runs on the
+worker's one grading thread (``grade``) so that no grader holds the serving loop.
 
 A batch is formed from every waiting request whose model shares a base (LoRA adapters of one base
 decode in one batch, each row through its own adapter), up to ``RLOO_INFERENCE_MAX_BATCH`` rows.
@@ -17,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,19 @@ class Server:
         self.chores = chores
         self._lock = threading.Lock()
         self._rewards: Any = None
+        self.scoring = threading.Lock()
+        """Held while the scoring models (``rewards()``) score: the loop's remote batches and the
+        grading thread's model graders take turns."""
+        self._grading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-grading")
+
+    def grade(self, fn: Any, *args: Any) -> Future[Any]:
+        """``fn(*args)`` on the grading thread (no gradients), while the loop serves on."""
+
+        def run() -> Any:
+            with torch.inference_mode():
+                return fn(*args)
+
+        return self._grading.submit(run)
 
     def rewards(self) -> Any:
         """The reward models, judges and embedder that evaluations' graders and remote reward models
@@ -102,8 +117,10 @@ class Server:
         beat.start()
         inference.heartbeat(self.conn, self.ns, self.worker, [])
         while keep_going():
-            idle = not self.pending and not self.requests and (self.chores is None or not self.chores.busy)
-            self._take(block=1.0 if idle else 0.0)
+            ready = self.chores is not None and self.chores.ready
+            idle = not self.pending and not self.requests and not ready
+            waiting = self.chores is not None and self.chores.busy  # for its grading: look again soon
+            self._take(block=(0.1 if waiting else 1.0) if idle else 0.0)
             self._answer_requests()
             if self.pending:
                 self.serve_one_batch()
