@@ -1,12 +1,18 @@
 """A checkpoint as one full model (``GET …/checkpoints/{id}/content?merged=true``): every LoRA adapter
 of its fine-tuned chain merged into the weights before it, saved in safetensors with its tokenizer, so
-that ``from_pretrained`` and ``vllm serve`` load the directory as it is. The API loads no weights: an
-inference worker merges (``worker.serving.chores.export``), once, into
-``<artifacts>/exports/<job id>/step-<N>``; later downloads read that directory (with an object
-store, that key: the worker publishes it there)."""
+that ``from_pretrained`` and ``vllm serve`` load the directory as it is. The API loads no weights and
+waits for none: an inference worker merges (``worker.serving.chores.export``), once a checkpoint, into
+``<artifacts>/exports/<job id>/step-<N>`` (with an object store, that key: the worker publishes it
+there). Until it is there, a download is answered at once with 503 ``export_in_progress`` and
+``Retry-After``; the merge was asked for once (a marker in Redis, ``export:<key>``, for as long as a
+request may take), and a failed merge is the next download's answer, after which it may be asked
+again.
+
+Where exports live, and their removal with what they were made from, is ``service.export_dirs``."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from pathlib import Path
 from typing import Any
@@ -16,76 +22,115 @@ from sqlalchemy.orm import Session
 from service import finetuned, inference
 from service.artifacts import S3Store
 from service.errors import APIError, no_inference_worker
+from service.export_dirs import export_key
 from service.models import Checkpoint
 from service.settings import Settings
 
 
-def merged(session: Session, settings: Settings, *, project_seq: int, checkpoint: Checkpoint) -> Path | None:
-    """The merged model directory of ``checkpoint``, made now if it is not yet; None when the
-    checkpoint is a full model whose chain holds no adapter (its own directory is the merged model)."""
+def merged(
+    session: Session, settings: Settings, *, project_seq: int, project_id: str, checkpoint: Checkpoint
+) -> Path | None:
+    """The merged model directory of ``checkpoint``; None when the checkpoint is a full model whose
+    chain holds no adapter (its own directory is the merged model). Not made yet: its merge asked
+    for, and 503 ``export_in_progress`` (or the merge's error)."""
     name = checkpoint.fine_tuned_model_checkpoint or ""
     source = finetuned.find(session=session, project_seq=project_seq, name=name, include_deleted=True)
     if source is None:
-        raise APIError(410, f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
+        raise _gone(name)
     chain = [settings.artifacts_dir / path for path in source.chain]
     if not any((path / "adapter_config.json").is_file() for path in chain):
         return None
-    job_dir = Path(checkpoint.path).parent.name
-    target = settings.artifacts_dir / "exports" / job_dir / f"step-{checkpoint.step_number}"
+    key = export_key(Path(checkpoint.path).parent.name, checkpoint.step_number)
+    target = settings.artifacts_dir / key
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    envelope = {
-        "id": f"export-{secrets.token_hex(12)}",
-        "kind": "export",
-        "servable": {"base": str(settings.models_dir / source.base_model), "chain": [str(p) for p in chain]},
-        "target": str(target),
-    }
-    _ask(session, settings, envelope)
-    return target
+    servable = {"base": str(settings.models_dir / source.base_model), "chain": [str(p) for p in chain]}
+    _ask_once(settings, key, {"kind": "export", "servable": servable, "target": str(target)}, project_id)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def merged_in_store(
-    session: Session, settings: Settings, store: S3Store, *, project_seq: int, checkpoint: Checkpoint
+    session: Session, settings: Settings, store: S3Store, *, project_seq: int, project_id: str, checkpoint: Checkpoint
 ) -> str | None:
-    """``merged`` with an object store: the key of the merged model, made now by an inference
-    worker (which fetches the chain and publishes the export as a checkpoint, marker last) if the
-    store holds none yet; None when the chain holds no adapter."""
+    """``merged`` with an object store: the key of the merged model (the worker fetches the chain and
+    publishes the export as a checkpoint, marker last); None when the chain holds no adapter."""
     name = checkpoint.fine_tuned_model_checkpoint or ""
     source = finetuned.find(session=session, project_seq=project_seq, name=name, include_deleted=True)
     if source is None:
-        raise APIError(410, f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
+        raise _gone(name)
     manifests = [store.manifest(path) for path in source.chain]
     if any(m is None for m in manifests):
-        raise APIError(410, f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
+        raise _gone(name)
     if not any("adapter_config.json" in (m or {}) for m in manifests):
         return None
-    target = f"exports/{Path(checkpoint.path).parent.name}/step-{checkpoint.step_number}"
-    if store.manifest(target) is not None:
-        return target
-    envelope = {
-        "id": f"export-{secrets.token_hex(12)}",
-        "kind": "export",
-        "servable": {"base": str(settings.models_dir / source.base_model), "chain": list(source.chain)},
-        "target": target,  # relative: a key the worker publishes to
-    }
-    _ask(session, settings, envelope)
-    return target
+    key = export_key(Path(checkpoint.path).parent.name, checkpoint.step_number)
+    if store.manifest(key) is not None:
+        return key
+    servable = {"base": str(settings.models_dir / source.base_model), "chain": list(source.chain)}
+    _ask_once(settings, key, {"kind": "export", "servable": servable, "target": key}, project_id)  # relative
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _ask(session: Session, settings: Settings, envelope: dict[str, Any]) -> None:
-    """An inference worker makes the export of ``envelope``; its error answers as the API's."""
-    session.close()  # the merge may take minutes: hold no database connection meanwhile
+def _gone(name: str) -> APIError:
+    return APIError(410, f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
+
+
+def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id: str) -> None:
+    """Ask an inference worker for the export ``key`` (in the project's lane) unless it was asked
+    already; raise what the download answers now: the merge's error, or 503 ``export_in_progress``."""
+    import redis
+
+    ns = inference.namespace(inference.serve_queue())
+    marker = f"{ns}:export:{key}"
+    conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=5, socket_connect_timeout=5)
     try:
-        answer = inference.ask(envelope, timeout=settings.inference_timeout_seconds)
-    except inference.NoWorker:
-        raise no_inference_worker("Merging an adapter needs an inference worker") from None
-    except (inference.WorkerLost, inference.TimedOut):
+        asked = conn.get(marker)
+        if asked is not None:
+            _answer_of(conn, ns, marker, json.loads(asked))
+        if not inference.live_workers(conn, ns):
+            raise no_inference_worker("Merging an adapter needs an inference worker")
+        rid = f"export-{secrets.token_hex(12)}"
+        lasts = settings.inference_timeout_seconds
+        if conn.set(marker, json.dumps({"id": rid}), nx=True, ex=int(lasts) + 60):
+            inference.submit_sync(
+                conn, ns, {"id": rid, "project": project_id, "deadline": _deadline(lasts), **envelope}
+            )
+    except redis.RedisError as exc:
         raise APIError(
             503,
-            "The merged model is not ready yet; ask again in a minute (the inference worker goes on merging).",
-            code="export_in_progress",
-            headers={"Retry-After": "30"},
+            f"The queue (Redis) is unreachable ({type(exc).__name__}); retry in a few seconds.",
+            code="queue_unavailable",
+            headers={"Retry-After": "2"},
         ) from None
-    if answer["t"] == "error":
+    finally:
+        conn.close()
+    raise _in_progress()
+
+
+def _answer_of(conn: Any, ns: str, marker: str, asked: dict[str, Any]) -> None:
+    """The asked merge's last word, if it has one: an error raised (and the marker let go, so the
+    next download asks again); nothing when it is still under way (or done and being published)."""
+    last = conn.lindex(f"{ns}:reply:{asked['id']}", -1)
+    if last is None:
+        raise _in_progress()
+    answer = json.loads(last)
+    if answer.get("t") == "error":
+        conn.delete(marker)
         raise APIError(int(answer["status"]), answer["message"], code=answer["code"])
+    conn.delete(marker)  # done: the directory (or key) is there by now, or the next ask makes it
+
+
+def _in_progress() -> APIError:
+    return APIError(
+        503,
+        "The merged model is being made by an inference worker; download it again in a little while.",
+        code="export_in_progress",
+        headers={"Retry-After": "10"},
+    )
+
+
+def _deadline(seconds: float) -> float:
+    import time
+
+    return time.time() + seconds

@@ -157,6 +157,11 @@ def connect_async() -> Any:
     return redis.asyncio.Redis.from_url(get_settings().redis_client_url, socket_timeout=30, socket_connect_timeout=5)
 
 
+def live_workers(conn: Any, ns: str) -> int:
+    """How many workers of ``ns`` beat lately (a synchronous connection)."""
+    return int(conn.zcount(f"{ns}:workers", time.time(), "+inf"))
+
+
 # The API's side --------------------------------------------------------------------------------------
 async def admit(
     conn: Any, ns: str, *, key: str, rid: str, tokens: int, deadline: float, cap: int, token_cap: int
@@ -241,7 +246,7 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
     ns = namespace(queue or serve_queue())
     conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=30, socket_connect_timeout=5)
     try:
-        if not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+        if not live_workers(conn, ns):
             raise NoWorker()
         deadline = time.time() + timeout
         submit_sync(conn, ns, {**envelope, "deadline": deadline})
@@ -253,7 +258,7 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
                 return answer
             if conn.exists(f"{ns}:lease:{envelope['id']}"):
                 held = True
-            elif held or not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
+            elif held or not live_workers(conn, ns):
                 raise WorkerLost()  # its worker is gone, or (queued) every worker is
         conn.set(f"{ns}:cancel:{envelope['id']}", 1, ex=600)  # no worker takes it now
         raise TimedOut()

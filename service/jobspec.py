@@ -160,6 +160,22 @@ def _check_reinforcement(hp: ResolvedHyperparameters, hp_param: str) -> None:
         )
 
 
+def check_kept_checkpoints(hp: AnyResolved, total_steps: int, *, cap: int, param: str) -> None:
+    """A job keeps at most ``cap`` checkpoints (``RLOO_MAX_KEPT_CHECKPOINTS``): a 400 when its
+    ``checkpoint_interval`` and ``keep_checkpoints`` would keep more over its steps (10^7 steps
+    checkpointed each step, all kept, fill any disk), saying what to change."""
+    interval = hp.checkpoint_interval
+    saved = (total_steps // interval + 1) if interval else 1  # and the final one
+    kept = min(saved, hp.keep_checkpoints) if hp.keep_checkpoints else saved
+    if kept > cap:
+        raise bad_request(
+            f"This job would keep {kept} checkpoints ({total_steps} steps, a checkpoint every {interval}); a job keeps "
+            f"at most {cap} on this server (RLOO_MAX_KEPT_CHECKPOINTS). Set keep_checkpoints to {cap} or fewer, or "
+            "a larger checkpoint_interval.",
+            f"{param}.keep_checkpoints" if hp.keep_checkpoints else f"{param}.checkpoint_interval",
+        )
+
+
 def notes(hp: AnyResolved) -> list[str]:
     """What a job's creation tells in its events about settings accepted for OpenAI's sake."""
     out = []

@@ -228,6 +228,13 @@ class Settings(BaseSettings):
         le=86400,
         description="How long a remote reward model may take to score one batch, queued and scored.",
     )
+    max_kept_checkpoints: int = Field(
+        default=100,
+        ge=1,
+        le=100_000,
+        description="Checkpoints one job may keep on disk (its checkpoint_interval and keep_checkpoints are "
+        "refused at creation past it).",
+    )
     evaluation_max_seconds: float = Field(
         default=3600.0,
         gt=0,
@@ -338,6 +345,16 @@ class Settings(BaseSettings):
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+def tenant_safe(message: str, settings: Settings | None = None) -> str:
+    """A message for a tenant: the service's own directories named as the tenant knows them (a model
+    by its name under the models root, a checkpoint by its place under the artifacts root), never as
+    absolute paths of the host."""
+    settings = settings or get_settings()
+    for root in (settings.models_dir, settings.artifacts_dir, settings.home_dir):
+        message = message.replace(f"{root}/", "").replace(str(root), "<service directory>")
+    return message
 
 
 def redact_url(url: str) -> str:

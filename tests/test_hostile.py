@@ -367,3 +367,21 @@ def test_every_list_and_typed_map_a_request_body_holds_is_bounded(app) -> None:
                 stack += [(v, f"{path}[{i}]") for i, v in enumerate(node)]
         todo += _refs(json.dumps(schemas[name]))
     assert len(seen) > 10 and unbounded == [], unbounded
+
+
+def test_a_job_keeps_at_most_the_servers_cap_of_checkpoints(client, auth, monkeypatch) -> None:
+    """A checkpoint every step of a long job, all kept, would fill any disk (and each merged export
+    of a 7B base is ~28 GB): refused at creation past RLOO_MAX_KEPT_CHECKPOINTS, saying what to change."""
+    from service.db import reset_caches
+
+    monkeypatch.setenv("RLOO_MAX_KEPT_CHECKPOINTS", "5")
+    reset_caches()
+    file_id = upload_ok(client, auth)["id"]
+    hp = "method.reinforcement.hyperparameters"
+    every_step = job_body(file_id, hp={"max_steps": 10, "checkpoint_interval": 1})
+    err = assert_error(client.post(JOBS, headers=auth, json=every_step), 400, param=f"{hp}.checkpoint_interval")
+    assert "keep 11 checkpoints" in err["message"] and "RLOO_MAX_KEPT_CHECKPOINTS" in err["message"]
+    too_many = job_body(file_id, hp={"max_steps": 10, "checkpoint_interval": 1, "keep_checkpoints": 6})
+    assert_error(client.post(JOBS, headers=auth, json=too_many), 400, param=f"{hp}.keep_checkpoints")
+    create_job(client, auth, job_body(file_id, hp={"max_steps": 10, "checkpoint_interval": 1, "keep_checkpoints": 5}))
+    create_job(client, auth, job_body(file_id, hp={"max_steps": 10, "checkpoint_interval": 3}))  # 4 in all

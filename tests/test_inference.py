@@ -290,7 +290,11 @@ def test_a_lora_checkpoint_downloads_merged_as_one_model_that_from_pretrained_lo
         job_id = session.get(Job, ckpt.job_seq).id
         url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpt.id}/content"
     adapter = client.get(url, headers=auth)
-    merged = client.get(url, params={"merged": "true"}, headers=auth)
+    t0 = time.monotonic()
+    first = client.get(url, params={"merged": "true"}, headers=auth)  # answered at once: no thread waits
+    assert time.monotonic() - t0 < 2 and first.status_code == 503, first.text
+    assert first.json()["error"]["code"] == "export_in_progress" and first.headers["Retry-After"]
+    merged = _merged_when_ready(client, url, auth)
     assert adapter.status_code == merged.status_code == 200, merged.text
 
     def unpack(body: bytes, where: Path) -> tuple[Path, set[str]]:
@@ -316,6 +320,16 @@ def test_a_lora_checkpoint_downloads_merged_as_one_model_that_from_pretrained_lo
         ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=full).one()
         url = f"/v1/fine_tuning/jobs/{session.get(Job, ckpt.job_seq).id}/checkpoints/{ckpt.id}/content"
     assert client.get(url, params={"merged": "true"}, headers=auth).content == client.get(url, headers=auth).content
+
+
+def _merged_when_ready(client: Any, url: str, auth: dict[str, str], timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get(url, params={"merged": "true"}, headers=auth)
+        if r.status_code != 503 or r.json()["error"]["code"] != "export_in_progress":
+            return r
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
 
 
 def test_a_request_no_key_could_ever_have_in_flight_is_a_400_not_a_429_for_ever(
@@ -413,3 +427,20 @@ def test_a_worker_refuses_a_prompt_past_any_context_without_tokenizing_it(
     message = json.loads(got[1])
     assert message["code"] == "context_length_exceeded" and "bytes" in message["message"], message
     conn.close()
+
+
+def test_a_failed_merge_is_the_next_downloads_answer_without_paths_and_may_be_asked_again(
+    served: dict[str, str], client: Any, auth: dict[str, str], env: dict[str, str], models_dir: Path
+) -> None:
+    artifacts = Path(env["RLOO_HOME"]) / "artifacts"
+    name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
+    with session_scope() as session:
+        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
+        job_id = session.get(Job, ckpt.job_seq).id
+        (artifacts / ckpt.path / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
+        url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpt.id}/content"
+    failed = _merged_when_ready(client, url, auth)
+    assert failed.status_code == 500 and failed.json()["error"]["code"] in ("export_failed", "model_load_failed")
+    assert str(artifacts) not in failed.text and str(models_dir) not in failed.text, failed.text
+    again = client.get(url, params={"merged": "true"}, headers=auth)  # asked anew, not the old answer for ever
+    assert again.status_code == 503 and again.json()["error"]["code"] == "export_in_progress", again.text

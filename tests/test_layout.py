@@ -125,3 +125,19 @@ def test_paths_the_docs_name_exist() -> None:
     }
     assert len(named) > 20  # the scan finds the paths
     assert sorted(f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists()) == []
+
+
+def test_the_workers_import_no_http_layer() -> None:
+    """Only the API imports fastapi and starlette: a training worker's task, the inference worker's
+    loop and the CLI's worker commands load neither (a worker that did would drag the HTTP layer,
+    and what it imports, into every job's process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, worker.tasks, worker.serving.server, worker.serving.evaluate, worker.recording; "
+        "print(sorted(m for m in ('fastapi', 'starlette') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

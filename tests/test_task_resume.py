@@ -12,6 +12,7 @@ from typing import Any
 from service import crud, lifecycle
 from service.db import session_scope
 from service.lifecycle import JobStatus
+from service.settings import get_settings
 from tests.helpers.api import upload_ok
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import TIMING
@@ -111,6 +112,10 @@ def test_keep_checkpoints_removes_pruned_checkpoints_from_the_api_too(client, au
     body["training_file"] = file_id
     body["method"]["reinforcement"]["hyperparameters"].update(max_steps=4, checkpoint_interval=1, keep_checkpoints=2)
     job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    exports = get_settings().artifacts_dir / "exports" / job_id
+    for step in range(1, 5):  # each checkpoint's merged model, as downloads would have made them
+        (exports / f"step-{step}").mkdir(parents=True)
+        (exports / f"step-{step}" / "config.json").write_text("{}")
     assert run_job(job_id) == "succeeded"
     ckpts = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
     assert [c["step_number"] for c in ckpts] == [4, 3]  # newest first; steps 1 and 2 pruned
@@ -119,6 +124,36 @@ def test_keep_checkpoints_removes_pruned_checkpoints_from_the_api_too(client, au
         assert r.status_code == 200 and b"training_state" not in r.content
     events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth).json()["data"]
     assert sum("removed (keep_checkpoints)" in e["message"] for e in events) == 2
+    assert sorted(p.name for p in exports.iterdir()) == ["step-3", "step-4"]  # pruned with their checkpoints
+    model = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()["fine_tuned_model"]
+    assert client.delete(f"/v1/models/{model}", headers=auth).status_code == 200
+    assert not exports.exists()  # and the rest with the model
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_gone_not_a_500(client, auth, monkeypatch) -> None:
+    """Pruned between the look and the listing: a FileNotFoundError was a 500 internal_error."""
+    from pathlib import Path
+
+    from worker.tasks import run_job
+
+    file_id = upload_ok(client, auth)["id"]
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = file_id
+    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=1)
+    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    assert run_job(job_id) == "succeeded"
+    (ckpt,) = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
+    listing = Path.iterdir
+
+    def pruned_meanwhile(self: Path) -> Any:
+        if "checkpoints" in self.parts:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", pruned_meanwhile)
+    r = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpt['id']}/content", headers=auth)
+    assert r.status_code == 410 and r.json()["error"]["code"] == "checkpoint_gone", r.text
+    assert "/" not in r.json()["error"]["message"]  # no server path
 
 
 def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) -> None:

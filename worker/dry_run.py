@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from service import graders
-from service.settings import get_settings
+from service.settings import get_settings, tenant_safe
 
 MODELS_KEPT = 4  # distinct models a process keeps loaded for dry runs; past that it starts afresh
 
@@ -32,9 +32,9 @@ def grade(payload: dict[str, Any]) -> dict[str, Any]:
         else:
             result = graders.grade_batch(grader, [graders.Sample(output_text=sample)], [item])
     except OSError as exc:  # a model that will not load (transformers says which and why)
-        return {"error": _tenant_safe(f"{type(exc).__name__}: {exc}"), "code": "model_load_failed", "status": 400}
+        return {"error": tenant_safe(f"{type(exc).__name__}: {exc}"), "code": "model_load_failed", "status": 400}
     except graders.GraderUnavailable as exc:
-        return {"error": _tenant_safe(str(exc)), "code": "grader_unavailable", "status": 502}
+        return {"error": tenant_safe(str(exc)), "code": "grader_unavailable", "status": 502}
 
     def finite(v: float) -> float | None:
         return v if math.isfinite(v) else None
@@ -43,7 +43,7 @@ def grade(payload: dict[str, Any]) -> dict[str, Any]:
         "reward": finite(result.rewards[0]),
         "sub_rewards": {name: finite(column[0]) for name, column in result.sub_rewards.items()},
         "errors": result.errors,
-        "messages": {name: _tenant_safe(m) for name, m in result.messages.items()},
+        "messages": {name: tenant_safe(m) for name, m in result.messages.items()},
     }
 
 
@@ -68,12 +68,3 @@ def _models() -> Any:
             models_dir=settings.models_dir, device=pick_device(None), embedding_model=settings.embedding_model
         )
     return _reward_models
-
-
-def _tenant_safe(message: str) -> str:
-    """A message for a tenant: the service's own directories named as the tenant knows them (a
-    model by its name under the models root), never as absolute paths of the host."""
-    settings = get_settings()
-    for root, shown in ((settings.models_dir, ""), (settings.artifacts_dir, ""), (settings.home_dir, "")):
-        message = message.replace(f"{root}/", shown).replace(str(root), "<service directory>")
-    return message

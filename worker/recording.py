@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from service import crud, finetuned, lifecycle, webhooks
+from service import crud, export_dirs, finetuned, lifecycle, webhooks
 from service.artifacts import open_store
 from service.db import retrying, session_scope
 from service.identity import process_name
@@ -121,6 +121,9 @@ class DatabaseRecorder:
 
         self._write(f"checkpoint {step} removed", removed)
         unpublish_checkpoint(self.store, job_checkpoints_dir(self.artifacts, self.job.id), step)
+        export_dirs.remove_export(
+            self.store, self.artifacts, export_dirs.export_key(self.job.id, step)
+        )  # its merged model
 
 
 class Heartbeat(threading.Thread):

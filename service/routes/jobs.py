@@ -135,6 +135,9 @@ def create_job(
         if grader is not None:
             jobspec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{kind}.grader")
     total_steps = hp.total_steps(training.line_count)
+    jobspec.check_kept_checkpoints(
+        hp, total_steps, cap=settings.max_kept_checkpoints, param=f"method.{kind}.hyperparameters"
+    )
     stored_hp = hp.model_dump()
     config: dict[str, Any] = {"hyperparameters": stored_hp}
     if grader is not None:
@@ -541,26 +544,37 @@ def read_checkpoint_content(
     if ckpt is None:
         raise not_found("checkpoint", checkpoint_id)
     filename = f"{job.id}-step-{ckpt.step_number}.tar"
+    gone = APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
     store = open_store(settings)
     if isinstance(store, S3Store):  # read from the store as it is sent
         key = ckpt.path
         if merged and store.manifest(ckpt.path) is not None:
-            key = exports.merged_in_store(session, settings, store, project_seq=project.seq, checkpoint=ckpt) or key
+            key = (
+                exports.merged_in_store(
+                    session, settings, store, project_seq=project.seq, project_id=project.id, checkpoint=ckpt
+                )
+                or key
+            )
         members = store.members(key)
         if members is None:
-            raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
+            raise gone
         stored = [(f"{checkpoint_id}/{n}", m) for n, m in members.items() if not n.startswith(TRAINING_STATE_PREFIX)]
         return tar_response(TarLayout(stored), filename=filename, range_header=range_, if_range=if_range)
     directory = store.local(ckpt.path)
     if not directory.is_dir():
-        raise APIError(410, f"Checkpoint {checkpoint_id} is gone from storage.", code="checkpoint_gone")
+        raise gone
     if merged:
-        directory = exports.merged(session, settings, project_seq=project.seq, checkpoint=ckpt) or directory
+        found = exports.merged(session, settings, project_seq=project.seq, project_id=project.id, checkpoint=ckpt)
+        directory = found or directory
     # The Hugging Face directory only; optimizer and RNG state stay server-side. Made while it is
     # sent (service.tarstream): no copy on disk.
-    files = [
-        (f"{checkpoint_id}/{item.name}", item)
-        for item in sorted(directory.iterdir())
-        if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX)
-    ]
-    return tar_response(TarLayout(files), filename=filename, range_header=range_, if_range=if_range)
+    try:
+        files = [
+            (f"{checkpoint_id}/{item.name}", item)
+            for item in sorted(directory.iterdir())
+            if item.is_file() and not item.is_symlink() and not item.name.startswith(TRAINING_STATE_PREFIX)
+        ]
+        layout = TarLayout(files)
+    except FileNotFoundError:  # pruned (keep_checkpoints) between the look and the listing
+        raise gone from None
+    return tar_response(layout, filename=filename, range_header=range_, if_range=if_range)

@@ -14,7 +14,8 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from service import evaluations, finetuned
+from service import evaluations, export_dirs, finetuned
+from service.artifacts import open_store
 from service.crud import Caller
 from service.db import ends_session
 from service.deps import ProjectDep, SessionDep, SettingsDep
@@ -102,4 +103,7 @@ def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, mode
         session, Evaluation.job_seq == job.seq, code="model_deleted", message=f"The model {model_id} was deleted."
     )
     session.commit()
+    export_dirs.remove_job_exports(
+        open_store(settings), settings.artifacts_dir, job.id
+    )  # merged copies, made again if asked
     return JSON({"id": model_id, "object": "model", "deleted": True})

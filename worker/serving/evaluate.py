@@ -39,7 +39,7 @@ from service.db import session_scope
 from service.graders import GradeResult
 from service.inference import MAX_BYTES_PER_TOKEN
 from service.models import Evaluation, File, Job
-from service.settings import get_settings
+from service.settings import get_settings, tenant_safe
 from worker.records import JobError
 from worker.serving.decode import Row
 from worker.serving.models import Servable
@@ -372,6 +372,8 @@ def _fail(seq: int, worker: str, code: str, message: str) -> None:
         session.execute(
             update(Evaluation)
             .where(Evaluation.seq == seq, Evaluation.worker == worker, Evaluation.status == "running")
-            .values(status="failed", error={"code": code, "message": message}, finished_at=int(time.time()))
+            .values(
+                status="failed", error={"code": code, "message": tenant_safe(message)}, finished_at=int(time.time())
+            )
         )
         session.commit()

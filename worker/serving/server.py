@@ -26,7 +26,7 @@ import torch
 
 from service import inference
 from service.inference import MAX_BYTES_PER_TOKEN
-from service.settings import get_settings
+from service.settings import get_settings, tenant_safe
 from worker.records import JobError
 from worker.serving.decode import Row
 from worker.serving.models import ModelCache, Servable
@@ -358,6 +358,8 @@ class Server:
             self._answer(request.id, {"t": "done", "usage": usage})
 
     def _answer(self, rid: str, last: dict[str, Any]) -> None:
+        if last.get("t") == "error":  # (a model that would not load names its directory)
+            last = {**last, "message": tenant_safe(str(last["message"]))}
         inference.finish(self.conn, self.ns, self.worker, rid, last)
         with self._lock:
             self.held.discard(rid)
