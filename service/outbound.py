@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import errno
 import ipaddress
+import math
 import os
 import queue
 import select
@@ -107,9 +108,10 @@ def post(
     end = time.monotonic() + budget
     backend = _DeadlineBackend(end, addresses)
     try:
+        wire = _encoded(url)
         with (
             httpcore.ConnectionPool(network_backend=backend, ssl_context=_tls(), retries=0, max_connections=1) as pool,
-            pool.stream("POST", url, headers=list(headers.items()), content=content) as answer,
+            pool.stream("POST", wire, headers=list(headers.items()), content=content) as answer,
         ):
             body = _read_body(answer, max_body) if max_body else b""
             return Reply(answer.status, body)
@@ -121,8 +123,19 @@ def post(
         raise Unreachable(str(exc) or type(exc).__name__) from None
     except OSError as exc:
         raise Unreachable(_describe(exc)) from None
-    except ValueError as exc:  # a URL httpcore cannot take (a port out of range)
+    except (ValueError, TypeError) as exc:  # a URL httpcore cannot take (a port out of range)
         raise Unreachable(f"the URL cannot be used ({exc})") from None
+
+
+def _encoded(url: str) -> str:
+    """``url`` as it goes on the wire: an international host in IDNA, the path and query
+    percent-encoded (httpcore takes ASCII alone; httpx used to do this)."""
+    import httpx
+
+    try:
+        return str(httpx.URL(url))
+    except httpx.InvalidURL as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _read_body(answer: Any, limit: int) -> bytes:
@@ -165,10 +178,16 @@ def _left(end: float, what: type[Exception] = httpcore.ReadTimeout) -> float:
     return left
 
 
+def _ready(sock: socket.socket, *, write: bool, seconds: float) -> bool:
+    """Whether ``sock`` can be read (or written) within ``seconds``: ``poll``, which takes any file
+    descriptor (``select`` refuses those past 1023, which a busy API process reaches)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT if write else select.POLLIN)
+    return bool(poller.poll(math.ceil(seconds * 1000)))
+
+
 def _wait(sock: socket.socket, end: float, *, write: bool, what: type[Exception]) -> None:
-    left = _left(end, what)
-    readable, writable, _ = select.select([] if write else [sock], [sock] if write else [], [], left)
-    if not readable and not writable:
+    if not _ready(sock, write=write, seconds=_left(end, what)):
         raise what("the deadline passed")
 
 
@@ -240,8 +259,7 @@ class _DeadlineStream(httpcore.NetworkStream):
         if info == "socket":
             return self.sock
         if info == "is_readable":
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            return bool(readable)
+            return _ready(self.sock, write=False, seconds=0)
         return None
 
 
@@ -261,9 +279,10 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         socket_options: Any = None,
     ) -> httpcore.NetworkStream:
         addresses = _lookup(host, port, self.end)
-        refusals = [why for why in map(self.rule, [a for _, a in addresses]) if why] if self.rule else []
-        admitted = [(family, a) for family, a in addresses if self.rule is None or self.rule(a) is None]
+        judged = [(family, a, self.rule(a) if self.rule else None) for family, a in addresses]
+        admitted = [(family, a) for family, a, why in judged if why is None]
         if not admitted:
+            refusals = [why for _, _, why in judged if why]
             raise Unreachable(refusals[0] if refusals else f"the host {host!r} has no address")
         problem = ""
         for family, address in admitted:
@@ -309,6 +328,12 @@ def lookup(host: str, port: int, *, seconds: float) -> list[str]:
         raise OSError(exc.reason) from None
 
 
+LOOKUPS = 32
+"""Name lookups a process runs at once: each runs on a thread the resolver's own time-outs end (a
+slow name server's thread outlives the caller's deadline), so their number is bounded."""
+_LOOKUPS = threading.BoundedSemaphore(LOOKUPS)
+
+
 def _lookup(host: str, port: int, end: float) -> list[tuple[int, str]]:
     """(family, address) of each address ``host`` resolves to, by the deadline. A literal address is
     itself; a name is looked up in a thread of its own (the resolver's own time-outs end it later),
@@ -320,12 +345,16 @@ def _lookup(host: str, port: int, end: float) -> list[tuple[int, str]]:
     except ValueError:
         pass
     answers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    if not _LOOKUPS.acquire(blocking=False):
+        raise Unreachable(f"too many name lookups in flight in this process ({LOOKUPS}); try again shortly")
 
     def resolve() -> None:
         try:
             answers.put(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP))
         except OSError as exc:
             answers.put(exc)
+        finally:
+            _LOOKUPS.release()
 
     threading.Thread(target=resolve, name="outbound-lookup", daemon=True).start()
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from json.decoder import scanstring
 from typing import Any
 
 MAX_BODY_DEPTH = 128
@@ -35,7 +36,6 @@ MAX_VALUES = 1_000_000
 """Values (array items and object members) in one text."""
 
 _SUSPECT = re.compile(r"\\u(?:[dD][89a-fA-F]|0000)")  # a surrogate's or a NUL's escape
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal, escapes and all
 
 
 class InvalidJSON(ValueError):
@@ -56,17 +56,21 @@ def _count_structure(text: str, max_containers: int, max_values: int) -> None:
     if containers <= max_containers and separators < max_values:
         return
     # Brackets and commas inside strings are text, not structure: count again between the strings,
-    # a string at a time (a thread running this lets others run between them), stopping once past.
+    # each skipped by the json module's own scanner (C, linear: a string that never ends stops the
+    # count, and the parse reports it), a string at a time (a thread running this lets others run
+    # between them), stopping once past.
     containers = separators = at = 0
-    for match in _STRING.finditer(text):
-        containers += text.count("{", at, match.start()) + text.count("[", at, match.start())
-        separators += text.count(",", at, match.start())
-        at = match.end()
-        if containers > max_containers or separators >= max_values:
+    while True:
+        quote = text.find('"', at)
+        end = len(text) if quote < 0 else quote
+        containers += text.count("{", at, end) + text.count("[", at, end)
+        separators += text.count(",", at, end)
+        if quote < 0 or containers > max_containers or separators >= max_values:
             break
-    else:
-        containers += text.count("{", at) + text.count("[", at)
-        separators += text.count(",", at)
+        try:
+            at = scanstring(text, quote + 1, False)[1]
+        except ValueError:  # unterminated, or a bad escape: not JSON, which the parse says
+            return
     if containers > max_containers:
         raise TooMany(f"it holds more than {max_containers:,} arrays and objects", None)
     if separators >= max_values:

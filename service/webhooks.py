@@ -149,6 +149,9 @@ def send(endpoint: WebhookEndpoint, delivery_id: str, payload: dict[str, Any], s
         )
     except outbound.OutboundError as exc:  # no answer in time, a connection refused, an address refused
         return Attempt(None, redact_url(exc.reason)[:500])
+    except Exception as exc:  # a bug of ours must not leave a delivery claimed for ever: an attempt that failed
+        log.exception("webhook delivery %s: the attempt failed", delivery_id)
+        return Attempt(None, f"{type(exc).__name__}: the attempt failed inside the server")
     return Attempt(reply.status, None if reply.ok else f"answered {reply.status}")
 
 

@@ -158,6 +158,64 @@ def test_an_answer_longer_than_the_caller_reads_is_too_large(server) -> None:
         outbound.post(f"http://127.0.0.1:{s.port}/x", b"{}", headers={}, seconds=2, max_body=4)
 
 
+def test_an_international_url_is_sent_encoded(server) -> None:
+    """httpcore takes ASCII alone: a path (or host) in another script was a TypeError, a 500."""
+    seen: list[bytes] = []
+
+    def behave(conn: socket.socket) -> None:
+        seen.append(conn.recv(65536))
+        conn.sendall(HEAD + b"ok")
+
+    s = server(behave)
+    reply = outbound.post(f"http://127.0.0.1:{s.port}/hööks?ü=1", b"{}", headers={}, seconds=2)
+    assert reply.status == 200 and seen[0].startswith(b"POST /h%C3%B6%C3%B6ks?%C3%BC=1 HTTP/1.1")
+    with pytest.raises(outbound.Unreachable, match="cannot be used"):
+        outbound.post("http://[::1/x", b"{}", headers={}, seconds=2)
+
+
+def test_a_socket_past_file_descriptor_1023_is_waited_on(server) -> None:
+    """select() refuses descriptors past 1023, which a busy API process reaches: every send failed."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("the hard limit on open files is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        s = server(trickle(HEAD + b"ok", every=0.001))
+        assert outbound.post(f"http://127.0.0.1:{s.port}/x", b"{}", headers={}, seconds=5).status == 200
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_name_lookups_in_flight_are_bounded(monkeypatch) -> None:
+    """Each lookup runs on a thread its resolver ends (past the caller's deadline): a slow name
+    server could pile them up without end."""
+    release = threading.Event()
+
+    def stuck(*args: object, **kwargs: object) -> list[object]:
+        release.wait(10)
+        return []
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+    reasons = []
+    try:
+        for _ in range(outbound.LOOKUPS + 1):
+            with pytest.raises(outbound.Unreachable) as caught:
+                outbound.post("http://slow.invalid/x", b"{}", headers={}, seconds=0.01)
+            reasons.append(caught.value.reason)
+        lookups = [t for t in threading.enumerate() if t.name == "outbound-lookup"]
+        assert len(lookups) <= outbound.LOOKUPS and "too many name lookups" in reasons[-1], reasons
+    finally:
+        release.set()
+
+
 def test_a_closed_port_is_unreachable_at_once() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
