@@ -16,6 +16,10 @@ loop or its threads. In Redis, beside the Celery queue:
 * ``projects``: the projects with work waiting, by when each was last served. A worker takes the
   first dry run of the project served longest ago: one project's twenty dry runs wait behind
   another's one, not the reverse.
+* ``grading:<project>``: the project's dry runs being graded. A project has at most half the graders
+  worker's processes (``share``) at once, so another project's dry run finds one free however long the
+  first's graders take; a wake-up that finds only such projects waiting takes nothing, and the worker
+  that answers one of theirs sends a wake-up for what still waits.
 * ``inflight:<task id>``: the dry run a worker is grading. Should the worker process die on it
   (the out-of-memory killer, a crash), Celery delivers the wake-up again and the next delivery
   finds this marker: that dry run is answered with an error and set aside in ``dead`` (the last
@@ -53,22 +57,33 @@ local served = redis.call('HGET', KEYS[3], ARGV[1]) or '0'
 redis.call('ZADD', KEYS[2], 'NX', served, ARGV[1])
 return 1
 """
-# The next dry run: from the project served longest ago.
+# The next dry run: from the project served longest ago that has fewer than ARGV[3] being graded
+# (`grading:<project>`, by when each is done at the latest); none when every waiting project has.
 _POP = """
-while true do
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
-  if not first then return false end
-  local pending = ARGV[2] .. first
-  local envelope = redis.call('LPOP', pending)
-  if redis.call('LLEN', pending) == 0 then
-    redis.call('ZREM', KEYS[1], first)
-  else
-    redis.call('ZADD', KEYS[1], ARGV[1], first)
+for _, project in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local grading = ARGV[4] .. project
+  redis.call('ZREMRANGEBYSCORE', grading, '-inf', ARGV[1])
+  if redis.call('ZCARD', grading) < tonumber(ARGV[3]) then
+    local pending = ARGV[2] .. project
+    local envelope = redis.call('LPOP', pending)
+    if redis.call('LLEN', pending) == 0 then
+      redis.call('ZREM', KEYS[1], project)
+    else
+      redis.call('ZADD', KEYS[1], ARGV[1], project)
+    end
+    redis.call('HSET', KEYS[2], project, ARGV[1])
+    if envelope then return envelope end
   end
-  redis.call('HSET', KEYS[2], first, ARGV[1])
-  if envelope then return envelope end
 end
+return false
 """
+
+
+def share(concurrency: int) -> int:
+    """Dry runs one project's are graded at once on a graders worker of ``concurrency`` processes:
+    half of them (at least one), so that another project's dry run finds a process free however long
+    the first project's graders take (a trickling http endpoint held both processes)."""
+    return max(1, concurrency // 2)
 
 
 class Busy(Exception):
@@ -161,26 +176,43 @@ def take(conn: Any, queue: str, task_id: str) -> dict[str, Any] | None:
     if left is not None:
         bury(conn, queue, left.decode() if isinstance(left, bytes) else left)
         conn.delete(marker)
+    settings = get_settings()
     while True:
-        raw = conn.eval(_POP, 2, f"{ns}:projects", f"{ns}:served", time.time(), f"{ns}:pending:")
+        raw = conn.eval(
+            _POP,
+            2,
+            f"{ns}:projects",
+            f"{ns}:served",
+            time.time(),
+            f"{ns}:pending:",
+            share(settings.grader_concurrency),
+            f"{ns}:grading:",
+        )
         if raw is None:
             return None
         envelope: dict[str, Any] = json.loads(raw)
         if envelope["deadline"] > time.time():
             conn.set(marker, raw, ex=max(1, int(envelope["deadline"] - time.time()) + 60))
             # The project's place stays taken while this is graded, up to this worker's hard limit.
-            active, hold = f"{ns}:active:{envelope['project']}", get_settings().grader_run_seconds + 60
+            project, hold = envelope["project"], settings.grader_run_seconds + 60
+            active, grading = f"{ns}:active:{project}", f"{ns}:grading:{project}"
             if conn.zadd(active, {envelope["id"]: time.time() + hold}, xx=True, ch=True) and conn.ttl(active) < hold:
                 conn.expire(active, int(hold) + 60)
+            conn.zadd(grading, {envelope["id"]: time.time() + hold})
+            conn.expire(grading, int(hold) + 60)
             return envelope
 
 
-def answer(conn: Any, queue: str, task_id: str, envelope: dict[str, Any], result: dict[str, Any]) -> None:
+def answer(conn: Any, queue: str, task_id: str, envelope: dict[str, Any], result: dict[str, Any]) -> bool:
+    """The dry run's answer where the API waits, its places let go. True when other dry runs wait
+    (one a project's share kept back may have no wake-up left: the caller sends one)."""
     ns = namespace(queue)
     conn.rpush(envelope["reply"], json.dumps(result, ensure_ascii=False, allow_nan=False))
     conn.expire(envelope["reply"], 300)  # nobody waits past the API's time-out; the key must not linger
     conn.zrem(f"{ns}:active:{envelope['project']}", envelope["id"])
+    conn.zrem(f"{ns}:grading:{envelope['project']}", envelope["id"])
     conn.delete(f"{ns}:inflight:{task_id}")
+    return bool(conn.zcard(f"{ns}:projects"))
 
 
 def bury(conn: Any, queue: str, raw: str) -> None:
@@ -193,6 +225,7 @@ def bury(conn: Any, queue: str, raw: str) -> None:
     except ValueError:
         return
     conn.zrem(f"{ns}:active:{envelope['project']}", envelope["id"])
+    conn.zrem(f"{ns}:grading:{envelope['project']}", envelope["id"])
     error = {
         "error": "the grader ended the worker process that ran it (killed, or out of memory); it was set "
         "aside and will not be run again",

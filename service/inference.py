@@ -7,9 +7,10 @@ others for the same base model, and pushes what it writes back token by token. I
 
 * ``pending:<project>:<key>``: the requests waiting, as JSON, a list for each project and key;
   ``lanes:<project>``, that project's keys with requests waiting, and ``projects``, the projects with
-  any, each scored by its turn (``turns`` counts them). A worker takes the next request from the key
-  served longest ago of the project served longest ago: one project's many requests (or one key's)
-  wait behind another's one, not the reverse. ``ready`` holds a token a waiting request, for a worker
+  any, each scored by its last turn (``turns`` counts them; ``…:served`` keeps each lane's last turn
+  for its next return). A worker takes the next request from the key served longest ago of the
+  project served longest ago: one project's many requests (or one key's) wait behind another's one,
+  not the reverse. ``ready`` holds a token a waiting request, for a worker
   to block on. Celery is not in this path: a worker takes many requests at once into one batch,
   which a task per request cannot.
 * ``reply:<id>``: what the worker wrote for a request, one JSON message an item: ``start`` (the
@@ -67,20 +68,22 @@ return 0
 """
 
 
-# Queue a request in its project's and key's lane; a lane new to the rotation takes the next turn.
+# Queue a request in its project's and key's lane. A lane new to the rotation keeps the place its
+# last turn gave it (0: never served): a project that is seldom served goes before one served a
+# moment ago, however long that one's queue.
 _PUSH = """
 redis.call('RPUSH', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[1], 3600)
-local turn = redis.call('INCR', KEYS[5])
-redis.call('ZADD', KEYS[2], 'NX', turn, ARGV[2])
+redis.call('ZADD', KEYS[2], 'NX', redis.call('HGET', KEYS[2] .. ':served', ARGV[2]) or 0, ARGV[2])
 redis.call('EXPIRE', KEYS[2], 3600)
-redis.call('ZADD', KEYS[3], 'NX', turn, ARGV[1])
+redis.call('ZADD', KEYS[3], 'NX', redis.call('HGET', KEYS[3] .. ':served', ARGV[1]) or 0, ARGV[1])
 redis.call('RPUSH', KEYS[4], 1)
 redis.call('EXPIRE', KEYS[4], 3600)
 return 1
 """
-# Up to ARGV[2] requests, each from the key served longest ago of the project served longest ago;
-# one `ready` token taken for each (ARGV[3] of them were taken already, by the caller's BLPOP).
+# Up to ARGV[2] requests, each from the key served longest ago of the project served longest ago
+# (each turn a number from `turns`, kept in `<zset>:served` for the lane's next return); one `ready`
+# token taken for each (ARGV[3] of them were taken already, by the caller's BLPOP).
 _POP = """
 local out, spare = {}, tonumber(ARGV[3])
 while #out < tonumber(ARGV[2]) do
@@ -92,16 +95,22 @@ while #out < tonumber(ARGV[2]) do
   if key then
     local pending = ARGV[1] .. ':pending:' .. project .. ':' .. key
     envelope = redis.call('LPOP', pending)
+    local turn = redis.call('INCR', KEYS[3])
+    redis.call('HSET', lanes .. ':served', key, turn)
+    redis.call('EXPIRE', lanes .. ':served', 86400)
     if redis.call('LLEN', pending) == 0 then
       redis.call('ZREM', lanes, key)
     else
-      redis.call('ZADD', lanes, redis.call('INCR', KEYS[3]), key)
+      redis.call('ZADD', lanes, turn, key)
     end
   end
+  local turn = redis.call('INCR', KEYS[3])
+  redis.call('HSET', KEYS[1] .. ':served', project, turn)
+  redis.call('EXPIRE', KEYS[1] .. ':served', 86400)
   if redis.call('ZCARD', lanes) == 0 then
     redis.call('ZREM', KEYS[1], project)
   else
-    redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[3]), project)
+    redis.call('ZADD', KEYS[1], turn, project)
   end
   if envelope then
     out[#out + 1] = envelope
@@ -183,7 +192,7 @@ def _push_args(ns: str, envelope: dict[str, Any]) -> tuple[Any, ...]:
     """The arguments of ``_PUSH`` for ``envelope``, in its project's and key's lane."""
     project, key = str(envelope.get("project") or SYSTEM_LANE), str(envelope.get("key") or SYSTEM_LANE)
     body = json.dumps(envelope, ensure_ascii=False, allow_nan=False)
-    keys = (f"{ns}:pending:{project}:{key}", f"{ns}:lanes:{project}", f"{ns}:projects", f"{ns}:ready", f"{ns}:turns")
+    keys = (f"{ns}:pending:{project}:{key}", f"{ns}:lanes:{project}", f"{ns}:projects", f"{ns}:ready")
     return (_PUSH, len(keys), *keys, project, key, body)
 
 

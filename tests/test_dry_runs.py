@@ -153,6 +153,27 @@ def test_a_project_past_its_dry_run_cap_gets_a_429(client, auth, other_auth, dry
     assert first[0].status_code == 200 and first[0].json()["reward"] == 1.0, first[0].text
 
 
+def test_a_project_holds_half_the_graders_processes_and_another_finds_one_free(
+    client, auth, other_auth, dry_runs, monkeypatch
+) -> None:
+    """A project's slow dry runs (an endpoint that trickles, a grader that sleeps) held both of the
+    graders worker's processes: another project's string_check waited for one to end. A project now
+    has at most half of them at once; its dry runs beyond wait their turn, and all are answered."""
+    _setting(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1")
+    slow = _sleeping(3)
+    theirs = [_in_background(client.post, RUN, headers=auth, json=slow) for _ in range(2)]
+    time.sleep(1.0)  # both taken or waiting
+    quick = {"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}}
+    t0 = time.monotonic()
+    ours = client.post(RUN, headers=other_auth, json=quick)
+    took = time.monotonic() - t0
+    assert ours.status_code == 200 and ours.json()["reward"] == 1.0, ours.text
+    assert took < 1.5, took  # before: behind one of the sleeping graders, ~2 s more
+    for thread, answer in theirs:
+        thread.join()
+        assert answer[0].status_code == 200 and answer[0].json()["reward"] == 1.0, answer[0].text
+
+
 def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, auth, dry_runs, monkeypatch) -> None:
     from service.settings import get_settings
 

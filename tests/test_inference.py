@@ -392,8 +392,16 @@ def test_requests_are_taken_in_turn_between_projects_and_their_keys(env: dict[st
     inference.submit_sync(conn, ns, {"id": "system-0", "deadline": deadline})  # no project: a lane of its own
     order = [e["id"] for e in inference.take(conn, ns, "w", block=0, most=3)]
     order += [e["id"] for _ in range(10) for e in inference.take(conn, ns, "w", block=0.05, most=1)]
-    assert order == ["a1-0", "b1-0", "system-0", "a2-0", "a1-1", "a2-1", "a1-2", "a1-3"], order
+    # New lanes tie (never served) and go in name order; then each project, and each key, in turn.
+    assert order == ["system-0", "a1-0", "b1-0", "a2-0", "a1-1", "a2-1", "a1-2", "a1-3"], order
     assert conn.llen(f"{ns}:ready") == 0 and not conn.exists(f"{ns}:projects")  # nothing left behind
+    # A project that comes back keeps the place its last turn gave it: before one served a moment ago.
+    for i in range(4, 8):
+        inference.submit_sync(conn, ns, {"id": f"a1-{i}", "project": "a", "key": "a1", "deadline": deadline})
+    assert [e["id"] for e in inference.take(conn, ns, "w", block=0, most=1)] == ["a1-4"]
+    inference.submit_sync(conn, ns, {"id": "b1-1", "project": "b", "key": "b1", "deadline": deadline})
+    order = [e["id"] for _ in range(4) for e in inference.take(conn, ns, "w", block=0, most=1)]
+    assert order == ["b1-1", "a1-5", "a1-6", "a1-7"], order
     t0 = time.monotonic()
     assert inference.take(conn, ns, "w", block=0.3, most=4) == [] and time.monotonic() - t0 >= 0.25
     conn.close()
