@@ -4,9 +4,9 @@ that ``from_pretrained`` and ``vllm serve`` load the directory as it is. The API
 waits for none: an inference worker merges (``worker.serving.chores.export``), once a checkpoint, into
 ``<artifacts>/exports/<job id>/step-<N>`` (with an object store, that key: the worker publishes it
 there). Until it is there, a download is answered at once with 503 ``export_in_progress`` and
-``Retry-After``; the merge was asked for once (a marker in Redis, ``export:<key>``, for as long as a
-request may take), and a failed merge is the next download's answer, after which it may be asked
-again.
+``Retry-After``; the merge was asked for once (a marker in Redis, ``export:<key>``, while it is queued
+or a worker holds it), at most ``MERGES_PER_PROJECT`` at once a project, and a failed merge is the
+next download's answer, after which it may be asked again.
 
 Where exports live, and their removal with what they were made from, is ``service.export_dirs``."""
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,26 +77,47 @@ def _gone(name: str) -> APIError:
     return APIError(410, f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
 
 
+MERGES_PER_PROJECT = 2
+"""Merges a project may have asked for and not yet had (429 past it): each may be a 7B model's
+minutes on an inference worker's background thread and ~28 GB of disk."""
+MERGE_SECONDS = 3600.0
+"""How long an ask counts against its project's merges when nobody comes back for its answer."""
+
+
 def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id: str) -> None:
     """Ask an inference worker for the export ``key`` (in the project's lane) unless it was asked
     already; raise what the download answers now: the merge's error, or 503 ``export_in_progress``."""
     import redis
 
     ns = inference.namespace(inference.serve_queue())
-    marker = f"{ns}:export:{key}"
+    marker, asks = f"{ns}:export:{key}", f"{ns}:exports:{project_id}"
     conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=5, socket_connect_timeout=5)
     try:
         asked = conn.get(marker)
         if asked is not None:
-            _answer_of(conn, ns, marker, json.loads(asked))
+            _answer_of(conn, ns, marker, asks, key, json.loads(asked))
         if not inference.live_workers(conn, ns):
             raise no_inference_worker("Merging an adapter needs an inference worker")
-        rid = f"export-{secrets.token_hex(12)}"
-        lasts = settings.inference_timeout_seconds
-        if conn.set(marker, json.dumps({"id": rid}), nx=True, ex=int(lasts) + 60):
-            inference.submit_sync(
-                conn, ns, {"id": rid, "project": project_id, "deadline": _deadline(lasts), **envelope}
+        conn.zremrangebyscore(asks, "-inf", time.time())
+        if conn.zcard(asks) >= MERGES_PER_PROJECT and conn.zscore(asks, key) is None:
+            raise APIError(
+                429,
+                f"This project has {MERGES_PER_PROJECT} merged models being made; download those first (each is "
+                "made once), then ask for this one.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "30"},
             )
+        rid = f"export-{secrets.token_hex(12)}"
+        deadline = time.time() + settings.inference_timeout_seconds  # to be taken by a worker
+        if conn.set(marker, json.dumps({"id": rid, "deadline": deadline}), nx=True, ex=86400):
+            conn.zadd(asks, {key: time.time() + MERGE_SECONDS})
+            conn.expire(asks, int(MERGE_SECONDS) + 60)
+            try:
+                inference.submit_sync(conn, ns, {"id": rid, "project": project_id, "deadline": deadline, **envelope})
+            except redis.RedisError:
+                conn.delete(marker)  # not asked after all: the next download asks
+                conn.zrem(asks, key)
+                raise
     except redis.RedisError as exc:
         raise APIError(
             503,
@@ -108,17 +130,18 @@ def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id
     raise _in_progress()
 
 
-def _answer_of(conn: Any, ns: str, marker: str, asked: dict[str, Any]) -> None:
-    """The asked merge's last word, if it has one: an error raised (and the marker let go, so the
-    next download asks again); nothing when it is still under way (or done and being published)."""
+def _answer_of(conn: Any, ns: str, marker: str, asks: str, key: str, asked: dict[str, Any]) -> None:
+    """The asked merge's state. Its last word: an error raised, or done; either way the ask is let go
+    (so the next download asks again, should the model be gone). Taken by a worker (its lease), or
+    still queued before its deadline: under way. Never taken by then: let go, to be asked again."""
     last = conn.lindex(f"{ns}:reply:{asked['id']}", -1)
-    if last is None:
+    if last is None and (conn.exists(f"{ns}:lease:{asked['id']}") or time.time() < float(asked["deadline"])):
         raise _in_progress()
-    answer = json.loads(last)
+    conn.delete(marker)
+    conn.zrem(asks, key)
+    answer = json.loads(last) if last is not None else {}
     if answer.get("t") == "error":
-        conn.delete(marker)
         raise APIError(int(answer["status"]), answer["message"], code=answer["code"])
-    conn.delete(marker)  # done: the directory (or key) is there by now, or the next ask makes it
 
 
 def _in_progress() -> APIError:
@@ -128,9 +151,3 @@ def _in_progress() -> APIError:
         code="export_in_progress",
         headers={"Retry-After": "10"},
     )
-
-
-def _deadline(seconds: float) -> float:
-    import time
-
-    return time.time() + seconds

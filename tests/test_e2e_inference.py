@@ -80,7 +80,7 @@ def test_a_running_jobs_latest_checkpoint_is_sampled_while_it_trains(stack: Live
     with stack.http as http:
         spec["training_file"] = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
         spec["method"]["reinforcement"]["hyperparameters"].update(
-            {"n_epochs": 40, "checkpoint_interval": 2, "batch_size": 4, "rloo_k": 2}
+            {"n_epochs": 40, "checkpoint_interval": 2, "keep_checkpoints": 10, "batch_size": 4, "rloo_k": 2}
         )
         job = http.post("/fine_tuning/jobs", json=spec).json()
         wait_for(http, job["id"], {"running"}, 120, stack, min_step=3)

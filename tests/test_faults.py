@@ -417,7 +417,7 @@ def test_a_job_whose_worker_process_keeps_getting_killed_fails_worker_lost(crash
     stack = crash_stack  # RLOO_MAX_JOB_CRASHES 3, RLOO_STALE_SECONDS 120: no help from the heartbeat rule
     http = stack.http
     file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-    body = job_body(file_id, hp={"n_epochs": 100, "checkpoint_interval": 4})
+    body = job_body(file_id, hp={"n_epochs": 100, "checkpoint_interval": 4, "keep_checkpoints": 10})
     job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
     for crash in (1, 2, 3):
         deadline = time.monotonic() + 120

@@ -452,3 +452,41 @@ def test_a_failed_merge_is_the_next_downloads_answer_without_paths_and_may_be_as
     assert str(artifacts) not in failed.text and str(models_dir) not in failed.text, failed.text
     again = client.get(url, params={"merged": "true"}, headers=auth)  # asked anew, not the old answer for ever
     assert again.status_code == 503 and again.json()["error"]["code"] == "export_in_progress", again.text
+
+
+def test_a_project_asks_for_two_merges_at_once_and_one_never_taken_is_asked_again(
+    env: dict[str, str], client: Any, auth: dict[str, str], models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No real worker: one registered that never takes anything. A third merge asked while two are
+    under way is a 429; an ask no worker took by its deadline is let go and asked anew."""
+    import json
+
+    import redis
+
+    from service import inference
+    from service.db import reset_caches
+    from service.settings import get_settings
+
+    monkeypatch.setenv("RLOO_INFERENCE_TIMEOUT_SECONDS", "1")
+    reset_caches()
+    conn = redis.Redis.from_url(get_settings().redis_client_url)
+    ns = inference.namespace(inference.serve_queue())
+    conn.zadd(f"{ns}:workers", {"never-takes": time.time() + 600})
+    artifacts = Path(env["RLOO_HOME"]) / "artifacts"
+    urls = []
+    for _ in range(3):
+        name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
+        with session_scope() as session:
+            ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
+            urls.append(f"/v1/fine_tuning/jobs/{session.get(Job, ckpt.job_seq).id}/checkpoints/{ckpt.id}/content")
+    codes = [client.get(url, params={"merged": "true"}, headers=auth).json()["error"]["code"] for url in urls]
+    assert codes == ["export_in_progress", "export_in_progress", "rate_limit_exceeded"], codes
+    marker = next(iter(conn.scan_iter(f"{ns}:export:*")))
+    first = json.loads(conn.get(marker))["id"]
+    time.sleep(1.2)  # past the deadline, never taken
+    for url in urls[:2]:
+        r = client.get(url, params={"merged": "true"}, headers=auth)
+        assert r.json()["error"]["code"] == "export_in_progress", r.text
+    assert json.loads(conn.get(marker))["id"] != first  # asked anew
+    conn.zrem(f"{ns}:workers", "never-takes")
+    conn.close()

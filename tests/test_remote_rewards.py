@@ -220,12 +220,21 @@ def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.Mon
     from worker.serving import evaluate
     from worker.serving.chores import Chores
 
+    from worker.serving.background import Background
+
     claimed: list[object] = []
     monkeypatch.setattr(evaluate, "claim_next", lambda server: claimed.append(server))
-    Chores(object(), evaluations=False).step()
-    assert claimed == []
-    Chores("server", evaluations=True).step()
-    assert claimed == ["server"]  # the check is the flag, not the stub
+
+    class Server:
+        background = Background()  # where an evaluation is looked for
+
+    server = Server()
+    Chores(server, evaluations=False).step()
+    chores = Chores(server, evaluations=True)
+    chores.step()
+    assert chores._claiming is not None
+    chores._claiming.result(timeout=10)
+    assert claimed == [server]  # the check is the flag, not the stub
 
 
 def test_redis_away_makes_the_grader_unavailable_saying_so(

@@ -2,11 +2,12 @@
 
 * exports: a fine-tuned checkpoint as one full model, every LoRA adapter of its chain merged in, saved
   in safetensors with its tokenizer (``from_pretrained`` and ``vllm serve`` load the directory as it
-  is), under ``<artifacts>/exports/<job>/step-<N>``; asked by ``GET …/checkpoints/{id}/content?merged=true``;
+  is), under ``<artifacts>/exports/<job>/step-<N>``; asked by ``GET …/checkpoints/{id}/content?merged=true``,
+  merged on the background thread (``worker.serving.background``) in the project's turn;
 * remote reward models' batches (``worker.remote_rewards``): a training job's completions scored by
   a reward model kept loaded here;
 * evaluations (``worker.serving.evaluate``): checkpoints scored on a file, a few tokens of a chunk at a
-  time between batches of completions, its grading on the worker's grading thread.
+  time between batches of completions; its start and grading on the background thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,33 +35,33 @@ class Chores:
         queue does not)."""
         self.server, self.evaluations = server, evaluations
         self.evaluation: Any = None  # the evaluation in progress (worker.serving.evaluate.Run)
+        self._claiming: Future[Any] | None = None  # the look for the next, on the background thread
+        self._left: Future[Any] | None = None  # the last one's grading, should it outlive it
         self._polled = 0.0
 
     @property
     def busy(self) -> bool:
-        """An evaluation is under way (maybe only waiting for its grading)."""
-        return self.evaluation is not None
+        """An evaluation is under way, or being looked for (maybe only waiting for the background)."""
+        return self.evaluation is not None or self._claiming is not None
 
     @property
     def ready(self) -> bool:
         """An evaluation has work for the serving loop now (it is not only waiting for its grading)."""
         return self.evaluation is not None and not self.evaluation.waiting
 
-    def request(self, envelope: dict[str, Any]) -> dict[str, Any]:
-        """A request that is no completion: its last message (``done`` or ``error``)."""
+    def request(self, envelope: dict[str, Any]) -> dict[str, Any] | None:
+        """A request that is no completion: its last message (``done`` or ``error``), or None when it
+        is answered later (an export, merged on the worker's background thread in its project's
+        turn: minutes for a large model, which must not hold the serving loop)."""
         kind = envelope.get("kind")
         if kind == "score":
             return self.score(envelope)
         if kind != "export":
             return inference.error_message(400, "unsupported", f"unknown request kind {kind!r}")
-        try:
-            export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
-        except JobError as exc:
-            return inference.error_message(500, exc.code, exc.message)
-        except Exception as exc:  # a disk that is full, a checkpoint half gone: this export's answer
-            log.exception("export failed")
-            return inference.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
-        return {"t": "done", "usage": None}
+        lane = str(envelope.get("project") or inference.SYSTEM_LANE)
+        merged = self.server.background.submit(lane, exported, envelope)
+        merged.add_done_callback(lambda done: self.server.answer(envelope["id"], done.result()))
+        return None
 
     def score(self, envelope: dict[str, Any]) -> dict[str, Any]:
         """A remote reward model's batch (``worker.remote_rewards``): its scores, or its error."""
@@ -87,18 +89,42 @@ class Chores:
             running.stopped = True
 
     def step(self) -> None:
-        """One turn of the evaluation in progress, or (at most every POLL_SECONDS) a look for one."""
+        """One turn of the evaluation in progress, or (at most every POLL_SECONDS, and once no grading
+        of the last one is still under way) a look for the next, on the background thread."""
         from worker.serving import evaluate
 
-        if self.evaluation is None:
-            if not self.evaluations or time.monotonic() - self._polled < POLL_SECONDS:
-                time.sleep(0.05)
-                return
-            self._polled = time.monotonic()
-            self.evaluation = evaluate.claim_next(self.server)
+        if self.evaluation is not None:
+            if not self.evaluation.step():
+                self._left = self.evaluation.in_flight  # a cancelled one's chunk may still be graded
+                self.evaluation = None
             return
-        if not self.evaluation.step():
-            self.evaluation = None
+        if self._claiming is not None:
+            if self._claiming.done():
+                claiming, self._claiming = self._claiming, None
+                try:
+                    self.evaluation = claiming.result()
+                except Exception:  # the database away, a bug: logged, and the worker goes on serving
+                    log.exception("claiming an evaluation failed")
+            return
+        idle = time.monotonic() - self._polled < POLL_SECONDS or (self._left is not None and not self._left.done())
+        if not self.evaluations or idle:
+            time.sleep(0.05)
+            return
+        self._polled = time.monotonic()
+        # Claimed and started (its file and checkpoints fetched) on the background thread.
+        self._claiming = self.server.background.submit(inference.SYSTEM_LANE, evaluate.claim_next, self.server)
+
+
+def exported(envelope: dict[str, Any]) -> dict[str, Any]:
+    """An export request's answer, once its merge is done (or failed)."""
+    try:
+        export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
+    except JobError as exc:
+        return inference.error_message(500, exc.code, exc.message)
+    except Exception as exc:  # a disk that is full, a checkpoint half gone: this export's answer
+        log.exception("export failed")
+        return inference.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
+    return {"t": "done", "usage": None}
 
 
 def export_to(servable: Servable, target: str) -> None:

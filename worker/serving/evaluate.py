@@ -8,7 +8,8 @@ The work goes a chunk of lines at a time (``CHUNK``), and none of it holds the s
 * a chunk's decoding advances ``STEPS_A_TURN`` tokens at a time, between the batches of completions
   (which go first), so a chat asked meanwhile waits a few tokens, not a chunk;
 * its grading (a python grader's sandbox, an http endpoint, a reward model) runs on the worker's
-  grading thread while the loop serves on; the loop looks at it again when it is done.
+  background thread (``worker.serving.background``, in turn by project) while the loop serves on;
+  the loop looks at it again when it is done; so does its start (its file and checkpoints fetched).
 
 The row's ``results``, ``done`` and ``heartbeat_at`` are written after each chunk, so a worker that
 dies leaves an evaluation whose heartbeat goes stale; the next idle worker takes it again from the
@@ -38,7 +39,7 @@ from service.artifacts import open_store
 from service.db import session_scope
 from service.graders import GradeResult
 from service.inference import MAX_BYTES_PER_TOKEN
-from service.models import Evaluation, File, Job
+from service.models import Evaluation, File, Job, Project
 from service.settings import get_settings, tenant_safe
 from worker.records import JobError
 from worker.serving.decode import Row
@@ -177,12 +178,13 @@ class Tally:
 
 @dataclass
 class Chunk:
-    """Lines of one model being answered: decoding (``steps``), then grading (``grading``)."""
+    """Lines of one model being answered: decoding (``steps``, on ``loaded``), then grading."""
 
     index: int  # which model
     items: list[dict[str, Any]]
     prompts: list[str]
     rows: list[Row]
+    loaded: Any = None
     steps: Iterator[Any] | None = None
     grading: Future[GradeResult] | None = None
 
@@ -197,6 +199,7 @@ class Run:
     settings: dict[str, Any]
     tallies: list[Tally]
     ends_at: float  # wall clock: its time budget, from its first start
+    lane: str = "_"  # its project's id: its turn on the worker's background thread
     position: int = 0  # lines done over all models
     chunk: Chunk | None = None
     stopped: bool = False  # cancelled, or taken by another worker: seen by the heartbeat
@@ -221,11 +224,19 @@ class Run:
             models.append((entry, Servable.from_wire(wire)))
         tallies = [Tally(entry["model"], entry["step_number"]) for entry, _ in models]
         ends_at = float(evaluation.started_at or time.time()) + settings.evaluation_max_seconds
-        return cls(server, evaluation.seq, grader, items, models, dict(evaluation.settings), tallies, ends_at)
+        project = session.get(Project, job.project_seq)
+        lane = project.id if project is not None else "_"
+        return cls(server, evaluation.seq, grader, items, models, dict(evaluation.settings), tallies, ends_at, lane)
 
     @property
     def total(self) -> int:
         return len(self.items) * len(self.models)
+
+    @property
+    def in_flight(self) -> Future[GradeResult] | None:
+        """Its chunk's grading, while it is under way."""
+        grading = self.chunk.grading if self.chunk is not None else None
+        return grading if grading is not None and not grading.done() else None
 
     @property
     def waiting(self) -> bool:
@@ -251,7 +262,7 @@ class Run:
             elif self.chunk.grading is not None:
                 return self.waiting or self._graded(self.chunk)
             elif not self._decode_a_few(self.chunk):
-                self.chunk.grading = self.server.grade(self._grade, self.chunk)
+                self.chunk.grading = self.server.grade(self.lane, self._grade, self.chunk)
             return True
         except (JobError, graders.GraderError) as exc:
             _fail(self.seq, self.server.worker, getattr(exc, "code", "grader_failed"), exc.message)
@@ -293,13 +304,19 @@ class Run:
                     adapter=adapter,
                 )
             )
-        return Chunk(index, items, prompts, rows, steps=iter(self.server.cache.decode(loaded, rows)))
+        return Chunk(index, items, prompts, rows, loaded, steps=iter(self.server.cache.decode(loaded, rows)))
 
     def _decode_a_few(self, chunk: Chunk) -> bool:
         """``STEPS_A_TURN`` tokens of the chunk; False once its decoding has ended. Between turns the
-        worker served other batches, which may have unloaded this chunk's adapter: its decoding then
-        fails, and the chunk starts again (at most ``RESTARTS`` times)."""
+        worker served other batches, which may have unloaded this chunk's model (whose memory the
+        paused decoding would then keep past the worker's budget) or its adapter (its decoding
+        fails): the chunk starts again (at most ``RESTARTS`` times on a failure)."""
         assert chunk.steps is not None
+        if not self.server.cache.holds(chunk.loaded):
+            log.info("evaluation %s: its model was unloaded between turns; the chunk starts again", self.seq)
+            chunk.steps = None  # let go of its KV cache and the unloaded weights
+            self.chunk = self._next_chunk()
+            return True
         try:
             for _ in range(STEPS_A_TURN):
                 if next(chunk.steps, None) is None:

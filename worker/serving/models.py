@@ -114,6 +114,10 @@ class ModelCache:
         self._fit(keep=key)
         return loaded, name
 
+    def holds(self, loaded: Loaded) -> bool:
+        """Whether ``loaded`` is still one of the models kept (not unloaded past the budget since)."""
+        return any(kept is loaded for kept in self.bases.values())
+
     def decode(
         self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set(), joining: Any = lambda: []
     ) -> Iterator[list[Delta]]:

@@ -1,8 +1,8 @@
 """An inference worker's process: takes requests from Redis (``service.inference``), batches those for
 one base model, streams what each row writes back, and between batches does the rest
-(``worker.serving.chores``): requests that are no completion (merged exports, remote reward models'
-batches), never inside a batch's decoding, and checkpoint evaluations, whose grading runs on the
-worker's one grading thread (``grade``) so that no grader holds the serving loop.
+(``worker.serving.chores``): remote reward models' batches, never inside a batch's decoding, and
+checkpoint evaluations' decoding. What would hold the loop (a merge, an evaluation's grading and
+start) runs on the worker's background thread (``worker.serving.background``), in turn by project.
 
 A batch is formed from every waiting request whose model shares a base (LoRA adapters of one base
 decode in one batch, each row through its own adapter), up to ``RLOO_INFERENCE_MAX_BATCH`` rows.
@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from service import inference
 from service.inference import MAX_BYTES_PER_TOKEN
 from service.settings import get_settings, tenant_safe
 from worker.records import JobError
+from worker.serving.background import Background
 from worker.serving.decode import Row
 from worker.serving.models import ModelCache, Servable
 
@@ -81,17 +82,12 @@ class Server:
         self._rewards: Any = None
         self.scoring = threading.Lock()
         """Held while the scoring models (``rewards()``) score: the loop's remote batches and the
-        grading thread's model graders take turns."""
-        self._grading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-grading")
+        background thread's model graders take turns."""
+        self.background = Background()
 
-    def grade(self, fn: Any, *args: Any) -> Future[Any]:
-        """``fn(*args)`` on the grading thread (no gradients), while the loop serves on."""
-
-        def run() -> Any:
-            with torch.inference_mode():
-                return fn(*args)
-
-        return self._grading.submit(run)
+    def grade(self, lane: str, fn: Any, *args: Any) -> Future[Any]:
+        """``fn(*args)`` on the background thread, in ``lane``'s turn, while the loop serves on."""
+        return self.background.submit(lane, fn, *args)
 
     def rewards(self) -> Any:
         """The reward models, judges and embedder that evaluations' graders and remote reward models
@@ -169,10 +165,16 @@ class Server:
 
     def _answer_requests(self) -> None:
         """The taken requests that are no completion (exports, remote reward models' batches), each
-        answered by ``chores``, oldest first."""
+        answered by ``chores`` (now, or later from the background thread), oldest first."""
         while self.requests and self.chores is not None:
             envelope = self.requests.pop(0)
-            self._answer(envelope["id"], self.chores.request(envelope))
+            last = self.chores.request(envelope)
+            if last is not None:
+                self._answer(envelope["id"], last)
+
+    def answer(self, rid: str, last: dict[str, Any]) -> None:
+        """A request's last message, from any thread."""
+        self._answer(rid, last)
 
     # A batch -------------------------------------------------------------------------------------------
     def serve_one_batch(self) -> None:

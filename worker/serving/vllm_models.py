@@ -103,6 +103,10 @@ class VLLMModels:
         length = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
         return Loaded(model=llm, tokenizer=tokenizer, context=length, nbytes=0)
 
+    def holds(self, loaded: Loaded) -> bool:
+        """Always: vLLM decodes a batch whole, so no decoding is paused across another's batches."""
+        return True
+
     def decode(
         self, loaded: Loaded, rows: list[Row], cancelled: Any = lambda: set(), joining: Any = None
     ) -> Iterator[list[Delta]]:
