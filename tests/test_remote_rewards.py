@@ -218,9 +218,8 @@ def test_asking_fails_soon_when_its_workers_are_gone_and_a_timed_out_batch_is_ca
 
 def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.serving import evaluate
-    from worker.serving.chores import Chores
-
     from worker.serving.background import Background
+    from worker.serving.chores import Chores
 
     claimed: list[object] = []
     monkeypatch.setattr(evaluate, "claim_next", lambda server: claimed.append(server))
