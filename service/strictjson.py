@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
 MAX_BODY_DEPTH = 128
