@@ -121,9 +121,10 @@ class DatabaseRecorder:
 
         self._write(f"checkpoint {step} removed", removed)
         unpublish_checkpoint(self.store, job_checkpoints_dir(self.artifacts, self.job.id), step)
-        export_dirs.remove_export(
-            self.store, self.artifacts, export_dirs.export_key(self.job.id, step)
-        )  # its merged model
+        try:  # its merged model, should a download have made one
+            export_dirs.remove_export(self.store, self.artifacts, export_dirs.export_key(self.job.id, step))
+        except Exception:  # the store away: training goes on; the copy outlives its checkpoint
+            log.exception("the merged model of step %d was not removed", step)
 
 
 class Heartbeat(threading.Thread):

@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
 from service import crud, lifecycle, outbound
 from service.artifacts import open_store
 from service.db import session_scope
@@ -60,11 +62,15 @@ def _claim_a_turn(session: Any, job_id: str) -> Job | None:
     if own is None:
         log.info("job %s is gone; nothing to do", job_id)
         return None
-    if own.status == JobStatus.RUNNING and died_here(own.worker):
-        # The pool process that ran it was killed (the out-of-memory killer, most often) and Celery
-        # handed the task back: no need to wait for the heartbeat to go stale.
-        log.warning("job %s: its process %s was killed; Celery handed its task back", job_id, own.worker)
-        if _crashed(session, own, "The worker process running the job was killed") == JobStatus.QUEUED:
+    # A pool process of this host that was killed (the out-of-memory killer, most often) while it ran
+    # a job of this lane, in this task's turn or another's: Celery handed its task back, and the job
+    # goes back to the queue now, without waiting for its heartbeat to go stale.
+    running = select(Job).where(Job.status == JobStatus.RUNNING.value, Job.lane == own.lane)
+    for dead in [j for j in session.scalars(running) if died_here(j.worker)]:
+        log.warning("job %s: its process %s was killed; Celery handed its task back", dead.id, dead.worker)
+        if _crashed(session, dead, "The worker process running the job was killed") == JobStatus.QUEUED and (
+            dead.id == job_id
+        ):
             return lifecycle.claim(session=session, job_id=job_id, worker=process_name())
     job = lifecycle.claim_fairest(session=session, lane=own.lane, worker=process_name())
     if job is None:

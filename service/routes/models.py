@@ -9,6 +9,7 @@ checkpoints and files stay.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter
@@ -26,6 +27,7 @@ from service.models import Evaluation, Job, now
 from service.responses import JSON, page
 from service.routing import StrictJSONRoute
 
+log = logging.getLogger("rloo.api")
 router = APIRouter(prefix="/v1/models", route_class=StrictJSONRoute, tags=["models"])
 
 BASE_OWNER = "system"
@@ -103,7 +105,8 @@ def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, mode
         session, Evaluation.job_seq == job.seq, code="model_deleted", message=f"The model {model_id} was deleted."
     )
     session.commit()
-    export_dirs.remove_job_exports(
-        open_store(settings), settings.artifacts_dir, job.id
-    )  # merged copies, made again if asked
+    try:  # its merged copies (made again if asked, while the checkpoints remain)
+        export_dirs.remove_job_exports(open_store(settings), settings.artifacts_dir, job.id)
+    except Exception:  # the store away: the model is deleted all the same; its copies stay behind
+        log.exception("the merged models of %s were not removed", model_id)
     return JSON({"id": model_id, "object": "model", "deleted": True})
