@@ -45,9 +45,21 @@ MAX_BYTES_PER_TOKEN = 32
 prompt of more than ``context`` times this many bytes cannot fit the context: refused untokenized."""
 
 
-def estimated_tokens(text: str) -> int:
-    """``text``'s tokens as the budget counts them, and a few for the template around it."""
-    return -(-len(text.encode()) // BYTES_PER_TOKEN) + 8
+def past_any_context(context: int | None, size: int, param: str) -> str | None:
+    """Why a prompt of ``size`` UTF-8 bytes cannot fit a context of ``context`` tokens, counted or
+    not (None: it may): the message of a 400 ``context_length_exceeded`` naming ``param``."""
+    if context is None or size <= context * MAX_BYTES_PER_TOKEN:
+        return None
+    return (
+        f"This model's maximum context length is {context} tokens. However, your {param} is {size} bytes, more "
+        f"than {context} tokens of text can hold (at most {MAX_BYTES_PER_TOKEN} bytes a token). Shorten the {param}."
+    )
+
+
+def estimated_tokens(size: int) -> int:
+    """The tokens of a text of ``size`` UTF-8 bytes as the budget counts them, and a few for the
+    template around it."""
+    return -(-size // BYTES_PER_TOKEN) + 8
 
 
 LEASE_REFRESH = 2.0

@@ -5,13 +5,14 @@ silently different answer. What an inference worker needs of a request is ``Samp
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from service.errors import APIError, bad_request
-from service.inference import BYTES_PER_TOKEN, MAX_BYTES_PER_TOKEN, estimated_tokens
+from service.inference import BYTES_PER_TOKEN, estimated_tokens, past_any_context
 from service.schemas import Strict, check_stop
 from service.settings import Settings
 
@@ -65,10 +66,15 @@ class Sampling(Strict):
         """The text of each prompt (a chat's: its messages' and tools' text), for the byte counts."""
         raise NotImplementedError
 
+    @functools.cached_property
+    def prompt_bytes(self) -> list[int]:
+        """Each prompt's UTF-8 bytes, counted once (a body may hold 8 MiB of them, on the event loop)."""
+        return [len(text.encode()) for text in self.prompt_texts()]
+
     @property
     def rows(self) -> int:
         """Completions it asks for: ``n`` for each prompt."""
-        return self.n * len(self.prompt_texts())
+        return self.n * len(self.prompt_bytes)
 
     def check_limits(self, settings: Settings) -> None:
         """What no model or load could make acceptable: a 400 naming the field."""
@@ -86,7 +92,7 @@ class Sampling(Strict):
                 f"This request asks for {self.rows} completions (n times the prompts); an inference worker decodes "
                 f"at most {settings.inference_max_batch} at once (RLOO_INFERENCE_MAX_BATCH): send fewer prompts or "
                 "a smaller n, in several requests.",
-                "n" if len(self.prompt_texts()) == 1 else "prompt",
+                "n" if len(self.prompt_bytes) == 1 else "prompt",
             )
         self.check_budget(settings)
         if self.stream_options is not None and not self.stream:
@@ -95,19 +101,9 @@ class Sampling(Strict):
     def check_context(self, context: int | None) -> None:
         """A prompt longer than any ``context`` tokens of text could be is a 400 before a worker
         tokenizes it (tokenizing 8 MB took a worker 45 s)."""
-        if context is None:
-            return
-        longest = max(len(text.encode()) for text in self.prompt_texts())
-        if longest > context * MAX_BYTES_PER_TOKEN:
-            param = self.prompt_param
-            raise APIError(
-                400,
-                f"This model's maximum context length is {context} tokens. However, your {param} is {longest} "
-                f"bytes, more than {context} tokens of text can hold (at most {MAX_BYTES_PER_TOKEN} bytes a "
-                f"token). Shorten the {param}.",
-                param=param,
-                code="context_length_exceeded",
-            )
+        why = past_any_context(context, max(self.prompt_bytes), self.prompt_param)
+        if why is not None:
+            raise APIError(400, why, param=self.prompt_param, code="context_length_exceeded")
 
     def check_budget(self, settings: Settings) -> None:
         budget = self.budget(settings)
@@ -124,7 +120,7 @@ class Sampling(Strict):
         completion, its prompt's tokens (estimated from its bytes; the API tokenizes nothing) and
         what it may write."""
         writes = self.max_tokens or settings.inference_max_tokens
-        return self.n * sum(estimated_tokens(text) + writes for text in self.prompt_texts())
+        return self.n * sum(estimated_tokens(size) + writes for size in self.prompt_bytes)
 
     def wire(self) -> dict[str, Any]:
         return {

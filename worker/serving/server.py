@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from service import inference
-from service.inference import MAX_BYTES_PER_TOKEN
 from service.settings import get_settings, tenant_safe
 from worker.records import JobError
 from worker.serving.background import Background
@@ -235,15 +234,9 @@ class Server:
             return inference.error_message(400, exc.code, exc.message, param)
         except Exception as exc:  # noqa: BLE001 - a template's own error (a role it refuses, …)
             return inference.error_message(400, "invalid_messages", f"The chat template refused them: {exc}", param)
-        longest_bytes = max(len(text.encode()) for text in texts)
-        if context is not None and longest_bytes > context * MAX_BYTES_PER_TOKEN:  # never tokenized whole
-            return inference.error_message(
-                400,
-                "context_length_exceeded",
-                f"This model's maximum context length is {context} tokens. However, your {param} is "
-                f"{longest_bytes} bytes, more than {context} tokens of text can hold. Shorten the {param}.",
-                param,
-            )
+        why = inference.past_any_context(context, max(len(text.encode()) for text in texts), param)
+        if why is not None:  # never tokenized whole
+            return inference.error_message(400, "context_length_exceeded", why, param)
         prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
         longest = max(len(p) for p in prompts)
         asked = env.get("max_tokens")
