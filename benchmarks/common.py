@@ -77,6 +77,30 @@ def counting_reward() -> Iterator[None]:
         train_mod.score_batch = real  # type: ignore[assignment]
 
 
+def job_row(session: Any, project: str, model: str, **fields: Any) -> Any:
+    """A job row of ``project`` (made if new), flushed: a supervised job running unless ``fields``
+    say otherwise (what a benchmark needs without training one)."""
+    from service import crud
+    from service.models import Job
+
+    proj = crud.get_or_create_project(session=session, name=project)
+    values: dict[str, Any] = {
+        "model": model,
+        "base_model": model,
+        "training_file": "file-x",
+        "seed": 0,
+        "method": {"type": "supervised"},
+        "hyperparameters": {},
+        "status": "running",
+        "total_steps": 1,
+        **fields,
+    }
+    job = Job(project_seq=proj.seq, **values)
+    session.add(job)
+    session.flush()
+    return job
+
+
 def build(models: Path, config: str) -> None:
     from worker.tinymodels import build_tiny_causal_lm
 

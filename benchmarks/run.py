@@ -20,6 +20,8 @@
    grader and a reward model (``benchmarks.train_vs_engine``).
 11. ``score_beside``: a grader that waits on another process (an endpoint, a remote reward model)
    scored beside the reference forward or before it (``benchmarks.score_beside``).
+12. ``availability``: another project's latency (a list, a 4-token chat, a dry run) while a hostile
+   project attacks each shared part, against idle (``benchmarks.availability``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -69,6 +71,7 @@ SUBPROCESS_SECTIONS = {
     "score_profile": "benchmarks.score_profile",
     "train_vs_engine": "benchmarks.train_vs_engine",
     "score_beside": "benchmarks.score_beside",
+    "availability": "benchmarks.availability",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -232,6 +235,7 @@ def main() -> None:
         "score_profile",
         "train_vs_engine",
         "score_beside",
+        "availability",
     ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),

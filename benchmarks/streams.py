@@ -53,10 +53,10 @@ def main() -> dict[str, Any]:
     os.environ.setdefault("RLOO_RATE_LIMIT", "0")  # 500 streams opened at once: a burst no key is let
     from sqlalchemy import event
 
+    from benchmarks.common import job_row
     from service import crud, embedded
     from service.db import get_engine, session_scope
     from service.migrate import upgrade
-    from service.models import Job
     from service.settings import get_settings
 
     redis_proc = embedded.start(get_settings(), daemonize=False)
@@ -64,17 +64,7 @@ def main() -> dict[str, Any]:
     with session_scope() as session:
         project = crud.get_or_create_project(session=session, name="bench")
         _, key = crud.create_api_key(session=session, project=project)
-        job = Job(
-            project_seq=project.seq,
-            model="m",
-            training_file="file-x",
-            seed=0,
-            method={"type": "supervised"},
-            hyperparameters={},
-            status="running",
-            total_steps=1,
-        )
-        session.add(job)
+        job = job_row(session, "bench", "m", base_model=None)
         session.commit()
         job_id = job.id
     queries = [0]

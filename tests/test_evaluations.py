@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from service import crud
 from service.db import session_scope
 from service.models import Evaluation, Job
 from tests.helpers.api import assert_error, upload_ok
+from tests.helpers.rows import job_row
 from worker.serving import evaluate
 
 STRING_CHECK = {
@@ -31,22 +31,11 @@ class Worker:
     worker = "serve-test-1"
 
 
-def _job(project: str, model: str = "tiny-policy") -> Job:
+def _job(project: str) -> Job:
     with session_scope() as session:
-        proj = crud.get_or_create_project(session=session, name=project)
-        job = Job(
-            project_seq=proj.seq,
-            model=model,
-            base_model=model,
-            training_file="file-x",
-            seed=0,
-            method={"type": "supervised"},
-            hyperparameters={},
-            status="succeeded",
-            total_steps=1,
-            fine_tuned_model=f"ft:{model}:{project}::{time.monotonic_ns()}",
+        job = job_row(
+            session, project, status="succeeded", fine_tuned_model=f"ft:tiny-policy:{project}::{time.monotonic_ns()}"
         )
-        session.add(job)
         session.commit()
         return job
 

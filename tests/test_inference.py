@@ -16,10 +16,11 @@ import openai
 import pytest
 import torch
 
-from service import crud, finetuned
+from service import finetuned
 from service.db import session_scope
 from service.models import Checkpoint, Job
 from tests.helpers.live import worker_process
+from tests.helpers.rows import job_row
 
 PROMPT = "the cat sat on"
 # Inference reads the database only to resolve a model id (the same query on either backend).
@@ -93,20 +94,7 @@ def _checkpoint_job(artifacts: Path, models_dir: Path, project: str, *, lora: bo
             for p in model.parameters():
                 p.add_(0.5 * torch.randn_like(p))
     with session_scope() as session:
-        proj = crud.get_or_create_project(session=session, name=project)
-        job = Job(
-            project_seq=proj.seq,
-            model="tiny-policy",
-            base_model="tiny-policy",
-            training_file="file-x",
-            seed=0,
-            method={"type": "supervised"},
-            hyperparameters={},
-            status="running",
-            total_steps=2,
-        )
-        session.add(job)
-        session.flush()
+        job = job_row(session, project)
         path = artifacts / "checkpoints" / job.id / "step-1"
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(base).save_pretrained(path)
@@ -120,6 +108,13 @@ def _checkpoint_job(artifacts: Path, models_dir: Path, project: str, *, lora: bo
         )
         session.commit()
     return name
+
+
+def _content_url(name: str) -> tuple[str, Checkpoint]:
+    """The download URL of checkpoint ``name``, and its row."""
+    with session_scope() as session:
+        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
+        return f"/v1/fine_tuning/jobs/{session.get(Job, ckpt.job_seq).id}/checkpoints/{ckpt.id}/content", ckpt
 
 
 def _reference(models_dir: Path, artifacts: Path, name: str, job_lora: bool) -> tuple[Any, Any]:
@@ -285,10 +280,7 @@ def test_a_lora_checkpoint_downloads_merged_as_one_model_that_from_pretrained_lo
 
     artifacts = Path(env["RLOO_HOME"]) / "artifacts"
     name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
-    with session_scope() as session:
-        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
-        job_id = session.get(Job, ckpt.job_seq).id
-        url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpt.id}/content"
+    url, _ = _content_url(name)
     adapter = client.get(url, headers=auth)
     t0 = time.monotonic()
     first = client.get(url, params={"merged": "true"}, headers=auth)  # answered at once: no thread waits
@@ -444,12 +436,8 @@ def test_a_failed_merge_is_the_next_downloads_answer_without_paths_and_may_be_as
     served: dict[str, str], client: Any, auth: dict[str, str], env: dict[str, str], models_dir: Path
 ) -> None:
     artifacts = Path(env["RLOO_HOME"]) / "artifacts"
-    name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
-    with session_scope() as session:
-        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
-        job_id = session.get(Job, ckpt.job_seq).id
-        (artifacts / ckpt.path / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
-        url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{ckpt.id}/content"
+    url, ckpt = _content_url(_checkpoint_job(artifacts, models_dir, "alpha", lora=True))
+    (artifacts / ckpt.path / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
     failed = _merged_when_ready(client, url, auth)
     assert failed.status_code == 500 and failed.json()["error"]["code"] in ("export_failed", "model_load_failed")
     assert str(artifacts) not in failed.text and str(models_dir) not in failed.text, failed.text
@@ -478,10 +466,7 @@ def test_a_project_asks_for_two_merges_at_once_and_one_never_taken_is_asked_agai
     artifacts = Path(env["RLOO_HOME"]) / "artifacts"
     urls = []
     for _ in range(3):
-        name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
-        with session_scope() as session:
-            ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
-            urls.append(f"/v1/fine_tuning/jobs/{session.get(Job, ckpt.job_seq).id}/checkpoints/{ckpt.id}/content")
+        urls.append(_content_url(_checkpoint_job(artifacts, models_dir, "alpha", lora=True))[0])
     codes = [client.get(url, params={"merged": "true"}, headers=auth).json()["error"]["code"] for url in urls]
     assert codes == ["export_in_progress", "export_in_progress", "rate_limit_exceeded"], codes
     marker = next(iter(conn.scan_iter(f"{ns}:export:*")))

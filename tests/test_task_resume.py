@@ -104,14 +104,20 @@ def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twi
     assert job["trained_tokens"] == client.get(f"/v1/fine_tuning/jobs/{twin}", headers=auth).json()["trained_tokens"]
 
 
+def _demo_job(client: Any, auth: dict[str, str], **hp: Any) -> str:
+    """The demo's reinforcement job on its data, with ``hp``: its id."""
+    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
+    body["training_file"] = upload_ok(client, auth)["id"]
+    body["method"]["reinforcement"]["hyperparameters"].update(hp)
+    r = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
+
+
 def test_keep_checkpoints_removes_pruned_checkpoints_from_the_api_too(client, auth) -> None:
     from worker.tasks import run_job
 
-    file_id = upload_ok(client, auth)["id"]
-    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    body["training_file"] = file_id
-    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=4, checkpoint_interval=1, keep_checkpoints=2)
-    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    job_id = _demo_job(client, auth, max_steps=4, checkpoint_interval=1, keep_checkpoints=2)
     exports = get_settings().artifacts_dir / "exports" / job_id
     for step in range(1, 5):  # each checkpoint's merged model, as downloads would have made them
         (exports / f"step-{step}").mkdir(parents=True)
@@ -136,11 +142,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_gone_not_a_500(client, auth, mo
 
     from worker.tasks import run_job
 
-    file_id = upload_ok(client, auth)["id"]
-    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    body["training_file"] = file_id
-    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=1)
-    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    job_id = _demo_job(client, auth, max_steps=1)
     assert run_job(job_id) == "succeeded"
     (ckpt,) = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
     listing = Path.iterdir
@@ -159,11 +161,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_gone_not_a_500(client, auth, mo
 def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) -> None:
     from worker.tasks import run_job
 
-    file_id = upload_ok(client, auth)["id"]
-    body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
-    body["training_file"] = file_id
-    body["method"]["reinforcement"]["hyperparameters"].update(max_steps=2)
-    job_id = client.post("/v1/fine_tuning/jobs", headers=auth, json=body).json()["id"]
+    job_id = _demo_job(client, auth, max_steps=2)
     real = lifecycle.record_progress
 
     def pause_at_the_end(*, session: Any, job: Any, step: int, **kw: Any) -> str:
