@@ -125,15 +125,7 @@ def create_job(
     method = body.method_
     kind = method.type
     _check_memory(settings, base_model, hp, body)
-    training = _file(session, project, body.training_file, "training_file")
-    validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
-    for f, which in ((training, "training_file"), (validation, "validation_file")):
-        if f is None:
-            continue
-        source = f"the {which.replace('_', ' ')} ({f.id})"
-        jobspec.check_format(method.family, f.keys_summary or {}, source=source, param=which)
-        if grader is not None:
-            jobspec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{kind}.grader")
+    training, validation = _checked_files(session, project, body, grader)
     total_steps = hp.total_steps(training.line_count)
     jobspec.check_kept_checkpoints(
         hp, total_steps, cap=settings.max_kept_checkpoints, param=f"method.{kind}.hyperparameters"
@@ -206,6 +198,24 @@ def create_job(
         )
         session.commit()
     return JSON(job_object(job, project))
+
+
+def _checked_files(
+    session: SessionDep, project: Caller, body: JobCreate, grader: graders.Grader | None
+) -> tuple[File, File | None]:
+    """The job's training and validation files, each of the project and fit for its method (and its
+    grader's item keys), or a 400 naming the file."""
+    method = body.method_
+    training = _file(session, project, body.training_file, "training_file")
+    validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
+    for f, which in ((training, "training_file"), (validation, "validation_file")):
+        if f is None:
+            continue
+        source = f"the {which.replace('_', ' ')} ({f.id})"
+        jobspec.check_format(method.family, f.keys_summary or {}, source=source, param=which)
+        if grader is not None:
+            jobspec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{method.type}.grader")
+    return training, validation
 
 
 def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, body: JobCreate) -> str:
