@@ -295,7 +295,7 @@ class Bench:
         return [{"threads": 8, "method": "POST", "path": "/completions", "json": body}]
 
     def heavy_allowed(self) -> list[Load]:
-        body = {"model": MODEL, "prompt": ["the cat sat on the mat " * 8] * 8, "n": 4, "max_tokens": 64}
+        body = {"model": MODEL, "prompt": ["the cat sat on the mat " * 8] * 8, "n": 3, "max_tokens": 64}
         return [{"threads": 8, "method": "POST", "path": "/completions", "json": body}]
 
     def oversized_prompt(self) -> list[Load]:

@@ -45,6 +45,13 @@ MAX_BYTES_PER_TOKEN = 32
 prompt of more than ``context`` times this many bytes cannot fit the context: refused untokenized."""
 
 
+def rows_a_project(max_batch: int) -> int:
+    """Rows of a worker's batch (``RLOO_INFERENCE_MAX_BATCH``) one project's requests may hold, and so
+    the most completions one request may ask for: three quarters, the rest kept for other projects'
+    requests to join a batch under way at its next token (none kept below 4 rows)."""
+    return max_batch - max_batch // 4
+
+
 def past_any_context(context: int | None, size: int, param: str) -> str | None:
     """Why a prompt of ``size`` UTF-8 bytes cannot fit a context of ``context`` tokens, counted or
     not (None: it may): the message of a 400 ``context_length_exceeded`` naming ``param``."""

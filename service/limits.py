@@ -1,5 +1,7 @@
 """Request limits, pure ASGI (nothing is buffered first): the body size, enforced while the body
-streams in; the API key, checked before the body is read; and a per-key request rate."""
+streams in; the API key, checked before the body is read; a per-key request rate; and a per-key rate
+of request-body bytes (four 8 MiB bodies at once, again and again within the request rate, kept an
+API process busy reading and refusing them for everyone)."""
 
 from __future__ import annotations
 
@@ -98,9 +100,10 @@ class RateLimiter:
         self.window = burst * self.interval  # how far ahead of now a key's TAT may run
         self.tat: dict[str, float] = {}
 
-    def take(self, key: str, now: float | None = None) -> tuple[bool, int, float, float]:
-        """One request of ``key``: (allowed, requests left, seconds until the next one is allowed
-        (0 when allowed), seconds until the bucket is full again)."""
+    def take(self, key: str, now: float | None = None, *, cost: float = 1.0) -> tuple[bool, int, float, float]:
+        """One request of ``key`` (``cost`` units of it: bytes, for a byte rate): (allowed, units
+        left, seconds until this one would be allowed (0 when allowed), seconds until the bucket is
+        full again)."""
         if now is None:
             now = time.monotonic()
         tat = self.tat.get(key)
@@ -108,10 +111,10 @@ class RateLimiter:
             if tat is None and len(self.tat) >= self.max_keys:
                 self._evict(now)
             tat = now
-        ahead = tat + self.interval - now
+        ahead = tat + cost * self.interval - now
         if ahead > self.window + 1e-6:  # a microsecond for the float sums
             return False, 0, ahead - self.window, tat - now
-        self.tat[key] = tat + self.interval
+        self.tat[key] = tat + cost * self.interval
         return True, int((self.window - ahead) * self.rate + 1e-3), 0.0, ahead
 
     def _evict(self, now: float) -> None:
@@ -142,7 +145,14 @@ class AuthMiddleware:
     routes holding the route threads can keep a request from being let in."""
 
     def __init__(
-        self, app: ASGIApp, *, cache_seconds: float = 0.0, rate_limit: float = 0.0, rate_limit_burst: int = 1
+        self,
+        app: ASGIApp,
+        *,
+        cache_seconds: float = 0.0,
+        rate_limit: float = 0.0,
+        rate_limit_burst: int = 1,
+        body_bytes_rate: float = 0.0,
+        body_bytes_burst: int = 1,
     ) -> None:
         self.app = app
         # Keys checked lately, by the SHA-256 digest of the header: a status poll costs no database
@@ -152,6 +162,9 @@ class AuthMiddleware:
         # RLOO_RATE_LIMIT / RLOO_RATE_LIMIT_BURST; 0 = no limit (and no x-ratelimit headers).
         self.limiter = RateLimiter(rate_limit, rate_limit_burst) if rate_limit > 0 else None
         self.limit_header = str(rate_limit_burst).encode()
+        # RLOO_RATE_LIMIT_BODY_BYTES / _BURST: request-body bytes a second per key (uploads aside,
+        # which /v1/files bounds itself); a body with no declared length counts as the JSON limit.
+        self.bytes_limiter = RateLimiter(body_bytes_rate, body_bytes_burst) if body_bytes_rate > 0 else None
         self._check_limiter: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -196,32 +209,49 @@ class AuthMiddleware:
             self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
         await self.admit(caller, scope, receive, send)
 
+    def _body_bytes(self, key: str, scope: Scope) -> float | None:
+        """Seconds until the key's body bytes allow this request's body (None: they allow it now)."""
+        if self.bytes_limiter is None or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return None
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if (path[len(root) :] if root and path.startswith(root) else path).rstrip("/") in UPLOADS:
+            return None
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        size = int(declared) if declared is not None and declared.isdigit() else UNDECLARED_BODY
+        if not size:
+            return None
+        allowed, _, retry, _ = self.bytes_limiter.take(key, cost=size)
+        return None if allowed else retry
+
+    def _bytes_rule(self) -> str:
+        assert self.bytes_limiter is not None
+        rate, burst = self.bytes_limiter.rate, self.bytes_limiter.burst
+        return f"{rate / 2**20:g} MiB of request bodies a second, bursts of {burst / 2**20:g} MiB"
+
     async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send) -> None:
-        """Run the request as ``caller`` if its key has a request left, with the x-ratelimit headers
-        on the answer; else a 429 that says when to retry (the openai SDK waits that long itself)."""
+        """Run the request as ``caller`` if its key has a request left and room for its body's bytes,
+        with the x-ratelimit headers on the answer; else a 429 that says when to retry (the openai SDK
+        waits that long itself)."""
         scope.setdefault("state", {})["caller"] = caller
-        if self.limiter is None:
-            await self.app(scope, receive, send)
-            return
-        # By the key's id (two keys of one project count apart); never by the secret.
-        allowed, remaining, retry, reset = self.limiter.take(caller.key_id or caller.id)
-        limit_headers = [
-            (b"x-ratelimit-limit-requests", self.limit_header),
-            (b"x-ratelimit-remaining-requests", str(remaining).encode()),
-            (b"x-ratelimit-reset-requests", _duration(reset).encode()),
-        ]
-        if not allowed:
-            retry_ms = max(1, math.ceil(retry * 1000))
-            message = (
-                f"Rate limit reached for this API key: {self.limiter.rate:g} requests a second, bursts of "
-                f"{self.limiter.burst}. Retry in {retry_ms / 1000:.3g} s."
-            )
-            extra = [
-                (b"retry-after", str(max(1, math.ceil(retry))).encode()),
-                (b"retry-after-ms", str(retry_ms).encode()),
-                *limit_headers,
+        key = caller.key_id or caller.id  # by the key's id (two keys of one project count apart)
+        limit_headers: list[tuple[bytes, bytes]] = []
+        if self.limiter is not None:
+            allowed, remaining, retry, reset = self.limiter.take(key)
+            limit_headers = [
+                (b"x-ratelimit-limit-requests", self.limit_header),
+                (b"x-ratelimit-remaining-requests", str(remaining).encode()),
+                (b"x-ratelimit-reset-requests", _duration(reset).encode()),
             ]
-            await _send_error(send, 429, message, "rate_limit_exceeded", extra)
+            if not allowed:
+                rule = f"{self.limiter.rate:g} requests a second, bursts of {self.limiter.burst}"
+                await _refuse(send, rule, retry, limit_headers)
+                return
+        if (retry_bytes := self._body_bytes(key, scope)) is not None:
+            close = [(b"connection", b"close")]  # its body is never read
+            await _refuse(send, self._bytes_rule(), retry_bytes, limit_headers + close)
+            return
+        if not limit_headers:
+            await self.app(scope, receive, send)
             return
 
         async def send_with_limits(message: Message) -> None:
@@ -230,6 +260,19 @@ class AuthMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_limits)
+
+
+async def _refuse(send: Send, rule: str, retry: float, headers: list[tuple[bytes, bytes]]) -> None:
+    retry_ms = max(1, math.ceil(retry * 1000))
+    message = f"Rate limit reached for this API key: {rule}. Retry in {retry_ms / 1000:.3g} s."
+    extra = [(b"retry-after", str(max(1, math.ceil(retry))).encode()), (b"retry-after-ms", str(retry_ms).encode())]
+    await _send_error(send, 429, message, "rate_limit_exceeded", extra + headers)
+
+
+UPLOADS = ("/v1/files",)
+"""Where bodies are uploads, bounded by RLOO_MAX_UPLOAD_BYTES and not by the byte rate."""
+UNDECLARED_BODY = 8 * 1024 * 1024
+"""What a body without a Content-Length counts against the byte rate: the JSON limit."""
 
 
 async def _send_error(

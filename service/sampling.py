@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from service.errors import APIError, bad_request
-from service.inference import BYTES_PER_TOKEN, estimated_tokens, past_any_context
+from service.inference import BYTES_PER_TOKEN, estimated_tokens, past_any_context, rows_a_project
 from service.schemas import Strict, check_stop
 from service.settings import Settings
 
@@ -87,11 +87,12 @@ class Sampling(Strict):
                 f"(RLOO_INFERENCE_MAX_TOKENS); got {self.max_tokens}.",
                 param,
             )
-        if self.rows > settings.inference_max_batch:
+        most = rows_a_project(settings.inference_max_batch)
+        if self.rows > most:
             raise bad_request(
-                f"This request asks for {self.rows} completions (n times the prompts); an inference worker decodes "
-                f"at most {settings.inference_max_batch} at once (RLOO_INFERENCE_MAX_BATCH): send fewer prompts or "
-                "a smaller n, in several requests.",
+                f"This request asks for {self.rows} completions (n times the prompts); a request may ask for at "
+                f"most {most}, three quarters of what an inference worker decodes at once (RLOO_INFERENCE_MAX_BATCH, "
+                f"{settings.inference_max_batch}): send fewer prompts or a smaller n, in several requests.",
                 "n" if len(self.prompt_bytes) == 1 else "prompt",
             )
         self.check_budget(settings)

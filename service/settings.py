@@ -190,6 +190,18 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(
         default=100, ge=1, description="Requests a key may send at once before the sustained rate applies."
     )
+    rate_limit_body_bytes: float = Field(
+        default=16 * 2**20,
+        ge=0,
+        description="Request-body bytes a second per API key in each API process (uploads to /v1/files aside); "
+        "0 turns it off.",
+    )
+    rate_limit_body_bytes_burst: int = Field(
+        default=32 * 2**20,
+        ge=8 * 2**20,
+        description="Request-body bytes a key may send at once before the sustained rate applies (at least the "
+        "8 MiB JSON limit).",
+    )
     inference_max_concurrent: int = Field(
         default=8,
         ge=1,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import re
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.responses import Response, StreamingResponse
 
@@ -155,5 +155,25 @@ def tar_response(layout: TarLayout, *, filename: str, range_header: str | None, 
         status = 206
         headers["Content-Range"] = f"bytes {start}-{stop - 1}/{layout.size}"
     return StreamingResponse(
-        layout.read(start, stop), status_code=status, headers=headers, media_type="application/x-tar"
+        on_own_threads(layout.read(start, stop)), status_code=status, headers=headers, media_type="application/x-tar"
     )
+
+
+DOWNLOAD_THREADS = 8
+"""Threads reading downloads' chunks at once in an API process: downloads take turns among
+themselves, never the threads that answer routes (42 downloads at once held every one of those)."""
+_DOWNLOADS: Any = None
+
+
+async def on_own_threads(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` (which read files or the object store) read on the downloads' own threads."""
+    from anyio import CapacityLimiter, to_thread
+
+    global _DOWNLOADS
+    if _DOWNLOADS is None:
+        _DOWNLOADS = CapacityLimiter(DOWNLOAD_THREADS)
+    while True:
+        chunk = await to_thread.run_sync(next, chunks, None, limiter=_DOWNLOADS)
+        if chunk is None:
+            return
+        yield chunk

@@ -27,8 +27,8 @@ from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wa
 pytestmark = pytest.mark.e2e
 
 PROMPT = "the cat sat on"
-LONG = {"model": "tiny-policy", "prompt": [PROMPT] * 64, "n": 16, "max_tokens": 200}
-"""A request that takes the tiny model some seconds: 1,024 completions of up to 200 tokens."""
+LONG = {"model": "tiny-policy", "prompt": [PROMPT] * 64, "n": 12, "max_tokens": 200}
+"""A request that takes the tiny model some seconds: 768 completions of up to 200 tokens."""
 
 
 GRADER_SECONDS = 6.0

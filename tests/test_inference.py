@@ -327,7 +327,7 @@ def _merged_when_ready(client: Any, url: str, auth: dict[str, str], timeout: flo
 def test_a_request_no_key_could_ever_have_in_flight_is_a_400_not_a_429_for_ever(
     served: dict[str, str], client: Any, auth: dict[str, str]
 ) -> None:
-    body = {"model": "tiny-policy", "prompt": ["a", "b"], "n": 16, "max_tokens": 4096}  # 131,072 tokens
+    body = {"model": "tiny-policy", "prompt": ["a", "b"], "n": 12, "max_tokens": 4096}  # 98,304 tokens
     r = client.post("/v1/completions", json=body, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT" in r.json()["error"]["message"]
@@ -359,7 +359,7 @@ def test_a_request_larger_than_a_batch_is_a_400_and_its_prompts_count_in_the_bud
     assert r.status_code == 400 and "RLOO_INFERENCE_MAX_BATCH" in r.json()["error"]["message"], r.text
     monkeypatch.setenv("RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT", "1000")
     reset_caches()
-    body = {"model": "tiny-policy", "prompt": ["z" * 600] * 8, "n": 4, "max_tokens": 1}  # 32 writes, ~5,000 read
+    body = {"model": "tiny-policy", "prompt": ["z" * 600] * 8, "n": 3, "max_tokens": 1}  # 24 writes, ~3,800 read
     r = client.post("/v1/completions", json=body, headers=auth)
     assert r.status_code == 400 and "RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT" in r.json()["error"]["message"], r.text
     r = client.post("/v1/completions", json={**body, "prompt": ["z" * 60] * 8}, headers=auth)
@@ -478,3 +478,33 @@ def test_a_project_asks_for_two_merges_at_once_and_one_never_taken_is_asked_agai
     assert json.loads(conn.get(marker))["id"] != first  # asked anew
     conn.zrem(f"{ns}:workers", "never-takes")
     conn.close()
+
+
+def test_a_project_holds_three_quarters_of_a_batch_and_another_joins_at_the_next_token(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests of one project filled the batch (32 rows), and another project's 4-token chat
+    waited for all of them to end. A project's requests hold at most 24 rows of it: the third waits
+    for the next batch, the other project's chat decodes in this one, and one that arrives later
+    joins past the first project's next request."""
+    from worker.serving.models import Servable
+    from worker.serving.server import Request, Server
+
+    server = Server(None, worker="w", cache=None, max_rows=32)
+    base = Servable(Path("/models/tiny"))
+
+    def request(rid: str, project: str, rows: int) -> Request:
+        return Request({"id": rid, "project": project, "prompts": ["p"] * rows, "n": 1}, base)
+
+    decoded: list[list[str]] = []
+    monkeypatch.setattr(server, "_prepare", lambda r: object())
+    monkeypatch.setattr(server, "_decode", lambda loaded, batch: decoded.append([r.id for r in batch]))
+    server.pending = [request("a0", "a", 12), request("a1", "a", 12), request("a2", "a", 8), request("b", "b", 1)]
+    server.serve_one_batch()
+    assert decoded == [["a0", "a1", "b"]] and [r.id for r in server.pending] == ["a2"], decoded
+    # While a's 24 rows and b's 1 decode: a's next does not fit its share, b's next passes it.
+    server.active_rows, server.project_rows = 25, {"a": 24, "b": 1}
+    server.pending = [request("a3", "a", 4), request("b2", "b", 4), request("c", "c", 8)]
+    assert [r.id for r in server._joiners(base.base_key, type("L", (), {"adapters": {}})())] == ["b2"]
+    # c (no rows decoding) does not fit the 3 rows left: it keeps its place, none after it passes.
+    assert [r.id for r in server.pending] == ["a3", "c"]

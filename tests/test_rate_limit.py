@@ -203,3 +203,39 @@ def test_the_bucket_map_is_bounded() -> None:
     for i in range(10):
         rl.take(f"new-{i}", 50.0)
     assert "busy" in rl.tat and not rl.take("busy", 50.0)[0]
+
+
+def test_a_key_past_its_body_bytes_a_second_is_429_before_its_body_is_read(monkeypatch, env) -> None:
+    """Four 8 MiB bodies at once, again and again, within the request rate, kept an API process busy
+    reading and refusing them for every tenant. A key's request-body bytes have a rate of their own;
+    uploads, which /v1/files bounds, do not count."""
+    mib = 2**20
+    c = _client(monkeypatch, RLOO_RATE_LIMIT_BODY_BYTES=str(mib // 2), RLOO_RATE_LIMIT_BODY_BYTES_BURST=str(8 * mib))
+    ours, theirs = _auth("alpha"), _auth("beta")
+    body = b'{"model": "m", "prompt": "' + b"x" * (5 * mib) + b'"}'
+    headers = {**ours, "Content-Type": "application/json"}
+    first = c.post("/v1/completions", content=body, headers=headers)
+    assert first.status_code != 429, first.text  # the burst holds one
+    second = c.post("/v1/completions", content=body, headers=headers)
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "MiB of request bodies a second" in second.json()["error"]["message"]
+    assert second.headers["connection"] == "close" and int(second.headers["retry-after"]) >= 1
+    other = c.post("/v1/completions", content=body, headers={**theirs, "Content-Type": "application/json"})
+    assert other.status_code != 429  # another key is not held up
+    upload = c.post(
+        "/v1/files",
+        headers=ours,
+        files={"file": ("t.jsonl", b'{"prompt": "a"}\n' * 1000)},
+        data={"purpose": "fine-tune"},
+    )
+    assert upload.status_code == 200, upload.text
+    assert c.get("/v1/files", headers=ours).status_code == 200  # bodiless requests are not held up
+
+
+def test_gcra_takes_a_cost_in_units() -> None:
+    from service.limits import RateLimiter
+
+    bytes_ = RateLimiter(1000.0, 4000)  # 1,000 a second, 4,000 at once
+    assert bytes_.take("k", now=0.0, cost=3000)[0]
+    assert not bytes_.take("k", now=0.0, cost=3000)[0]
+    assert bytes_.take("k", now=2.0, cost=3000)[0]  # 2 s later: 2,000 more

@@ -180,7 +180,7 @@ def test_a_batch_that_arrives_while_a_batch_decodes_is_scored_after_it_not_insid
     ns = inference.namespace(inference.serve_queue())
     deadline = time.time() + 60
     servable = {"base": str(models_dir / "tiny-policy"), "chain": []}
-    long = {"id": "long", "kind": "completion", "prompts": ["the cat sat on"] * 8, "n": 4, "max_tokens": 120}
+    long = {"id": "long", "kind": "completion", "prompts": ["the cat sat on"] * 8, "n": 3, "max_tokens": 120}
     inference.submit_sync(conn, ns, {**long, "servable": servable, "deadline": deadline})
     first = conn.blpop([f"{ns}:reply:long"], timeout=30)  # decoding has begun
     assert first is not None and json.loads(first[1])["t"] == "start", first

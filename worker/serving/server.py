@@ -56,6 +56,10 @@ class Request:
         """Completions it asks for: ``n`` for each prompt."""
         return self.rows_of(self.envelope)
 
+    @property
+    def project(self) -> str:
+        return str(self.envelope.get("project") or inference.SYSTEM_LANE)
+
     @staticmethod
     def rows_of(envelope: dict[str, Any]) -> int:
         return int(envelope.get("n", 1)) * len(envelope.get("prompts") or [None])
@@ -75,6 +79,9 @@ class Server:
         self.pending: list[Request] = []
         self.requests: list[dict[str, Any]] = []  # taken requests that are no completion, for between batches
         self.active_rows = 0  # rows of the batch decoding now
+        self.share = inference.rows_a_project(max_rows)
+        """Rows one project's requests may hold of a batch: the rest is kept for others' to join."""
+        self.project_rows: dict[str, int] = {}  # rows of the batch decoding now, by project
         self.held: set[str] = set()
         self.chores = chores
         self._lock = threading.Lock()
@@ -146,8 +153,8 @@ class Server:
             with self._lock:
                 self.held.add(envelope["id"])
             if envelope.get("kind") in ("chat", "completion"):
-                if Request.rows_of(envelope) > self.max_rows:  # (the API refuses them: one from elsewhere)
-                    message = f"A request may ask for at most {self.max_rows} completions (n times the prompts)."
+                if Request.rows_of(envelope) > self.share:  # (the API refuses them: one from elsewhere)
+                    message = f"A request may ask for at most {self.share} completions (n times the prompts)."
                     self._answer(envelope["id"], inference.error_message(400, "too_many_completions", message, "n"))
                     continue
                 try:  # (an object store's checkpoints are fetched here, once a host)
@@ -178,15 +185,20 @@ class Server:
     # A batch -------------------------------------------------------------------------------------------
     def serve_one_batch(self) -> None:
         """The first waiting request's base (requests are taken in turn between projects and keys),
-        with the waiting requests that share it, up to ``max_rows`` rows (no request has more)."""
+        with the waiting requests that share it, up to ``max_rows`` rows, at most ``share`` of them a
+        project's (no request has more), so another project's request can join at the next token."""
         key = self.pending[0].servable.base_key
         batch: list[Request] = []
         rows = 0
+        held: dict[str, int] = {}
         for request in (r for r in self.pending if r.servable.base_key == key):
-            if batch and rows + request.row_count > self.max_rows:
+            if rows + request.row_count > self.max_rows:
                 break
+            if held.get(request.project, 0) + request.row_count > self.share:
+                continue  # its project has its share of this batch: the next one
             batch.append(request)
             rows += request.row_count
+            held[request.project] = held.get(request.project, 0) + request.row_count
         self.pending = [r for r in self.pending if all(r is not b for b in batch)]
         ready, loaded = [], None
         for request in batch:
@@ -296,15 +308,21 @@ class Server:
         for deltas in self.cache.decode(loaded, [row for r in requests for row in r.rows], gone, joining):
             self._send(deltas, running)
         self.active_rows = 0
+        self.project_rows = {}
 
     def _joiners(self, key: Any, loaded: Any) -> list[Request]:
-        """Waiting requests that can join the batch decoding on ``loaded`` now, within its rows."""
+        """Waiting requests that can join the batch decoding on ``loaded`` now, within its rows and
+        their project's share. One that does not fit keeps its place (those after it wait), unless its
+        project has rows decoding already: then a smaller one of another project may pass it."""
         joined: list[Request] = []
         for request in list(self.pending):
             adapter = request.servable.adapter
             if request.servable.base_key != key or (adapter is not None and adapter not in loaded.adapters):
                 continue  # another base, or an adapter to load first: the next batch
-            if self.active_rows + request.row_count > self.max_rows:
+            mine = self.project_rows.get(request.project, 0)
+            if self.active_rows + request.row_count > self.max_rows or mine + request.row_count > self.share:
+                if mine:
+                    continue
                 break
             self.pending.remove(request)
             if self._prepare(request) is not None:
@@ -327,6 +345,7 @@ class Server:
         for request in requests:
             running[request.id] = request
             self.active_rows += request.row_count
+            self.project_rows[request.project] = self.project_rows.get(request.project, 0) + request.row_count
 
     def _send(self, deltas: list[Any], running: dict[str, Request]) -> None:
         """One step's text, then the answer of each request whose last row ended."""
@@ -340,6 +359,7 @@ class Server:
                 request = running[d.row.request]
                 request.open_rows -= 1
                 self.active_rows -= 1
+                self.project_rows[request.project] -= 1
                 if request.open_rows == 0:
                     ended.append(request)
         inference.push(self.conn, self.ns, messages)
