@@ -34,6 +34,11 @@ from worker.serving.models import ModelCache, Servable
 log = logging.getLogger("rloo.serve")
 
 
+TAKEN_PAST_ROOM = 2
+"""Requests a worker takes a step however full its batch and waiting list (see ``Server._take``)."""
+MAX_PENDING = 64
+"""Requests a worker holds waiting, at most, taking past its room."""
+
 REWARD_MODELS_KEPT = 2
 """Scoring models (reward models, judges) an inference worker keeps loaded besides the models it
 samples from; one more, and it starts afresh."""
@@ -146,10 +151,14 @@ class Server:
             time.sleep(inference.LEASE_REFRESH)
 
     def _take(self, *, block: float) -> None:
+        """Requests taken from Redis (in turn between projects) as room allows, and always a couple:
+        the waiting requests of a project at its share of the batch must not keep another project's
+        out of the worker, where it can join the batch under way."""
         room = max(0, self.max_rows - self.active_rows - sum(r.row_count for r in self.pending))
-        if room == 0:
+        most = max(room, TAKEN_PAST_ROOM if len(self.pending) < MAX_PENDING else 0)
+        if most == 0:
             return
-        for envelope in inference.take(self.conn, self.ns, self.worker, block=block, most=room):
+        for envelope in inference.take(self.conn, self.ns, self.worker, block=block, most=most):
             with self._lock:
                 self.held.add(envelope["id"])
             if envelope.get("kind") in ("chat", "completion"):
