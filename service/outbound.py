@@ -351,7 +351,7 @@ def _lookup(host: str, port: int, end: float) -> list[tuple[int, str]]:
     def resolve() -> None:
         try:
             answers.put(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP))
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # (a label IDNA refuses: "a..b")
             answers.put(exc)
         finally:
             _LOOKUPS.release()
@@ -363,6 +363,8 @@ def _lookup(host: str, port: int, end: float) -> list[tuple[int, str]]:
         raise httpcore.ConnectTimeout(f"looking up {host!r} took past the deadline") from None
     if isinstance(got, OSError):
         raise Unreachable(f"the host {host!r} does not resolve ({got.strerror or got})")
+    if isinstance(got, UnicodeError):
+        raise Unreachable(f"the host {host!r} is not a name that resolves ({got})")
     seen: dict[str, int] = {}
     for family, _, _, _, sockaddr in got:
         seen.setdefault(str(sockaddr[0]), family)

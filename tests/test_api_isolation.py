@@ -54,6 +54,7 @@ ID_ROUTES = [
     ("POST", "/v1/fine_tuning/jobs/{job_id}/evaluations"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/evaluations"),
     ("GET", "/v1/fine_tuning/jobs/{job_id}/evaluations/{evaluation_id}"),
+    ("POST", "/v1/fine_tuning/jobs/{job_id}/evaluations/{evaluation_id}/cancel"),
     ("GET", "/v1/models/{model_id:path}"),
     ("DELETE", "/v1/models/{model_id:path}"),
     ("GET", "/v1/webhook_endpoints/{endpoint_id}"),

@@ -19,6 +19,27 @@ from service import egress, outbound
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\n"
 
 
+def read_request(conn: socket.socket) -> bytes:
+    """The whole request (headers and the body they announce): a server that answers and closes with
+    some of it unread resets the connection, and the client may lose the answer."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return data
+
+
 class RawServer:
     """A TCP server on loopback that runs ``behave(conn)`` for each connection it accepts."""
 
@@ -70,7 +91,7 @@ def server() -> Iterator[Callable[..., RawServer]]:
 
 def trickle(data: bytes, every: float = 0.1, *, head: bytes = b"") -> Callable[[socket.socket], None]:
     def behave(conn: socket.socket) -> None:
-        conn.recv(65536)
+        read_request(conn)
         conn.sendall(head)
         for byte in data:
             conn.sendall(bytes([byte]))
@@ -153,7 +174,7 @@ def test_within_bounds_every_call_inside_it(server) -> None:
 
 def test_an_answer_longer_than_the_caller_reads_is_too_large(server) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789"
-    s = server(lambda conn: (conn.recv(65536), conn.sendall(answer)))
+    s = server(lambda conn: (read_request(conn), conn.sendall(answer)))
     with pytest.raises(outbound.TooLarge):
         outbound.post(f"http://127.0.0.1:{s.port}/x", b"{}", headers={}, seconds=2, max_body=4)
 
@@ -163,7 +184,7 @@ def test_an_international_url_is_sent_encoded(server) -> None:
     seen: list[bytes] = []
 
     def behave(conn: socket.socket) -> None:
-        seen.append(conn.recv(65536))
+        seen.append(read_request(conn))
         conn.sendall(HEAD + b"ok")
 
     s = server(behave)
@@ -227,7 +248,7 @@ def test_a_closed_port_is_unreachable_at_once() -> None:
 
 # The address checked is the address connected to ------------------------------------------------------
 def test_an_address_the_rule_refuses_is_never_connected_to(server) -> None:
-    s = server(lambda conn: (conn.recv(65536), conn.sendall(HEAD + b"ok")))
+    s = server(lambda conn: (read_request(conn), conn.sendall(HEAD + b"ok")))
     with pytest.raises(outbound.Unreachable, match="private, loopback or link-local"):
         outbound.post(f"http://127.0.0.1:{s.port}/x", b"{}", headers={}, seconds=2, addresses=egress.public_address)
     time.sleep(0.1)
@@ -237,7 +258,7 @@ def test_an_address_the_rule_refuses_is_never_connected_to(server) -> None:
 def test_a_name_is_looked_up_once_and_its_checked_address_used(server, monkeypatch) -> None:
     """DNS rebinding: a name that answers a public address to the check and loopback to the connection
     reached loopback when the two looked it up apart. Here there is one lookup, and its answer is judged."""
-    s = server(lambda conn: (conn.recv(65536), conn.sendall(HEAD + b"ok")))
+    s = server(lambda conn: (read_request(conn), conn.sendall(HEAD + b"ok")))
     answers = iter(["127.0.0.1", "93.184.216.34"])  # the first lookup is loopback, any later one public
     calls: list[str] = []
 
@@ -256,7 +277,7 @@ def test_tls_is_checked_against_the_hosts_name(server, monkeypatch) -> None:
     ca = trustme.CA()
     served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("hooks.test").configure_cert(served)
-    s = server(lambda conn: (conn.recv(65536), conn.sendall(HEAD + b"ok")), tls=served)
+    s = server(lambda conn: (read_request(conn), conn.sendall(HEAD + b"ok")), tls=served)
     trusting = ssl.create_default_context()
     ca.configure_trust(trusting)
     monkeypatch.setattr(outbound, "_CONTEXT", trusting)
