@@ -23,6 +23,7 @@ import redis
 from service import dryruns
 from tests.helpers.api import assert_error
 from tests.helpers.data import STRING_CHECK
+from tests.helpers.scoring import Endpoint
 from worker.requests import MAX_DELIVERIES
 
 RUN = "/v1/fine_tuning/alpha/graders/run"
@@ -158,20 +159,37 @@ def test_a_project_holds_half_the_graders_processes_and_another_finds_one_free(
 ) -> None:
     """A project's slow dry runs (an endpoint that trickles, a grader that sleeps) held both of the
     graders worker's processes: another project's string_check waited for one to end. A project now
-    has at most half of them at once; its dry runs beyond wait their turn, and all are answered."""
-    _setting(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1")
-    slow = _sleeping(3)
+    has at most half of them at once; its dry runs beyond wait their turn, and all are answered.
+
+    No clock: the endpoint holds the first project's answers until the other project's dry run has
+    been answered, so where that one waited behind them (before) it was never answered (504)."""
+    release = threading.Event()
+
+    def held(_: int, body: dict[str, Any]) -> tuple[int, Any]:
+        release.wait(60)
+        return 200, {"scores": [1.0] * len(body["samples"])}
+
+    endpoint = Endpoint(held, int(dry_runs["http_port"]))  # the port the graders worker allows
+    _setting(monkeypatch, RLOO_HTTP_GRADER_URLS=json.dumps([endpoint.url]), RLOO_GRADER_RUN_SECONDS="15")
+    slow = {"grader": {"type": "http", "name": "held", "url": endpoint.url, "timeout_seconds": 60}, "model_sample": "a"}
     theirs = [_in_background(client.post, RUN, headers=auth, json=slow) for _ in range(2)]
-    time.sleep(1.0)  # both taken or waiting
-    quick = {"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}}
-    t0 = time.monotonic()
-    ours = client.post(RUN, headers=other_auth, json=quick)
-    took = time.monotonic() - t0
-    assert ours.status_code == 200 and ours.json()["reward"] == 1.0, ours.text
-    assert took < 1.5, took  # before: behind one of the sleeping graders, ~2 s more
-    for thread, answer in theirs:
-        thread.join()
+    try:
+        deadline = time.monotonic() + 30
+        while not endpoint.calls and time.monotonic() < deadline:  # one of theirs holds a process
+            time.sleep(0.05)
+        quick = {"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}}
+        ours = client.post(RUN, headers=other_auth, json=quick)
+        assert ours.status_code == 200 and ours.json()["reward"] == 1.0, ours.text
+        # Answered while theirs were held, and the first project had one process of the two.
+        assert len(endpoint.calls) == 1 and not any(answer for _, answer in theirs), endpoint.calls
+    finally:
+        release.set()
+        for thread, _ in theirs:
+            thread.join(60)
+        endpoint.close()
+    for _, answer in theirs:
         assert answer[0].status_code == 200 and answer[0].json()["reward"] == 1.0, answer[0].text
+    assert len(endpoint.calls) == 2
 
 
 def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, auth, dry_runs, monkeypatch) -> None:

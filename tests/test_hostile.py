@@ -304,7 +304,7 @@ def test_a_body_of_millions_of_values_is_a_413_before_it_is_parsed_and_the_loop_
     for resp in answers:
         err = assert_error(resp, 413, code="request_too_large")
         assert says in err["message"] and "uploaded file" in err["message"], err
-    assert latencies and max(latencies) < 2.0, max(latencies)  # before: 95 s for four
+    assert latencies and max(latencies) < 5.0, max(latencies)  # before: 6 s a body here, 95 s for four elsewhere
 
 
 def test_brackets_and_commas_inside_strings_are_text_not_structure(client, auth, monkeypatch) -> None:

@@ -205,7 +205,7 @@ def test_a_trickling_answer_is_cut_at_timeout_seconds(monkeypatch, phase: str) -
         t0 = time.monotonic()
         with pytest.raises(GraderUnavailable, match="no answer within 0.3 s"):
             grade_batch(parse_grader(spec(f"http://127.0.0.1:{port}/s", timeout_seconds=0.3)), [Sample("a")], [{}])
-        assert time.monotonic() - t0 < 3  # 3 attempts of 0.3 s and 1.5 s of backoff
+        assert time.monotonic() - t0 < 8  # 3 attempts of 0.3 s and 1.5 s of backoff (before: 50 s an attempt)
     finally:
         server.close()
         reset_caches()

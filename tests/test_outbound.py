@@ -123,16 +123,16 @@ def test_an_attempt_ends_at_its_deadline_whatever_the_receiver_trickles(server, 
     s = server(behave)
     got, took = timed(lambda: outbound.post(f"http://127.0.0.1:{s.port}/x", b"{}", headers={}, seconds=0.5))
     assert isinstance(got, outbound.Unreachable) and "no answer within 0.5 s" in got.reason
-    assert 0.45 < took < 1.0
+    assert 0.45 < took < 2.0  # a trickle would take seconds more
 
 
 def test_a_trickled_body_ends_at_the_deadline_when_it_is_read(server) -> None:
     s = server(trickle(b"x" * 100, every=0.02, head=b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"))
     url = f"http://127.0.0.1:{s.port}/x"
     got, took = timed(lambda: outbound.post(url, b"{}", headers={}, seconds=0.5, max_body=1000))
-    assert isinstance(got, outbound.Unreachable) and 0.45 < took < 1.0
+    assert isinstance(got, outbound.Unreachable) and 0.45 < took < 2.0
     got, took = timed(lambda: outbound.post(url, b"{}", headers={}, seconds=0.5))  # the body is not read
-    assert isinstance(got, outbound.Reply) and got.status == 200 and took < 0.9
+    assert isinstance(got, outbound.Reply) and got.status == 200 and took < 1.5
 
 
 def test_a_trickled_tls_handshake_ends_at_the_deadline(server) -> None:
@@ -144,7 +144,7 @@ def test_a_trickled_tls_handshake_ends_at_the_deadline(server) -> None:
 
     s = server(behave)
     got, took = timed(lambda: outbound.post(f"https://127.0.0.1:{s.port}/x", b"{}", headers={}, seconds=0.5))
-    assert isinstance(got, outbound.Unreachable) and 0.45 < took < 1.0
+    assert isinstance(got, outbound.Unreachable) and 0.45 < took < 2.0
 
 
 def test_a_name_server_that_never_answers_costs_the_deadline(monkeypatch) -> None:
@@ -154,11 +154,11 @@ def test_a_name_server_that_never_answers_costs_the_deadline(monkeypatch) -> Non
 
     monkeypatch.setattr(socket, "getaddrinfo", slow)
     got, took = timed(lambda: outbound.post("http://hooks.invalid/x", b"{}", headers={}, seconds=0.3))
-    assert isinstance(got, outbound.Unreachable) and took < 0.8
+    assert isinstance(got, outbound.Unreachable) and took < 2.0
     t0 = time.monotonic()
     with pytest.raises(OSError, match="within 0.3 s"):
         outbound.lookup("hooks.invalid", 443, seconds=0.3)
-    assert time.monotonic() - t0 < 0.8
+    assert time.monotonic() - t0 < 2.0
 
 
 def test_within_bounds_every_call_inside_it(server) -> None:
@@ -166,9 +166,9 @@ def test_within_bounds_every_call_inside_it(server) -> None:
     url = f"http://127.0.0.1:{s.port}/x"
     with outbound.within(0.4):
         got, took = timed(lambda: outbound.post(url, b"{}", headers={}, seconds=30))
-        assert isinstance(got, outbound.Unreachable) and took < 0.8
+        assert isinstance(got, outbound.Unreachable) and took < 2.0
         got, took = timed(lambda: outbound.post(url, b"{}", headers={}, seconds=30))
-        assert isinstance(got, outbound.Unreachable) and "run out" in got.reason and took < 0.05
+        assert isinstance(got, outbound.Unreachable) and "run out" in got.reason and took < 0.5
     assert outbound.seconds_left(7.0) == 7.0
 
 
@@ -334,5 +334,5 @@ def test_lanes_keep_a_key_to_its_share_and_others_run_beside() -> None:
         return [*(await asyncio.gather(*held)), other], took
 
     results, took = asyncio.run(scenario())
-    assert results == [True, True, "b ran"] and took < 0.5
+    assert results == [True, True, "b ran"] and took < 2.0  # not behind a's, which wait 5 s
     assert lanes.running == {}

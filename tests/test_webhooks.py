@@ -237,7 +237,7 @@ def test_a_test_event_to_a_trickling_receiver_ends_at_the_deadline_and_a_project
             thread.join(timeout=30)
         codes = sorted((status, code) for status, code, _ in answers)
         assert codes == [(429, "rate_limit_exceeded")] * 3 + [(502, "webhook_unreachable")] * 2, answers
-        assert max(took for *_, took in answers) < 3, answers
+        assert max(took for *_, took in answers) < 5, answers  # before: ~11 s, the status line trickled whole
     finally:
         server.close()
         reset_caches()
@@ -336,7 +336,7 @@ def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_onc
     stuck, fine = Silent(), Receiver()
     allowed = [stuck.url.rsplit("/", 1)[0] + "/", fine.url.rsplit("/", 1)[0] + "/"]
     monkeypatch.setenv("RLOO_WEBHOOK_URLS", json.dumps(allowed))
-    monkeypatch.setenv("RLOO_WEBHOOK_TIMEOUT_SECONDS", "1.5")
+    monkeypatch.setenv("RLOO_WEBHOOK_TIMEOUT_SECONDS", "3")
     reset_caches()
     made = {}
     for name, headers, url in [
@@ -382,8 +382,8 @@ def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_onc
         while len(fine.got) < 3 and time.monotonic() - t0 < 10:
             time.sleep(0.02)
         took = time.monotonic() - t0
-        assert len(fine.got) == 3 and took < 1.2, took  # before: behind 12 attempts of the stuck ones
-        time.sleep(2)
+        assert len(fine.got) == 3 and took < 4.0, took  # before: behind 12 attempts of 3 s of the stuck ones (9 s)
+        time.sleep(3.5)
         assert stuck.most <= webhooks.SENDERS // 2
         with session_scope() as session:
             attempts = [
