@@ -55,7 +55,7 @@ def trl(
     from transformers.utils import logging as hf_logging
     from trl import RLOOTrainer
 
-    from worker.data import load_items
+    from worker.engine.data import load_items
 
     hf_logging.set_verbosity_error()
 
@@ -126,7 +126,7 @@ def compare(config: str, *, rounds: int = 3, reward_model: bool = False) -> dict
 
 def build_plain_reward_model(models: Path, config: str) -> None:
     """A reward model of ``config``'s shape sharing its policy's tokenizer, without a chat template."""
-    from worker.tinymodels import build_tiny_reward_model
+    from worker.tiny.models import build_tiny_reward_model
 
     path = build_tiny_reward_model(models / "reward", tokenizer_from=models / config, seed=1, **CONFIGS[config])
     settings = json.loads((path / "tokenizer_config.json").read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service import graders
-from worker.records import QuietRecorder
+from worker.engine.recorders import QuietRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "examples" / "demo" / "train.jsonl"
@@ -60,7 +60,7 @@ def count_reward(texts: list[str]) -> list[float]:
 def counting_reward() -> Iterator[None]:
     """Score our engine's completions with ``count_reward``: the grader family has no counting
     grader, and a python grader would run in a sandboxed process TRL's reward function does not pay for."""
-    import worker.train as train_mod
+    import worker.engine.train as train_mod
 
     real = train_mod.score_batch
 
@@ -102,14 +102,14 @@ def job_row(session: Any, project: str, model: str, **fields: Any) -> Any:
 
 
 def build(models: Path, config: str) -> None:
-    from worker.tinymodels import build_tiny_causal_lm
+    from worker.tiny.models import build_tiny_causal_lm
 
     build_tiny_causal_lm(models / config, seed=0, **CONFIGS[config])
 
 
 def plain_prompts(tmp: Path) -> Path:
     """The demo prompts as plain text (``prompt``), so both trainers see the same strings."""
-    from worker.data import load_items
+    from worker.engine.data import load_items
 
     out = tmp / "prompts.jsonl"
     with open(out, "w") as f:
@@ -147,8 +147,8 @@ def ours(
     """One run of our engine (the same ``train`` a job runs); wall time and each step's metrics.
     The reward is ``count_reward`` unless ``grader`` names the job's own (a reward model, say)."""
     from service.schemas import Hyperparameters
-    from worker.config import TrainConfig
-    from worker.train import train
+    from worker.engine.config import TrainConfig
+    from worker.engine.train import train
 
     hyper = Hyperparameters(
         rloo_k=K,

@@ -28,7 +28,7 @@ fewest micro-batches whose plan, half again (the plan's GPU error is what this m
 90% of a device beside vLLM's share: on an H200, 1 (a 64 GiB plan) or, with vLLM installed, 2.
 
 The tokenizer is trained on the spot on the demo corpus and filled to the model's 151,936 ids with
-byte-pair tokens (``worker.tinymodels.build_tokenizer(fill_to=...)``): random weights sample any id
+byte-pair tokens (``worker.tiny.models.build_tokenizer(fill_to=...)``): random weights sample any id
 almost uniformly, so ids past a smaller tokenizer would be most of every completion, which
 transformers' decode drops silently but vLLM's detokenizer may reject or log a traceback for each.
 Filled, every sampled id decodes (to bytes, often not UTF-8: replacement characters), as a real
@@ -145,11 +145,11 @@ class Case:
 
 def build_model(models: Path, arch: Architecture, *, seed: int = 0) -> Path:
     """``arch`` with seeded random weights, saved in bf16 with a tokenizer made on the spot, as a
-    directory under the models root (loaded as any model is: ``worker.modeling``)."""
+    directory under the models root (loaded as any model is: ``worker.engine.modeling``)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from worker.tinymodels import DEMO_CORPUS, build_tokenizer
+    from worker.tiny.models import DEMO_CORPUS, build_tokenizer
 
     tokenizer = build_tokenizer(DEMO_CORPUS, vocab_size=4096, model_max_length=arch.context, fill_to=arch.vocab)
     config = Qwen2Config(
@@ -183,7 +183,7 @@ def write_prompts(path: Path, n: int) -> None:
     """``n`` different prompts of 30 demo sentences each (300+ tokens): longer than
     ``max_prompt_length``, and no two alike at their end (what a prompt keeps), so vLLM's prefix
     cache shares nothing between prompts."""
-    from worker.tinymodels import DEMO_CORPUS
+    from worker.tiny.models import DEMO_CORPUS
 
     with open(path, "w") as f:
         for i in range(n):
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from service import memoryplan
     from service.schemas import Hyperparameters
-    from worker.backends import vllm_installed
+    from worker.engine.backends import vllm_installed
 
     cpu = args.cpu_smoke
     if not cpu and not torch.cuda.is_available():

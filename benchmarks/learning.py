@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, Collect
-from worker.metrics import TIMING_METRICS
+from worker.engine.metrics import TIMING_METRICS
 
 EXAMPLE = ROOT / "examples" / "addition"
 JOB = EXAMPLE / "job.json"
@@ -90,7 +90,7 @@ def quiet() -> Any:
 def accuracy(checkpoint: Path | None, repeats: int = EVAL_REPEATS) -> float:
     """The held-out accuracy of ``checkpoint`` (None: the supervised start): the mean of ``repeats``
     of the validation pass a run makes, with sampling seeds 10000, 10001, ... whatever the run."""
-    from worker.local import evaluate_spec
+    from worker.engine.standalone import evaluate_spec
 
     scores = []
     for r in range(repeats):
@@ -102,7 +102,7 @@ def accuracy(checkpoint: Path | None, repeats: int = EVAL_REPEATS) -> float:
 
 def ours(estimator: str, seed: int, out: Path, steps: int, checkpoint_interval: int = 0) -> dict[str, Any]:
     """One run of job.json with ``estimator``, through ``rloo train``'s path (``run_spec``)."""
-    from worker.local import run_spec
+    from worker.engine.standalone import run_spec
 
     rec = Collect(quiet=True)
     overrides = {"advantage_estimator": estimator, "max_steps": steps, "checkpoint_interval": checkpoint_interval}
@@ -280,12 +280,12 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
     if batches < 2:
         raise ValueError("the gradient variance needs at least 2 batches a point")
 
-    from worker import rloo
-    from worker.data import batch_indices, prompt_text
-    from worker.local import spec_config
-    from worker.prepare import prepare
-    from worker.rewards import score_batch
-    from worker.rollout import completion_logprobs
+    from worker.engine import algorithms as rloo
+    from worker.engine.data import batch_indices, prompt_text
+    from worker.engine.prepare import prepare
+    from worker.engine.rewards import score_batch
+    from worker.engine.rollout import completion_logprobs
+    from worker.engine.standalone import spec_config
 
     out: dict[str, Any] = {}
     for step, checkpoint in points.items():
@@ -396,8 +396,8 @@ def trl(seed: int, out: Path, steps: int) -> dict[str, Any]:
 
     from benchmarks.common import trl_config
     from service.settings import get_settings
-    from worker.data import load_items
-    from worker.local import evaluate_spec
+    from worker.engine.data import load_items
+    from worker.engine.standalone import evaluate_spec
 
     hf_logging.set_verbosity_error()
     hp = job_settings()

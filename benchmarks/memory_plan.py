@@ -50,9 +50,9 @@ def _case(models: str, model: str, case: str) -> None:
     from service import memoryplan
     from service.graders import parse_grader
     from service.schemas import Hyperparameters
-    from worker.config import TrainConfig
-    from worker.records import QuietRecorder
-    from worker.train import train
+    from worker.engine.config import TrainConfig
+    from worker.engine.recorders import QuietRecorder
+    from worker.engine.train import train
 
     hp = Hyperparameters(**SETTINGS, max_steps=2, **CASES[case]).resolved()
     estimate = memoryplan.plan(memoryplan.model_shape(Path(models) / model), hp, method="reinforcement", device="cpu")
@@ -89,7 +89,7 @@ def _case(models: str, model: str, case: str) -> None:
 
 
 def main() -> dict[str, Any]:
-    from worker.tinymodels import build_tiny_causal_lm
+    from worker.tiny.models import build_tiny_causal_lm
 
     out: dict[str, Any] = {
         "settings": f"{SETTINGS}, 2 steps, fp32 CPU; measured = peak RSS above the RSS before the model loaded"

@@ -56,8 +56,8 @@ from benchmarks.common import (
 )
 from service.graders import parse_grader
 from service.schemas import Hyperparameters
-from worker.config import TrainConfig
-from worker.train import train
+from worker.engine.config import TrainConfig
+from worker.engine.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,7 +173,7 @@ def _memory_case(models: str, case: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(Path(models) / "small")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if hp.lora:
-        from worker.modeling import add_lora
+        from worker.engine.modeling import add_lora
 
         model = add_lora(model, hp.lora, resume_from=None)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -193,7 +193,7 @@ def reference_memory() -> dict[str, Any]:
     import subprocess
 
     with tempfile.TemporaryDirectory() as tmp:
-        from worker.tinymodels import build_tiny_causal_lm
+        from worker.tiny.models import build_tiny_causal_lm
 
         build_tiny_causal_lm(Path(tmp) / "small", seed=0, hidden_size=512, num_layers=8)
         from transformers import AutoModelForCausalLM

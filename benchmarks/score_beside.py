@@ -73,7 +73,7 @@ def _endpoint(latency_s: float) -> Iterator[str]:
 
 
 def _http_cases(models: Path, data: Path, tmp: Path) -> dict[str, Any]:
-    import worker.train as train_mod
+    import worker.engine.train as train_mod
     from service.settings import get_settings
 
     out: dict[str, Any] = {}
@@ -146,7 +146,7 @@ def _wait_for_a_worker(seconds: float) -> None:
 
 
 def main() -> int:
-    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
+    from worker.tiny.models import build_tiny_causal_lm, build_tiny_reward_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

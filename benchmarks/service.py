@@ -105,7 +105,7 @@ def recording_cost(job_id: str, n: int = 200) -> dict[str, Any]:
     from service import crud
     from service.db import session_scope
     from service.models import Job, JobMetric
-    from worker.recording import DatabaseRecorder
+    from worker.jobs.database_recorder import DatabaseRecorder
 
     with session_scope() as session:
         job = crud.get_job_by_id(session=session, job_id=job_id)

@@ -95,10 +95,10 @@ class LocalStore:
         return self.local(key)
 
     def publish_checkpoint(self, key: str, directory: Path) -> None:
-        """Nothing to do: ``worker.checkpoints.save_checkpoint`` renamed it into place whole."""
+        """Nothing to do: ``worker.engine.checkpoints.save_checkpoint`` renamed it into place whole."""
 
     def remove_checkpoint(self, key: str) -> None:
-        """Nothing to do: ``worker.checkpoints.prune_checkpoints`` deleted the directory."""
+        """Nothing to do: ``worker.engine.checkpoints.prune_checkpoints`` deleted the directory."""
 
     def put_bytes(self, key: str, data: bytes) -> None:
         dest = self.local(key)

@@ -3,7 +3,7 @@
 Every mistake is a 400 that names the line and says what to change (another encoding, a JSON array,
 pretty-printed JSON, a line without a prompt...); a file is written under a temporary name and
 renamed into place only when every line is valid. The worker reads a stored file with
-``worker.data.load_items``: whatever passes here reads the same there.
+``worker.engine.data.load_items``: whatever passes here reads the same there.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def _json_error_hint(text: str, exc: json.JSONDecodeError, lineno: int) -> str:
 def parse_line(raw: bytes, lineno: int) -> Any:
     """One non-blank line's bytes as JSON, or a 400 naming the line and saying what to change.
 
-    The worker reads the stored file with ``worker.data.load_items``; whatever passes here must
+    The worker reads the stored file with ``worker.engine.data.load_items``; whatever passes here must
     read the same there.
     """
     if b"\x00" in raw:

@@ -46,7 +46,7 @@ def resolve_model(models_dir: Path, name: str, *, hub_offline: bool, param: str)
         f"Models available: {', '.join(available)}."
         if available
         else "No model is there yet: the server's operator puts Hugging Face model directories under "
-        "RLOO_MODELS_DIR (`rloo up` prints where it is), and `python -m worker.tinymodels <that directory>` "
+        "RLOO_MODELS_DIR (`rloo up` prints where it is), and `python -m worker.tiny.models <that directory>` "
         "builds the tiny models the examples name (tiny-policy, tiny-reward)."
     )
     raise bad_request(f"No model directory '{name}' under the models root. {how}", param, "model_not_found")

@@ -159,7 +159,7 @@ class JobMetric(Base):
 
 
 class JobSample(Base):
-    """A recorded step's prompts with their completions, rewards and advantages (``worker.samples``).
+    """A recorded step's prompts with their completions, rewards and advantages (``worker.engine.samples``).
     Unique on (job, step), as metrics are."""
 
     __tablename__ = "job_samples"

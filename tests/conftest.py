@@ -122,7 +122,7 @@ def database_url(
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny policy and reward model, built offline once for the session."""
-    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model
+    from worker.tiny.models import build_tiny_causal_lm, build_tiny_reward_model
 
     root = tmp_path_factory.mktemp("models")
     build_tiny_causal_lm(root / "tiny-policy", seed=0)

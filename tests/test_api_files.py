@@ -331,9 +331,9 @@ ACCEPTED_UPLOADS = {
 
 
 def test_accepted_upload_edges_read_by_the_worker_as_validated(client, auth, env) -> None:
-    """What the API accepts, the worker's reader (worker.data.load_items) reads line for line the same:
+    """What the API accepts, the worker's reader (worker.engine.data.load_items) reads line for line the same:
     the UTF-8 BOM is not part of the first prompt, a lone CR does not split a line."""
-    from worker.data import load_items
+    from worker.engine.data import load_items
 
     def check(content: bytes, expected: list[dict[str, Any]]) -> None:
         f = upload_ok(client, auth, content)

@@ -97,8 +97,8 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
     from service.identity import process_name
     from service.models import Checkpoint
     from service.settings import get_settings
-    from worker.checkpoints import TRAINING_INFO, checkpoint_dir, job_checkpoints_dir
-    from worker.recording import DatabaseRecorder
+    from worker.engine.checkpoints import TRAINING_INFO, checkpoint_dir, job_checkpoints_dir
+    from worker.jobs.database_recorder import DatabaseRecorder
 
     with session_scope() as session:
         job = lifecycle.claim(session=session, job_id=job_id, worker=process_name())

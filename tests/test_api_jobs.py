@@ -682,5 +682,5 @@ def test_an_unknown_model_says_what_there_is_or_how_to_build_the_examples(client
     monkeypatch.setenv("RLOO_MODELS_DIR", str(tmp_path / "empty"))
     reset_caches()
     resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(file_id))
-    err = assert_error(resp, 400, param="model", code="model_not_found", contains="python -m worker.tinymodels")
+    err = assert_error(resp, 400, param="model", code="model_not_found", contains="python -m worker.tiny.models")
     assert str(tmp_path) not in err["message"]  # no path of the host

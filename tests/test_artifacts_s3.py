@@ -142,7 +142,7 @@ def _save(models_dir: Path, output_dir: Path, step: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.checkpoints import save_checkpoint
+    from worker.engine.checkpoints import save_checkpoint
 
     model = AutoModelForCausalLM.from_pretrained(models_dir / "tiny-policy")
     with torch.no_grad():
@@ -171,8 +171,8 @@ def test_a_checkpoint_published_by_a_worker_on_another_disk_downloads_through_th
     s3, client, auth, tmp_path, monkeypatch, models_dir
 ) -> None:
     from service.settings import get_settings
-    from worker.checkpoints import job_checkpoints_dir
-    from worker.recording import DatabaseRecorder
+    from worker.engine.checkpoints import job_checkpoints_dir
+    from worker.jobs.database_recorder import DatabaseRecorder
 
     job = _claimed_job(client, auth)
     api_dir = get_settings().artifacts_dir
@@ -208,8 +208,8 @@ def test_a_checkpoint_cut_off_before_its_marker_is_invisible_and_resuming_takes_
     from service.artifacts import S3Store, open_store
     from service.db import session_scope
     from service.settings import get_settings
-    from worker.checkpoints import TRAINING_STATE, job_checkpoints_dir, resumable_checkpoint
-    from worker.recording import DatabaseRecorder
+    from worker.engine.checkpoints import TRAINING_STATE, job_checkpoints_dir, resumable_checkpoint
+    from worker.jobs.database_recorder import DatabaseRecorder
 
     job = _claimed_job(client, auth)
     _use_artifacts_dir(monkeypatch, tmp_path / "worker-a")

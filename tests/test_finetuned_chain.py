@@ -13,8 +13,8 @@ from service import crud, finetuned
 from service.db import session_scope
 from service.models import Checkpoint, Job
 from tests.helpers.training import LORA, ListRecorder, load_policy, method_config
-from worker.prepare import start_from
-from worker.train import train
+from worker.engine.prepare import start_from
+from worker.engine.train import train
 
 
 def _job(session, project_seq: int, model: str, status: str, ft: str | None) -> Job:  # type: ignore[no-untyped-def]
@@ -96,7 +96,7 @@ def test_a_job_starts_from_the_full_model_then_each_adapter_after_it(tmp_path: P
         return {k: v.clone() for k, v in start_from(base, chain, torch.device("cpu")).state_dict().items()}
 
     base, _ = load_policy(models_dir)
-    from worker.resume import load_full_weights
+    from worker.engine.resume import load_full_weights
 
     load_full_weights(base, a, torch.device("cpu"))
     by_hand = PeftModel.from_pretrained(base, b).merge_and_unload().state_dict()

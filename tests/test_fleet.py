@@ -21,8 +21,8 @@ from service.queue import job_queue, training_queues
 from tests.helpers.api import assert_error, create_job, make_key, upload_ok
 from tests.helpers.data import EXAMPLES, ROOT, job_body
 from tests.helpers.live import LiveStack, live_stack, run_cli, upload_path, wait_for
-from worker import devices
-from worker.devices import GIB, Devices, kind_of
+from worker.jobs import devices
+from worker.jobs.devices import GIB, Devices, kind_of
 
 WORKER_KEYS = {
     "id",
@@ -159,7 +159,7 @@ def test_a_pool_process_imports_the_training_stack_in_a_thread_unless_forked_wit
         "import sys; from worker import celery_app as c; "
         "assert 'torch' not in sys.modules; c._preload_training_stack(); "
         "assert c._PRELOAD is not None; c.wait_for_preload(); "
-        "assert {'torch', 'worker.train', 'transformers.modeling_utils', 'transformers.modeling_layers'} "
+        "assert {'torch', 'worker.engine.train', 'transformers.modeling_utils', 'transformers.modeling_layers'} "
         "<= set(sys.modules)"
     )
     forked = (
@@ -333,7 +333,7 @@ def test_a_worker_takes_turns_between_projects_not_the_oldest_job(client, auth, 
     from service import lifecycle, queue
     from service.db import session_scope
     from service.models import Job
-    from worker.tasks import _claim_a_turn
+    from worker.jobs.tasks import _claim_a_turn
 
     monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
     theirs, ours = upload_ok(client, auth)["id"], upload_ok(client, other_auth)["id"]

@@ -80,7 +80,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles() -> None:
     modules = _modules()
     graph = {name: _imports(path, name, modules) for name, path in modules.items()}
-    assert graph["worker.prepare"] >= {"worker.resume", "worker.modeling"}  # the scan sees imports
+    assert graph["worker.engine.prepare"] >= {"worker.engine.resume", "worker.engine.modeling"}  # the scan sees imports
     assert _cycles(graph) == []
 
 
@@ -117,7 +117,7 @@ REPO_PATH = re.compile(r"`((?:service|worker|tests|benchmarks|docs|examples|dock
 
 
 def test_paths_the_docs_name_exist() -> None:
-    """A file or folder the README or docs/ name in backticks (``worker/train.py``) is there."""
+    """A file or folder the README or docs/ name in backticks (``worker/engine/train.py``) is there."""
     named = {
         (doc.relative_to(ROOT), path)
         for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -135,9 +135,69 @@ def test_the_workers_import_no_http_layer() -> None:
     import sys
 
     code = (
-        "import sys, worker.tasks, worker.serving.server, worker.serving.evaluate, worker.recording; "
+        "import sys, worker.jobs.tasks, worker.serving.server, worker.serving.evaluate, worker.jobs.database_recorder; "
         "print(sorted(m for m in ('fastapi', 'starlette') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# The training engine (worker/engine) is torch alone: no Celery, broker, SQL or HTTP layer, nothing of
+# the worker's other tiers, and of service/ only what a job's spec, its graders and its files need.
+ENGINE_NEVER_IMPORTS = ("celery", "kombu", "redis", "sqlalchemy", "alembic", "fastapi", "starlette", "httpx")
+ENGINE_MAY_IMPORT = {
+    "service.settings",  # the operator's settings (models root, precision, remote reward queue)
+    "service.graders",  # scoring a batch
+    "service.schemas",  # the hyperparameters a job's spec holds
+    "service.artifacts",  # checkpoints on disk or S3
+    "service.storage",  # paths confined to their roots
+    "service.datasets",  # `rloo train`: a local file checked as an upload is
+    "service.jobspec",  # `rloo train`: a local spec checked as the API checks a job's
+    "service.validation",  # `rloo train`: the same messages as the API's
+    "service.strictjson",  # `rloo train`: the spec parsed as the API parses a body
+    "service.errors",  # `rloo train`: the API's error, turned into the CLI's
+    "service.inference",  # remote reward models: a batch asked of the inference workers
+}
+# The one broker the engine reaches: a remote reward model's batch goes to the inference workers
+# through Redis, imported inside the function that sends it (not at the engine's import).
+ENGINE_BROKER_CLIENT = "worker.engine.remote_rewards"
+
+
+def _third_party(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_engine_imports_no_celery_broker_sql_or_http_and_little_of_service() -> None:
+    modules = _modules()
+    engine = {name: path for name, path in modules.items() if name.startswith("worker.engine")}
+    assert len(engine) > 20 and "worker.engine.train" in engine  # the scan finds the engine
+    offenders = []
+    for name, path in sorted(engine.items()):
+        allowed_broker = {"redis"} if name == ENGINE_BROKER_CLIENT else set()
+        offenders += [
+            f"{name} imports {p}" for p in sorted(_third_party(path) & set(ENGINE_NEVER_IMPORTS) - allowed_broker)
+        ]
+        for imported in sorted(_imports(path, name, modules)):
+            inside = imported.startswith("worker.engine")
+            if not inside and not any(imported == m or imported.startswith(m + ".") for m in ENGINE_MAY_IMPORT):
+                offenders.append(f"{name} imports {imported}")
+    assert offenders == []
+
+
+def test_the_engine_rule_sees_what_it_forbids(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import celery\nfrom sqlalchemy import orm\nimport torch\nfrom worker import engine\n")
+    assert _third_party(bad) == {"celery", "sqlalchemy", "torch", "worker"}
+
+
+def test_the_top_of_worker_holds_at_most_eight_loose_modules() -> None:
+    """The worker's folders are its tiers (engine, jobs, serving, cli, tiny): a new module goes in one."""
+    loose = sorted(p.name for p in (ROOT / "worker").glob("*.py"))
+    assert len(loose) <= 8, loose

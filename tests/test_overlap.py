@@ -1,4 +1,4 @@
-"""Scoring beside the reference forward (``worker.overlap``): which graders score on a thread, and
+"""Scoring beside the reference forward (``worker.engine.overlap``): which graders score on a thread, and
 that the thread really runs beside its caller, whose results and errors it hands back."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from service.graders import parse_grader
-from worker.overlap import Started
-from worker.rewards import scored_elsewhere
+from worker.engine.overlap import Started
+from worker.engine.rewards import scored_elsewhere
 
 HTTP = {"type": "http", "name": "far", "url": "http://127.0.0.1:1/"}
 PYTHON = {"type": "python", "name": "py", "source": "def grade(sample, item):\n    return 1.0\n"}

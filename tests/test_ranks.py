@@ -28,7 +28,7 @@ import pytest
 
 from tests.helpers.data import EXAMPLES
 from tests.helpers.live import LiveStack, child_env, live_stack, run_cli, upload_path, wait_for
-from worker.metrics import TIMING_METRICS
+from worker.engine.metrics import TIMING_METRICS
 
 pytestmark = pytest.mark.e2e
 FAKES = Path(__file__).parent / "fakes"
@@ -173,7 +173,7 @@ def _rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"worker.rank" in cmdline and job_id.encode() in cmdline and f"RANK={rank}".encode() in environ:
+            if b"worker.jobs.rank" in cmdline and job_id.encode() in cmdline and f"RANK={rank}".encode() in environ:
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"no rank {rank} of {job_id}")
@@ -254,8 +254,8 @@ def test_rloo_train_runs_a_lora_job_on_two_ranks_as_on_one(tmp_path: Path, model
 
 def test_a_checkpoint_of_two_ranks_resumes_on_two_only(tmp_path: Path, models_dir: Path) -> None:
     from tests.helpers.training import config
-    from worker.records import JobError
-    from worker.resume import check_resumable
+    from worker.engine.recorders import JobError
+    from worker.engine.resume import check_resumable
 
     cfg = config(tmp_path, models_dir, max_steps=4)
     info = {"format_version": 1, "model": cfg.model, "seed": cfg.seed, "step": 2, "total_steps": 4, "ranks": 2}

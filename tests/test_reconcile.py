@@ -126,7 +126,7 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatc
     'lost', so it stops; its succeeded/failed would change nothing either."""
     from service import queue
     from service.identity import process_name
-    from worker.recording import DatabaseRecorder
+    from worker.jobs.database_recorder import DatabaseRecorder
 
     monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
@@ -156,7 +156,7 @@ def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
     from pathlib import Path
 
     from service.identity import process_name
-    from worker.recording import DatabaseRecorder
+    from worker.jobs.database_recorder import DatabaseRecorder
 
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     _running(job_id, process_name(), crashes=2)
@@ -185,7 +185,7 @@ def test_a_worker_stopped_mid_job_hands_it_back_without_a_crash(client, auth, mo
     import pytest
 
     from service import queue
-    from worker import tasks
+    from worker.jobs import tasks
 
     sent: list[str] = []
     monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)

@@ -1,4 +1,5 @@
-"""Hand-worked checks of the RLOO math in worker/rloo.py (spec: docs/algorithm.md). Arithmetic in comments."""
+"""Hand-worked checks of the RLOO math in worker/engine/algorithms.py, through its documented name
+``worker.rloo`` (spec: docs/algorithm.md). Arithmetic in comments."""
 
 import math
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.helpers.training import load_policy
-from worker.backends import make_backend
-from worker.rollout import Sampling, TransformersBackend
-from worker.train import train
+from worker.engine.backends import make_backend
+from worker.engine.rollout import Sampling, TransformersBackend
+from worker.engine.train import train
 
 FAKES = Path(__file__).parent / "fakes"
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]

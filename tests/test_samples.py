@@ -14,8 +14,8 @@ from tests.helpers.api import assert_error, create_job, upload_ok
 from tests.helpers.data import job_body
 from tests.helpers.training import ListRecorder, config
 from worker import rloo
-from worker.samples import MAX_CHARS, best_and_worst, is_sample_step, sample_groups
-from worker.train import train
+from worker.engine.samples import MAX_CHARS, best_and_worst, is_sample_step, sample_groups
+from worker.engine.train import train
 
 
 def test_sample_steps_are_every_interval_and_the_last() -> None:
@@ -72,7 +72,7 @@ def test_a_run_records_its_completions_with_their_estimators_advantages(
 
 
 def test_the_api_serves_a_jobs_samples_page_by_page(client, auth, other_auth) -> None:  # type: ignore[no-untyped-def]
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     body = job_body(upload_ok(client, auth)["id"], hp={"max_steps": 3, "rloo_k": 2, "sample_interval": 1})
     job_id = create_job(client, auth, body)["id"]

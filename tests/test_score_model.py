@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.graders import GraderError, Sample, grader_to_dict, parse_grader, parse_judge_score
-from worker.rewards import RewardModels, score_batch
+from worker.engine.rewards import RewardModels, score_batch
 
 JUDGE = {
     "type": "score_model",
@@ -30,7 +30,7 @@ JUDGE = {
 def judge_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.tinymodels import build_tiny_causal_lm
+    from worker.tiny.models import build_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("judges")
     build_tiny_causal_lm(root / "judge-7", seed=0)
@@ -153,8 +153,8 @@ def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth, jud
 
 def test_a_job_trains_on_a_judge(judge_models: Path, tmp_path: Path) -> None:
     from tests.helpers.training import ListRecorder, config
-    from worker.tinymodels import build_tiny_causal_lm
-    from worker.train import train
+    from worker.engine.train import train
+    from worker.tiny.models import build_tiny_causal_lm
 
     if not (judge_models / "tiny-policy").exists():  # the policy, beside the judge in this models root
         build_tiny_causal_lm(judge_models / "tiny-policy", seed=0)
@@ -219,7 +219,7 @@ def test_a_labels_log_prob_is_the_sum_of_its_tokens_after_the_prompt(judge_model
     different token lengths, batched (and chunked) with padding, get the same log-probs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.tinymodels import build_tiny_causal_lm
+    from worker.tiny.models import build_tiny_causal_lm
 
     build_tiny_causal_lm(judge_models / "untaught", seed=3)
     labels = ["blue", "green grass", "the color of the sky", "what"]

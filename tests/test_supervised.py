@@ -12,9 +12,9 @@ import torch
 
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import LORA, TIMING, ListRecorder, load_policy, method_config
-from worker import dpo, sequences
-from worker.sequences import Example, batch_rows, chat_example, token_logprobs
-from worker.train import train
+from worker.engine import dpo, sequences
+from worker.engine.sequences import Example, batch_rows, chat_example, token_logprobs
+from worker.engine.train import train
 
 CHAT = {
     "messages": [
@@ -63,7 +63,7 @@ def test_an_example_keeps_its_first_tokens() -> None:
 def test_a_template_that_rewrites_earlier_turns_fails_clearly(models_dir: Path) -> None:
     """A template that moves the system prompt to the last user turn writes a conversation's start
     differently as more turns follow: which tokens are whose cannot be told, and the job says so."""
-    from worker.records import JobError
+    from worker.engine.recorders import JobError
 
     _, tok = load_policy(models_dir)
 
@@ -182,7 +182,7 @@ def test_a_paused_run_resumes_bit_equal(tmp_path: Path, models_dir: Path, method
 
 
 def test_dpo_under_lora_compares_with_the_base(tmp_path: Path, models_dir: Path, monkeypatch) -> None:
-    from worker import modeling
+    from worker.engine import modeling
 
     seen: list[bool] = []
     real = modeling.Reference.logprobs

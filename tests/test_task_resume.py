@@ -40,7 +40,7 @@ def _as_the_release_before_stored_it(session: Any, job: Any) -> None:
     """The paused job's row and checkpoints as the release before wrote them: eval_interval 0 (its
     default), none of the settings added since."""
     from service.settings import get_settings
-    from worker.checkpoints import TRAINING_INFO
+    from worker.engine.checkpoints import TRAINING_INFO
 
     job.hyperparameters = {
         **{k: v for k, v in job.hyperparameters.items() if k not in NEWER_SETTINGS},
@@ -61,7 +61,7 @@ def _as_the_release_before_stored_it(session: Any, job: Any) -> None:
 
 def test_paused_job_resumes_from_its_checkpoint_and_matches_an_uninterrupted_twin(client, auth, monkeypatch) -> None:
     """Also when the paused job's row and checkpoint were written by the release before this one."""
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     file_id = upload_ok(client, auth)["id"]
     twin, job_id = _job(client, auth, file_id), _job(client, auth, file_id)
@@ -115,7 +115,7 @@ def _demo_job(client: Any, auth: dict[str, str], **hp: Any) -> str:
 
 
 def test_keep_checkpoints_removes_pruned_checkpoints_from_the_api_too(client, auth) -> None:
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     job_id = _demo_job(client, auth, max_steps=4, checkpoint_interval=1, keep_checkpoints=2)
     exports = get_settings().artifacts_dir / "exports" / job_id
@@ -140,7 +140,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_gone_not_a_500(client, auth, mo
     """Pruned between the look and the listing: a FileNotFoundError was a 500 internal_error."""
     from pathlib import Path
 
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     job_id = _demo_job(client, auth, max_steps=1)
     assert run_job(job_id) == "succeeded"
@@ -159,7 +159,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_gone_not_a_500(client, auth, mo
 
 
 def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) -> None:
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     job_id = _demo_job(client, auth, max_steps=2)
     real = lifecycle.record_progress
@@ -181,7 +181,7 @@ def test_a_job_whose_grader_the_operator_turned_off_since_fails_saying_so(client
     """Created while python graders were allowed, run after the operator turned them off: the job
     fails with invalid_grader and the reason, not an internal error."""
     from service.db import reset_caches
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
     reset_caches()
@@ -202,7 +202,7 @@ def test_a_job_cancelled_as_it_finishes_keeps_no_results_file(client, auth, monk
     stays cancelled, and neither the file nor its row nor result_files is left behind."""
     from service import results
     from service.settings import get_settings
-    from worker.tasks import run_job
+    from worker.jobs.tasks import run_job
 
     file_id = upload_ok(client, auth)["id"]
     job_id = _job(client, auth, file_id)

@@ -1,4 +1,4 @@
-"""Tests for worker.tinymodels: offline tiny models loaded through the Auto* path."""
+"""Tests for worker.tiny.models: offline tiny models loaded through the Auto* path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from worker import tinymodels as tm
+from worker.tiny import models as tm
 
 PROMPTS = ["the cat", "Anna likes the big red dog in the park every day."]
 
@@ -338,7 +338,7 @@ def test_main_builds_policy_and_reward(
 
 
 def test_the_models_built_are_the_ones_the_examples_name(tmp_path: Path) -> None:
-    """`python -m worker.tinymodels DIR` and `rloo demo` build where the README's examples look."""
+    """`python -m worker.tiny.models DIR` and `rloo demo` build where the README's examples look."""
     from tests.helpers.data import EXAMPLES
 
     policy, reward = tm.layout(tmp_path)

@@ -1,4 +1,4 @@
-"""The Celery app (``worker.celery_app:app``): configuration only; tasks live in ``worker.tasks``.
+"""The Celery app (``worker.celery_app:app``): configuration only; tasks live in ``worker.jobs.tasks``.
 
 Broker settings are chosen for tasks that run for hours:
 * ``task_acks_late`` + ``task_reject_on_worker_lost``: a task is acknowledged when it ends, so a
@@ -25,12 +25,12 @@ from celery.signals import after_setup_logger, after_setup_task_logger, worker_p
 
 from service.queue import RUN_JOB_TASK
 from service.settings import get_settings
-from worker import broker
+from worker.jobs import broker
 
 broker.install()  # a queue entry that is no message is dropped, never the end of the worker
 settings = get_settings()
 
-app = Celery("rloo", broker=settings.redis_url, include=["worker.tasks"])
+app = Celery("rloo", broker=settings.redis_url, include=["worker.jobs.tasks"])
 app.conf.update(
     task_default_queue=settings.queue,
     # JSON only, both ways: a message is data, never code to unpickle (and a task's arguments are
@@ -87,7 +87,7 @@ def import_training_stack() -> bool:
     try:
         import transformers
 
-        import worker.train  # noqa: F401
+        import worker.engine.train  # noqa: F401
 
         for name in LAZY_TRANSFORMERS:
             getattr(transformers, name)
@@ -100,11 +100,11 @@ def import_training_stack() -> bool:
 def imports_before_forking() -> bool:
     """Whether a training worker's parent imports the training stack itself, so that every pool
     process is forked with it loaded and a job pays no import (about 4 CPU-seconds a job): on a
-    Linux host without any GPU or graphics device node only (``worker.devices.has_device_nodes``),
+    Linux host without any GPU or graphics device node only (``worker.jobs.devices.has_device_nodes``),
     where nothing imported can initialise a device before the fork. Where one could (a CUDA context
     does not survive a fork; transformers asks for an Intel GPU as it is imported), the parent never
     imports torch, and each pool process imports it in a thread as it starts."""
-    from worker.devices import has_device_nodes
+    from worker.jobs.devices import has_device_nodes
 
     return sys.platform == "linux" and not has_device_nodes()
 
@@ -129,7 +129,7 @@ def _preload_training_stack(**_: object) -> None:
     and its first step. A thread: the pool gives a child's start only a few seconds. A task that
     arrives first waits for it (``wait_for_preload``)."""
     global _PRELOAD
-    if not PRELOAD_TRAINING_STACK or "worker.train" in sys.modules:  # forked with it (imports_before_forking)
+    if not PRELOAD_TRAINING_STACK or "worker.engine.train" in sys.modules:  # forked with it (imports_before_forking)
         return
     _PRELOAD = threading.Thread(target=import_training_stack, name="preload-torch", daemon=True)
     _PRELOAD.start()

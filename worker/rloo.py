@@ -1,281 +1,43 @@
-"""The RLOO math: pure tensor functions, no I/O, no models.
-
-RLOO (Ahmadian et al. 2024) is REINFORCE with a leave-one-out baseline: each of the k completions
-of a prompt is compared with the mean reward of the *other* k-1. How this module differs from
-its cousins:
-
-* GRPO subtracts the mean of *all* k rewards (the completion leaks into its own baseline) and
-  divides by their std; RLOO's baseline excludes the completion and is unbiased.
-* PPO learns a critic; RLOO has none: the group is the critic.
-* ``advantages(rewards, estimator)`` also gives GRPO's, plain REINFORCE's and REINFORCE with the
-  group mean as its baseline, for comparison (``advantage_estimator``; ``benchmarks/learning.py``).
-* KL to the reference is folded into the reward before the baseline, as in the paper and TRL
-  (``kl_in_reward``), or added to the loss as a separate term.
-
-Layout: rewards are ``(B, k)``: row ``b`` is a prompt, column ``i`` one of its k completions.
-Completions are flattened prompt-major, so completion ``b * k + i`` is row ``b``, column ``i``.
-(TRL's first RLOO trainer used ``(k, B)``; the layouts disagree, so the tests pin this one.)
-"""
+"""The advantage estimators and the RLOO math under their documented name (``worker.rloo``): the
+functions live in the training engine, ``worker.engine.algorithms``; this module re-exports them so
+that scripts written against ``worker.rloo.rloo_advantages`` and ``worker.rloo.advantages`` keep working."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from worker.engine.algorithms import (
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
+    MAX_LOG_RATIO,
+    advantages,
+    batch_advantages,
+    grpo_advantages,
+    kl_loss,
+    kl_per_token,
+    loss_normalizer,
+    policy_loss,
+    reinforce_advantages,
+    reinforce_mean_advantages,
+    rloo_advantages,
+    sequence_kl,
+    shape_rewards,
+    whiten,
+)
 
-import torch
-from torch import Tensor
-
-
-def rloo_advantages(rewards: Tensor) -> Tensor:
-    """Leave-one-out advantages. ``(B, k)`` float in, ``(B, k)`` out.
-
-    ``A[b, i] = r[b, i] - (sum_j r[b, j] - r[b, i]) / (n_b - 1)`` with ``n_b`` the finite rewards of
-    row ``b``. NaN rewards (a completion that could not be scored) take no part in any baseline and
-    get advantage 0; a row with fewer than two finite rewards gives 0 to all its members.
-    """
-    r, finite, n = _finite_rows(rewards)
-    baseline = (r.sum(dim=1, keepdim=True) - r) / (n - 1).clamp(min=1)
-    return torch.where(finite & (n >= 2), r - baseline, torch.zeros_like(r))
-
-
-def grpo_advantages(rewards: Tensor, eps: float = 1e-4) -> Tensor:
-    """GRPO's (DeepSeekMath): the group's mean subtracted, divided by the group's std.
-    ``(B, k)`` in and out.
-
-    ``A[b, i] = (r[b, i] - mean_b) / (std_b + eps)`` over the finite rewards of row ``b`` (the
-    sample std, as TRL's GRPO; ``eps`` as TRL's). The completion is in its own baseline, and the
-    division weighs each group by how little its rewards differ: a biased estimate of the policy
-    gradient. NaN and rows with fewer than two finite rewards as ``rloo_advantages``.
-    """
-    r, finite, n = _finite_rows(rewards)
-    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
-    centred = torch.where(finite, r - mean, torch.zeros_like(r))
-    std = (centred.pow(2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
-    return torch.where(finite & (n >= 2), centred / (std + eps), torch.zeros_like(r))
-
-
-def reinforce_advantages(rewards: Tensor) -> Tensor:
-    """Plain REINFORCE: the reward itself, no baseline. ``(B, k)`` in and out; NaN gives 0.
-
-    Unbiased, and not shift-invariant: every completion's log-probability is pushed by its whole
-    reward, whatever its siblings scored, so a reward whose zero is not where failures sit adds
-    variance that a baseline removes (``benchmarks/learning.py`` measures it). Needs no group
-    (``k`` may be 1).
-    """
-    r, finite, _ = _finite_rows(rewards)
-    return torch.where(finite, r, torch.zeros_like(r))
-
-
-def reinforce_mean_advantages(rewards: Tensor) -> Tensor:
-    """REINFORCE with the group's mean *including* the completion as its baseline.
-    ``(B, k)`` in and out; NaN and short rows as ``rloo_advantages``.
-
-    ``r - mean(all n) = (n - 1) / n * (r - mean(the others))``: RLOO's advantage shrunk by
-    ``(n - 1) / n``, so its expected gradient is RLOO's (the true one) times ``(k - 1) / k``.
-    """
-    r, finite, n = _finite_rows(rewards)
-    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
-    return torch.where(finite & (n >= 2), r - mean, torch.zeros_like(r))
-
-
-ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "rloo": rloo_advantages,
-    "grpo": grpo_advantages,
-    "reinforce": reinforce_advantages,
-    "reinforce_mean": reinforce_mean_advantages,
-}
-"""``advantage_estimator`` -> its function: ``(B, k)`` rewards in, ``(B, k)`` advantages out."""
-
-GROUP_ESTIMATORS = ("rloo", "grpo", "reinforce_mean")
-"""The estimators whose baseline is the rest of the group: they need ``k >= 2`` (REINFORCE does not)."""
-
-
-def advantages(rewards: Tensor, estimator: str = "rloo") -> Tensor:
-    """Advantages of ``rewards`` by the named estimator (``ESTIMATORS``). ``(B, k)`` in and out,
-    NaN-aware: an unscored completion gets 0 and is no one's baseline."""
-    try:
-        fn = ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator '{estimator}'; use one of {', '.join(ESTIMATORS)}") from None
-    return fn(rewards)
-
-
-def _finite_rows(rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(rewards with NaN as 0, which are finite, finite count per row (B, 1))`` of a ``(B, k)``."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (B, k); got shape {tuple(rewards.shape)}")
-    finite = torch.isfinite(rewards)
-    r = torch.where(finite, rewards, torch.zeros_like(rewards))
-    return r, finite, finite.sum(dim=1, keepdim=True)
-
-
-def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """Zero mean, unit std over the entries where ``mask`` is true; others stay 0."""
-    mask = mask.bool()
-    if mask.sum() < 2:
-        return torch.zeros_like(values)
-    selected = values[mask]
-    out = (values - selected.mean()) / (selected.std() + eps)
-    return torch.where(mask, out, torch.zeros_like(out))
-
-
-def kl_per_token(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
-    """Per-token KL estimate of the policy to the reference, from log-probs of the sampled tokens.
-
-    ``d = logp - ref_logp``; ``k1 = d`` (unbiased, can be negative); ``k3 = exp(-d) - 1 + d``
-    (Schulman's estimator: unbiased, always >= 0, lower variance). Shapes: any, equal.
-    """
-    d = logp - ref_logp
-    if estimator == "k1":
-        return d
-    if estimator == "k3":
-        return torch.expm1(-d) + d
-    raise ValueError(f"unknown KL estimator '{estimator}'; use 'k1' or 'k3'")
-
-
-def sequence_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str = "k1") -> Tensor:
-    """KL of each completion: per-token KL summed over its completion tokens. ``(N, T) -> (N,)``."""
-    return (kl_per_token(logp, ref_logp, estimator) * mask).sum(dim=-1)
-
-
-def shape_rewards(
-    rewards: Tensor,
-    kl: Tensor | None = None,
-    *,
-    kl_coef: float = 0.0,
-    reward_clip: float | None = None,
-) -> Tensor:
-    """The reward the baseline sees: ``clip(r, -c, c) - kl_coef * kl``. ``(B, k)`` in and out.
-
-    Clipping comes first, so the KL penalty is never clipped away; NaN (unscorable) stays NaN.
-    ``kl`` is the per-completion KL ``(B, k)``, or None when it is not folded into the reward.
-    """
-    out = rewards.clamp(-reward_clip, reward_clip) if reward_clip is not None else rewards
-    if kl is not None and kl_coef:
-        out = out - kl_coef * kl.to(out.dtype)
-    return out
-
-
-def batch_advantages(
-    rewards: Tensor,
-    kl: Tensor | None,
-    finite: Tensor,
-    *,
-    estimator: str = "rloo",
-    kl_coef: float = 0.0,
-    reward_clip: float | None = None,
-    normalize: bool = False,
-) -> Tensor:
-    """The advantage recipe: shape the rewards (clip, KL penalty), take the estimator's advantages
-    (leave-one-out by default), whiten them if asked. ``(B, k)`` in and out; ``finite`` marks the
-    rewards that were scored.
-
-    Whitening covers only advantages that carry signal: in a group estimator's groups with fewer
-    than two finite rewards they stay at 0. Rows are independent unless ``normalize``: any set of
-    whole groups gives the same values as the whole batch.
-    """
-    shaped = shape_rewards(rewards, kl, kl_coef=kl_coef, reward_clip=reward_clip)
-    out = advantages(shaped, estimator)
-    if normalize:
-        signal = finite if estimator not in GROUP_ESTIMATORS else finite & (finite.sum(dim=1, keepdim=True) >= 2)
-        out = whiten(out, signal)
-    return out
-
-
-# exp(20) ~ 5e8: far past any clip range, and never inf (inf * an advantage of 0 would be NaN).
-MAX_LOG_RATIO = 20.0
-
-
-def loss_normalizer(mask: Tensor, aggregation: str) -> Tensor:
-    """What a batch's summed loss is divided by: its loss tokens (``token_mean``) or its completions
-    with at least one loss token (the sequence aggregations). Micro-batches are divided by the whole
-    batch's normalizer, so their losses and gradients add up to the full batch's exactly."""
-    if aggregation == "token_mean":
-        return mask.sum().clamp(min=1.0)
-    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype).clamp(min=1.0)
-
-
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_epsilon: float = 0.2,
-    clip_epsilon_high: float | None = None,
-    aggregation: str = "sequence_sum",
-    normalizer: Tensor | float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy-gradient loss over completion tokens.
-
-    Shapes: ``logp``, ``old_logp``, ``mask`` are ``(N, T)`` (token log-probs of the sampled
-    completion; ``mask`` is 1 on loss tokens: completion tokens up to and including EOS, never
-    padding); ``advantages`` is ``(N,)``, held constant. A completion whose mask is all 0 (e.g. a
-    truncated one under ``mask_truncated_completions``) carries no loss and is not counted.
-
-    The importance ratio matches the aggregation, so that each gives its own token weighting and
-    the plain REINFORCE gradient when the ratio is 1 (the first, or only, pass):
-
-    * ``sequence_sum`` (TRL): one ratio per completion, ``exp(sum_t (logp - old_logp))``;
-      loss = mean over completions of ``-min(ratio * A, clip(ratio) * A)``; gradient
-      ``A * sum_t grad logp_t``.
-    * ``sequence_mean`` (length-normalised, as GSPO): ratio ``exp(mean_t (logp - old_logp))``;
-      gradient ``A * mean_t grad logp_t``.
-    * ``token_mean`` (verl, OpenRLHF): a ratio per token, clipped per token, averaged over all
-      completion tokens of the batch.
-
-    ``normalizer`` (default ``loss_normalizer(mask, aggregation)``) divides the summed loss; pass
-    the whole batch's to a micro-batch. Returns the scalar loss and detached statistics
-    (``ratio_clip_frac``: the share of the loss whose ratio was clipped, and ``ratio_mean``),
-    normalised the same way, so micro-batches' statistics add up too.
-    """
-    low = clip_epsilon
-    high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
-    mask = mask.to(logp.dtype)
-    norm = loss_normalizer(mask, aggregation) if normalizer is None else normalizer
-    # where, not multiply: a -inf log-prob on a padding position must not turn into NaN.
-    delta = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
-    lengths = mask.sum(dim=-1)
-    if aggregation == "token_mean":
-        ratio = torch.exp(delta.clamp(max=MAX_LOG_RATIO))
-        adv = advantages.unsqueeze(-1)
-        unclipped = ratio * adv
-        clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
-        weight = mask
-    elif aggregation in ("sequence_sum", "sequence_mean"):
-        log_ratio = delta.sum(dim=-1)
-        if aggregation == "sequence_mean":
-            log_ratio = log_ratio / lengths.clamp(min=1.0)
-        ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
-        unclipped = ratio * advantages
-        clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
-        weight = (lengths > 0).to(logp.dtype)
-    else:
-        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
-    loss = (-torch.minimum(unclipped, clipped) * weight).sum() / norm
-    clip_frac = ((clipped < unclipped).to(logp.dtype) * weight).sum() / norm
-    ratio_mean = (ratio * weight).sum() / norm
-    return loss, {"ratio_clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
-
-
-def kl_loss(
-    logp: Tensor,
-    ref_logp: Tensor,
-    mask: Tensor,
-    *,
-    estimator: str = "k3",
-    aggregation: str = "sequence_sum",
-    normalizer: Tensor | float | None = None,
-) -> Tensor:
-    """KL as a loss term (``kl_in_reward`` false), aggregated and normalised like the policy loss.
-    ``(N, T) -> ()``."""
-    if aggregation not in ("token_mean", "sequence_sum", "sequence_mean"):
-        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
-    mask = mask.to(logp.dtype)
-    norm = loss_normalizer(mask, aggregation) if normalizer is None else normalizer
-    kl = torch.where(mask.bool(), kl_per_token(logp, ref_logp, estimator), torch.zeros_like(logp))
-    if aggregation == "token_mean":
-        return kl.sum() / norm
-    per_seq = kl.sum(dim=-1)
-    if aggregation == "sequence_mean":
-        per_seq = per_seq / mask.sum(dim=-1).clamp(min=1.0)
-    return per_seq.sum() / norm
+__all__ = [
+    "rloo_advantages",
+    "grpo_advantages",
+    "reinforce_advantages",
+    "reinforce_mean_advantages",
+    "ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "advantages",
+    "whiten",
+    "kl_per_token",
+    "sequence_kl",
+    "shape_rewards",
+    "batch_advantages",
+    "MAX_LOG_RATIO",
+    "loss_normalizer",
+    "policy_loss",
+    "kl_loss",
+]

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from worker.records import QuietRecorder
+from worker.engine.recorders import QuietRecorder
 
 HERE = Path(__file__).resolve().parent
 N_VALID, N_SFT = 500, 1500
@@ -69,7 +69,7 @@ def write_data(where: Path = HERE) -> None:
 
 
 def build_base(models: Path, *, force: bool) -> Path:
-    from worker.tinymodels import build_tiny_causal_lm
+    from worker.tiny.models import build_tiny_causal_lm
 
     corpus = [f"{a}+{b}={a + b}" for a in range(100) for b in range(100)]
     # 262 = the 6 special tokens + the 256 bytes: no merges, so every digit is a token of its own.
@@ -116,7 +116,7 @@ def run(
     spec: Path, title: str, key: str, output_dir: Path, overrides: dict[str, Any], seed: int | None = None
 ) -> dict[str, Any]:
     """``rloo train SPEC`` in this process, shown as a progress bar; its summary (``run_spec``'s)."""
-    from worker.local import run_spec
+    from worker.engine.standalone import run_spec
 
     with Progress(title, key) as progress:
         summary = run_spec(spec, overrides=overrides, output_dir=output_dir, recorder=progress, seed=seed)
@@ -149,7 +149,7 @@ def build_sft(models: Path, *, force: bool, sft_steps: int | None) -> Path:
 
 def accuracy(checkpoint: Path | None = None, seed: int | None = None) -> float:
     """The held-out accuracy of ``addition-sft`` (or of ``checkpoint``): job.json's validation pass."""
-    from worker.local import evaluate_spec
+    from worker.engine.standalone import evaluate_spec
 
     return float(evaluate_spec(HERE / "job.json", overrides={}, checkpoint=checkpoint, seed=seed)["valid_reward_mean"])
 

@@ -10,8 +10,8 @@ from typing import Any
 from service.graders import parse_grader
 from service.schemas import HYPERPARAMETERS, Hyperparameters
 from tests.helpers.data import EXAMPLES
-from worker.config import TrainConfig
-from worker.metrics import TIMING_METRICS
+from worker.engine.config import TrainConfig
+from worker.engine.metrics import TIMING_METRICS
 
 ANSWER = {
     "type": "text_similarity",
@@ -97,7 +97,7 @@ def load_policy(models_dir: Path, name: str = "tiny-policy") -> tuple[Any, Any]:
     """A policy and its tokenizer on the CPU, loaded as a run loads them."""
     import torch
 
-    from worker.modeling import load_causal_lm, load_tokenizer, model_path
+    from worker.engine.modeling import load_causal_lm, load_tokenizer, model_path
 
     path = model_path(name, models_dir)
     return load_causal_lm(path, torch.device("cpu"), name=name), load_tokenizer(path, name=name)

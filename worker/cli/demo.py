@@ -20,14 +20,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from service.settings import get_settings
-from worker.checkpoints import checkpoint_dir, job_checkpoints_dir
 from worker.cli.watch import best_and_worst_line, sparkline
+from worker.engine.checkpoints import checkpoint_dir, job_checkpoints_dir
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "demo"
 
 
 def build_models(models_dir: Path, console: Console) -> None:
-    from worker.tinymodels import build_tiny_causal_lm, build_tiny_reward_model, layout
+    from worker.tiny.models import build_tiny_causal_lm, build_tiny_reward_model, layout
 
     policy, reward = layout(models_dir)
     if not (policy / "config.json").is_file():

@@ -61,7 +61,7 @@ def train_cmd(
       rloo train examples/demo/job.json --set max_steps=20
       rloo train job.json --output-dir runs/a --resume runs/a/step-10
     """
-    from worker.local import SpecError, run_spec
+    from worker.engine.standalone import SpecError, run_spec
 
     try:
         summary = run_spec(
@@ -106,8 +106,8 @@ def eval_cmd(
       rloo eval examples/addition/job.json
       rloo eval examples/addition/job.json --checkpoint runs/a/step-600
     """
-    from worker.local import SpecError, evaluate_spec
-    from worker.records import json_safe
+    from worker.engine.recorders import json_safe
+    from worker.engine.standalone import SpecError, evaluate_spec
 
     try:
         result = evaluate_spec(spec, overrides=parse_set(set_ or []), checkpoint=checkpoint, device=device, seed=seed)

@@ -154,13 +154,13 @@ def worker(
 
 
 def _registration(node: str, gpus: int | None, accelerator: str | None) -> WorkerInfo:
-    """What this training worker registers (``service.fleet``): its devices (``worker.devices``,
+    """What this training worker registers (``service.fleet``): its devices (``worker.jobs.devices``,
     ``--gpus``/``--accelerator`` over what is found) and the queues they let it consume."""
     from importlib.metadata import PackageNotFoundError, version
 
     from service.fleet import WorkerInfo
     from service.queue import training_queues
-    from worker.devices import detect
+    from worker.jobs.devices import detect
 
     found = detect(gpus, accelerator, get_settings().accelerators)
     try:
@@ -206,7 +206,7 @@ def _start_reconciler(metrics_port: int | None, me: WorkerInfo) -> None:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
             _die_with_parent()
             if metrics_port is not None:
-                from worker.metrics_server import serve_metrics
+                from worker.jobs.metrics_server import serve_metrics
 
                 serve_metrics(metrics_port)
             _reconcile_forever(parent, me)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.cli.http import Api
-from worker.samples import best_and_worst, is_sample_step
+from worker.engine.samples import best_and_worst, is_sample_step
 
 EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 2}
 SPARKS = "▁▂▃▄▅▆▇█"

@@ -41,7 +41,7 @@ from service.graders import GradeResult
 from service.inference import MAX_BYTES_PER_TOKEN
 from service.models import Evaluation, File, Job, Project
 from service.settings import get_settings, tenant_safe
-from worker.records import JobError
+from worker.engine.recorders import JobError
 from worker.serving.decode import Row
 from worker.serving.models import Servable
 
@@ -274,7 +274,7 @@ class Run:
         return False
 
     def _next_chunk(self) -> Chunk:
-        from worker.data import prompt_text
+        from worker.engine.data import prompt_text
 
         index, start = divmod(self.position, len(self.items))
         items = self.items[start : start + CHUNK]
@@ -332,7 +332,7 @@ class Run:
 
     def _grade(self, chunk: Chunk) -> GradeResult:
         """On the grading thread: the chunk's completions scored, within the evaluation's budget."""
-        from worker.rewards import score_batch
+        from worker.engine.rewards import score_batch
 
         models = self.server.scoring if graders.is_model_grader(self.grader) else contextlib.nullcontext()
         with models, outbound.within(max(0.0, self.ends_at - time.time())):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from worker.records import JobError
+from worker.engine.recorders import JobError
 from worker.serving.decode import Batch, Delta, Row
 
 log = logging.getLogger("rloo.serve")
@@ -126,8 +126,8 @@ class ModelCache:
         return Batch(loaded.model, loaded.tokenizer, rows, context=loaded.context).run(cancelled, joining)
 
     def _load_base(self, servable: Servable) -> Loaded:
-        from worker.modeling import load_causal_lm, load_tokenizer, without_dropout
-        from worker.prepare import start_from
+        from worker.engine.modeling import load_causal_lm, load_tokenizer, without_dropout
+        from worker.engine.prepare import start_from
 
         model = load_causal_lm(servable.base, self.device, name=servable.base.name)
         model = start_from(model, servable.base_key[1], self.device)

@@ -26,7 +26,7 @@ import torch
 
 from service import inference
 from service.settings import get_settings, tenant_safe
-from worker.records import JobError
+from worker.engine.recorders import JobError
 from worker.serving.background import Background
 from worker.serving.decode import Row
 from worker.serving.models import ModelCache, Servable
@@ -107,7 +107,7 @@ class Server:
             self._rewards = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            from worker.rewards import RewardModels
+            from worker.engine.rewards import RewardModels
 
             settings = get_settings()
             self._rewards = RewardModels(
@@ -242,7 +242,7 @@ class Server:
 
     def _rows(self, request: Request, loaded: Any, adapter: str | None) -> dict[str, Any] | None:
         """The request's rows (tokenized, checked against the context), or the error that answers it."""
-        from worker.data import prompt_text
+        from worker.engine.data import prompt_text
 
         env, tok = request.envelope, loaded.tokenizer
         items = [{"messages": env["messages"], "tools": env.get("tools")}] if env["kind"] == "chat" else None
@@ -403,7 +403,7 @@ def main(worker: str) -> None:
     """One inference worker process (``rloo worker --serve`` starts it, and starts another should it die)."""
     import redis
 
-    from worker.modeling import pick_device
+    from worker.engine.modeling import pick_device
     from worker.serving import vllm_models
     from worker.serving.chores import Chores
 

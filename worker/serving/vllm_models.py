@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from worker.records import JobError
+from worker.engine.recorders import JobError
 from worker.serving.decode import Delta, Row
 from worker.serving.models import Loaded, Servable
 
@@ -70,7 +70,7 @@ class VLLMModels:
     def _engine(self, servable: Servable) -> Loaded:
         from vllm import LLM
 
-        from worker.modeling import load_tokenizer
+        from worker.engine.modeling import load_tokenizer
 
         base, prefix = servable.base_key
         path = base
@@ -168,7 +168,7 @@ def _eos_ids(path: Path, tokenizer: Any) -> list[int]:
 
 def choose(settings: Any, device: Any) -> bool:
     """Whether this inference worker serves with vLLM: asked for, or ``auto`` with vLLM and a GPU."""
-    from worker.backends import vllm_installed
+    from worker.engine.backends import vllm_installed
 
     choice = settings.inference_backend
     return choice == "vllm" or (choice == "auto" and device.type == "cuda" and vllm_installed())

@@ -1,0 +1,63 @@
+"""What one training run needs, resolved: the same object for a Celery job and for `rloo train`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from service.graders import Grader
+from service.schemas import AnyResolved
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A resolved run of any method. Hyperparameter names and defaults are in docs/algorithm.md (and
+    service.schemas, which validates them)."""
+
+    model: str
+    """Model directory (or hub id) to start from."""
+    training_file: Path
+    """JSONL lines of the method's format: prompts (every key besides ``messages``/``prompt`` is
+    ``item.<key>`` to the grader), conversations (supervised) or preference pairs (DPO)."""
+    grader: Grader | None
+    """The reward spec, parsed (``service.graders.parse_grader``) once by whoever built this config;
+    None for supervised and DPO."""
+    hyperparameters: AnyResolved
+    """Typed and frozen: ``cfg.hyperparameters.learning_rate``."""
+    output_dir: Path
+    """Where checkpoints go: ``output_dir/step-N``."""
+    models_dir: Path
+    """Root that reward-model paths in the grader are relative to."""
+    seed: int = 0
+    """Seeds sampling, data order and initialisation of anything random."""
+    validation_file: Path | None = None
+    """Optional JSONL scored every ``eval_interval`` steps."""
+    job_name: str = "local"
+    """Names checkpoints (``<model>:<job_name>:step-N``)."""
+    device: str | None = None
+    """``cuda``/``cpu``; None picks CUDA when there is one."""
+    resume_from: Path | None = None
+    """A checkpoint directory with a training state: continue the run after its step."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The operator's settings a run needs (``worker_extra``)."""
+    method: str = "reinforcement"
+    """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
+    integrations: list[dict[str, Any]] = field(default_factory=list)
+    """OpenAI's ``integrations`` of the job (``worker.engine.wandb_recorder``)."""
+    gpus: int = 1
+    """Ranks the run takes (``resources.gpus``): one process a device, or on a CPU host N gloo
+    processes, started by ``worker.engine.launch``."""
+    init_from: tuple[Path, ...] = ()
+    """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
+    weights, applied in order (``service.finetuned.Source.chain``): a full model's weights loaded,
+    a LoRA adapter merged."""
+
+
+def worker_extra(settings: Any) -> dict[str, Any]:
+    """The operator's settings a run needs (``TrainConfig.extra``), the same for a job and ``rloo train``."""
+    return {
+        "rollout_backend": settings.rollout_backend,
+        "embedding_model": settings.embedding_model,
+        "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
+    }

@@ -1,0 +1,342 @@
+"""The RLOO training loop, top to bottom: rollout, score, reference, update, record, checkpoint.
+
+One function, ``train``, runs a job for the Celery task and for ``rloo train`` alike; where the
+numbers go (database or stdout) is the ``Recorder``'s business. Setting up is ``worker.engine.prepare``'s,
+checkpoints and resuming ``worker.engine.resume``'s, the math ``worker.engine.algorithms``'s, the metrics
+``worker.engine.metrics``'s.
+
+A step, for ``B`` prompts and ``k`` completions each (``N = B * k``, prompt-major):
+
+1. generate the N completions (one prompt encoding shared by its k samples);
+2. score them (NaN where a completion cannot be scored);
+3. reference log-probs (no grad), when ``kl_coef > 0``: a frozen copy for full fine-tuning, the
+   same model with its adapter disabled for LoRA. A grader that waits on other processes (a
+   sandbox, an endpoint, a remote reward model) scores on a thread meanwhile (``worker.engine.overlap``);
+4. for each of ``gradient_accumulation_steps`` micro-batches (whole groups, so leave-one-out
+   baselines never cross a micro-batch): policy log-probs with grad; on the first pass their
+   detached values are the sampling policy's (no extra forward), which gives the KL and the
+   advantages; loss, backward;
+5. clip the gradient norm, optimizer step; repeat 4-5 ``ppo_epochs`` times; scheduler step;
+6. record metrics, evaluate, checkpoint (with the training state, so a restart resumes exactly).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from service import graders
+from worker.engine import algorithms as rloo
+from worker.engine.config import TrainConfig
+from worker.engine.data import batch_indices, prompt_text
+from worker.engine.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
+from worker.engine.metrics import Timings, UpdateStats, grader_metrics, step_metrics
+from worker.engine.overlap import Started
+from worker.engine.prepare import prepare
+from worker.engine.ranks import whole_tensor
+from worker.engine.recorders import JobError, Recorder
+from worker.engine.resume import preserved_rng
+from worker.engine.rewards import SampledTokens, score_batch, scored_elsewhere
+from worker.engine.rollout import Rollout, completion_logprobs
+from worker.engine.samples import is_sample_step, sample_groups
+from worker.engine.state import Run
+
+
+def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
+    """Run ``cfg`` to its end (or a pause, a cancel): the loop of its method, its integrations
+    (W&B) recording beside ``recorder``."""
+    from worker.engine.wandb_recorder import recording
+
+    with recording(cfg, recorder) as recorder:
+        if cfg.method == "supervised":
+            from worker.engine.supervised import train_supervised
+
+            return train_supervised(cfg, recorder)
+        if cfg.method == "dpo":
+            from worker.engine.dpo import train_dpo
+
+            return train_dpo(cfg, recorder)
+        return train_rloo(cfg, recorder)
+
+
+def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
+    run = prepare(cfg, recorder)
+    hp, counters, ranks = run.rl, run.counters, run.ranks
+    backend = run.sampler
+    k, batch_size = hp.rloo_k, hp.batch_size
+    # This rank's prompts of every step (all of them for one process): whole prompts, so a prompt's
+    # k completions stay together and leave-one-out needs no communication.
+    mine = ranks.share(batch_size)
+    micro = micro_batches(mine.stop - mine.start, k, hp.gradient_accumulation_steps)
+    overlap = run.reference is not None and scored_elsewhere(run.scorer)
+    stop = Stop(run.start, {})
+    for step in range(run.start + 1, run.total_steps + 1):
+        t_step = time.perf_counter()
+
+        # 1. Rollout: k completions for each of this rank's prompts, prompt-major ------------------
+        indices = batch_indices(n_items=len(run.items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
+        batch = [run.items[i] for i in indices]
+        prompts = [prompt_text(item, run.tokenizer) for item in batch]
+        with run.autocast, backend.sampling():
+            ro = backend.generate(prompts[mine], k=k, generator_seed=cfg.seed * 1_000_003 + step, first=mine.start)
+        # Every rank's completions as wide as the widest, so all ranks run the same forwards.
+        ro = ro.widened(int(ranks.max(torch.tensor(ro.completion_ids.shape[1]))), run.tokenizer.pad_token_id)
+        mask = ro.completion_mask.to(torch.float32)
+        t_generate = time.perf_counter() - t_step
+
+        # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
+        # Each rank scores its own completions. A grader that waits on other processes scores on a
+        # thread while the reference forward runs (worker.engine.overlap); the others score here and now.
+        # The sampled tokens are read here, before the reference forward is queued on the device: read
+        # on the thread, they would wait for it.
+        sampled = sampled_tokens(run, ro)
+        scoring = Started(functools.partial(_score, run, step, prompts[mine], batch[mine], ro, sampled), beside=overlap)
+
+        # 3. Reference log-probs, in micro-batches of whole groups ------------------------------------
+        t0 = time.perf_counter()
+        ref_logp = None
+        if run.reference is not None:
+            with run.autocast:
+                ref_logp = torch.cat([run.reference.logprobs(ro.rows(sl), temperature=hp.temperature) for sl in micro])
+        t_ref = time.perf_counter() - t0
+
+        # Every rank holds the whole batch's rewards from here.
+        mine_graded, t_score = scoring.result()
+        graded = graders.GradeResult.joined(ranks.whole_objects(mine_graded))
+        rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
+        finite = torch.isfinite(rewards)
+        if not finite.any():
+            raise JobError(
+                "reward_not_finite",
+                f"step {step}: no completion could be scored (all rewards NaN); "
+                "check the grader with POST /v1/fine_tuning/alpha/graders/run",
+            )
+        # On the device from here: advantages and KL never travel back to the host within the step.
+        rewards, finite = rewards.to(run.device), finite.to(run.device)
+
+        # 4-5. Advantages and the update ------------------------------------------------------------
+        t0 = time.perf_counter()
+        update = rloo_update(run, ro, mask, rewards, finite, ref_logp, micro)
+        t_update = time.perf_counter() - t0
+
+        # 6. Record, evaluate, checkpoint (the whole batch's figures, on every rank) ------------------
+        mask_all, truncated_all = ranks.whole(mask), ranks.whole(ro.truncated)
+        counters["trained_tokens"] += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
+        # A step takes as long as its slowest rank.
+        seconds = [t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step]
+        timings = Timings(*ranks.max(torch.tensor(seconds, dtype=torch.float64)).tolist())
+        metrics = step_metrics(
+            step=step,
+            total_steps=run.total_steps,
+            rewards=rewards,
+            finite=finite,
+            mask=mask_all,
+            truncated=truncated_all,
+            update=update,
+            timings=timings,
+            trained_tokens=counters["trained_tokens"],
+        )
+        _report_grader_errors(graded, step, counters, recorder)
+        metrics.update(grader_metrics(graded))
+        if is_sample_step(step, run.total_steps, hp.sample_interval):
+            texts = [text for share in ranks.whole_objects(ro.texts) for text in share]
+            recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
+        if is_eval_step(run, step):
+            with run.autocast:
+                metrics["valid_reward_mean"] = counters["valid_reward_mean"] = evaluate(run)
+        if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
+            break
+    return finish(run, stop, recorder, headline=HEADLINE)
+
+
+def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
+    """The rows of each of ``accumulation`` micro-batches of ``prompts`` prompts' ``k`` completions:
+    whole groups, so leave-one-out baselines never cross a micro-batch."""
+    per = prompts // accumulation
+    return [slice(m * per * k, (m + 1) * per * k) for m in range(accumulation)]
+
+
+HEADLINE = "train_reward_mean"
+
+
+def _score(
+    run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]], ro: Rollout, sampled: SampledTokens | None
+) -> graders.GradeResult:
+    """The grader's scores of the step's completions (each prompt and item repeated k times)."""
+    k = run.rl.rloo_k
+    try:
+        return score_batch(
+            run.scorer,
+            prompts=[p for p in prompts for _ in range(k)],
+            texts=ro.texts,
+            items=[item for item in batch for _ in range(k)],
+            reward_models=run.reward_models,
+            sampled=sampled,
+        )
+    except graders.GraderUnavailable as exc:
+        raise JobError("grader_unavailable", f"step {step}: {exc}") from None
+
+
+def sampled_tokens(run: Run, ro: Rollout) -> SampledTokens | None:
+    """``ro``'s completions as sampled, for a grader with a reward model (which reads them where it
+    has the policy's tokenizer); None for the others."""
+    if not any(isinstance(leaf, graders.RewardModelGrader) for leaf in graders.leaves(run.scorer)):
+        return None
+    return SampledTokens(run.tokenizer_digest, ro.sampled(run.special_token_ids))
+
+
+def rloo_update(
+    run: Run,
+    ro: Rollout,
+    mask: Tensor,
+    rewards: Tensor,
+    finite: Tensor,
+    ref_logp: Tensor | None,
+    micro: list[slice],
+) -> UpdateStats:
+    """Advantages, then ``ppo_epochs`` passes of micro-batched loss, backward and optimizer step.
+
+    ``rewards`` and ``finite`` are the whole batch's ``(B, k)``; ``ro``, ``mask``, ``ref_logp`` and
+    ``micro`` this rank's rows (all of them for one process). The loss of each rank's rows is divided
+    by the whole batch's normaliser and the ranks' gradients are summed, so the update is the one a
+    single process makes on the whole batch. The stats are the whole batch's."""
+    hp, model, device, ranks = run.rl, run.model, run.device, run.ranks
+    k, temperature = hp.rloo_k, hp.temperature
+    mine = ranks.share(hp.batch_size)
+    rows_per_micro = (mine.stop - mine.start) // len(micro)
+    loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
+    advantages_of = functools.partial(
+        rloo.batch_advantages,
+        estimator=hp.advantage_estimator,
+        kl_coef=hp.kl_coef,
+        reward_clip=hp.reward_clip,
+        normalize=hp.normalize_advantages,
+    )
+    model.train()
+    fold_kl = ref_logp is not None and hp.kl_in_reward
+    # Whitening a KL-shaped reward over several micro-batches (or ranks) needs every group's KL up front.
+    prepass = fold_kl and hp.normalize_advantages and (len(micro) > 1 or ranks.distributed)
+    kl_seq = torch.zeros(ro.completion_ids.shape[0], device=device)
+    advantages = torch.zeros_like(rewards)  # the whole batch's (B, k)
+    old_logp: list[Tensor] = []
+    if not fold_kl:
+        # The advantages do not depend on the policy's log-probs: all of them now.
+        advantages = advantages_of(rewards, None, finite)
+    elif prepass and ref_logp is not None:
+        # One pass without grad gives the sampling policy's log-probs (the only case that costs one).
+        with torch.no_grad(), run.autocast:
+            for sl in micro:
+                old_logp.append(completion_logprobs(model, ro.rows(sl), temperature=temperature)[0])
+        kl_seq = rloo.sequence_kl(torch.cat(old_logp), ref_logp, mask, hp.kl_estimator).float()
+        advantages = advantages_of(rewards, ranks.whole(kl_seq).view_as(rewards), finite)
+    whole_loss_mask = ranks.whole(loss_mask)
+    norm = rloo.loss_normalizer(whole_loss_mask, hp.loss_aggregation)
+    has_loss = bool(whole_loss_mask.any())
+    entropy_sum = torch.zeros((), device=device)
+    for epoch in range(hp.ppo_epochs):
+        run.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        clip_sum = torch.zeros((), device=device)
+        for m, sl in enumerate(micro):
+            with run.autocast:
+                logp, entropy = completion_logprobs(
+                    model, ro.rows(sl), temperature=temperature, with_entropy=epoch == 0
+                )
+            # This micro-batch's prompts, as rows of the whole batch.
+            rows = slice(mine.start + m * rows_per_micro, mine.start + (m + 1) * rows_per_micro)
+            if epoch == 0:
+                if not prepass:
+                    old_logp.append(logp.detach())  # the sampling policy: no extra forward for it
+                if entropy is not None:
+                    entropy_sum += (entropy.float() * mask[sl]).sum()
+                if ref_logp is not None:
+                    kl_seq[sl] = rloo.sequence_kl(old_logp[m], ref_logp[sl], mask[sl], hp.kl_estimator)
+                if fold_kl and not prepass:
+                    # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
+                    advantages[rows] = advantages_of(rewards[rows], kl_seq[sl].view(rows_per_micro, k), finite[rows])
+            loss, stats = rloo.policy_loss(
+                logp.float(),
+                old_logp[m].float(),
+                advantages[rows].reshape(-1).to(device),
+                loss_mask[sl],
+                clip_epsilon=hp.clip_epsilon,
+                clip_epsilon_high=hp.clip_epsilon_high,
+                aggregation=hp.loss_aggregation,
+                normalizer=norm,
+            )
+            if ref_logp is not None and not hp.kl_in_reward:
+                loss = loss + hp.kl_coef * rloo.kl_loss(
+                    logp.float(),
+                    ref_logp[sl].float(),
+                    loss_mask[sl],
+                    estimator=hp.kl_estimator,
+                    aggregation=hp.loss_aggregation,
+                    normalizer=norm,
+                )
+            loss.backward()
+            loss_sum += loss.detach()
+            clip_sum += stats["ratio_clip_frac"]
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.params, hp.max_grad_norm)
+        if has_loss:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
+            run.optimizer.step()
+    run.sampler.sync()  # the next rollouts come from the updated weights
+    learning_rate = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    # Each rank's loss and clip fraction are its rows' share of the whole batch's: they add up.
+    return UpdateStats(
+        ranks.whole(advantages[mine]),  # each rank computed its own rows for certain
+        ranks.whole(kl_seq),
+        ranks.sum(loss_sum),
+        ranks.sum(clip_sum),
+        ranks.sum(entropy_sum),
+        whole_tensor(grad_norm),  # a DTensor when sharded
+        learning_rate,
+    )
+
+
+def _report_grader_errors(graded: graders.GradeResult, step: int, counters: dict[str, Any], recorder: Recorder) -> None:
+    """The first error of each grader, once a run, as a warning event."""
+    for name, message in graded.messages.items():
+        if name not in counters.setdefault("reported_grader_errors", []):
+            counters["reported_grader_errors"].append(name)
+            recorder.event(
+                f"Grader '{name}' could not score a sample at step {step}: {message} (such samples "
+                f"score NaN; graders.{name}.errors counts them)",
+                level="warn",
+            )
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean reward of one sample on each of the first ``eval_samples`` validation prompts.
+
+    Each prompt is sampled from its own seed, the same at every pass, so passes differ only by the
+    model, and the training run's random state is left as it was. Ranks each take a share of the
+    prompts.
+    """
+    valid = run.valid_items[: run.hp.eval_samples]
+    mine = run.ranks.share(len(valid))
+    batch = valid[mine]
+    prompts = [prompt_text(item, run.tokenizer) for item in batch]
+    rewards: list[float] = []
+    with preserved_rng(run.device), run.sampler.sampling():
+        for i in range(0, len(batch), 64):
+            ro = run.sampler.generate(
+                prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i
+            )
+            graded = score_batch(
+                run.scorer,
+                prompts=prompts[i : i + 64],
+                texts=ro.texts,
+                items=batch[i : i + 64],
+                reward_models=run.reward_models,
+                sampled=sampled_tokens(run, ro),
+            )
+            rewards.extend(r for r in graded.rewards if math.isfinite(r))
+    scored = [r for share in run.ranks.whole_objects(rewards) for r in share]
+    return sum(scored) / len(scored) if scored else float("nan")

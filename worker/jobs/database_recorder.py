@@ -1,0 +1,143 @@
+"""Where a job's run writes what it reports: its rows (``DatabaseRecorder``), and a heartbeat while
+a long step runs. Each write is one transaction, tried again while the database is unreachable
+(``RLOO_DB_RETRY_SECONDS``): a database restart pauses the run instead of failing it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from service import crud, export_dirs, finetuned, lifecycle, webhooks
+from service.artifacts import open_store
+from service.db import retrying, session_scope
+from service.identity import process_name
+from service.models import Job
+from service.settings import get_settings
+from worker.engine.checkpoints import job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
+from worker.engine.recorders import json_safe, step_message
+
+log = logging.getLogger("rloo.worker")
+
+
+def write(fn: Any, *, seconds: float, what: str) -> Any:
+    """``fn(session)`` as one transaction, tried again while the database is unreachable."""
+
+    def attempt() -> Any:
+        with session_scope() as session:
+            return fn(session)
+
+    return retrying(attempt, seconds=seconds, what=what)
+
+
+class DatabaseRecorder:
+    """Writes a run's metrics, events, progress and checkpoints to the job's rows."""
+
+    def __init__(self, job: Job, *, holder: str | None = None) -> None:
+        self.job = job
+        self.holder = holder or process_name()
+        """The worker process that claimed the job: a job's rank 0 writes as the task that started it."""
+        settings = get_settings()
+        self.artifacts = settings.artifacts_dir
+        self.store = open_store(settings)
+        self.retry_seconds = settings.db_retry_seconds
+        self.model_id: str | None = None
+
+    def _write(self, what: str, fn: Any) -> Any:
+        return write(fn, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
+
+    def event(self, message: str, level: str = "info") -> None:
+        def event(session: Any) -> None:
+            lifecycle.add_event(session=session, job=self.job, message=message, level=level)
+            session.commit()
+
+        self._write("event", event)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> str | None:
+        """The step's metrics; None to go on, else why to stop (``cancelled``, ``paused``, ``lost``)."""
+        clean = json_safe(metrics)
+
+        def record(session: Any) -> str:
+            crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
+            lifecycle.add_event(
+                session=session,
+                job=self.job,
+                type="metrics",
+                data=clean,
+                message=step_message(step, metrics),
+            )
+            return lifecycle.record_progress(
+                session=session,
+                job=self.job,
+                step=step,
+                trained_tokens=int(metrics.get("trained_tokens", 0)),
+                worker=self.holder,
+            )
+
+        status = self._write(f"step {step}", record)
+        return None if status == lifecycle.JobStatus.RUNNING else status
+
+    def _model_id(self, session: Any) -> str:
+        """The job's fine-tuned model id (``service.finetuned``), read once."""
+        if self.model_id is None:
+            job = self.job
+            project = finetuned.project_name(session=session, project_seq=job.project_seq)
+            base = job.base_model or job.model
+            self.model_id = finetuned.model_id(base=base, project=project, suffix=job.suffix, job_id=job.id)
+        return self.model_id
+
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+        """The saved checkpoint's row, once it is whole in the artifacts store (``publish_checkpoint``)."""
+        rel = publish_checkpoint(self.store, path)
+
+        def saved(session: Any) -> None:
+            model = self._model_id(session)
+            name = finetuned.checkpoint_id(model, step)
+            crud.add_checkpoint(
+                session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
+            )
+            lifecycle.checkpoint_saved(session=session, job=self.job, final_name=model if final else None)
+            lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
+            webhooks.enqueue(session, self.job, "fine_tuning.job.checkpoint.created", checkpoint=name, step_number=step)
+            session.commit()
+
+        self._write(f"checkpoint {step}", saved)
+
+    def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        def record(session: Any) -> None:
+            crud.upsert_samples(session=session, job=self.job, step=step, groups=groups)
+            session.commit()
+
+        self._write(f"samples {step}", record)
+
+    def checkpoint_removed(self, step: int) -> None:
+        def removed(session: Any) -> None:
+            crud.remove_checkpoint(session=session, job=self.job, step=step)
+            lifecycle.add_event(
+                session=session, job=self.job, message=f"Checkpoint of step {step} removed (keep_checkpoints)"
+            )
+            session.commit()
+
+        self._write(f"checkpoint {step} removed", removed)
+        unpublish_checkpoint(self.store, job_checkpoints_dir(self.artifacts, self.job.id), step)
+        try:  # its merged model, should a download have made one
+            export_dirs.remove_export(self.store, self.artifacts, export_dirs.export_key(self.job.id, step))
+        except Exception:  # the store away: training goes on; the copy outlives its checkpoint
+            log.exception("the merged model of step %d was not removed", step)
+
+
+class Heartbeat(threading.Thread):
+    """Touches the job row's heartbeat while a long step runs, so the reconciler sees a live job."""
+
+    def __init__(self, job: Job, period: float) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{job.id}")
+        self.job, self.period, self.stopped = job, period, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period):
+            try:
+                with session_scope() as session:
+                    lifecycle.heartbeat(session=session, job=self.job, worker=process_name())
+            except Exception as exc:  # a blip in the database must not kill the job
+                log.warning("heartbeat for %s failed: %s", self.job.id, exc)
