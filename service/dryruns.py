@@ -59,6 +59,8 @@ return 1
 """
 # The next dry run: from the project served longest ago that has fewer than ARGV[3] being graded
 # (`grading:<project>`, by when each is done at the latest); none when every waiting project has.
+# The dry run taken joins `grading:<project>` in the same script (until ARGV[1] + ARGV[5]), so two
+# processes taking at once never both see the project under its share.
 _POP = """
 for _, project in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local grading = ARGV[4] .. project
@@ -72,7 +74,11 @@ for _, project in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
       redis.call('ZADD', KEYS[1], ARGV[1], project)
     end
     redis.call('HSET', KEYS[2], project, ARGV[1])
-    if envelope then return envelope end
+    if envelope then
+      redis.call('ZADD', grading, tonumber(ARGV[1]) + tonumber(ARGV[5]), cjson.decode(envelope)['id'])
+      redis.call('EXPIRE', grading, math.ceil(tonumber(ARGV[5])) + 60)
+      return envelope
+    end
   end
 end
 return false
@@ -177,6 +183,7 @@ def take(conn: Any, queue: str, task_id: str) -> dict[str, Any] | None:
         bury(conn, queue, left.decode() if isinstance(left, bytes) else left)
         conn.delete(marker)
     settings = get_settings()
+    hold = settings.grader_run_seconds + 60  # a place taken while graded, up to this worker's hard limit
     while True:
         raw = conn.eval(
             _POP,
@@ -187,20 +194,21 @@ def take(conn: Any, queue: str, task_id: str) -> dict[str, Any] | None:
             f"{ns}:pending:",
             share(settings.grader_concurrency),
             f"{ns}:grading:",
+            hold,
         )
         if raw is None:
             return None
         envelope: dict[str, Any] = json.loads(raw)
-        if envelope["deadline"] > time.time():
-            conn.set(marker, raw, ex=max(1, int(envelope["deadline"] - time.time()) + 60))
-            # The project's place stays taken while this is graded, up to this worker's hard limit.
-            project, hold = envelope["project"], settings.grader_run_seconds + 60
-            active, grading = f"{ns}:active:{project}", f"{ns}:grading:{project}"
-            if conn.zadd(active, {envelope["id"]: time.time() + hold}, xx=True, ch=True) and conn.ttl(active) < hold:
-                conn.expire(active, int(hold) + 60)
-            conn.zadd(grading, {envelope["id"]: time.time() + hold})
-            conn.expire(grading, int(hold) + 60)
-            return envelope
+        project = envelope["project"]
+        if envelope["deadline"] <= time.time():  # the API stopped waiting: dropped, its place let go
+            conn.zrem(f"{ns}:grading:{project}", envelope["id"])
+            continue
+        conn.set(marker, raw, ex=max(1, int(envelope["deadline"] - time.time()) + 60))
+        # The project's place among its dry runs in flight stays taken while this is graded.
+        active = f"{ns}:active:{project}"
+        if conn.zadd(active, {envelope["id"]: time.time() + hold}, xx=True, ch=True) and conn.ttl(active) < hold:
+            conn.expire(active, int(hold) + 60)
+        return envelope
 
 
 def answer(conn: Any, queue: str, task_id: str, envelope: dict[str, Any], result: dict[str, Any]) -> bool:

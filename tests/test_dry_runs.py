@@ -72,6 +72,55 @@ def test_a_worker_takes_from_the_project_served_longest_ago(env, monkeypatch) ->
     assert taken == ["a0", "b0", "c0", "a1", "a2", "a3", "a4"]
 
 
+def test_two_processes_taking_at_once_never_take_a_project_past_its_share(env, monkeypatch) -> None:
+    """A project's place among the dry runs being graded is taken in the same script that takes its
+    dry run: a second process taking right after the first one's script (before: the place was
+    marked only afterwards, so both took one of the project's, and one project held both of the
+    graders worker's processes) finds the project at its share (one of two) and takes nothing."""
+    queue = f"race-{secrets.token_hex(4)}"
+    conn = _redis(env)
+    second: list[Any] = []
+
+    class Interleaved:
+        """The first process's connection: a second process takes right after each of its scripts."""
+
+        def __init__(self, real: redis.Redis) -> None:
+            self.real = real
+
+        def eval(self, *args: Any) -> Any:
+            out = self.real.eval(*args)
+            if not second:
+                second.append(dryruns.take(conn, queue, "second-process"))
+            return out
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    taken: list[Any] = []
+
+    async def scenario() -> None:
+        waiting = [
+            asyncio.create_task(dryruns.run(project="a", payload={"n": n}, queue=queue, timeout=5, cap=10))
+            for n in range(2)
+        ]
+        await asyncio.sleep(0.3)
+        first = await asyncio.to_thread(dryruns.take, Interleaved(conn), queue, "first-process")
+        taken.append(first)
+        dryruns.answer(conn, queue, "first-process", first, {"reward": 1.0})
+        if second[0] is not None:  # (before: answered too, so that the scenario ends)
+            dryruns.answer(conn, queue, "second-process", second[0], {"reward": 1.0})
+        nxt = await asyncio.to_thread(dryruns.take, conn, queue, "third")  # a's next, its place free again
+        taken.append(nxt)
+        if nxt is not None:
+            dryruns.answer(conn, queue, "third", nxt, {"reward": 1.0})
+        await asyncio.gather(*waiting)
+
+    monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # this test plays the workers
+    asyncio.run(scenario())
+    assert second == [None]  # a was at its share: the second process took nothing
+    assert sorted(t["payload"]["n"] for t in taken) == [0, 1]  # each of a's taken once, one at a time
+
+
 def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) -> None:
     """Admission alone (no worker; this test takes a dry run as one would): a project's place is
     free again once its dry run is answered or withdrawn, never while a worker still grades it."""
