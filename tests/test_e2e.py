@@ -230,8 +230,9 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
     kind: str, tmp_path: Path, models_dir: Path
 ) -> None:
     """SIGKILL the worker mid-job (no goodbye, its task unacknowledged), start a new one: the new
-    worker's reconciler sees the stale heartbeat, queues the job again, and it continues from its
-    last checkpoint to succeeded, with every step's metrics exactly once."""
+    worker's reconciler sees the stale heartbeat, or its first task sees that the job's process on
+    this host is gone (whichever comes first), queues the job again, and it continues from its last
+    checkpoint to succeeded, with every step's metrics exactly once."""
     env = {"RLOO_RECONCILE_SECONDS": "1", "RLOO_STALE_SECONDS": "8"}
     with live_stack(kind, tmp_path, models_dir, env=env) as stack:
         http = stack.http
@@ -248,7 +249,8 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
         assert [m["step"] for m in metrics] == list(range(1, 17))
         page = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
         events = [e["message"] for e in page]
-        assert any("stopped sending heartbeats" in e for e in events)
+        recovered = ("stopped sending heartbeats", "The worker process running the job was killed")
+        assert any(why in e for e in events for why in recovered), events
         resumed = [e for e in events if e.startswith("Resumed from the checkpoint at step")]
         assert resumed and int(resumed[0].split("step ")[1].split(";")[0]) <= killed_at
 
