@@ -9,7 +9,7 @@
 3. ``json_door``: ``service.strictjson.loads`` against ``json.loads`` on a job body and on a 1 MB
    dry-run body.
 4. ``checkpoint_download``: a 256 MiB checkpoint directory: the first byte and the whole archive
-   made while sent (``service.tarstream``), against copying it into a tar file first (what the
+   made while sent (``service.api.tarstream``), against copying it into a tar file first (what the
    download did before).
 
 Prints one JSON object.
@@ -137,7 +137,7 @@ def json_door() -> dict[str, Any]:
 
 
 def checkpoint_download() -> dict[str, Any]:
-    from service.tarstream import TarLayout
+    from service.api.tarstream import TarLayout
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "step-1"

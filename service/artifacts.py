@@ -66,7 +66,7 @@ def relative_key(key: str | Path) -> str:
 
 @dataclass(frozen=True)
 class Member:
-    """One file of a stored checkpoint, as a download reads it (``service.tarstream``)."""
+    """One file of a stored checkpoint, as a download reads it (``service.api.tarstream``)."""
 
     size: int
     mtime: float

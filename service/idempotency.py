@@ -16,9 +16,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.api.responses import JSON
 from service.errors import APIError, bad_request
 from service.models import IdempotentRequest
-from service.responses import JSON
 
 HEADER = "Idempotency-Key"
 

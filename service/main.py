@@ -14,12 +14,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sqlalchemy import text
 
-from service import errors, logs, openapi
-from service import prometheus as prometheus_module
+from service import logs
+from service.api import errors as api_errors
+from service.api import openapi
+from service.api import prometheus as prometheus_module
+from service.api.middleware import AuthMiddleware, BodyLimitMiddleware
+from service.api.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks, workers
 from service.db import get_engine, session_scope
 from service.errors import APIError
-from service.limits import AuthMiddleware, BodyLimitMiddleware
-from service.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks, workers
 from service.settings import get_settings
 
 log = logging.getLogger("rloo.api")
@@ -48,7 +50,7 @@ def create_app() -> FastAPI:
         description="RLOO reinforcement fine-tuning as a service, in the shape of OpenAI's fine-tuning API.",
         lifespan=lifespan,
     )
-    errors.install(app)
+    api_errors.install(app)
     # Uploads are bounded while they stream, not after: a 50 GB body is refused at the first byte over.
     app.add_middleware(
         BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024
@@ -65,7 +67,7 @@ def create_app() -> FastAPI:
         body_bytes_burst=settings.rate_limit_body_bytes_burst,
     )
     # Outside the key check, which reads the database too: an unreachable database is a 503 anywhere.
-    app.add_middleware(errors.DatabaseUnavailableMiddleware)
+    app.add_middleware(api_errors.DatabaseUnavailableMiddleware)
     prometheus = prometheus_module.Metrics()
     # Outermost: a request's whole time, the key check and the limits included.
     app.add_middleware(prometheus_module.RequestTimer, metrics=prometheus)
@@ -124,7 +126,7 @@ def create_app() -> FastAPI:
         },
     )
     def metrics(request: Request) -> Response:
-        """Jobs, the queue, steps and request latency (service.prometheus)."""
+        """Jobs, the queue, steps and request latency (service.api.prometheus)."""
         _metrics_allowed(request, settings.metrics_token)
         return Response(prometheus.scrape(), media_type=prometheus_module.CONTENT_TYPE)
 

@@ -176,7 +176,7 @@ class Settings(BaseSettings):
         description="How long an API process trusts a key it has checked; a revocation reaches every "
         "API process within this time. 0 checks the database on every request.",
     )
-    # Per key, per API process (service.limits.RateLimiter). A person, an SDK script, or a poller
+    # Per key, per API process (service.api.middleware.RateLimiter). A person, an SDK script, or a poller
     # sends well under 5 requests a second (e2e tests poll at 4/s, the demo at 2/s, a "for f in files:
     # upload" loop is tens of requests, inside the burst); a `while True: get()` loop with no sleep
     # sends 1000+ a second and would take most of one process's ~1700 status reads/s

@@ -1,6 +1,6 @@
 """Wake-ups for a job's watchers: "job X has new rows", sent through Redis pub/sub after a commit.
 
-The database is the source of every stream (``service.streams``); a wake-up only says when to read
+The database is the source of every stream (``service.api.streams``); a wake-up only says when to read
 it again. A transaction that adds a job's event or moves its status marks the job (``mark``); once
 it commits, one PUBLISH per job goes to ``CHANNEL``, from whichever process wrote (the API or a
 worker). A rolled back transaction sends nothing. Redis down costs nothing but latency: a publish

@@ -1,4 +1,4 @@
-"""Checkpoint downloads: a tar archive made while it is sent (service/tarstream.py), byte ranges
+"""Checkpoint downloads: a tar archive made while it is sent (service/api/tarstream.py), byte ranges
 served, and nothing written to disk on any path (a refused range once left a full copy behind)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from service.tarstream import TarLayout, byte_range
+from service.api.tarstream import TarLayout, byte_range
 from tests.helpers.api import assert_error, create_job, upload_ok
 from tests.helpers.data import job_body
 

@@ -129,13 +129,15 @@ def test_paths_the_docs_name_exist() -> None:
 
 def test_the_workers_import_no_http_layer() -> None:
     """Only the API imports fastapi and starlette: a training worker's task, the inference worker's
-    loop and the CLI's worker commands load neither (a worker that did would drag the HTTP layer,
-    and what it imports, into every job's process)."""
+    loop, the CLI's worker commands and ``rloo train`` (which checks a spec with the API's own code)
+    load neither (a worker that did would drag the HTTP layer, and what it imports, into every job's
+    process)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, worker.jobs.tasks, worker.serving.server, worker.serving.evaluate, worker.jobs.database_recorder; "
+        "import sys, worker.jobs.tasks, worker.serving.server, worker.serving.evaluate, worker.jobs.database_recorder, "
+        "worker.engine.standalone; "
         "print(sorted(m for m in ('fastapi', 'starlette') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -201,3 +203,32 @@ def test_the_top_of_worker_holds_at_most_eight_loose_modules() -> None:
     """The worker's folders are its tiers (engine, jobs, serving, cli, tiny): a new module goes in one."""
     loose = sorted(p.name for p in (ROOT / "worker").glob("*.py"))
     assert len(loose) <= 8, loose
+
+
+HTTP_FRAMEWORK = ("fastapi", "starlette")
+
+
+def test_only_the_http_layer_imports_the_framework() -> None:
+    """FastAPI and Starlette are imported in service/api/ and by the app (service/main.py) alone: the
+    domain code raises ``service.errors.APIError``, which ``service.api.errors`` answers."""
+    modules = _modules()
+    assert "service.api.routes.jobs" in modules and "service.api.errors" in modules  # the scan finds them
+    offenders = [
+        f"{name} imports {package}"
+        for name, path in sorted(modules.items())
+        if not name.startswith("service.api") and name != "service.main"
+        for package in sorted(_third_party(path) & set(HTTP_FRAMEWORK))
+    ]
+    assert offenders == []
+
+
+def test_the_service_never_imports_the_worker() -> None:
+    modules = _modules()
+    offenders = [
+        f"{name} imports {imported}"
+        for name, path in sorted(modules.items())
+        if name.startswith("service")
+        for imported in sorted(_imports(path, name, modules))
+        if imported.startswith("worker")
+    ]
+    assert offenders == []

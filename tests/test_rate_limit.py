@@ -172,7 +172,7 @@ def test_the_openai_sdk_retries_through_a_429_by_itself(monkeypatch, env) -> Non
 
 # The limiter itself, on a clock the test holds --------------------------------------------------------
 def test_gcra_lets_the_sustained_rate_through_and_no_more() -> None:
-    from service.limits import RateLimiter
+    from service.api.middleware import RateLimiter
 
     rl = RateLimiter(rate=20, burst=100)
     t = 1000.0
@@ -187,7 +187,7 @@ def test_gcra_lets_the_sustained_rate_through_and_no_more() -> None:
 
 
 def test_the_bucket_map_is_bounded() -> None:
-    from service.limits import RateLimiter
+    from service.api.middleware import RateLimiter
 
     rl = RateLimiter(rate=1, burst=5, max_keys=1000)
     for i in range(50_000):
@@ -233,7 +233,7 @@ def test_a_key_past_its_body_bytes_a_second_is_429_before_its_body_is_read(monke
 
 
 def test_gcra_takes_a_cost_in_units() -> None:
-    from service.limits import RateLimiter
+    from service.api.middleware import RateLimiter
 
     bytes_ = RateLimiter(1000.0, 4000)  # 1,000 a second, 4,000 at once
     assert bytes_.take("k", now=0.0, cost=3000)[0]

@@ -109,7 +109,7 @@ def test_a_client_that_stops_reading_is_dropped_not_buffered() -> None:
     stream with an error, and the stream's place is given back."""
     import asyncio
 
-    from service.streams import EventStreamResponse
+    from service.api.streams import EventStreamResponse
 
     released: list[bool] = []
     sent: list[bytes] = []

@@ -26,14 +26,14 @@ def api(
     workers: Annotated[int, typer.Option(metavar="N", help="API processes.")] = 1,
 ) -> None:
     """Serve the HTTP API (service.main:app) with uvicorn, with limits on headers and connections
-    (service.server). The per-key rate limit (RLOO_RATE_LIMIT) is counted in each API process:
+    (service.api.server). The per-key rate limit (RLOO_RATE_LIMIT) is counted in each API process:
     --workers N lets a key through up to N times the rate.
 
     \b
     Example:
       rloo api --host 0.0.0.0 --port 8000 --workers 2
     """
-    from service.server import serve
+    from service.api.server import serve
 
     ensure_embedded_broker()
     serve(host=host, port=port, workers=workers)

@@ -13,18 +13,19 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import String, cast, select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, memoryplan, queue, streams
+from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, memoryplan, queue
+from service.api import streams
+from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.responses import JSON, page
+from service.api.routing import StrictJSONRoute
+from service.api.tarstream import TarLayout, tar_response
 from service.artifacts import S3Store, open_store
 from service.crud import Caller
 from service.db import ends_session, run_db, write_lock
-from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, model_not_found, not_found
 from service.lifecycle import JobStatus
 from service.models import Checkpoint, File, Job, JobEvent
-from service.responses import JSON, page
-from service.routing import StrictJSONRoute
 from service.schemas import JobCreate, Resources
-from service.tarstream import TarLayout, tar_response
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
@@ -577,7 +578,7 @@ def read_checkpoint_content(
         found = exports.merged(session, settings, project_seq=project.seq, project_id=project.id, checkpoint=ckpt)
         directory = found or directory
     # The Hugging Face directory only; optimizer and RNG state stay server-side. Made while it is
-    # sent (service.tarstream): no copy on disk.
+    # sent (service.api.tarstream): no copy on disk.
     try:
         files = [
             (f"{checkpoint_id}/{item.name}", item)

@@ -13,13 +13,13 @@ from fastapi import APIRouter
 from sqlalchemy import func, select
 
 from service import egress, outbound, webhooks
+from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.responses import JSON, page
+from service.api.routing import StrictJSONRoute
 from service.crud import Caller
 from service.db import ends_session, run_db
-from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import WebhookDelivery, WebhookEndpoint, now
-from service.responses import JSON, page
-from service.routing import StrictJSONRoute
 from service.schemas import WebhookCreate, WebhookRotate, WebhookTest, WebhookUpdate
 from service.settings import Settings
 

@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import APIRouter
 
 from service import fleet
+from service.api.deps import OperatorDep, SessionDep, SettingsDep
+from service.api.responses import JSON, page
+from service.api.routing import StrictJSONRoute
 from service.db import ends_session
-from service.deps import OperatorDep, SessionDep, SettingsDep
 from service.models import Worker
-from service.responses import JSON, page
-from service.routing import StrictJSONRoute
 
 router = APIRouter(prefix="/v1/workers", route_class=StrictJSONRoute, tags=["workers"])
 

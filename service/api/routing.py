@@ -29,7 +29,7 @@ class StrictJSONRoute(APIRoute):
         async def strict(request: Request) -> Response:
             content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if not content_type or content_type == "application/json" or content_type.endswith("+json"):
-                body = await request.body()  # at most the JSON limit (service.limits)
+                body = await request.body()  # at most the JSON limit (service.api.middleware)
                 if body:  # Starlette's request.json() returns it: parsed once
                     request._json = _parse(body) if len(body) <= OFF_LOOP_BYTES else await _parse_off_loop(body)
             return await handler(request)

@@ -14,14 +14,14 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from service import crud, evaluations, idempotency
+from service.api.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.responses import JSON, page
+from service.api.routing import StrictJSONRoute
 from service.artifacts import S3Store, open_store
 from service.datasets import UploadSummary, copy_jsonl, store_jsonl
 from service.db import ends_session, write_lock
-from service.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import Evaluation, File, Job, new_id
-from service.responses import JSON, page
-from service.routing import StrictJSONRoute
 from service.settings import Settings
 from service.storage import confined, staged_path
 

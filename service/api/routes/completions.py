@@ -24,15 +24,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service import inference, servable
+from service.api.deps import ProjectDep, SessionDep, SettingsDep
+from service.api.responses import JSON
+from service.api.routing import StrictJSONRoute
+from service.api.streams import EventStreamResponse
 from service.crud import Caller
 from service.db import run_db
-from service.deps import ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, error_body, no_inference_worker
-from service.responses import JSON
-from service.routing import StrictJSONRoute
 from service.sampling import ChatCompletionCreate, CompletionCreate, Sampling
 from service.settings import Settings
-from service.streams import EventStreamResponse
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["inference"])
 log = logging.getLogger("rloo.api")

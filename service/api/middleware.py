@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import TrackedSend, error_body
+from service.api.errors import TrackedSend
+from service.errors import error_body
 
 
 class BodyTooLarge(HTTPException):
@@ -177,8 +178,8 @@ class AuthMiddleware:
             return
         from anyio import to_thread
 
+        from service.api.deps import authenticate_header
         from service.db import session_scope
-        from service.deps import authenticate_header
         from service.errors import APIError
 
         headers = dict(scope.get("headers") or [])

@@ -14,13 +14,13 @@ from pydantic import Field
 from sqlalchemy import select
 
 from service import evaluations, graders, servable
+from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.responses import JSON, page
+from service.api.routes.jobs import _file, _job
+from service.api.routing import StrictJSONRoute
 from service.db import ends_session
-from service.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, bad_request, not_found
 from service.models import Checkpoint, Evaluation, Job
-from service.responses import JSON, page
-from service.routes.jobs import _file, _job
-from service.routing import StrictJSONRoute
 from service.schemas import Strict
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["evaluations"])

@@ -16,16 +16,16 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from service import evaluations, export_dirs, finetuned
+from service.api.deps import ProjectDep, SessionDep, SettingsDep
+from service.api.responses import JSON, page
+from service.api.routing import StrictJSONRoute
 from service.artifacts import open_store
 from service.crud import Caller
 from service.db import ends_session
-from service.deps import ProjectDep, SessionDep, SettingsDep
 from service.errors import APIError, model_not_found
 from service.lifecycle import JobStatus
 from service.modelroot import list_models
 from service.models import Evaluation, Job, now
-from service.responses import JSON, page
-from service.routing import StrictJSONRoute
 
 log = logging.getLogger("rloo.api")
 router = APIRouter(prefix="/v1/models", route_class=StrictJSONRoute, tags=["models"])

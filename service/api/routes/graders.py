@@ -9,12 +9,12 @@ from typing import Any
 from fastapi import APIRouter
 
 from service import graders
+from service.api.deps import ProjectDep, SettingsDep
+from service.api.responses import JSON
+from service.api.routing import StrictJSONRoute
 from service.datasets import MAX_DEPTH
-from service.deps import ProjectDep, SettingsDep
 from service.errors import APIError, bad_request
 from service.graders.report import run_answer
-from service.responses import JSON
-from service.routing import StrictJSONRoute
 from service.schemas import GraderRun, GraderValidate
 from service.settings import Settings
 from service.strictjson import depth

@@ -1,0 +1,134 @@
+"""The HTTP side of errors: the app's exception handlers, which answer every error in OpenAI's shape
+(``service.errors.APIError``, a body that fails validation, the framework's 404 and 405, anything
+unhandled), and the middleware that answers 503 when the database is unreachable."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.responses import JSON
+from service.errors import APIError, error_body
+
+log = logging.getLogger("rloo.api")
+
+
+def _body_model(request: Request) -> Any:
+    """The pydantic model of the route's JSON body, if it has one (to suggest a misspelt field)."""
+    import typing
+
+    route = request.scope.get("route")
+    field = getattr(route, "body_field", None)
+    annotation = getattr(getattr(field, "field_info", None), "annotation", None)
+    # An optional body (``Model | None``): the model.
+    members = [a for a in typing.get_args(annotation) if hasattr(a, "model_fields")]
+    return members[0] if members else annotation
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method the path has a route for. Starlette's 405 names only the first route whose path
+    matched (``Allow: POST`` on /v1/files, which has GET too); RFC 9110 wants them all. Each method is
+    tried against the routes (``matches``, the one interface every route and included router has)."""
+    from fastapi import routing
+    from starlette.routing import Match
+
+    methods = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+    routes = request.app.router.routes
+    # A literal path (/v1/fine_tuning/jobs/estimate) is its own resource, though a pattern matches it
+    # too (/v1/fine_tuning/jobs/{job_id}): its methods only. Recent FastAPI keeps included routers
+    # whole in app.routes; iter_route_contexts flattens them.
+    flat = getattr(routing, "iter_route_contexts", lambda routes: routes)(routes)
+    literal = [set(getattr(r, "methods", ()) or ()) for r in flat if getattr(r, "path", None) == request.scope["path"]]
+    if literal:
+        return ", ".join(m for m in methods if any(m in ms for ms in literal))
+    allowed = [
+        method
+        for method in methods
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    ]
+    return ", ".join(allowed)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSON:
+        return JSON(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSON:
+        from service.validation import message
+
+        errors = exc.errors()
+        text, param = message(errors[0] if errors else {}, _body_model(request))
+        return JSON(error_body(400, text, param, "invalid_value"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSON:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        if exc.status_code == 404 and message == "Not Found":
+            message = "Unknown URL. See /docs for the API reference."
+        headers = exc.headers
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return JSON(error_body(exc.status_code, message), exc.status_code, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request: Request, exc: Exception) -> JSON:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSON(error_body(500, "Internal server error.", code="internal_error"), 500)
+
+
+RETRY_AFTER_SECONDS = 2
+DATABASE_UNAVAILABLE = (
+    "The service cannot reach its database right now. Retry in a few seconds; a creation retried with "
+    "the same Idempotency-Key header is never made twice."
+)
+
+
+class TrackedSend:
+    """An ASGI ``send`` that remembers whether the response has begun (after that, an error can
+    no longer be answered with a response of its own)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
+
+class DatabaseUnavailableMiddleware:
+    """Outermost of our middlewares: a request that finds the database unreachable (in a route, or in
+    the key check before it) is answered 503 with ``Retry-After``, in the error shape, and the
+    process carries on; the pool reconnects when the database is back (pre-ping)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        tracked = TrackedSend(send)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            from service.db import database_unreachable
+
+            if not database_unreachable(exc) or tracked.started:
+                raise
+            from service.db import _reason
+
+            log.warning("database unreachable on %s %s: %s", scope["method"], scope["path"], _reason(exc))
+            response = JSON(
+                error_body(503, DATABASE_UNAVAILABLE, code="database_unavailable"),
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+            await response(scope, receive, send)
