@@ -16,7 +16,6 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.api.responses import JSON
 from service.errors import APIError, bad_request
 from service.models import IdempotentRequest
 
@@ -35,8 +34,9 @@ def request_hash(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def replay(session: Session, *, project_seq: int, route: str, key: str, digest: str) -> JSON | None:
-    """The stored answer for ``key``, or None; a 409 when the key came with another request."""
+def replay(session: Session, *, project_seq: int, route: str, key: str, digest: str) -> Any | None:
+    """The answer stored for ``key`` (the route sends it again: ``service.api.responses.replayed``),
+    or None; a 409 when the key came with another request."""
     row = session.scalar(
         select(IdempotentRequest).where(
             IdempotentRequest.project_seq == project_seq, IdempotentRequest.route == route, IdempotentRequest.key == key
@@ -51,7 +51,7 @@ def replay(session: Session, *, project_seq: int, route: str, key: str, digest: 
             param=HEADER,
             code="idempotency_key_reused",
         )
-    return JSON(row.response, headers={"Idempotent-Replayed": "true"})
+    return row.response
 
 
 def remember(session: Session, *, project_seq: int, route: str, key: str, digest: str, response: Any) -> None:
@@ -60,9 +60,10 @@ def remember(session: Session, *, project_seq: int, route: str, key: str, digest
     )
 
 
-def replay_after_conflict(session: Session, *, project_seq: int, route: str, key: str | None, digest: str) -> JSON:
+def replay_after_conflict(session: Session, *, project_seq: int, route: str, key: str | None, digest: str) -> Any:
     """After an IntegrityError on commit: a concurrent twin with this key won; roll back and answer
-    with its answer. Re-raises when there was no key, or no answer to replay (another conflict)."""
+    with its answer (stored, as ``replay`` gives it). Re-raises when there was no key, or no answer
+    to replay (another conflict)."""
     if key is None:
         raise
     session.rollback()

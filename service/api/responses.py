@@ -39,6 +39,11 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def replayed(body: Any) -> JSON:
+    """An answer stored under an Idempotency-Key (``service.idempotency``), sent again as it was."""
+    return JSON(body, headers={"Idempotent-Replayed": "true"})
+
+
 def page(data: list[dict[str, Any]], has_more: bool) -> JSON:
     """A list page as OpenAI answers one: ``{object, data, first_id, last_id, has_more}`` (the ids
     of the page's first and last items; null on an empty page)."""

@@ -127,7 +127,7 @@ def serve(*, host: str, port: int, workers: int) -> None:
         log_config=log_config,
         proxy_headers=True,
         access_log=False,
-        http="service.server:GuardedHttpToolsProtocol",
+        http="service.api.server:GuardedHttpToolsProtocol",
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=5,
         # Streams never end by themselves: on shutdown they get this long, then are closed (their

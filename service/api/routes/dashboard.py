@@ -1,4 +1,4 @@
-"""The dashboard: static files shipped in the package (``service/dashboard``), no build step. ``GET /``
+"""The dashboard: static files shipped in the package (``service/api/dashboard``), no build step. ``GET /``
 redirects to it. It reads the API with the key its user types (kept in the browser tab)."""
 
 from __future__ import annotations

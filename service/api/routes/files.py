@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from service import crud, evaluations, idempotency
 from service.api.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
-from service.api.responses import JSON, page
+from service.api.responses import JSON, page, replayed
 from service.api.routing import StrictJSONRoute
 from service.artifacts import S3Store, open_store
 from service.datasets import UploadSummary, copy_jsonl, store_jsonl
@@ -80,10 +80,10 @@ def create_file(
     try:
         if key is not None:
             digest = idempotency.request_hash([filename, purpose, staged.sha256()])
-            replayed = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
-            if replayed is not None:
+            stored = idempotency.replay(session, project_seq=project.seq, route="files", key=key, digest=digest)
+            if stored is not None:
                 staged.discard()  # the first upload's file is the one
-                return replayed
+                return replayed(stored)
         with write_lock(session):
             session.add(row)
             if key is not None:  # the answer, in the same transaction as the row
@@ -95,8 +95,8 @@ def create_file(
             session.commit()
     except IntegrityError:
         staged.discard()
-        return idempotency.replay_after_conflict(
-            session, project_seq=project.seq, route="files", key=key, digest=digest
+        return replayed(
+            idempotency.replay_after_conflict(session, project_seq=project.seq, route="files", key=key, digest=digest)
         )
     except BaseException:
         if not committing:

@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, memoryplan, queue
 from service.api import streams
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
-from service.api.responses import JSON, page
+from service.api.responses import JSON, page, replayed
 from service.api.routing import StrictJSONRoute
 from service.api.tarstream import TarLayout, tar_response
 from service.artifacts import S3Store, open_store
@@ -118,9 +118,9 @@ def create_job(
     key = idempotency.check_key(idempotency_key)
     digest = idempotency.request_hash(body.model_dump(mode="json"))
     if key is not None and (
-        replayed := idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
+        stored := idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
     ):
-        return replayed
+        return replayed(stored)
     grader, hp = jobspec.check_spec(body, settings=settings)
     base_model = _base_model(session, project, settings, body)
     method = body.method_
@@ -187,8 +187,10 @@ def create_job(
         try:
             session.commit()  # the row exists before the task does: a worker always finds it
         except IntegrityError:
-            return idempotency.replay_after_conflict(
-                session, project_seq=project.seq, route="jobs", key=key, digest=digest
+            return replayed(
+                idempotency.replay_after_conflict(
+                    session, project_seq=project.seq, route="jobs", key=key, digest=digest
+                )
             )
     if not queue.enqueue_job(job):
         lifecycle.add_event(
