@@ -79,13 +79,18 @@ def test_a_running_jobs_latest_checkpoint_is_sampled_while_it_trains(stack: Live
     spec = json.loads((EXAMPLES / "demo" / "job.json").read_text())
     with stack.http as http:
         spec["training_file"] = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+        # A checkpoint every 10 steps, the last 20 kept: the one sampled stays ~200 steps (the tiny
+        # model runs ~15 a second here; with one every 2 steps, 10 kept, the step-6 checkpoint listed
+        # was pruned before the chat asked for it on a loaded host).
         spec["method"]["reinforcement"]["hyperparameters"].update(
-            {"n_epochs": 40, "checkpoint_interval": 2, "keep_checkpoints": 10, "batch_size": 4, "rloo_k": 2}
+            {"n_epochs": 40, "checkpoint_interval": 10, "keep_checkpoints": 20, "batch_size": 4, "rloo_k": 2}
         )
         job = http.post("/fine_tuning/jobs", json=spec).json()
-        wait_for(http, job["id"], {"running"}, 120, stack, min_step=3)
-    checkpoints = sdk.fine_tuning.jobs.checkpoints.list(job["id"]).data
-    assert checkpoints, stack.log_tail()
+        wait_for(http, job["id"], {"running"}, 120, stack, min_step=10)
+    deadline = time.monotonic() + 60
+    while not (checkpoints := sdk.fine_tuning.jobs.checkpoints.list(job["id"]).data):
+        assert time.monotonic() < deadline, stack.log_tail()
+        time.sleep(0.2)
     latest = checkpoints[0].fine_tuned_model_checkpoint  # newest first
     answer = sdk.chat.completions.create(model=latest, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert answer.model == latest and answer.usage is not None and answer.usage.completion_tokens >= 1
