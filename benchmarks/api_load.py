@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ["RLOO_REDIS_URL"] = args.redis_url
     import httpx
 
-    from service import embedded
-    from service.migrate import upgrade
-    from service.settings import get_settings
+    from service.core.migrate import upgrade
+    from service.core.settings import get_settings
+    from service.infra import embedded_redis
     from worker.cli.stack import ensure_local_key, wait_until_ready
 
     settings = get_settings()
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         upgrade()
         key = ensure_local_key()
         if settings.embedded_redis:
-            proc = embedded.start(settings, daemonize=False)
+            proc = embedded_redis.start(settings, daemonize=False)
             if proc is not None:
                 children.append(proc)
         children.append(

@@ -368,9 +368,9 @@ def _job(file_id: str, *, steps: int) -> dict[str, Any]:
 def _deliveries(attacker_endpoint: str, victim_endpoint: str, theirs: int, ours: int) -> float:
     """Rows in the outbox as state changes would write them: the attacker's due first. When the
     victim's were due."""
-    from service import webhooks
-    from service.db import session_scope
-    from service.models import WebhookDelivery, WebhookEndpoint
+    from service.core.db import session_scope
+    from service.core.tables import WebhookDelivery, WebhookEndpoint
+    from service.jobs import webhooks
 
     with session_scope() as session:
         seq = {e.id: e.seq for e in session.query(WebhookEndpoint)}
@@ -397,8 +397,8 @@ def _deliveries(attacker_endpoint: str, victim_endpoint: str, theirs: int, ours:
 
 
 def _end_evaluations() -> None:
-    from service.db import session_scope
-    from service.models import Evaluation
+    from service.core.db import session_scope
+    from service.core.tables import Evaluation
 
     with session_scope() as session:  # (the route to cancel one is new; this works on any release)
         session.query(Evaluation).filter(Evaluation.status.in_(("queued", "running"))).update({"status": "failed"})
@@ -411,10 +411,10 @@ def lora_checkpoint(home: Path, project: str) -> tuple[str, str]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from service import finetuned
-    from service.db import session_scope
-    from service.models import Checkpoint
-    from service.settings import get_settings
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.core.tables import Checkpoint
+    from service.registry import finetuned
 
     settings = get_settings()
     base = settings.models_dir / MODEL
@@ -442,7 +442,7 @@ def stack(home: Path, env: dict[str, str]) -> Iterator[Any]:
     for name in ("DATABASE_URL", "RLOO_DATABASE_URL", "REDIS_URL", "RLOO_REDIS_URL", "RLOO_MODELS_DIR"):
         os.environ.pop(name, None)
     os.environ.update({"RLOO_HOME": str(home), **env})
-    from service.db import reset_caches
+    from service.core.db import reset_caches
     from worker.cli.stack import Stack
 
     reset_caches()  # this process's settings and engine follow the new home

@@ -80,8 +80,8 @@ def counting_reward() -> Iterator[None]:
 def job_row(session: Any, project: str, model: str, **fields: Any) -> Any:
     """A job row of ``project`` (made if new), flushed: a supervised job running unless ``fields``
     say otherwise (what a benchmark needs without training one)."""
-    from service import crud
-    from service.models import Job
+    from service.core import crud
+    from service.core.tables import Job
 
     proj = crud.get_or_create_project(session=session, name=project)
     values: dict[str, Any] = {
@@ -146,7 +146,7 @@ def ours(
 ) -> dict[str, Any]:
     """One run of our engine (the same ``train`` a job runs); wall time and each step's metrics.
     The reward is ``count_reward`` unless ``grader`` names the job's own (a reward model, say)."""
-    from service.schemas import Hyperparameters
+    from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.train import train
 

@@ -15,7 +15,7 @@ config (no hub) and saved in bf16 under a models root, trains RLOO for a few ste
 Each run reports, from its recorded step metrics (medians over the steps after the first, which
 warms up): generated tokens/s (completion tokens / generate time), the split of a step (generate,
 score, reference, update, step), model FLOPs utilisation (the step's FLOPs as
-``service.memoryplan.plan`` counts them, over the step's time and the devices' bf16 dense peak:
+``service.jobs.memory_plan.plan`` counts them, over the step's time and the devices' bf16 dense peak:
 ``PEAK_TFLOPS``), the peak of ``torch.cuda.max_memory_allocated`` (read in each training process
 as it exits: ``benchmarks/gpu_check_hook``), and the memory plan's estimate for the same job against
 it. A markdown table on stdout; it and the JSON into ``--out`` (a ``.json`` path, the ``.md``
@@ -197,15 +197,15 @@ def fit_accumulation(model: Path, settings: dict[str, Any], device_bytes: int, r
     """The fewest micro-batches (a power of two dividing ``batch_size``) whose one-device plan, half
     again, fits 90% of a device of ``device_bytes`` beside ``reserved`` bytes; the most there are
     when none fits."""
-    from service import memoryplan
-    from service.schemas import Hyperparameters
+    from service.jobs import memory_plan
+    from service.jobs.hyperparameters import Hyperparameters
 
-    shape = memoryplan.model_shape(model)
+    shape = memory_plan.model_shape(model)
     accumulation = 1
     while True:
         hp = Hyperparameters(**settings, gradient_accumulation_steps=accumulation).resolved()
-        need = PLAN_MARGIN * memoryplan.plan(shape, hp, method="reinforcement")["bytes_per_device"] + reserved
-        if need <= memoryplan.HEADROOM * device_bytes or settings["batch_size"] % (2 * accumulation):
+        need = PLAN_MARGIN * memory_plan.plan(shape, hp, method="reinforcement")["bytes_per_device"] + reserved
+        if need <= memory_plan.HEADROOM * device_bytes or settings["batch_size"] % (2 * accumulation):
             return accumulation
         accumulation *= 2
 
@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from service import memoryplan
-    from service.schemas import Hyperparameters
+    from service.jobs import memory_plan
+    from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.backends import vllm_installed
 
     cpu = args.cpu_smoke
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         model = build_model(models, arch)
         build_s = time.monotonic() - t0
-        shape = memoryplan.model_shape(model)
+        shape = memory_plan.model_shape(model)
         if not cpu:
             device_bytes = torch.cuda.get_device_properties(0).total_memory
             reserved = int(VLLM_MEMORY * device_bytes) if vllm else 0
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_settings = {**settings, "batch_size": batch_for(settings, case.gpus)}
                 spec = job_spec(arch.name, run_settings, steps=steps, gpus=case.gpus)
                 hp = Hyperparameters(**run_settings, max_steps=steps).resolved()
-                plan = memoryplan.plan(
+                plan = memory_plan.plan(
                     shape, hp, method="reinforcement", device="cpu" if cpu else "cuda", devices=case.gpus
                 )
                 raw = run_case(case, work=work, models=models, spec=spec, device="cpu" if cpu else "cuda", timeout=left)

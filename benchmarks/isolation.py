@@ -4,9 +4,9 @@
    (as root it runs without a user namespace, and in one) and in the ``process`` sandbox: the
    median wall time of a batch, and of a one-sample batch (what a sandbox's start costs).
 2. ``dry_run``: a ``string_check`` dry run through Redis and a real graders worker
-   (``rloo worker --queue <queue>-graders``), from the API's side (``service.dryruns.run``): latency
+   (``rloo worker --queue <queue>-graders``), from the API's side (``service.jobs.dry_runs.run``): latency
    percentiles of 60 in a row.
-3. ``json_door``: ``service.strictjson.loads`` against ``json.loads`` on a job body and on a 1 MB
+3. ``json_door``: ``service.core.strictjson.loads`` against ``json.loads`` on a job body and on a 1 MB
    dry-run body.
 4. ``checkpoint_download``: a 256 MiB checkpoint directory: the first byte and the whole archive
    made while sent (``service.api.tarstream``), against copying it into a tar file first (what the
@@ -46,7 +46,7 @@ def _median_ms(fn: Any, rounds: int) -> float:
 
 
 def python_grader() -> dict[str, Any]:
-    from service import sandbox
+    from service.graders import sandbox
 
     source = "def grade(sample, item):\n    return float(len(sample['output_text']))\n"
     samples = [{"output_text": "x" * i} for i in range(64)]
@@ -70,13 +70,14 @@ def python_grader() -> dict[str, Any]:
 
 
 def dry_run() -> dict[str, Any]:
-    from service import dryruns, embedded
-    from service.db import reset_caches
-    from service.settings import Settings
+    from service.core.db import reset_caches
+    from service.core.settings import Settings
+    from service.infra import embedded_redis
+    from service.jobs import dry_runs
 
     with tempfile.TemporaryDirectory() as home:
         settings = Settings(home=Path(home))
-        redis_proc = embedded.start(settings, daemonize=False)
+        redis_proc = embedded_redis.start(settings, daemonize=False)
         env = {**os.environ, "RLOO_HOME": home, "REDIS_URL": settings.redis_url, "RLOO_QUEUE": "bench"}
         os.environ.update({"RLOO_HOME": home, "REDIS_URL": settings.redis_url})
         reset_caches()
@@ -97,11 +98,11 @@ def dry_run() -> dict[str, Any]:
         payload = {"grader": grader, "model_sample": "red", "item": {"answer": "red"}}
 
         async def runs() -> list[float]:
-            await dryruns.run(project="p", payload=payload, queue="bench-graders", timeout=60, cap=4)  # warm
+            await dry_runs.run(project="p", payload=payload, queue="bench-graders", timeout=60, cap=4)  # warm
             times = []
             for _ in range(60):
                 t0 = time.perf_counter()
-                answer = await dryruns.run(project="p", payload=payload, queue="bench-graders", timeout=60, cap=4)
+                answer = await dry_runs.run(project="p", payload=payload, queue="bench-graders", timeout=60, cap=4)
                 times.append(time.perf_counter() - t0)
                 assert answer["reward"] == 1.0, answer
             return times
@@ -123,7 +124,7 @@ def dry_run() -> dict[str, Any]:
 
 
 def json_door() -> dict[str, Any]:
-    from service import strictjson
+    from service.core import strictjson
 
     job = (ROOT / "examples" / "demo" / "job.json").read_text()
     big = json.dumps({"grader": {"type": "string_check"}, "model_sample": "word " * 200_000, "item": {"a": 1.5}})

@@ -395,7 +395,7 @@ def trl(seed: int, out: Path, steps: int) -> dict[str, Any]:
     from trl import RLOOTrainer
 
     from benchmarks.common import trl_config
-    from service.settings import get_settings
+    from service.core.settings import get_settings
     from worker.engine.data import load_items
     from worker.engine.standalone import evaluate_spec
 

@@ -1,7 +1,7 @@
 """How good the memory plan is (``python -m benchmarks.memory_plan``; ``make bench``'s
 ``memory_plan``): each case trains 2 RLOO steps on the CPU in a process of its own, and its peak
 resident memory above what the process held before the model loaded is set beside
-``service.memoryplan``'s estimate for the same job (fp32, one device).
+``service.jobs.memory_plan``'s estimate for the same job (fp32, one device).
 
 Prompts are longer than ``max_prompt_length`` (they keep their last tokens), so every sequence is
 as long as the plan assumes; completions that end early use less than the plan's worst case.
@@ -47,15 +47,15 @@ def _case(models: str, model: str, case: str) -> None:
     import transformers  # noqa: F401
 
     from benchmarks.common import PLACEHOLDER_GRADER
-    from service import memoryplan
     from service.graders import parse_grader
-    from service.schemas import Hyperparameters
+    from service.jobs import memory_plan
+    from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.recorders import QuietRecorder
     from worker.engine.train import train
 
     hp = Hyperparameters(**SETTINGS, max_steps=2, **CASES[case]).resolved()
-    estimate = memoryplan.plan(memoryplan.model_shape(Path(models) / model), hp, method="reinforcement", device="cpu")
+    estimate = memory_plan.plan(memory_plan.model_shape(Path(models) / model), hp, method="reinforcement", device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "long.jsonl"
         prompts.write_text(

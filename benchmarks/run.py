@@ -55,7 +55,7 @@ from benchmarks.common import (
     plain_prompts,
 )
 from service.graders import parse_grader
-from service.schemas import Hyperparameters
+from service.jobs.hyperparameters import Hyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.train import train
 

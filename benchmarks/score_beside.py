@@ -74,7 +74,7 @@ def _endpoint(latency_s: float) -> Iterator[str]:
 
 def _http_cases(models: Path, data: Path, tmp: Path) -> dict[str, Any]:
     import worker.engine.train as train_mod
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     out: dict[str, Any] = {}
     with _endpoint(LATENCY_MS / 1000) as url:
@@ -94,19 +94,19 @@ def _http_cases(models: Path, data: Path, tmp: Path) -> dict[str, Any]:
 
 def _rm_cases(models: Path, data: Path, tmp: Path) -> dict[str, Any]:
     """The reward model beside the policy, then served by an inference worker process."""
-    from service import embedded
-    from service.settings import Settings, get_settings
+    from service.core.settings import Settings, get_settings
+    from service.infra import embedded_redis
 
     home = tmp / "home"
     env = {"RLOO_HOME": str(home), "RLOO_MODELS_DIR": str(models), "DATABASE_URL": f"sqlite:///{home / 'rloo.db'}"}
     os.environ.update(env)
     get_settings.cache_clear()
-    from service.db import reset_caches
-    from service.migrate import upgrade
+    from service.core.db import reset_caches
+    from service.core.migrate import upgrade
 
     reset_caches()
     upgrade()
-    redis = embedded.start(Settings(), daemonize=False)
+    redis = embedded_redis.start(Settings(), daemonize=False)
     worker = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "worker", "--serve"],
         env={**os.environ, **env},
@@ -133,11 +133,11 @@ def _wait_for_a_worker(seconds: float) -> None:
     """Until an inference worker has registered (its heartbeat in Redis)."""
     import redis
 
-    from service import inference
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra import inference_bus
 
     conn = redis.Redis.from_url(get_settings().redis_client_url)
-    ns = inference.namespace(inference.serve_queue())
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     deadline = time.monotonic() + seconds
     while not conn.zcount(f"{ns}:workers", time.time(), "+inf"):
         if time.monotonic() > deadline:

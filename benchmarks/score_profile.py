@@ -56,7 +56,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, An
 
 def profile(config: str) -> dict[str, Any]:
     from service.graders import parse_grader
-    from service.schemas import Hyperparameters
+    from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.data import prompt_text
     from worker.engine.prepare import prepare

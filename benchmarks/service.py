@@ -102,9 +102,9 @@ def through_service(http: Any, file_id: str) -> dict[str, Any]:
 
 def recording_cost(job_id: str, n: int = 200) -> dict[str, Any]:
     """``DatabaseRecorder.step`` on a finished job's row (set back to running for this), ``n`` times."""
-    from service import crud
-    from service.db import session_scope
-    from service.models import Job, JobMetric
+    from service.core import crud
+    from service.core.db import session_scope
+    from service.core.tables import Job, JobMetric
     from worker.jobs.database_recorder import DatabaseRecorder
 
     with session_scope() as session:

@@ -223,10 +223,10 @@ def main() -> dict[str, Any]:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
-        from service import embedded
-        from service.settings import Settings
+        from service.core.settings import Settings
+        from service.infra import embedded_redis
 
-        embedded.stop_daemon(Settings(home=home / "var"))
+        embedded_redis.stop_daemon(Settings(home=home / "var"))
 
 
 if __name__ == "__main__":

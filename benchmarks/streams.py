@@ -54,12 +54,13 @@ def main() -> dict[str, Any]:
     from sqlalchemy import event
 
     from benchmarks.common import job_row
-    from service import crud, embedded
-    from service.db import get_engine, session_scope
-    from service.migrate import upgrade
-    from service.settings import get_settings
+    from service.core import crud
+    from service.core.db import get_engine, session_scope
+    from service.core.migrate import upgrade
+    from service.core.settings import get_settings
+    from service.infra import embedded_redis
 
-    redis_proc = embedded.start(get_settings(), daemonize=False)
+    redis_proc = embedded_redis.start(get_settings(), daemonize=False)
     upgrade()
     with session_scope() as session:
         project = crud.get_or_create_project(session=session, name="bench")
@@ -90,8 +91,9 @@ def main() -> dict[str, Any]:
 
 def _write_event(job_id: str, i: int) -> tuple[str, float]:
     """One event of the job, committed (its wake-up published): its id and when."""
-    from service import crud, lifecycle
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
+    from service.jobs import lifecycle
 
     with session_scope() as session:
         job = crud.get_job_by_id(session=session, job_id=job_id)

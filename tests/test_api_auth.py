@@ -76,8 +76,8 @@ def test_revoked_key_is_401_within_the_auth_cache_time(env, monkeypatch, cache_s
 
     from fastapi.testclient import TestClient
 
-    from service import crud
-    from service.db import reset_caches, session_scope
+    from service.core import crud
+    from service.core.db import reset_caches, session_scope
     from service.main import create_app
 
     monkeypatch.setenv("RLOO_AUTH_CACHE_SECONDS", str(cache_seconds))

@@ -82,10 +82,10 @@ def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path)
         finally:
             server.terminate()
             server.wait(timeout=30)
-            from service import embedded
-            from service.settings import Settings
+            from service.core.settings import Settings
+            from service.infra import embedded_redis
 
-            embedded.stop_daemon(Settings(home=tmp_path / "var"))  # `rloo api` started it, daemonized
+            embedded_redis.stop_daemon(Settings(home=tmp_path / "var"))  # `rloo api` started it, daemonized
 
 
 def slowloris(port: int, base: str) -> None:

@@ -351,7 +351,7 @@ def test_accepted_upload_edges_read_by_the_worker_as_validated(client, auth, env
 def test_default_line_limit_is_1_mib(client, auth, env) -> None:
     """RLOO_MAX_LINE_BYTES is 1 MiB unless set: a longer line is a 400 naming it (with its newline, or as
     the last line without one); a line at the limit is accepted."""
-    from service.settings import Settings, get_settings
+    from service.core.settings import Settings, get_settings
 
     limit = 1 << 20
     assert Settings.model_fields["max_line_bytes"].default == limit

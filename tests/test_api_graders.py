@@ -123,7 +123,7 @@ def test_invalid_grader_is_400(client, auth) -> None:
 
 
 def test_python_grader_validates_when_the_operator_enables_it(monkeypatch, client, auth) -> None:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     grader = {"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1.0\n"}
     monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
@@ -135,7 +135,7 @@ def test_python_grader_validates_when_the_operator_enables_it(monkeypatch, clien
 def test_python_grader_dry_run_over_http(monkeypatch, client, auth, dry_runs) -> None:
     """The operator enables python graders; /graders/run runs one in the sandbox of a graders
     worker: a score, or the sample's error in metadata.error_messages (never a 500)."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
     reset_caches()

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from service import lifecycle
-from service.lifecycle import JobStatus
+from service.jobs import lifecycle
+from service.jobs.lifecycle import JobStatus
 from tests.helpers.api import ANY, assert_error, create_job, list_ids, upload_ok
 from tests.helpers.data import TRAIN_JSONL, job_body
 
@@ -80,8 +80,8 @@ AFTER_ROUTES = {
 def app(env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """conftest's app, with the per-key rate limit off: the matrix sends a thousand requests and more
     with two keys, as fast as the app answers them, and a 429 would answer some instead of the route."""
+    from service.core.settings import get_settings
     from service.main import create_app
-    from service.settings import get_settings
 
     monkeypatch.setenv("RLOO_RATE_LIMIT", "0")
     get_settings.cache_clear()
@@ -93,10 +93,10 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
     """Claim ``job_id`` as a worker does, record ``steps`` steps (metrics rows and events) and a real
     checkpoint directory at the last step; with ``pause``, pause it and let the worker go (so that a
     resume would succeed). Returns the checkpoint's id."""
-    from service.db import session_scope
-    from service.identity import process_name
-    from service.models import Checkpoint
-    from service.settings import get_settings
+    from service.core.db import session_scope
+    from service.core.identity import process_name
+    from service.core.settings import get_settings
+    from service.core.tables import Checkpoint
     from worker.engine.checkpoints import TRAINING_INFO, checkpoint_dir, job_checkpoints_dir
     from worker.jobs.database_recorder import DatabaseRecorder
 
@@ -127,8 +127,8 @@ def _train_like_the_worker(job_id: str, models_dir: Path, *, steps: int, pause: 
 
 
 def _checkpoint_model(checkpoint_id: str) -> str:
-    from service.db import session_scope
-    from service.models import Checkpoint
+    from service.core.db import session_scope
+    from service.core.tables import Checkpoint
 
     with session_scope() as session:
         return session.query(Checkpoint.fine_tuned_model_checkpoint).filter(Checkpoint.id == checkpoint_id).one()[0]
@@ -240,8 +240,8 @@ def _id_combinations(path: str, alpha: dict[str, str], beta: dict[str, str]) -> 
 
 
 def test_isolation_matrix(client, auth, other_auth, env, models_dir, monkeypatch) -> None:
-    from service.db import reset_caches
-    from service.settings import get_settings
+    from service.core.db import reset_caches
+    from service.core.settings import get_settings
 
     monkeypatch.setenv("RLOO_WEBHOOK_URLS", '["http://127.0.0.1:9/"]')  # nothing listens: sends are refused
     reset_caches()

@@ -98,7 +98,7 @@ RLOO_DEFAULTS = {
 def test_create_job_returns_every_field(client, auth, env) -> None:
     from redis import Redis
 
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     f = upload_ok(client, auth)
     before = int(time.time())
@@ -599,8 +599,8 @@ def test_pause_and_resume_state_machine(client, auth) -> None:
     heartbeat for 3 periods) resumes; each change is an event; illegal changes are 409."""
     import time
 
-    from service.db import session_scope
-    from service.models import Job
+    from service.core.db import session_scope
+    from service.core.tables import Job
 
     file_id = upload_ok(client, auth)["id"]
     job = create_job(client, auth, job_body(file_id))
@@ -672,7 +672,7 @@ def test_idempotency_key_returns_the_first_answer(client, auth, other_auth, env)
 
 
 def test_an_unknown_model_says_what_there_is_or_how_to_build_the_examples(client, auth, monkeypatch, tmp_path) -> None:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     file_id = upload_ok(client, auth)["id"]
     resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(file_id, model="tiny-polcy"))

@@ -136,9 +136,9 @@ def test_advantage_estimators_are_accepted_and_reinforce_alone_takes_one_complet
 def test_models_answers_for_names_that_are_no_fine_tuned_model(client, auth) -> None:
     """A base model cannot be deleted (403); a name that is neither is 404, on every verb; a model
     whose job did not succeed is none, and an id in an earlier release's form is not listed."""
-    from service import crud
-    from service.db import session_scope
-    from service.models import Job
+    from service.core import crud
+    from service.core.db import session_scope
+    from service.core.tables import Job
 
     assert_error(client.delete("/v1/models/tiny-policy", headers=auth), 403, code="model_not_deletable")
     for name in ("no-such-model", "ft:tiny-policy:p::ftjob-none"):

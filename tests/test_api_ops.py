@@ -44,8 +44,8 @@ def test_readyz(client, monkeypatch) -> None:
 
 
 def test_workers_say_which_sandbox_runs_on_their_host(monkeypatch) -> None:
-    from service import sandbox
-    from service.settings import Settings
+    from service.core.settings import Settings
+    from service.graders import sandbox
 
     assert sandbox.status(Settings()) == "off (RLOO_ALLOW_PYTHON_GRADER is false)"
     assert sandbox.status(Settings(allow_python_grader=True)).startswith("bwrap (namespaces: pid, net")
@@ -56,10 +56,10 @@ def test_workers_say_which_sandbox_runs_on_their_host(monkeypatch) -> None:
 
 def test_broker_down_readyz_503_and_jobs_still_created(monkeypatch, env, auth, tmp_path) -> None:
     """The row is the truth: with the broker unreachable a job is still created (and queued later)."""
-    from service import queue
+    from service.infra import task_queue
 
     dead = f"redis+socket://{tmp_path / 'no-redis.sock'}"
-    queue.client.cache_clear()
+    task_queue.client.cache_clear()
     with fresh_client(monkeypatch, REDIS_URL=dead) as client:
         resp = client.get("/readyz")
         assert resp.status_code == 503, resp.text
@@ -73,7 +73,7 @@ def test_broker_down_readyz_503_and_jobs_still_created(monkeypatch, env, auth, t
         events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=auth).json()["data"]
         assert events[0]["level"] == "warn", events
         assert client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth).json()["status"] == "queued"
-    queue.client.cache_clear()
+    task_queue.client.cache_clear()
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -88,8 +88,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_prometheus_metrics_count_jobs_steps_and_requests(client, auth) -> None:
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
 
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
@@ -171,7 +171,7 @@ def test_cli_lists_its_verbs() -> None:
 
 
 def test_settings_read_the_documented_environment(monkeypatch, tmp_path) -> None:
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     monkeypatch.setenv("DATABASE_URL", "postgres://u:p@db:5432/rloo")
     monkeypatch.setenv("REDIS_URL", "redis://cache:6379/3")

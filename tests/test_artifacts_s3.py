@@ -1,5 +1,5 @@
 """Files and checkpoints in an S3-compatible object store (``RLOO_ARTIFACTS_URL``,
-``service.artifacts``), against a real S3 HTTP server (moto's standalone server, a child process):
+``service.infra.artifacts``), against a real S3 HTTP server (moto's standalone server, a child process):
 uploads stream into it and download back through the API; a checkpoint published by a worker whose
 artifacts directory holds nothing of the API's downloads through the API; an upload of a checkpoint
 cut off before its marker leaves nothing visible and a resume takes the checkpoint before; the sweep
@@ -32,8 +32,8 @@ def s3_server() -> Iterator[str]:
 @pytest.fixture
 def s3(env: dict[str, str], s3_server: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The settings of ``env``, with artifacts in a fresh bucket of the server (``endpoint``, ``url``)."""
-    from service import artifacts
-    from service.db import reset_caches
+    from service.core.db import reset_caches
+    from service.infra import artifacts
 
     values = bucket_env(s3_server)
     for key, value in values.items():
@@ -52,7 +52,7 @@ def _dataset(n_lines: int) -> bytes:
 
 def _use_artifacts_dir(monkeypatch: pytest.MonkeyPatch, path: Path | None) -> None:
     """This process's artifacts directory from now on (None: the default under RLOO_HOME)."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     if path is None:
         monkeypatch.delenv("RLOO_ARTIFACTS_DIR", raising=False)
@@ -95,8 +95,8 @@ def test_an_upload_refused_midway_leaves_no_object_and_no_upload(s3, client, aut
 
 
 def test_a_worker_reads_the_training_file_from_the_store_once(s3, client, auth, tmp_path, monkeypatch) -> None:
-    from service.artifacts import open_store
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra.artifacts import open_store
 
     f = upload_ok(client, auth)
     _use_artifacts_dir(monkeypatch, tmp_path / "worker")
@@ -117,8 +117,8 @@ def test_a_worker_reads_the_training_file_from_the_store_once(s3, client, auth, 
 
 
 def _project_id(file_id: str) -> str:
-    from service.db import session_scope
-    from service.models import File, Project
+    from service.core.db import session_scope
+    from service.core.tables import File, Project
 
     with session_scope() as session:
         return session.query(Project.id).join(File, File.project_seq == Project.seq).filter(File.id == file_id).one()[0]
@@ -126,9 +126,9 @@ def _project_id(file_id: str) -> str:
 
 # Checkpoints -------------------------------------------------------------------------------------
 def _claimed_job(client: Any, auth: dict[str, str]) -> Any:
-    from service import lifecycle
-    from service.db import session_scope
-    from service.identity import process_name
+    from service.core.db import session_scope
+    from service.core.identity import process_name
+    from service.jobs import lifecycle
 
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     with session_scope() as session:
@@ -170,7 +170,7 @@ def _checkpoint_ids(client: Any, auth: dict[str, str], job_id: str) -> dict[int,
 def test_a_checkpoint_published_by_a_worker_on_another_disk_downloads_through_the_api(
     s3, client, auth, tmp_path, monkeypatch, models_dir
 ) -> None:
-    from service.settings import get_settings
+    from service.core.settings import get_settings
     from worker.engine.checkpoints import job_checkpoints_dir
     from worker.jobs.database_recorder import DatabaseRecorder
 
@@ -205,9 +205,9 @@ def test_a_checkpoint_published_by_a_worker_on_another_disk_downloads_through_th
 def test_a_checkpoint_cut_off_before_its_marker_is_invisible_and_resuming_takes_the_one_before(
     s3, client, auth, tmp_path, monkeypatch, models_dir
 ) -> None:
-    from service.artifacts import S3Store, open_store
-    from service.db import session_scope
-    from service.settings import get_settings
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.infra.artifacts import S3Store, open_store
     from worker.engine.checkpoints import TRAINING_STATE, job_checkpoints_dir, resumable_checkpoint
     from worker.jobs.database_recorder import DatabaseRecorder
 
@@ -261,10 +261,11 @@ def test_a_checkpoint_cut_off_before_its_marker_is_invisible_and_resuming_takes_
 
 
 def test_the_sweep_aborts_dead_uploads_and_removes_objects_without_a_row(s3, client, auth, monkeypatch) -> None:
-    from service import artifacts, storage
-    from service.artifacts import S3Store, open_store
-    from service.db import session_scope
-    from service.settings import get_settings
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.files import upload_sweep
+    from service.infra import artifacts
+    from service.infra.artifacts import S3Store, open_store
 
     kept = upload_ok(client, auth)
     project = _project_id(kept["id"])
@@ -275,24 +276,24 @@ def test_the_sweep_aborts_dead_uploads_and_removes_objects_without_a_row(s3, cli
     store.put_bytes(f"files/{project}/file-{'1' * 24}.jsonl", b'{"prompt": "a"}\n')  # killed before its commit
     assert len(multipart_uploads(s3["endpoint"], s3["url"])) == 1
     time.sleep(1.1)
-    monkeypatch.setattr(storage, "ORPHAN_AGE_SECONDS", 0.0)
+    monkeypatch.setattr(upload_sweep, "ORPHAN_AGE_SECONDS", 0.0)
     monkeypatch.setitem(artifacts._swept, "at", 0.0)  # (the API's start swept already)
     with session_scope() as session:  # the reconciler's sweep (every worker, every round)
-        counts = storage.sweep_uploads(session, get_settings().artifacts_dir)
+        counts = upload_sweep.sweep_uploads(session, get_settings().artifacts_dir)
     assert counts == {"removed": 1, "finished": 0, "aborted": 1}
     assert multipart_uploads(s3["endpoint"], s3["url"]) == []
     assert keys(s3["endpoint"], s3["url"], "files/") == [f"files/{project}/{kept['id']}.jsonl"]
     assert client.get(f"/v1/files/{kept['id']}/content", headers=auth).status_code == 200
     with session_scope() as session:  # once every few minutes a process, not every round
-        assert storage.sweep_uploads(session, get_settings().artifacts_dir) == {"removed": 0, "finished": 0}
+        assert upload_sweep.sweep_uploads(session, get_settings().artifacts_dir) == {"removed": 0, "finished": 0}
 
 
 def test_without_a_store_url_the_directory_is_the_store_and_boto3_stays_unimported(env) -> None:
     import subprocess
     import sys
 
-    from service.artifacts import LocalStore, open_store
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra.artifacts import LocalStore, open_store
     from tests.helpers.data import ROOT
 
     store = open_store(get_settings())

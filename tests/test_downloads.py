@@ -69,9 +69,9 @@ def test_range_headers(header: str | None, expected: Any) -> None:
 
 
 def test_a_download_with_any_range_leaves_nothing_on_disk(client, auth, env) -> None:
-    from service import crud
-    from service.db import session_scope
-    from service.settings import get_settings
+    from service.core import crud
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
 
     artifacts = get_settings().artifacts_dir
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-from service import dryruns
+from service.jobs import dry_runs
 from tests.helpers.api import assert_error
 from tests.helpers.data import STRING_CHECK
 from tests.helpers.scoring import Endpoint
@@ -37,7 +37,7 @@ def python_grader(source: str) -> dict[str, Any]:
 
 
 def _redis(env: dict[str, str]) -> redis.Redis:
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     return redis.Redis.from_url(Settings(REDIS_URL=env["REDIS_URL"]).redis_client_url)
 
@@ -50,8 +50,8 @@ def test_a_worker_takes_from_the_project_served_longest_ago(env, monkeypatch) ->
 
     async def submit() -> None:
         async def one(project: str, n: int) -> None:
-            with contextlib.suppress(dryruns.NoAnswer):  # (each is answered)
-                await dryruns.run(project=project, payload={"n": n}, queue=queue, timeout=20, cap=10)
+            with contextlib.suppress(dry_runs.NoAnswer):  # (each is answered)
+                await dry_runs.run(project=project, payload={"n": n}, queue=queue, timeout=20, cap=10)
 
         tasks = []
         for project, count in (("a", 5), ("b", 1), ("c", 1)):  # a's five are queued before b's one
@@ -63,11 +63,11 @@ def test_a_worker_takes_from_the_project_served_longest_ago(env, monkeypatch) ->
         await asyncio.gather(*tasks)
 
     def play_worker() -> None:
-        while (envelope := dryruns.take(conn, queue, "task")) is not None:
+        while (envelope := dry_runs.take(conn, queue, "task")) is not None:
             taken.append(f"{envelope['project']}{envelope['payload']['n']}")
-            dryruns.answer(conn, queue, "task", envelope, {"reward": 1.0})
+            dry_runs.answer(conn, queue, "task", envelope, {"reward": 1.0})
 
-    monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # this test plays the worker
+    monkeypatch.setattr("service.infra.task_queue.wake_grader", lambda *a: None)  # this test plays the worker
     asyncio.run(submit())
     assert taken == ["a0", "b0", "c0", "a1", "a2", "a3", "a4"]
 
@@ -90,7 +90,7 @@ def test_two_processes_taking_at_once_never_take_a_project_past_its_share(env, m
         def eval(self, *args: Any) -> Any:
             out = self.real.eval(*args)
             if not second:
-                second.append(dryruns.take(conn, queue, "second-process"))
+                second.append(dry_runs.take(conn, queue, "second-process"))
             return out
 
         def __getattr__(self, name: str) -> Any:
@@ -100,22 +100,22 @@ def test_two_processes_taking_at_once_never_take_a_project_past_its_share(env, m
 
     async def scenario() -> None:
         waiting = [
-            asyncio.create_task(dryruns.run(project="a", payload={"n": n}, queue=queue, timeout=5, cap=10))
+            asyncio.create_task(dry_runs.run(project="a", payload={"n": n}, queue=queue, timeout=5, cap=10))
             for n in range(2)
         ]
         await asyncio.sleep(0.3)
-        first = await asyncio.to_thread(dryruns.take, Interleaved(conn), queue, "first-process")
+        first = await asyncio.to_thread(dry_runs.take, Interleaved(conn), queue, "first-process")
         taken.append(first)
-        dryruns.answer(conn, queue, "first-process", first, {"reward": 1.0})
+        dry_runs.answer(conn, queue, "first-process", first, {"reward": 1.0})
         if second[0] is not None:  # (before: answered too, so that the scenario ends)
-            dryruns.answer(conn, queue, "second-process", second[0], {"reward": 1.0})
-        nxt = await asyncio.to_thread(dryruns.take, conn, queue, "third")  # a's next, its place free again
+            dry_runs.answer(conn, queue, "second-process", second[0], {"reward": 1.0})
+        nxt = await asyncio.to_thread(dry_runs.take, conn, queue, "third")  # a's next, its place free again
         taken.append(nxt)
         if nxt is not None:
-            dryruns.answer(conn, queue, "third", nxt, {"reward": 1.0})
+            dry_runs.answer(conn, queue, "third", nxt, {"reward": 1.0})
         await asyncio.gather(*waiting)
 
-    monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # this test plays the workers
+    monkeypatch.setattr("service.infra.task_queue.wake_grader", lambda *a: None)  # this test plays the workers
     asyncio.run(scenario())
     assert second == [None]  # a was at its share: the second process took nothing
     assert sorted(t["payload"]["n"] for t in taken) == [0, 1]  # each of a's taken once, one at a time
@@ -129,10 +129,10 @@ def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) ->
 
     async def one(project: str) -> str:
         try:
-            await dryruns.run(project=project, payload={}, queue=queue, timeout=1, cap=1)
-        except dryruns.Busy:
+            await dry_runs.run(project=project, payload={}, queue=queue, timeout=1, cap=1)
+        except dry_runs.Busy:
             return f"{project}: busy"
-        except dryruns.NoAnswer:
+        except dry_runs.NoAnswer:
             return f"{project}: no answer"  # admitted, and nobody answered in time
         return f"{project}: answered"
 
@@ -143,12 +143,12 @@ def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) ->
         # A worker takes a's next dry run and is slow: the API stops waiting; the place stays taken.
         held = asyncio.create_task(one("a"))
         await asyncio.sleep(0.3)
-        envelope = await asyncio.to_thread(dryruns.take, conn, queue, "slow-task")
+        envelope = await asyncio.to_thread(dry_runs.take, conn, queue, "slow-task")
         outcomes += [await held, await one("a")]
-        dryruns.answer(conn, queue, "slow-task", envelope, {"reward": 1.0})
+        dry_runs.answer(conn, queue, "slow-task", envelope, {"reward": 1.0})
         return [*outcomes, await one("a")]
 
-    monkeypatch.setattr("service.queue.wake_grader", lambda *a: None)  # no worker: admission only
+    monkeypatch.setattr("service.infra.task_queue.wake_grader", lambda *a: None)  # no worker: admission only
     assert asyncio.run(scenario()) == [
         "a: busy",
         "b: no answer",
@@ -169,7 +169,7 @@ def test_every_grader_is_graded_on_the_worker_never_in_the_api(client, auth, mon
 
 
 def _setting(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     for name, value in values.items():
         monkeypatch.setenv(name, value)
@@ -242,7 +242,7 @@ def test_a_project_holds_half_the_graders_processes_and_another_finds_one_free(
 
 
 def test_the_sandbox_escape_of_issue_12_scores_nan_and_reaches_nothing(client, auth, dry_runs, monkeypatch) -> None:
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     _setting(monkeypatch, RLOO_ALLOW_PYTHON_GRADER="1")
     database = get_settings().database_url.split("///", 1)[-1]
@@ -278,7 +278,7 @@ def test_a_dry_run_that_kills_its_worker_process_is_answered_once_and_set_aside(
     thread.join(60)
     resp = answer[0]
     assert_error(resp, 502, code="grader_crashed", contains="will not be run again")
-    dead = _redis(dry_runs).lrange(f"{dryruns.namespace(dry_runs['RLOO_QUEUE'] + '-graders')}:dead", 0, -1)
+    dead = _redis(dry_runs).lrange(f"{dry_runs.namespace(dry_runs['RLOO_QUEUE'] + '-graders')}:dead", 0, -1)
     assert len(dead) >= 1 and b"time.sleep(20)" in dead[0]
     ok = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}})
     assert ok.status_code == 200 and ok.json()["reward"] == 1.0, ok.text
@@ -304,21 +304,21 @@ def _wait_for_the_pool_process_of_a_sandbox(worker: int) -> int:
 def test_messages_that_cannot_be_run_never_stop_the_graders_worker(client, auth, dry_runs) -> None:
     """Garbage, a pickled message, a task with 500-deep arguments, an unknown task: each dropped by
     the worker, which then answers the next dry run."""
-    from service import queue
+    from service.infra import task_queue
 
     graders_queue = dry_runs["RLOO_QUEUE"] + "-graders"
     _redis(dry_runs).lpush(graders_queue, b"this is no message", b'{"body": "e30=", "headers": null}')
     deep: Any = []
     for _ in range(500):
         deep = [deep]
-    sender = queue.client()
-    sender.send_task(queue.RUN_GRADER_TASK, args=[deep], queue=graders_queue)
-    sender.send_task(queue.RUN_GRADER_TASK, args=[], queue=graders_queue, serializer="pickle")
+    sender = task_queue.client()
+    sender.send_task(task_queue.RUN_GRADER_TASK, args=[deep], queue=graders_queue)
+    sender.send_task(task_queue.RUN_GRADER_TASK, args=[], queue=graders_queue, serializer="pickle")
     sender.send_task("os.system", args=["true"], queue=graders_queue)
     # A message that came back MAX_DELIVERIES times, never acknowledged (as one that ends every
     # process running it does): the next delivery sets it aside.
     _redis(dry_runs).set("rloo:deliveries:rloo-test-returning", MAX_DELIVERIES)
-    sender.send_task(queue.RUN_GRADER_TASK, args=[], queue=graders_queue, task_id="rloo-test-returning")
+    sender.send_task(task_queue.RUN_GRADER_TASK, args=[], queue=graders_queue, task_id="rloo-test-returning")
     ok = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}})
     assert ok.status_code == 200 and ok.json()["reward"] == 1.0, ok.text
     assert Path(f"/proc/{dry_runs['pid']}").exists()

@@ -6,8 +6,8 @@ import subprocess
 import threading
 from pathlib import Path
 
-from service import embedded
-from service.settings import Settings
+from service.core.settings import Settings
+from service.infra import embedded_redis
 
 
 def _servers(sock: Path) -> list[str]:
@@ -21,7 +21,7 @@ def test_concurrent_starts_make_one_server(tmp_path: Path) -> None:
 
     def start() -> None:
         try:
-            embedded.start(settings, daemonize=True)
+            embedded_redis.start(settings, daemonize=True)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -32,7 +32,7 @@ def test_concurrent_starts_make_one_server(tmp_path: Path) -> None:
         t.join(timeout=30)
     try:
         assert not errors, errors
-        assert embedded.ping(settings)
+        assert embedded_redis.ping(settings)
         assert len(_servers(settings.redis_socket)) == 1
     finally:
-        embedded.stop_daemon(settings)
+        embedded_redis.stop_daemon(settings)

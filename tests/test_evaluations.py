@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from service.db import session_scope
-from service.models import Evaluation, Job
+from service.core.db import session_scope
+from service.core.tables import Evaluation, Job
 from tests.helpers.api import assert_error, upload_ok
 from tests.helpers.rows import job_row
 from worker.serving import evaluate

@@ -79,7 +79,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        from service.embedded import redis_executable
+        from service.infra.embedded_redis import redis_executable
 
         binary = shutil.which("redis-server") or redis_executable()
         log = open(self.logs / "redis-server.log", "ab")  # noqa: SIM115

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from service import crud, finetuned
-from service.db import session_scope
-from service.models import Checkpoint, Job
+from service.core import crud
+from service.core.db import session_scope
+from service.core.tables import Checkpoint, Job
+from service.registry import finetuned
 from tests.helpers.training import LORA, ListRecorder, load_policy, method_config
 from worker.engine.prepare import start_from
 from worker.engine.train import train

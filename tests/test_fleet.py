@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from service.queue import job_queue, training_queues
+from service.infra import task_queue
+from service.infra.task_queue import job_queue, training_queues
 from tests.helpers.api import assert_error, create_job, make_key, upload_ok
 from tests.helpers.data import EXAMPLES, ROOT, job_body
 from tests.helpers.live import LiveStack, live_stack, run_cli, upload_path, wait_for
@@ -41,7 +42,7 @@ WORKER_KEYS = {
 
 @pytest.fixture
 def base_queue(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_QUEUE", "rloo")
     reset_caches()
@@ -179,7 +180,7 @@ def test_the_worker_refuses_a_kind_jobs_could_not_name(tmp_path: Path) -> None:
 
 # Registration and GET /v1/workers ----------------------------------------------------------------
 def _info(name: str, devices_: int, kind: str, **over: Any) -> Any:
-    from service.fleet import WorkerInfo
+    from service.jobs.fleet import WorkerInfo
 
     values: dict[str, Any] = {
         "id": f"rloo-worker-{name}@host-{name}",
@@ -195,9 +196,9 @@ def _info(name: str, devices_: int, kind: str, **over: Any) -> Any:
 
 
 def _register(*infos: Any, silent_for: float = 0.0) -> None:
-    from service import fleet
-    from service.db import session_scope
-    from service.models import Worker
+    from service.core.db import session_scope
+    from service.core.tables import Worker
+    from service.jobs import fleet
 
     with session_scope() as session:
         for info in infos:
@@ -208,8 +209,8 @@ def _register(*infos: Any, silent_for: float = 0.0) -> None:
 
 
 def test_workers_are_listed_to_operator_keys_only(client, auth, env) -> None:
-    from service import fleet
-    from service.db import session_scope
+    from service.core.db import session_scope
+    from service.jobs import fleet
 
     operator = {"Authorization": f"Bearer {make_key('ops', operator=True)}"}
     empty = client.get("/v1/workers", headers=operator)
@@ -255,7 +256,7 @@ def test_workers_are_listed_to_operator_keys_only(client, auth, env) -> None:
 def test_a_routed_job_task_lands_in_its_own_queue(client, auth, env) -> None:
     from redis import Redis
 
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     file_id = upload_ok(client, auth)["id"]
     create_job(client, auth, job_body(file_id, resources={"gpus": 2, "accelerator": "h100"}))
@@ -273,12 +274,12 @@ def _events(client: Any, auth: dict[str, str], job_id: str) -> list[dict[str, An
 
 
 def test_a_job_no_live_worker_can_run_stays_queued_and_is_told_so_once(client, auth, monkeypatch) -> None:
-    from service import lifecycle, queue
-    from service.db import session_scope
-    from service.models import Job
-    from service.reconcile import reconcile
+    from service.core.db import session_scope
+    from service.core.tables import Job
+    from service.jobs import lifecycle
+    from service.jobs.reconcile import reconcile
 
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: True)
     file_id = upload_ok(client, auth)["id"]
     four = create_job(client, auth, job_body(file_id, resources={"gpus": 4, "accelerator": "h100"}))["id"]
     two = create_job(client, auth, job_body(file_id, resources={"gpus": 2, "accelerator": "h100"}))["id"]
@@ -330,12 +331,12 @@ def test_a_job_no_live_worker_can_run_stays_queued_and_is_told_so_once(client, a
 def test_a_worker_takes_turns_between_projects_not_the_oldest_job(client, auth, other_auth, monkeypatch) -> None:
     """One FIFO queue let three 30-step jobs of one project hold another's 2-step job 196 s. A task
     is a turn in its job's lane: it runs the fairest queued job there, whichever task it came as."""
-    from service import lifecycle, queue
-    from service.db import session_scope
-    from service.models import Job
+    from service.core.db import session_scope
+    from service.core.tables import Job
+    from service.jobs import lifecycle
     from worker.jobs.tasks import _claim_a_turn
 
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: True)
     theirs, ours = upload_ok(client, auth)["id"], upload_ok(client, other_auth)["id"]
     a = [create_job(client, auth, job_body(theirs))["id"] for _ in range(3)]
     big = create_job(client, auth, job_body(theirs, resources={"gpus": 2}))["id"]  # another lane

@@ -43,8 +43,8 @@ WRONG_KEY = "Bearer rloo-fuzz-not-a-real-key"
 def _openapi() -> dict[str, Any]:
     """The app's schema, built at collection without a database (create_app reads settings and
     connects nowhere); the settings it cached are dropped, so no later test sees them."""
+    from service.core.settings import get_settings
     from service.main import create_app
-    from service.settings import get_settings
 
     try:
         return create_app().openapi()
@@ -78,8 +78,8 @@ STATS: Counter[str] = Counter()
 def app(env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """conftest's app, with the per-key rate limit off: the fuzzer sends hundreds of requests a second
     with one key, and a 429 would stop them short of the handlers."""
+    from service.core.settings import get_settings
     from service.main import create_app
-    from service.settings import get_settings
 
     monkeypatch.setenv("RLOO_RATE_LIMIT", "0")
     monkeypatch.setenv("RLOO_MAX_QUEUED_JOBS", "100000")  # the fuzzer creates hundreds of jobs
@@ -351,7 +351,7 @@ def test_nul_in_a_path_or_query_parameter_is_a_400(client, auth: dict[str, str])
 
 def test_nul_in_a_job_text_field_is_a_400(client, auth: dict[str, str]) -> None:
     """model, training_file, validation_file and suffix are text columns (and lookups): a NUL in one
-    was a 500 on PostgreSQL. Now a 400 naming the field, anywhere in the body (service.strictjson)."""
+    was a 500 on PostgreSQL. Now a 400 naming the field, anywhere in the body (service.core.strictjson)."""
     file_id = upload_ok(client, auth)["id"]
     cases = {
         "suffix": job_body(file_id, suffix="a\x00b"),

@@ -103,7 +103,7 @@ def test_grader_dry_runs_and_validation_refuse_them_too(client, auth) -> None:
 
 
 def test_an_item_deeper_or_larger_than_a_training_line_is_refused(client, auth, monkeypatch) -> None:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     url = "/v1/fine_tuning/alpha/graders/run"
     nested: Any = "x"
@@ -138,7 +138,7 @@ def test_a_stored_row_that_cannot_be_rendered_never_breaks_a_page(client, auth, 
     """Rows stored before the door was shut: a lone surrogate and a NaN in a job, listed with others."""
     from sqlalchemy import text
 
-    from service.db import session_scope
+    from service.core.db import session_scope
 
     if not env["DATABASE_URL"].startswith("sqlite"):
         pytest.skip("PostgreSQL never stored such a value (its json refuses NaN)")
@@ -187,7 +187,7 @@ def test_metrics_answer_loopback_or_the_operators_token(env, monkeypatch) -> Non
     with TestClient(create_app(), client=("203.0.113.7", 4000)) as remote:
         assert_error(remote.get("/metrics"), 403, code="metrics_forbidden", contains="RLOO_METRICS_TOKEN")
     monkeypatch.setenv("RLOO_METRICS_TOKEN", "s3cret")
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     reset_caches()
     with TestClient(create_app(), client=("203.0.113.7", 4000)) as remote:
@@ -198,7 +198,7 @@ def test_metrics_answer_loopback_or_the_operators_token(env, monkeypatch) -> Non
 
 
 def test_a_project_has_a_cap_of_waiting_jobs(client, auth, monkeypatch) -> None:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_MAX_QUEUED_JOBS", "2")
     reset_caches()
@@ -216,8 +216,8 @@ def test_a_project_has_a_cap_of_waiting_jobs(client, auth, monkeypatch) -> None:
 def test_resuming_counts_against_the_cap_of_waiting_jobs(client, auth, monkeypatch) -> None:
     """Create answered 429 at the cap while resume answered 200: pause and resume cycles made the cap
     unbounded. A resumed job waits for a worker as a new one does."""
-    from service.db import reset_caches, session_scope
-    from service.models import Job
+    from service.core.db import reset_caches, session_scope
+    from service.core.tables import Job
 
     monkeypatch.setenv("RLOO_MAX_QUEUED_JOBS", "2")
     reset_caches()
@@ -309,7 +309,7 @@ def test_a_body_of_millions_of_values_is_a_413_before_it_is_parsed_and_the_loop_
 
 def test_brackets_and_commas_inside_strings_are_text_not_structure(client, auth, monkeypatch) -> None:
     """The raw count is a bound; a body past it is counted again with its strings left out."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT", str(10**7))  # its prompt's tokens are not the point
     reset_caches()
@@ -376,7 +376,7 @@ def test_every_list_and_typed_map_a_request_body_holds_is_bounded(app) -> None:
 def test_a_job_keeps_at_most_the_servers_cap_of_checkpoints(client, auth, monkeypatch) -> None:
     """A checkpoint every step of a long job, all kept, would fill any disk (and each merged export
     of a 7B base is ~28 GB): refused at creation past RLOO_MAX_KEPT_CHECKPOINTS, saying what to change."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_MAX_KEPT_CHECKPOINTS", "5")
     reset_caches()
@@ -397,7 +397,7 @@ def test_the_count_between_strings_is_linear_whatever_the_quotes() -> None:
     every tenant's event loop) all along."""
     import time
 
-    from service import strictjson
+    from service.core import strictjson
 
     for text in ('"' + '\\"' * 40_000 + "{" * 100_001, "{" * 10 + '"a", ' * 30_000 + '\\"' * 40_000 + "[" * 100_001):
         t0 = time.monotonic()

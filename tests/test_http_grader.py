@@ -18,7 +18,7 @@ from tests.helpers.scoring import Endpoint
 
 @pytest.fixture
 def serve(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     started: list[Endpoint] = []
 
@@ -78,7 +78,7 @@ def test_null_scores_are_nan_and_counted(serve) -> None:
     ],
 )
 def test_only_allowlisted_urls(monkeypatch, url: str, allowed: list[str], says: str) -> None:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", json.dumps(allowed))
     reset_caches()
@@ -173,7 +173,7 @@ def test_a_trickling_answer_is_cut_at_timeout_seconds(monkeypatch, phase: str) -
     timeout_seconds bounds each attempt whole, its status line included."""
     import socket
 
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

@@ -16,9 +16,9 @@ import openai
 import pytest
 import torch
 
-from service import finetuned
-from service.db import session_scope
-from service.models import Checkpoint, Job
+from service.core.db import session_scope
+from service.core.tables import Checkpoint, Job
+from service.registry import finetuned
 from tests.helpers.live import worker_process
 from tests.helpers.rows import job_row
 
@@ -48,12 +48,12 @@ def serve_worker(
 def _wait_for_a_worker(values: dict[str, str], log: Path, timeout: float = 60) -> None:
     import redis
 
-    from service import inference
-    from service.settings import Settings
+    from service.core.settings import Settings
+    from service.infra import inference_bus
 
     settings = Settings(home=Path(values["RLOO_HOME"]), REDIS_URL=values["REDIS_URL"])
     conn = redis.Redis.from_url(settings.redis_client_url)
-    workers = f"{inference.namespace(values['RLOO_QUEUE'] + '-serve')}:workers"
+    workers = f"{inference_bus.namespace(values['RLOO_QUEUE'] + '-serve')}:workers"
     deadline = time.monotonic() + timeout
     while not conn.zcount(workers, time.time(), "+inf"):
         assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -63,7 +63,7 @@ def _wait_for_a_worker(values: dict[str, str], log: Path, timeout: float = 60) -
 
 @pytest.fixture
 def served(env: dict[str, str], serve_worker: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_QUEUE", serve_worker["RLOO_QUEUE"])
     reset_caches()
@@ -353,7 +353,7 @@ def test_a_request_larger_than_a_batch_is_a_400_and_its_prompts_count_in_the_bud
 ) -> None:
     """64 prompts x n 16 x max_tokens 1 counted as 1,024 tokens and ran as one 1,024-row batch of
     243k prompt tokens. Now more completions than a batch holds is a 400, and the prompts count."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     r = client.post("/v1/completions", json={"model": "tiny-policy", "prompt": ["p"] * 64, "n": 16}, headers=auth)
     assert r.status_code == 400 and "RLOO_INFERENCE_MAX_BATCH" in r.json()["error"]["message"], r.text
@@ -370,32 +370,32 @@ def test_requests_are_taken_in_turn_between_projects_and_their_keys(env: dict[st
     """One FIFO let a project's queue of requests hold another's one behind them all."""
     import redis
 
-    from service import inference
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra import inference_bus
 
     conn = redis.Redis.from_url(get_settings().redis_client_url)
-    ns = inference.namespace(f"fair-{secrets.token_hex(4)}")
+    ns = inference_bus.namespace(f"fair-{secrets.token_hex(4)}")
     deadline = time.time() + 60
     for i in range(4):
-        inference.submit_sync(conn, ns, {"id": f"a1-{i}", "project": "a", "key": "a1", "deadline": deadline})
+        inference_bus.submit_sync(conn, ns, {"id": f"a1-{i}", "project": "a", "key": "a1", "deadline": deadline})
     for i in range(2):
-        inference.submit_sync(conn, ns, {"id": f"a2-{i}", "project": "a", "key": "a2", "deadline": deadline})
-    inference.submit_sync(conn, ns, {"id": "b1-0", "project": "b", "key": "b1", "deadline": deadline})
-    inference.submit_sync(conn, ns, {"id": "system-0", "deadline": deadline})  # no project: a lane of its own
-    order = [e["id"] for e in inference.take(conn, ns, "w", block=0, most=3)]
-    order += [e["id"] for _ in range(10) for e in inference.take(conn, ns, "w", block=0.05, most=1)]
+        inference_bus.submit_sync(conn, ns, {"id": f"a2-{i}", "project": "a", "key": "a2", "deadline": deadline})
+    inference_bus.submit_sync(conn, ns, {"id": "b1-0", "project": "b", "key": "b1", "deadline": deadline})
+    inference_bus.submit_sync(conn, ns, {"id": "system-0", "deadline": deadline})  # no project: a lane of its own
+    order = [e["id"] for e in inference_bus.take(conn, ns, "w", block=0, most=3)]
+    order += [e["id"] for _ in range(10) for e in inference_bus.take(conn, ns, "w", block=0.05, most=1)]
     # New lanes tie (never served) and go in name order; then each project, and each key, in turn.
     assert order == ["system-0", "a1-0", "b1-0", "a2-0", "a1-1", "a2-1", "a1-2", "a1-3"], order
     assert conn.llen(f"{ns}:ready") == 0 and not conn.exists(f"{ns}:projects")  # nothing left behind
     # A project that comes back keeps the place its last turn gave it: before one served a moment ago.
     for i in range(4, 8):
-        inference.submit_sync(conn, ns, {"id": f"a1-{i}", "project": "a", "key": "a1", "deadline": deadline})
-    assert [e["id"] for e in inference.take(conn, ns, "w", block=0, most=1)] == ["a1-4"]
-    inference.submit_sync(conn, ns, {"id": "b1-1", "project": "b", "key": "b1", "deadline": deadline})
-    order = [e["id"] for _ in range(4) for e in inference.take(conn, ns, "w", block=0, most=1)]
+        inference_bus.submit_sync(conn, ns, {"id": f"a1-{i}", "project": "a", "key": "a1", "deadline": deadline})
+    assert [e["id"] for e in inference_bus.take(conn, ns, "w", block=0, most=1)] == ["a1-4"]
+    inference_bus.submit_sync(conn, ns, {"id": "b1-1", "project": "b", "key": "b1", "deadline": deadline})
+    order = [e["id"] for _ in range(4) for e in inference_bus.take(conn, ns, "w", block=0, most=1)]
     assert order == ["b1-1", "a1-5", "a1-6", "a1-7"], order
     t0 = time.monotonic()
-    assert inference.take(conn, ns, "w", block=0.3, most=4) == [] and time.monotonic() - t0 >= 0.25
+    assert inference_bus.take(conn, ns, "w", block=0.3, most=4) == [] and time.monotonic() - t0 >= 0.25
     conn.close()
 
 
@@ -407,11 +407,11 @@ def test_a_worker_refuses_a_prompt_past_any_context_without_tokenizing_it(
 
     import redis
 
-    from service import inference
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra import inference_bus
 
     conn = redis.Redis.from_url(get_settings().redis_client_url)
-    ns = inference.namespace(inference.serve_queue())
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     envelope = {
         "id": f"big-{secrets.token_hex(4)}",
         "kind": "chat",
@@ -421,7 +421,7 @@ def test_a_worker_refuses_a_prompt_past_any_context_without_tokenizing_it(
         "n": 1,
         "max_tokens": 4,
     }
-    inference.submit_sync(conn, ns, envelope)
+    inference_bus.submit_sync(conn, ns, envelope)
     deadline = time.monotonic() + 60
     got = None
     while got is None and time.monotonic() < deadline:
@@ -454,14 +454,14 @@ def test_a_project_asks_for_two_merges_at_once_and_one_never_taken_is_asked_agai
 
     import redis
 
-    from service import inference
-    from service.db import reset_caches
-    from service.settings import get_settings
+    from service.core.db import reset_caches
+    from service.core.settings import get_settings
+    from service.infra import inference_bus
 
     monkeypatch.setenv("RLOO_INFERENCE_TIMEOUT_SECONDS", "1")
     reset_caches()
     conn = redis.Redis.from_url(get_settings().redis_client_url)
-    ns = inference.namespace(inference.serve_queue())
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     conn.zadd(f"{ns}:workers", {"never-takes": time.time() + 600})
     artifacts = Path(env["RLOO_HOME"]) / "artifacts"
     urls = []

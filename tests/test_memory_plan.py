@@ -1,4 +1,4 @@
-"""A job's memory plan (``service.memoryplan``): the model's shape read from its files as torch counts
+"""A job's memory plan (``service.jobs.memory_plan``): the model's shape read from its files as torch counts
 it, each part worked by hand on the tiny policy, ``POST /v1/fine_tuning/jobs/estimate``, and the
 refusal at creation of a job that fits none of the accelerators the operator declared."""
 
@@ -9,18 +9,18 @@ from typing import Any
 
 import pytest
 
-from service import memoryplan
-from service.schemas import Hyperparameters
+from service.jobs import memory_plan
+from service.jobs.hyperparameters import Hyperparameters
 from tests.helpers.api import assert_error, upload_ok
 from tests.helpers.data import job_body
 
 
 @pytest.fixture
-def shape(models_dir: Path) -> memoryplan.Shape:
-    return memoryplan.model_shape(models_dir / "tiny-policy")
+def shape(models_dir: Path) -> memory_plan.Shape:
+    return memory_plan.model_shape(models_dir / "tiny-policy")
 
 
-def test_the_shape_is_read_from_the_files_as_torch_counts_it(shape: memoryplan.Shape, models_dir: Path) -> None:
+def test_the_shape_is_read_from_the_files_as_torch_counts_it(shape: memory_plan.Shape, models_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(models_dir / "tiny-policy")
@@ -42,10 +42,10 @@ def _hp(**values: Any) -> Any:
     return Hyperparameters(**values).resolved()
 
 
-def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memoryplan.Shape) -> None:
+def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memory_plan.Shape) -> None:
     # batch 4 x k 2 = 8 rows of 200 + 8 = 208 tokens, micro-batches of 2 prompts = 4 rows, fp32 (cpu).
     hp = _hp(batch_size=4, rloo_k=2, gradient_accumulation_steps=2, max_prompt_length=200, max_new_tokens=8)
-    out = memoryplan.plan(shape, hp, method="reinforcement", device="cpu")
+    out = memory_plan.plan(shape, hp, method="reinforcement", device="cpu")
     p = shape.parameters
     per_layer = 9 * 64 + 4 * 64 + 4 * 256  # 1856 values a token a layer
     assert out["bytes"] == {
@@ -68,14 +68,14 @@ def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memoryplan.Shape) -
     }
 
 
-def test_lora_trains_only_its_adapters_and_needs_no_reference_copy(shape: memoryplan.Shape) -> None:
+def test_lora_trains_only_its_adapters_and_needs_no_reference_copy(shape: memory_plan.Shape) -> None:
     hp = _hp(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, gradient_checkpointing=True)
-    out = memoryplan.plan(shape, hp, method="reinforcement", device="cuda")
+    out = memory_plan.plan(shape, hp, method="reinforcement", device="cuda")
     trainable = 2 * 2 * 4 * (64 + 64)  # 2 layers x (q_proj, v_proj) x r (in + out)
     assert out["trainable_parameters"] == trainable
     assert out["bytes"]["gradients"] == 4 * trainable and out["bytes"]["optimizer"] == 8 * trainable
     assert out["bytes"]["reference"] == 0
-    everything = memoryplan.plan(shape, _hp(lora={"r": 4}), method="reinforcement", device="cuda")
+    everything = memory_plan.plan(shape, _hp(lora={"r": 4}), method="reinforcement", device="cuda")
     assert everything["trainable_parameters"] == sum(4 * (i + o) for _, i, o in shape.linear)  # all-linear
     # bf16 on CUDA halves the activations; checkpointing keeps each layer's input and one layer whole,
     # every row its whole sequence.
@@ -87,7 +87,7 @@ def test_lora_trains_only_its_adapters_and_needs_no_reference_copy(shape: memory
 def test_estimate_answers_the_plan_and_a_job_too_large_for_every_accelerator_is_refused(
     client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     file_id = upload_ok(client, auth)["id"]
     r = client.post("/v1/fine_tuning/jobs/estimate", json=job_body(file_id), headers=auth)
@@ -122,10 +122,10 @@ def test_estimate_answers_the_plan_and_a_job_too_large_for_every_accelerator_is_
     assert r.json()["bytes_per_device"] < plan["bytes_per_device"]
 
 
-def test_sharding_over_devices_divides_the_states_and_each_rank_holds_its_rows(shape: memoryplan.Shape) -> None:
+def test_sharding_over_devices_divides_the_states_and_each_rank_holds_its_rows(shape: memory_plan.Shape) -> None:
     hp = _hp(batch_size=4, rloo_k=2, gradient_accumulation_steps=2, max_prompt_length=200, max_new_tokens=8)
-    one = memoryplan.plan(shape, hp, method="reinforcement", device="cpu")
-    two = memoryplan.plan(shape, hp, method="reinforcement", device="cpu", devices=2)
+    one = memory_plan.plan(shape, hp, method="reinforcement", device="cpu")
+    two = memory_plan.plan(shape, hp, method="reinforcement", device="cpu", devices=2)
     p = shape.parameters
     assert two["devices"] == 2 and one["devices"] == 1
     assert two["bytes"]["weights"] == -(-4 * p // 2) + 4 * p // shape.layers  # its shard, one layer gathered
@@ -145,7 +145,7 @@ def test_sharding_over_devices_divides_the_states_and_each_rank_holds_its_rows(s
 def test_a_job_asks_for_devices_and_is_refused_what_the_ranks_cannot_share(
     client: Any, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     file_id = upload_ok(client, auth)["id"]
     plain = client.post("/v1/fine_tuning/jobs", json=job_body(file_id), headers=auth).json()

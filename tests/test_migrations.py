@@ -10,15 +10,16 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.orm import Session
 
-from service import crud, lifecycle
-from service.lifecycle import JobStatus
-from service.migrate import upgrade
-from service.models import Base, Job, JobMetric
+from service.core import crud
+from service.core.migrate import upgrade
+from service.core.tables import Base, Job, JobMetric
+from service.jobs import lifecycle
+from service.jobs.lifecycle import JobStatus
 
 
 def test_migrations_match_models(database_url: str) -> None:
     upgrade(database_url)
-    from service.db import make_engine
+    from service.core.db import make_engine
 
     engine = make_engine(database_url)
     try:
@@ -39,7 +40,7 @@ def test_upgrade_is_idempotent(database_url: str) -> None:
 
 @pytest.fixture
 def engine(database_url: str) -> Iterator[sa.Engine]:
-    from service.db import make_engine
+    from service.core.db import make_engine
 
     upgrade(database_url)
     eng = make_engine(database_url)

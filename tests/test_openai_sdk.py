@@ -198,7 +198,7 @@ def test_sdk_validates_and_runs_every_grader_type_in_strict_mode(
 ) -> None:  # type: ignore[no-untyped-def]
     """Each grader type through graders.validate and graders.run on the real graders worker, parsed
     by the SDK in strict mode: OpenAI's types answer under ``grader``, ours under ``rloo.grader``."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
     from tests.helpers.scoring import Endpoint
 
     grader, reward = EVERY_GRADER[kind]

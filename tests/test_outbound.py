@@ -1,4 +1,4 @@
-"""The shared outbound client (``service.outbound``): one deadline for the whole attempt, whatever the
+"""The shared outbound client (``service.infra.outbound``): one deadline for the whole attempt, whatever the
 receiver trickles (status line, headers, body, TLS handshake) or a name server withholds; the address
 judged is the address connected to; TLS checked against the host's name; ``within`` bounds a whole
 piece of work; ``Lanes`` keep a key to its share. Every server here listens on loopback."""
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from service import egress, outbound
+from service.infra import egress, outbound
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\n"
 

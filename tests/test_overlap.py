@@ -21,7 +21,7 @@ RULE = {"type": "string_check", "name": "s", "input": "{{ sample.output_text }}"
 
 @pytest.fixture(autouse=True)
 def _http_allowed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     monkeypatch.setenv("RLOO_HTTP_GRADER_URLS", '["http://127.0.0.1:1/"]')
     reset_caches()

@@ -26,7 +26,7 @@ def _client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
     """A TestClient on a new app built after setting ``env_values`` (settings are read at build time)."""
     from fastapi.testclient import TestClient
 
-    from service.db import reset_caches
+    from service.core.db import reset_caches
     from service.main import create_app
 
     for key, value in env_values.items():

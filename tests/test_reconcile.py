@@ -1,24 +1,24 @@
-"""The reconciler (service/reconcile.py) on a real database: jobs whose worker died are queued
+"""The reconciler (service/jobs/reconcile.py) on a real database: jobs whose worker died are queued
 again, paused jobs let go, lost tasks sent again; live jobs left alone."""
 
 from __future__ import annotations
 
 import time
 
-from service import lifecycle
-from service.db import session_scope
-from service.lifecycle import JobStatus
-from service.models import Job
-from service.reconcile import reconcile
+from service.core.db import session_scope
+from service.core.tables import Job
+from service.infra import task_queue
+from service.jobs import lifecycle
+from service.jobs.lifecycle import JobStatus
+from service.jobs.reconcile import reconcile
 from tests.helpers.api import create_job, upload_ok
 from tests.helpers.data import job_body
 
 
 def test_reconcile_requeues_the_dead_releases_the_paused_and_resends_the_lost(client, auth, monkeypatch) -> None:
-    from service import queue
 
     sent: list[str] = []
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: sent.append(job.id) or True)
     file_id = upload_ok(client, auth)["id"]
     ids = [create_job(client, auth, job_body(file_id))["id"] for _ in range(5)]
     dead, alive, paused, lost, fresh = ids
@@ -52,10 +52,9 @@ def test_reconcile_requeues_the_dead_releases_the_paused_and_resends_the_lost(cl
 def test_a_job_whose_worker_keeps_dying_fails_worker_lost(client, auth, monkeypatch) -> None:
     """Crashes 1 and 2 queue the job again; the third (RLOO_MAX_JOB_CRASHES = 3) fails it with
     worker_lost, saying what to change; checkpoints and metrics are kept."""
-    from service import queue
 
     sent: list[str] = []
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: sent.append(job.id) or True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     for crash in (1, 2, 3):
         with session_scope() as session:
@@ -124,11 +123,10 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(client, auth, monkeypatc
     """After a long database outage the reconciler may have queued the job again for another worker:
     the first worker's next step write changes nothing (no metrics, no progress) and tells it
     'lost', so it stops; its succeeded/failed would change nothing either."""
-    from service import queue
-    from service.identity import process_name
+    from service.core.identity import process_name
     from worker.jobs.database_recorder import DatabaseRecorder
 
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     _running(job_id, process_name())
     recorder = DatabaseRecorder(_row(job_id))
@@ -155,7 +153,7 @@ def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
     must not add up to worker_lost."""
     from pathlib import Path
 
-    from service.identity import process_name
+    from service.core.identity import process_name
     from worker.jobs.database_recorder import DatabaseRecorder
 
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
@@ -167,9 +165,8 @@ def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
 
 
 def test_after_its_own_outage_the_reconciler_takes_no_job_from_its_worker(client, auth, monkeypatch) -> None:
-    from service import queue
 
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
     _running(job_id, "host:1", heartbeat_at=time.time() - 1000)
     with session_scope() as session:
@@ -184,11 +181,10 @@ def test_a_worker_stopped_mid_job_hands_it_back_without_a_crash(client, auth, mo
     its checkpoint), not counted as a crash."""
     import pytest
 
-    from service import queue
     from worker.jobs import tasks
 
     sent: list[str] = []
-    monkeypatch.setattr(queue, "enqueue_job", lambda job: sent.append(job.id) or True)
+    monkeypatch.setattr(task_queue, "enqueue_job", lambda job: sent.append(job.id) or True)
     job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
 
     def stopped(job: Job) -> None:
@@ -210,9 +206,9 @@ def test_sweep_uploads_removes_what_dead_writers_left_and_finishes_committed_ren
     import sys
     from pathlib import Path
 
-    from service.identity import machine_tag, writer_tag
-    from service.settings import get_settings
-    from service.storage import ORPHAN_AGE_SECONDS, sweep_uploads
+    from service.core.identity import machine_tag, writer_tag
+    from service.core.settings import get_settings
+    from service.files.upload_sweep import ORPHAN_AGE_SECONDS, sweep_uploads
 
     kept = upload_ok(client, auth)
     folder = next((Path(env["RLOO_HOME"]) / "artifacts" / "files").iterdir())
@@ -251,7 +247,7 @@ def test_only_connection_errors_count_as_an_unreachable_database() -> None:
 
     from sqlalchemy import exc as sa_exc
 
-    from service.db import database_unreachable
+    from service.core.db import database_unreachable
 
     def wrapped(message: str) -> sa_exc.OperationalError:
         return sa_exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError(message))

@@ -27,9 +27,9 @@ TEXTS = [" four", " 4", "", " blue", " grey!", " It is", " teal", " x", " green"
 def settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, models_dir: Path, embedded_redis: str) -> Iterator[str]:
     """The session's Redis and tiny models, a database (the workers' evaluations poll it), and a
     queue of this test's own; yields the queue."""
-    from service.db import reset_caches
-    from service.migrate import upgrade
-    from service.settings import get_settings
+    from service.core.db import reset_caches
+    from service.core.migrate import upgrade
+    from service.core.settings import get_settings
 
     queue = f"test-{secrets.token_hex(4)}"
     for key, value in {
@@ -54,7 +54,7 @@ def serving(settings: str) -> Iterator[Callable[[str | None], None]]:
     """Starts an inference worker's serving loop (in a thread) on a queue: the default, or another."""
     import redis
 
-    from service.settings import get_settings
+    from service.core.settings import get_settings
     from worker.serving.chores import Chores
     from worker.serving.models import ModelCache
     from worker.serving.server import Server
@@ -141,7 +141,7 @@ def test_a_dedicated_queue_takes_the_reward_models_batches(
 ) -> None:
     """``rloo worker --serve --queue rewards`` serves only ``rewards``: with RLOO_REWARD_MODEL_QUEUE
     unset the batch finds no worker on the inference queue; set, it is scored."""
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     serving(f"{settings}-rewards")
     here = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
@@ -172,16 +172,16 @@ def test_a_batch_that_arrives_while_a_batch_decodes_is_scored_after_it_not_insid
 
     import redis
 
-    from service import inference
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra import inference_bus
 
     serving(None)
     conn = redis.Redis.from_url(get_settings().redis_client_url)
-    ns = inference.namespace(inference.serve_queue())
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     deadline = time.time() + 60
     servable = {"base": str(models_dir / "tiny-policy"), "chain": []}
     long = {"id": "long", "kind": "completion", "prompts": ["the cat sat on"] * 8, "n": 3, "max_tokens": 120}
-    inference.submit_sync(conn, ns, {**long, "servable": servable, "deadline": deadline})
+    inference_bus.submit_sync(conn, ns, {**long, "servable": servable, "deadline": deadline})
     first = conn.blpop([f"{ns}:reply:long"], timeout=30)  # decoding has begun
     assert first is not None and json.loads(first[1])["t"] == "start", first
     here = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
@@ -199,20 +199,20 @@ def test_asking_fails_soon_when_its_workers_are_gone_and_a_timed_out_batch_is_ca
 
     import redis
 
-    from service import inference
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra import inference_bus
 
     conn = redis.Redis.from_url(get_settings().redis_client_url)
-    ns = inference.namespace(inference.serve_queue())
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     conn.zadd(f"{ns}:workers", {"dying": time.time() + 1.0})
     t0 = time.monotonic()
-    with pytest.raises(inference.WorkerLost):
-        inference.ask({"id": "a", "kind": "score"}, timeout=30)
+    with pytest.raises(inference_bus.WorkerLost):
+        inference_bus.ask({"id": "a", "kind": "score"}, timeout=30)
     assert time.monotonic() - t0 < 10
     conn.zadd(f"{ns}:workers", {"silent": time.time() + 60})
     conn.set(f"{ns}:lease:b", "silent", ex=60)  # taken, never answered
-    with pytest.raises(inference.TimedOut):
-        inference.ask({"id": "b", "kind": "score"}, timeout=2)
+    with pytest.raises(inference_bus.TimedOut):
+        inference_bus.ask({"id": "b", "kind": "score"}, timeout=2)
     assert conn.exists(f"{ns}:cancel:b")
 
 
@@ -239,7 +239,7 @@ def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.Mon
 def test_redis_away_makes_the_grader_unavailable_saying_so(
     settings: str, models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
     get_settings.cache_clear()

@@ -154,7 +154,7 @@ def test_whitening_a_reinforce_batch_keeps_groups_of_one():
 def test_every_estimator_the_api_takes_has_a_function_and_a_least_k():
     from typing import get_args
 
-    from service.schemas import AdvantageEstimator, least_rloo_k
+    from service.jobs.hyperparameters import AdvantageEstimator, least_rloo_k
 
     assert get_args(AdvantageEstimator) == tuple(rloo.ESTIMATORS)
     assert {name for name in rloo.ESTIMATORS if least_rloo_k(name) == 2} == set(rloo.GROUP_ESTIMATORS)

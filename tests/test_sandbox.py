@@ -1,4 +1,4 @@
-"""The python grader's sandbox (service/sandbox.py): a grader that loops forever, allocates without
+"""The python grader's sandbox (service/graders/sandbox.py): a grader that loops forever, allocates without
 bound, reads the settings or the database, opens a socket or starts a process gets an error for
 that sample, and the samples around it are still graded.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from service import sandbox
-from service.sandbox import Limits, run_python_grader
+from service.graders import sandbox
+from service.graders.sandbox import Limits, run_python_grader
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap is Linux's")
 
@@ -68,7 +68,7 @@ def refused(outcome: sandbox.Outcome, *errors: str) -> None:
 def secrets_of_the_service(env, tmp_path):  # type: ignore[no-untyped-def]
     """What a grader must not reach: the database file, the artifacts, the settings in the
     environment of a process of the service (this one), the broker's socket."""
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     settings = get_settings()
     settings.artifacts_dir.mkdir(parents=True, exist_ok=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service import crud, lifecycle
-from service.db import session_scope
-from service.lifecycle import JobStatus
-from service.settings import get_settings
+from service.core import crud
+from service.core.db import session_scope
+from service.core.settings import get_settings
+from service.jobs import lifecycle
+from service.jobs.lifecycle import JobStatus
 from tests.helpers.api import upload_ok
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import TIMING
@@ -39,7 +40,7 @@ NEWER_SETTINGS = ("compute_multiplier", "reasoning_effort", "advantage_estimator
 def _as_the_release_before_stored_it(session: Any, job: Any) -> None:
     """The paused job's row and checkpoints as the release before wrote them: eval_interval 0 (its
     default), none of the settings added since."""
-    from service.settings import get_settings
+    from service.core.settings import get_settings
     from worker.engine.checkpoints import TRAINING_INFO
 
     job.hyperparameters = {
@@ -49,7 +50,7 @@ def _as_the_release_before_stored_it(session: Any, job: Any) -> None:
     session.commit()
     from sqlalchemy import select
 
-    from service.models import Checkpoint
+    from service.core.tables import Checkpoint
 
     for ckpt in session.scalars(select(Checkpoint).where(Checkpoint.job_seq == job.seq)):
         info_path = get_settings().artifacts_dir / ckpt.path / TRAINING_INFO
@@ -180,7 +181,7 @@ def test_a_pause_on_the_last_step_finishes_the_job(client, auth, monkeypatch) ->
 def test_a_job_whose_grader_the_operator_turned_off_since_fails_saying_so(client, auth, monkeypatch) -> None:
     """Created while python graders were allowed, run after the operator turned them off: the job
     fails with invalid_grader and the reason, not an internal error."""
-    from service.db import reset_caches
+    from service.core.db import reset_caches
     from worker.jobs.tasks import run_job
 
     monkeypatch.setenv("RLOO_ALLOW_PYTHON_GRADER", "1")
@@ -200,8 +201,8 @@ def test_a_job_whose_grader_the_operator_turned_off_since_fails_saying_so(client
 def test_a_job_cancelled_as_it_finishes_keeps_no_results_file(client, auth, monkeypatch) -> None:
     """A cancel that lands after the last step, while the worker writes the results file: the job
     stays cancelled, and neither the file nor its row nor result_files is left behind."""
-    from service import results
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.jobs import results
     from worker.jobs.tasks import run_job
 
     file_id = upload_ok(client, auth)["id"]

@@ -16,7 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from service import egress, webhooks
+from service.infra import egress
+from service.jobs import webhooks
 from tests.helpers.api import assert_error, upload_ok
 from tests.helpers.data import EXAMPLES, job_body
 from tests.helpers.live import free_port, live_stack, upload_path, wait_for
@@ -55,7 +56,7 @@ class Receiver:
 
 @pytest.fixture
 def receiver(monkeypatch: pytest.MonkeyPatch, env) -> Iterator[Receiver]:  # type: ignore[no-untyped-def]
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     r = Receiver()
     monkeypatch.setenv("RLOO_WEBHOOK_URLS", json.dumps([f"http://127.0.0.1:{r.server.server_port}/"]))
@@ -66,8 +67,8 @@ def receiver(monkeypatch: pytest.MonkeyPatch, env) -> Iterator[Receiver]:  # typ
 
 
 def _deliver() -> int:
-    from service.db import session_scope
-    from service.settings import get_settings
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
 
     with session_scope() as session:
         return webhooks.deliver_due(session, get_settings())
@@ -191,7 +192,7 @@ def test_a_test_event_to_a_trickling_receiver_ends_at_the_deadline_and_a_project
     the test event has RLOO_WEBHOOK_TIMEOUT_SECONDS in all, and a project's third at once is a 429."""
     import socket
 
-    from service.db import reset_caches
+    from service.core.db import reset_caches
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -330,8 +331,8 @@ def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_onc
     """A project whose receivers never answer, with many deliveries due before another project's:
     it holds at most half the senders (one attempt at a time an endpoint), the other project's
     deliveries go out at once, and no delivery is claimed twice while its attempt is in flight."""
-    from service.db import reset_caches, session_scope
-    from service.models import WebhookDelivery, WebhookEndpoint
+    from service.core.db import reset_caches, session_scope
+    from service.core.tables import WebhookDelivery, WebhookEndpoint
 
     stuck, fine = Silent(), Receiver()
     allowed = [stuck.url.rsplit("/", 1)[0] + "/", fine.url.rsplit("/", 1)[0] + "/"]
@@ -367,7 +368,7 @@ def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_onc
     going = True
 
     def sender() -> None:
-        from service.settings import get_settings
+        from service.core.settings import get_settings
 
         while going:
             with session_scope() as session:
@@ -432,10 +433,10 @@ def test_a_delivery_survives_a_dead_receiver_and_a_restart_of_every_process(
         for name in list(stack.procs):  # every process of the stack, the embedded Redis with them
             stack.stop(name)
         if kind == "embedded":
-            from service import embedded
-            from service.settings import Settings
+            from service.core.settings import Settings
+            from service.infra import embedded_redis
 
-            embedded.stop_daemon(Settings(home=tmp_path / "var"))
+            embedded_redis.stop_daemon(Settings(home=tmp_path / "var"))
         receiver = Receiver(port)
         try:
             stack.start("api", "api", "--port", str(stack.port))

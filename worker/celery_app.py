@@ -23,8 +23,8 @@ from typing import Any
 from celery import Celery
 from celery.signals import after_setup_logger, after_setup_task_logger, worker_process_init
 
-from service.queue import RUN_JOB_TASK
-from service.settings import get_settings
+from service.core.settings import get_settings
+from service.infra.task_queue import RUN_JOB_TASK
 from worker.jobs import broker
 
 broker.install()  # a queue entry that is no message is dropped, never the end of the worker
@@ -57,7 +57,7 @@ def _forget_the_parents_connections(**_: object) -> None:
     """Should the parent hold pooled database connections, a forked child must not share them (two
     processes on one socket corrupt the protocol): it starts a pool of its own. (The reconciler,
     which reads the database, is a process of its own: ``rloo worker``.)"""
-    from service.db import get_engine
+    from service.core.db import get_engine
 
     if get_engine.cache_info().currsize:
         get_engine().dispose(close=False)
@@ -148,8 +148,8 @@ def wait_for_preload() -> None:
 @after_setup_logger.connect
 @after_setup_task_logger.connect
 def _log_format(logger: Any = None, **_: object) -> None:
-    """RLOO_LOG_FORMAT=json: Celery's handlers too write JSON lines (``service.logs``)."""
-    from service.logs import JsonFormatter
+    """RLOO_LOG_FORMAT=json: Celery's handlers too write JSON lines (``service.core.logs``)."""
+    from service.core.logs import JsonFormatter
 
     if get_settings().log_format == "json" and logger is not None:
         for handler in logger.handlers:

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="job.json's seed (its sampling, its data order)")
     args = parser.parse_args(argv)
 
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     models = get_settings().models_dir
     models.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,10 @@ from typing import Annotated, Any
 from fastapi import Depends, Query, Request
 from sqlalchemy.orm import Session
 
-from service import crud
-from service.db import get_session
-from service.errors import APIError, bad_request, operator_only
-from service.settings import Settings, get_settings
+from service.core import crud
+from service.core.db import get_session
+from service.core.errors import APIError, bad_request, operator_only
+from service.core.settings import Settings, get_settings
 
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -36,7 +36,7 @@ def refuse_nul_in_url(request: Request) -> None:
 
 
 def authenticate_header_for(request: Request) -> crud.Caller:
-    from service.db import session_scope
+    from service.core.db import session_scope
 
     with session_scope() as session:
         return authenticate_header(session, request.headers.get("authorization"))

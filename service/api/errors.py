@@ -1,5 +1,5 @@
 """The HTTP side of errors: the app's exception handlers, which answer every error in OpenAI's shape
-(``service.errors.APIError``, a body that fails validation, the framework's 404 and 405, anything
+(``service.core.errors.APIError``, a body that fails validation, the framework's 404 and 405, anything
 unhandled), and the middleware that answers 503 when the database is unreachable."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.responses import JSON
-from service.errors import APIError, error_body
+from service.core.errors import APIError, error_body
 
 log = logging.getLogger("rloo.api")
 
@@ -61,7 +61,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSON:
-        from service.validation import message
+        from service.core.validation import message
 
         errors = exc.errors()
         text, param = message(errors[0] if errors else {}, _body_model(request))
@@ -119,11 +119,11 @@ class DatabaseUnavailableMiddleware:
         try:
             await self.app(scope, receive, tracked)
         except Exception as exc:
-            from service.db import database_unreachable
+            from service.core.db import database_unreachable
 
             if not database_unreachable(exc) or tracked.started:
                 raise
-            from service.db import _reason
+            from service.core.db import _reason
 
             log.warning("database unreachable on %s %s: %s", scope["method"], scope["path"], _reason(exc))
             response = JSON(

@@ -16,7 +16,7 @@ from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import TrackedSend
-from service.errors import error_body
+from service.core.errors import error_body
 
 
 class BodyTooLarge(HTTPException):
@@ -179,8 +179,8 @@ class AuthMiddleware:
         from anyio import to_thread
 
         from service.api.deps import authenticate_header
-        from service.db import session_scope
-        from service.errors import APIError
+        from service.core.db import session_scope
+        from service.core.errors import APIError
 
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None

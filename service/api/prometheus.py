@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.lifecycle import JobStatus
-from service.models import Job, JobMetric
+from service.core.tables import Job, JobMetric
+from service.jobs.lifecycle import JobStatus
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -63,7 +63,7 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
     def _count_new_steps(self) -> None:
-        from service.db import session_scope
+        from service.core.db import session_scope
 
         with self.lock, session_scope() as session:
             if self.last_seq is None:  # the first scrape counts from now: history is not re-read
@@ -90,7 +90,7 @@ class _Jobs(Collector):
     """Jobs by status, and the queue, as the database has them at the scrape."""
 
     def collect(self) -> Iterator[Any]:
-        from service.db import session_scope
+        from service.core.db import session_scope
 
         with session_scope() as session:
             counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())

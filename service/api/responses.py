@@ -23,7 +23,7 @@ class JSON(Response):
         try:
             return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
         except (UnicodeEncodeError, ValueError):
-            # A row stored before the door was shut (service.strictjson): a lone surrogate is
+            # A row stored before the door was shut (service.core.strictjson): a lone surrogate is
             # written as its escape, a non-finite number as null; one such object must never
             # break a page of others.
             return json.dumps(_finite(content), ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
@@ -40,7 +40,7 @@ def _finite(value: Any) -> Any:
 
 
 def replayed(body: Any) -> JSON:
-    """An answer stored under an Idempotency-Key (``service.idempotency``), sent again as it was."""
+    """An answer stored under an Idempotency-Key (``service.jobs.idempotency``), sent again as it was."""
     return JSON(body, headers={"Idempotent-Replayed": "true"})
 
 

@@ -1,4 +1,4 @@
-"""The route class of every /v1 router: a JSON body passes ``service.strictjson``'s door (UTF-8, no
+"""The route class of every /v1 router: a JSON body passes ``service.core.strictjson``'s door (UTF-8, no
 NaN or infinity, no lone surrogate or NUL, no deeper than 128 levels, at most 100,000 arrays and
 objects and 1,000,000 values) before FastAPI parses it, so a value that cannot be stored or rendered
 is a 400 naming where it is, and never reaches the database; a body past the counts is a 413 before
@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request, Response, params
 from fastapi.routing import APIRoute
 
-from service import strictjson
-from service.errors import APIError, bad_request
+from service.core import strictjson
+from service.core.errors import APIError, bad_request
 
 
 class StrictJSONRoute(APIRoute):

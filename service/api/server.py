@@ -17,7 +17,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 
 MAX_HEADER_BYTES = 64 * 1024
 

@@ -1,7 +1,7 @@
 """Server-sent event streams of a job's rows: ``GET .../events?stream=true`` and ``.../metrics?stream=true``.
 
 The database is the source: a stream reads the rows after its cursor (an event's ``seq``, a
-metric's step), sends them, and waits. What wakes it is ``service.wakeups``: one Redis pub/sub
+metric's step), sends them, and waits. What wakes it is ``service.infra.wakeups``: one Redis pub/sub
 subscription per API process (``Hub``) fans each "job X has new rows" out to that job's streams, so
 a watcher costs a query when its job writes, not one a second. Besides, an idle stream sends a
 keep-alive comment every ``keepalive`` seconds (proxies keep it open) and reads the database once a
@@ -30,9 +30,9 @@ from sqlalchemy.orm import Session
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
-from service.errors import APIError
-from service.models import Job, JobEvent, JobMetric
-from service.wakeups import CHANNEL
+from service.core.errors import APIError
+from service.core.tables import Job, JobEvent, JobMetric
+from service.infra.wakeups import CHANNEL
 
 log = logging.getLogger("rloo.streams")
 
@@ -181,7 +181,7 @@ class EventStreamResponse(StreamingResponse):
 
 # The rows of a job, after a cursor -----------------------------------------------------------------
 def _final(session: Session, job_seq: int) -> bool:
-    from service.lifecycle import FINAL
+    from service.jobs.lifecycle import FINAL
 
     return session.scalar(select(Job.status).where(Job.seq == job_seq)) in {s.value for s in FINAL}
 
@@ -218,7 +218,7 @@ def metric_reader(job_seq: int, after_step: int) -> Reader:
 
 async def _in_session(work: Callable[[Session], Any]) -> Any:
     """``work(session)`` in a short session of its own (a stream outlives its request's)."""
-    from service.db import new_session, run_db
+    from service.core.db import new_session, run_db
 
     session = new_session()
     return await run_db(session, work, session)

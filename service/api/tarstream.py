@@ -26,7 +26,7 @@ CHUNK = 1 << 20
 
 
 class Stored(Protocol):
-    """A file kept elsewhere (an object store's, ``service.artifacts.Member``): its size, its
+    """A file kept elsewhere (an object store's, ``service.infra.artifacts.Member``): its size, its
     modification time and a reader of its byte ranges."""
 
     @property

@@ -14,6 +14,8 @@ The package, one concern a module:
 * ``spec``: JSON spec -> grader, one parser per type; questions about a parsed grader.
 * ``httpgrader``: the http grader's URL allowlist and client.
 * ``scoring``: one scorer per grader class in ``SCORERS``; ``grade_batch``.
+* ``sandbox``: where a python grader's code runs (bwrap, or a plain process when the operator
+  allows it), and ``sandbox_runner``, the program run inside it.
 
 Adding a grader type is a dataclass in ``types``, a parser in ``spec.PARSERS`` and a scorer in
 ``scoring.SCORERS``. The API process imports this package to validate a spec, so it is pure

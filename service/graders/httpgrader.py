@@ -2,7 +2,7 @@
 
 The endpoint is the user's, so everything about the exchange is bounded: the URL must sit under one
 of the operator's prefixes (``RLOO_HTTP_GRADER_URLS``), no redirect is followed, an attempt has
-``timeout_seconds`` in all (lookup, connection, the status line, the answer: ``service.outbound``)
+``timeout_seconds`` in all (lookup, connection, the status line, the answer: ``service.infra.outbound``)
 and an answer is read up to 16 MiB, and a URL's credentials never reach a message.
 """
 
@@ -12,10 +12,10 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 
-from service import outbound
-from service.egress import url_under
+from service.core.settings import redact_url
 from service.graders.types import NAN, GraderUnavailable, HttpGrader, Sample, describe, finite_or_nan
-from service.settings import redact_url
+from service.infra import outbound
+from service.infra.egress import url_under
 
 __all__ = ["HTTP_GRADER_ATTEMPTS", "HTTP_GRADER_BATCH", "HTTP_GRADER_MAX_BYTES", "grade_http", "url_under"]
 
@@ -26,7 +26,7 @@ HTTP_GRADER_BATCH = 256
 
 def grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[Mapping[str, object]]) -> list[float]:
     """POST the batch (in chunks of 256), each attempt within ``timeout_seconds`` in all
-    (``service.outbound``); a connection error, a time-out or a 5xx is retried twice (after 0.5 s,
+    (``service.infra.outbound``); a connection error, a time-out or a 5xx is retried twice (after 0.5 s,
     then 1 s); then, or on any answer that is not the scores, ``GraderUnavailable``."""
     scores: list[float] = []
     for start in range(0, len(samples), HTTP_GRADER_BATCH):

@@ -247,8 +247,8 @@ def _text_similarity(grader: TextSimilarityGrader, batch: Batch) -> list[float]:
 
 
 def _python(grader: PythonGrader, batch: Batch) -> list[float]:
-    from service.sandbox import Limits, SandboxUnavailable, run_python_grader
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.graders.sandbox import Limits, SandboxUnavailable, run_python_grader
 
     settings = get_settings()
     limits = Limits(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from service.egress import url_under
+from service.core.settings import redact_url
 from service.graders import formula
 from service.graders.metrics import EVALUATION_METRICS, MODEL_METRICS
 from service.graders.templates import template_item_keys, validate
@@ -33,7 +33,7 @@ from service.graders.types import (
     describe,
     leaves,
 )
-from service.settings import redact_url
+from service.infra.egress import url_under
 
 __all__ = [
     "MAX_GRADER_DEPTH",
@@ -300,7 +300,7 @@ def _python(spec: Spec, name: str) -> PythonGrader:
 
 
 def _http(spec: Spec, name: str) -> HttpGrader:
-    from service.settings import get_settings
+    from service.core.settings import get_settings
 
     url = spec.nonempty("url")
     allowed = get_settings().http_grader_urls

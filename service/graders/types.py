@@ -247,7 +247,7 @@ class LabelModelGrader(ChatJudgeGrader):
 @dataclass(frozen=True)
 class PythonGrader(Grader):
     """User Python code, ``def grade(sample, item) -> float``; parsed only when the operator allows
-    it, run in a sandboxed process (``service.sandbox``)."""
+    it, run in a sandboxed process (``service.graders.sandbox``)."""
 
     type: ClassVar[str] = "python"
     required: ClassVar[tuple[str, ...]] = ("source",)

@@ -108,7 +108,7 @@ def fresh_client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
     """A TestClient on a new app built after setting ``env_values`` (settings are read at build time)."""
     from fastapi.testclient import TestClient
 
-    from service.db import reset_caches
+    from service.core.db import reset_caches
     from service.main import create_app
 
     for key, value in env_values.items():
@@ -119,8 +119,8 @@ def fresh_client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
 
 def make_key(project: str, *, operator: bool = False) -> str:
     """A new key of ``project`` (an operator's key with ``operator``)."""
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
 
     with session_scope() as session:
         proj = crud.get_or_create_project(session=session, name=project)

@@ -10,7 +10,7 @@ def fresh_postgres_database(server_url: str, template: str | None = None) -> tup
     may be connected to); returns (url, name)."""
     import sqlalchemy as sa
 
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     url = Settings(DATABASE_URL=server_url).database_url
     name = f"rloo_test_{secrets.token_hex(6)}"
@@ -24,7 +24,7 @@ def fresh_postgres_database(server_url: str, template: str | None = None) -> tup
 def drop_postgres_database(server_url: str, name: str) -> None:
     import sqlalchemy as sa
 
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     url = Settings(DATABASE_URL=server_url).database_url
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")

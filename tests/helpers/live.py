@@ -152,10 +152,10 @@ def live_stack(
         for name in list(s.procs):
             s.stop(name)
         if kind == "embedded":
-            from service import embedded
-            from service.settings import Settings
+            from service.core.settings import Settings
+            from service.infra import embedded_redis
 
-            embedded.stop_daemon(Settings(home=tmp_path / "var"))
+            embedded_redis.stop_daemon(Settings(home=tmp_path / "var"))
         if pg_name:
             drop_postgres_database(os.environ["TEST_DATABASE_URL"], pg_name)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.common import job_row as _job_row
-from service.models import Job
+from service.core.tables import Job
 
 
 def job_row(session: Any, project: str, **fields: Any) -> Job:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from service.graders import parse_grader
-from service.schemas import HYPERPARAMETERS, Hyperparameters
+from service.jobs.hyperparameters import HYPERPARAMETERS, Hyperparameters
 from tests.helpers.data import EXAMPLES
 from worker.engine.config import TrainConfig
 from worker.engine.metrics import TIMING_METRICS

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 from worker.cli.app import db_app, keys_app, redact
 
 
@@ -20,7 +20,7 @@ def db_upgrade(
     Example:
       DATABASE_URL=postgresql://rloo@db/rloo rloo db upgrade
     """
-    from service.migrate import upgrade
+    from service.core.migrate import upgrade
 
     upgrade(revision=revision)
     typer.echo(f"database at revision {revision}: {redact(get_settings().database_url)}")
@@ -43,8 +43,8 @@ def keys_create(
       export RLOO_API_KEY=$(rloo keys create --project research | tail -1)
       rloo keys create --project ops --operator
     """
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
 
     with session_scope() as session:
         proj = crud.get_or_create_project(session=session, name=project)
@@ -63,8 +63,8 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
     Example:
       rloo keys revoke key-3f9a…
     """
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
 
     with session_scope() as session:
         n = crud.revoke_api_key(session=session, key_id_or_prefix=key)
@@ -79,8 +79,8 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
 @keys_app.command("list")
 def keys_list() -> None:
     """List keys (ids and prefixes; secrets are never stored)."""
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
 
     with session_scope() as session:
         for row in crud.list_api_keys(session=session):

@@ -22,6 +22,6 @@ LOCAL_PROJECT = "local"
 
 
 def redact(url: str) -> str:
-    from service.settings import redact_url
+    from service.core.settings import redact_url
 
     return redact_url(url)

@@ -19,7 +19,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 from worker.cli.watch import best_and_worst_line, sparkline
 from worker.engine.checkpoints import checkpoint_dir, job_checkpoints_dir
 

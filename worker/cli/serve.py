@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 from worker.cli.app import app
 
 if TYPE_CHECKING:
-    from service.fleet import WorkerInfo
+    from service.jobs.fleet import WorkerInfo
 
 
 @app.command("api")
@@ -109,8 +109,8 @@ def worker(
     warnings.filterwarnings("ignore", category=SecurityWarning)
     settings = get_settings()
     ensure_embedded_broker()
-    from service.queue import grader_queue
-    from service.sandbox import status
+    from service.graders.sandbox import status
+    from service.infra.task_queue import grader_queue
     from worker import celery_app as celery_app_module
     from worker.celery_app import app as celery_app
 
@@ -154,12 +154,12 @@ def worker(
 
 
 def _registration(node: str, gpus: int | None, accelerator: str | None) -> WorkerInfo:
-    """What this training worker registers (``service.fleet``): its devices (``worker.jobs.devices``,
+    """What this training worker registers (``service.jobs.fleet``): its devices (``worker.jobs.devices``,
     ``--gpus``/``--accelerator`` over what is found) and the queues they let it consume."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from service.fleet import WorkerInfo
-    from service.queue import training_queues
+    from service.infra.task_queue import training_queues
+    from service.jobs.fleet import WorkerInfo
     from worker.jobs.devices import detect
 
     found = detect(gpus, accelerator, get_settings().accelerators)
@@ -184,8 +184,8 @@ def _check_kind(accelerator: str | None) -> None:
     means any kind."""
     import re
 
-    from service.queue import ANY_KIND
-    from service.schemas import ACCELERATOR_PATTERN
+    from service.infra.task_queue import ANY_KIND
+    from service.jobs.spec import ACCELERATOR_PATTERN
 
     if accelerator is not None and (not re.match(ACCELERATOR_PATTERN, accelerator) or accelerator == ANY_KIND):
         raise typer.BadParameter(
@@ -231,16 +231,16 @@ def _die_with_parent() -> None:
 
 
 def _reconcile_forever(parent: int, me: WorkerInfo) -> None:
-    """At start, then every RLOO_RECONCILE_SECONDS: the worker's row and heartbeat (service.fleet),
+    """At start, then every RLOO_RECONCILE_SECONDS: the worker's row and heartbeat (service.jobs.fleet),
     the embedded Redis started again if it died, jobs whose worker died queued again, lost tasks
-    sent again, jobs no live worker can run told so (service.reconcile), leftovers of interrupted
+    sent again, jobs no live worker can run told so (service.jobs.reconcile), leftovers of interrupted
     uploads swept. Webhook deliveries are sent from threads of this process meanwhile
-    (service.webhooks). Never imports torch. When it ends, the worker's row goes."""
+    (service.jobs.webhooks). Never imports torch. When it ends, the worker's row goes."""
     try:
         _reconcile_rounds(parent, me)
     finally:
-        from service.db import session_scope
-        from service.fleet import deregister
+        from service.core.db import session_scope
+        from service.jobs.fleet import deregister
 
         try:
             with session_scope() as session:
@@ -250,12 +250,12 @@ def _reconcile_forever(parent: int, me: WorkerInfo) -> None:
 
 
 def _reconcile_rounds(parent: int, me: WorkerInfo) -> None:
-    from service import fleet
-    from service.db import database_unreachable, session_scope
-    from service.logs import configure as configure_logs
-    from service.reconcile import queue_length, reconcile
-    from service.storage import sweep_uploads
-    from service.webhooks import deliver_forever
+    from service.core.db import database_unreachable, session_scope
+    from service.core.logs import configure as configure_logs
+    from service.files.upload_sweep import sweep_uploads
+    from service.jobs import fleet
+    from service.jobs.reconcile import queue_length, reconcile
+    from service.jobs.webhooks import deliver_forever
 
     settings = get_settings()
     logging.basicConfig(format="[%(asctime)s: %(levelname)s/reconciler] %(message)s", level=logging.INFO)
@@ -299,6 +299,6 @@ def ensure_embedded_broker() -> None:
     """Without REDIS_URL, `rloo api` and `rloo worker` share one embedded Redis, started by whichever comes first."""
     settings = get_settings()
     if settings.embedded_redis:
-        from service import embedded
+        from service.infra import embedded_redis
 
-        embedded.start(settings, daemonize=True)
+        embedded_redis.start(settings, daemonize=True)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 from worker.cli.app import LOCAL_PROJECT, app, redact
 
 
@@ -41,8 +41,8 @@ def _interrupt(*_: Any) -> None:
 def ensure_local_key() -> str:
     """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600). It
     is an operator's key (the fleet on the dashboard): whoever runs `rloo up` runs the machine."""
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
 
     settings = get_settings()
     key_file = settings.home_dir / "api_key"
@@ -89,8 +89,8 @@ class Stack:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> str:
-        from service.migrate import upgrade
-        from service.queue import grader_queue
+        from service.core.migrate import upgrade
+        from service.infra.task_queue import grader_queue
 
         settings = get_settings()
         settings.home_dir.mkdir(parents=True, exist_ok=True)
@@ -111,11 +111,11 @@ class Stack:
 
     def _keep_redis(self) -> None:
         """Start the embedded Redis unless one answers (a worker's reconciler may have started it)."""
-        from service import embedded
+        from service.infra import embedded_redis
 
         settings = get_settings()
         if settings.embedded_redis and (self.redis is None or self.redis.poll() is not None):
-            self.redis = embedded.start(settings, daemonize=False)
+            self.redis = embedded_redis.start(settings, daemonize=False)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         settings = get_settings()
@@ -165,9 +165,9 @@ class Stack:
         _terminate([self.redis] if self.redis else [])
         settings = get_settings()
         if settings.embedded_redis and self.owns_redis:  # ours, which a reconciler may have started again
-            from service import embedded
+            from service.infra import embedded_redis
 
-            embedded.stop_daemon(settings)
+            embedded_redis.stop_daemon(settings)
 
 
 def _terminate(children: list[subprocess.Popen[bytes]], grace: float = 20) -> None:
@@ -213,7 +213,7 @@ def up(
 def up_banner(url: str, key: str, settings: Any) -> str:
     """What `rloo up` prints once the stack answers: URLs with their passwords masked; the local
     project's key in full, on purpose (it is the user's own terminal; it is never logged)."""
-    from service.sandbox import status as sandbox_status
+    from service.graders.sandbox import status as sandbox_status
 
     return "\n".join(
         [

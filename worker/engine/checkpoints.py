@@ -11,7 +11,7 @@ Layout of ``<output_dir>/step-N/``:
   checks. Files named ``training_state*`` stay server-side (the download leaves them out).
 
 A checkpoint is written under a temporary name and renamed into place: a crash leaves either the
-whole directory or none of it. With an object store (``service.artifacts``), the worker then
+whole directory or none of it. With an object store (``service.infra.artifacts``), the worker then
 publishes it there (``publish_checkpoint``: every file, the completion marker last) before its row is
 written; only checkpoints with the marker count (``resumable_checkpoint``), and a job resumed on a
 host whose disk holds nothing fetches its newest one.
@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from service.artifacts import S3Store, Store
+from service.infra.artifacts import S3Store, Store
 
 TRAINING_STATE = "training_state.pt"
 TRAINING_INFO = "training_state.json"

@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from service.graders import Grader
-from service.schemas import AnyResolved
+from service.jobs.hyperparameters import AnyResolved
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """A resolved run of any method. Hyperparameter names and defaults are in docs/algorithm.md (and
-    service.schemas, which validates them)."""
+    service.jobs.hyperparameters, which validates them)."""
 
     model: str
     """Model directory (or hub id) to start from."""
@@ -50,7 +50,7 @@ class TrainConfig:
     processes, started by ``worker.engine.launch``."""
     init_from: tuple[Path, ...] = ()
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
-    weights, applied in order (``service.finetuned.Source.chain``): a full model's weights loaded,
+    weights, applied in order (``service.registry.finetuned.Source.chain``): a full model's weights loaded,
     a LoRA adapter merged."""
 
 

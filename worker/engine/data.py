@@ -13,7 +13,7 @@ from worker.engine.sequences import render
 
 
 def load_items(path: Path) -> list[dict[str, Any]]:
-    """The lines of a JSONL file as the upload validated them (``service.storage``): a UTF-8
+    """The lines of a JSONL file as the upload validated them (``service.files.upload_sweep``): a UTF-8
     byte-order mark at the start ignored, lines ended by "\\n" only (a lone "\\r" is JSON whitespace
     inside a line, not a line end), blank lines skipped."""
     with open(path, encoding="utf-8-sig", newline="\n") as f:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from service.schemas import ResolvedDpoHyperparameters
+from service.jobs.hyperparameters import ResolvedDpoHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices
 from worker.engine.loop import Stop, TrainResult, base_metrics, end_of_step, finish, is_eval_step

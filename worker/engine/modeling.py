@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from service.schemas import LoraSpec
+from service.jobs.hyperparameters import LoraSpec
 from worker.engine.ranks import current
 from worker.engine.recorders import JobError
 from worker.engine.rollout import Rollout, completion_logprobs
@@ -33,7 +33,7 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
 
 def model_path(name: str, models_dir: Path) -> Path | str:
     """A directory under the models root, or the name as given (a hub id, where a hub is reachable)."""
-    from service.storage import confined
+    from service.files.upload_sweep import confined
 
     try:
         local = confined(models_dir, name)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from service import graders
-from service.schemas import ResolvedHyperparameters
+from service.jobs.hyperparameters import ResolvedHyperparameters
 from worker.engine.backends import make_backend
 from worker.engine.checkpoints import read_training_state
 from worker.engine.config import TrainConfig

@@ -4,7 +4,7 @@ A reward model as large as the policy need not share the policy's GPU. A ``rewar
 with ``"remote": true`` is scored by the inference workers (``rloo worker --serve``), which keep it
 loaded between batches as they keep the models they sample from. The training worker sends each
 batch to the queue ``RLOO_REWARD_MODEL_QUEUE`` names (by default the inference workers' own), through
-Redis as the API sends exports (``service.inference.ask``). A dedicated host for reward models runs
+Redis as the API sends exports (``service.infra.inference_bus.ask``). A dedicated host for reward models runs
 ``rloo worker --serve --queue NAME`` and the training workers set ``RLOO_REWARD_MODEL_QUEUE=NAME``.
 
 A request carries what the local scorer reads: the grader, the completions' texts, their items and
@@ -22,8 +22,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from service import graders, inference
-from service.settings import get_settings
+from service import graders
+from service.core.settings import get_settings
+from service.infra import inference_bus
 from worker.engine.shared_prefix import SampledTokens, first_rows, groups
 
 ATTEMPTS = 2
@@ -41,27 +42,27 @@ def score_remotely(
     import redis
 
     settings = get_settings()
-    queue = settings.reward_model_queue or inference.serve_queue()
+    queue = settings.reward_model_queue or inference_bus.serve_queue()
     body = request_body(leaf, samples, items, prompts, sampled)
     where = f"reward model '{leaf.model}' (remote: true)"
     for _ in range(ATTEMPTS):
         envelope = {"id": f"score-{uuid.uuid4().hex}", "kind": "score", **body}
         try:
-            answer = inference.ask(envelope, timeout=settings.reward_model_timeout_seconds, queue=queue)
-        except inference.NoWorker:
-            start = "rloo worker --serve" + ("" if queue == inference.serve_queue() else f" --queue {queue}")
+            answer = inference_bus.ask(envelope, timeout=settings.reward_model_timeout_seconds, queue=queue)
+        except inference_bus.NoWorker:
+            start = "rloo worker --serve" + ("" if queue == inference_bus.serve_queue() else f" --queue {queue}")
             raise graders.GraderUnavailable(
                 f"{where}: no inference worker serves the queue '{queue}'; start one with `{start}`, "
                 "or set remote to false to score it beside the policy"
             ) from None
-        except inference.WorkerLost:
+        except inference_bus.WorkerLost:
             continue
         except redis.RedisError as exc:
             raise graders.GraderUnavailable(
                 f"{where}: Redis, which carries its batches, did not answer ({type(exc).__name__}: {exc}); "
                 "check REDIS_URL on the training worker"
             ) from None
-        except inference.TimedOut:
+        except inference_bus.TimedOut:
             raise graders.GraderUnavailable(
                 f"{where}: no scores within {settings.reward_model_timeout_seconds:g} s "
                 "(RLOO_REWARD_MODEL_TIMEOUT_SECONDS); are the inference workers busy?"
@@ -109,5 +110,5 @@ def answer(reward_models: Any, envelope: Mapping[str, Any]) -> dict[str, Any]:
         prompts = [envelope["prompts"][g] for g in group_of]
         scores = reward_models.score(leaf, samples, items, prompts, sampled)
     except (graders.GraderError, KeyError, IndexError, TypeError, ValueError, OSError) as exc:
-        return inference.error_message(400, "invalid_score_request", f"{type(exc).__name__}: {exc}")
+        return inference_bus.error_message(400, "invalid_score_request", f"{type(exc).__name__}: {exc}")
     return {"t": "done", "scores": [s if math.isfinite(s) else None for s in scores]}

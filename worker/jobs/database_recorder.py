@@ -9,12 +9,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from service import crud, export_dirs, finetuned, lifecycle, webhooks
-from service.artifacts import open_store
-from service.db import retrying, session_scope
-from service.identity import process_name
-from service.models import Job
-from service.settings import get_settings
+from service.core import crud
+from service.core.db import retrying, session_scope
+from service.core.identity import process_name
+from service.core.settings import get_settings
+from service.core.tables import Job
+from service.infra.artifacts import open_store
+from service.jobs import lifecycle, webhooks
+from service.registry import export_dirs, finetuned
 from worker.engine.checkpoints import job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
 from worker.engine.recorders import json_safe, step_message
 
@@ -79,7 +81,7 @@ class DatabaseRecorder:
         return None if status == lifecycle.JobStatus.RUNNING else status
 
     def _model_id(self, session: Any) -> str:
-        """The job's fine-tuned model id (``service.finetuned``), read once."""
+        """The job's fine-tuned model id (``service.registry.finetuned``), read once."""
         if self.model_id is None:
             job = self.job
             project = finetuned.project_name(session=session, project_seq=job.project_seq)

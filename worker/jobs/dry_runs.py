@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from service import graders
-from service.settings import get_settings, tenant_safe
+from service.core.settings import get_settings, tenant_safe
 
 MODELS_KEPT = 4  # distinct models a process keeps loaded for dry runs; past that it starts afresh
 

@@ -4,7 +4,7 @@ answers while the worker lives), served from its reconciler process.
 * ``rloo_worker_jobs_running``, and ``rloo_worker_job_step{job}``: the jobs this worker's processes
   hold (this host and PID namespace: one worker a container), read from the database at the scrape;
 * ``rloo_webhook_deliveries_total{outcome}``: the attempts this worker's webhook senders made
-  (``delivered``, ``retry``, ``failed``; ``service.webhooks``).
+  (``delivered``, ``retry``, ``failed``; ``service.jobs.webhooks``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import select
 
-from service import webhooks  # noqa: F401 (its delivery counters, registered before this collector)
-from service.db import session_scope
-from service.identity import machine_tag
-from service.lifecycle import JobStatus
-from service.models import Job
+from service.core.db import session_scope
+from service.core.identity import machine_tag
+from service.core.tables import Job
+from service.jobs import webhooks  # noqa: F401 (its delivery counters, registered before this collector)
+from service.jobs.lifecycle import JobStatus
 
 
 class HeldJobs(Collector):

@@ -90,8 +90,8 @@ def _recorder(args: argparse.Namespace, main: bool) -> Any:
         return QuietRecorder()
     if args.job is None:
         return StdoutRecorder()
-    from service import crud
-    from service.db import session_scope
+    from service.core import crud
+    from service.core.db import session_scope
     from worker.jobs.database_recorder import DatabaseRecorder
 
     with session_scope() as session:

@@ -21,7 +21,7 @@ from typing import Any
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
-from service.settings import get_settings
+from service.core.settings import get_settings
 
 log = logging.getLogger("rloo.worker")
 
@@ -96,10 +96,10 @@ def _still_runnable(job_id: str) -> bool:
     another task may have run this one in its place, ``lifecycle.claim_fairest``)."""
     from sqlalchemy import select
 
-    from service import crud
-    from service.db import session_scope
-    from service.lifecycle import JobStatus
-    from service.models import Job
+    from service.core import crud
+    from service.core.db import session_scope
+    from service.core.tables import Job
+    from service.jobs.lifecycle import JobStatus
 
     try:
         with session_scope() as session:

@@ -14,15 +14,17 @@ from typing import Any
 
 from sqlalchemy import select
 
-from service import crud, lifecycle, outbound
-from service.artifacts import open_store
-from service.db import session_scope
-from service.identity import died_here, process_name
-from service.lifecycle import JobStatus
-from service.models import Job
-from service.queue import RUN_GRADER_TASK, RUN_JOB_TASK
-from service.schemas import method_family
-from service.settings import get_settings
+from service.core import crud
+from service.core.db import session_scope
+from service.core.identity import died_here, process_name
+from service.core.settings import get_settings
+from service.core.tables import Job
+from service.infra import outbound
+from service.infra.artifacts import open_store
+from service.infra.task_queue import RUN_GRADER_TASK, RUN_JOB_TASK
+from service.jobs import lifecycle
+from service.jobs.hyperparameters import method_family
+from service.jobs.lifecycle import JobStatus
 from worker.celery_app import app
 from worker.engine.checkpoints import job_checkpoints_dir, resumable_checkpoint
 from worker.engine.launch import RanksLost
@@ -38,8 +40,8 @@ def run_job(job_id: str) -> str:
     """A turn to run one job of ``job_id``'s lane to its end: the fairest queued job there, by turns
     between projects (``lifecycle.claim_fairest``), which is ``job_id`` itself unless another project
     waits longer. Safe to deliver twice: only the delivery that claims a row trains it. Every line it
-    logs names the job it runs (``service.logs``)."""
-    from service.logs import job_scope
+    logs names the job it runs (``service.core.logs``)."""
+    from service.core.logs import job_scope
 
     with session_scope() as session:
         job = _claim_a_turn(session, job_id)
@@ -136,9 +138,9 @@ def _requeue_crashed(session: Any, job: Job, why: str) -> None:
     moved = _crashed(session, current, f"A rank of the job died ({why})")
     session.commit()
     if moved == JobStatus.QUEUED:
-        from service import queue
+        from service.infra import task_queue
 
-        queue.enqueue_job(current)
+        task_queue.enqueue_job(current)
 
 
 def _hand_back(job: Job) -> None:
@@ -159,9 +161,9 @@ def _hand_back(job: Job) -> None:
                 level="warn",
                 worker=None,
             ):
-                from service import queue
+                from service.infra import task_queue
 
-                queue.enqueue_job(job)
+                task_queue.enqueue_job(job)
             else:
                 lifecycle.release(session=session, job=job)  # a pause being saved: resumable
     except Exception as exc:  # the reconciler will see the stale heartbeat instead
@@ -174,7 +176,7 @@ def _finish(session: Any, job: Job, result: Any) -> None:
         log.warning("job %s: another worker holds it now; stopped at step %s, saving nothing", job.id, result.steps)
         return
     if result.stopped is None:
-        from service.results import discard_results, write_results
+        from service.jobs.results import discard_results, write_results
 
         artifacts = get_settings().artifacts_dir
         write_results(session=session, job=job, artifacts_dir=artifacts)  # committed with the move
@@ -206,18 +208,18 @@ def _finish(session: Any, job: Job, result: Any) -> None:
     time_limit=get_settings().grader_run_seconds + 60,
 )
 def run_grader(self: Any) -> str:
-    """A wake-up for one dry run (``service.dryruns``): take the next dry run, fairly between
+    """A wake-up for one dry run (``service.jobs.dry_runs``): take the next dry run, fairly between
     projects, grade it, push the answer where the API waits. Never raises: errors are answers too."""
     import redis
 
-    from service import dryruns
-    from service.queue import grader_queue
+    from service.infra.task_queue import grader_queue
+    from service.jobs import dry_runs
     from worker.jobs.dry_runs import grade
 
     queue = grader_queue()
     conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=10, socket_connect_timeout=10)
     try:
-        envelope = dryruns.take(conn, queue, self.request.id)
+        envelope = dry_runs.take(conn, queue, self.request.id)
         if envelope is None:
             return "nothing to do"
         try:
@@ -232,8 +234,8 @@ def run_grader(self: Any) -> str:
                 "code": "grader_failed",
                 "status": 502,
             }
-        if dryruns.answer(conn, queue, self.request.id, envelope, answer):
-            from service.queue import wake_grader
+        if dry_runs.answer(conn, queue, self.request.id, envelope, answer):
+            from service.infra.task_queue import wake_grader
 
             wake_grader(queue, get_settings().grader_run_seconds)  # for one a project's share kept back
         return "error" if "error" in answer else "ok"
@@ -295,7 +297,7 @@ def _starting_point(job: Job, settings: Any) -> tuple[str, tuple[Path, ...]]:
     """The base model directory and, for a job that starts from a fine-tuned model or checkpoint of
     its project, the checkpoint directories to apply to it (``finetuned.Source.chain``). A model
     deleted after the job was created still starts it: the job was accepted from it."""
-    from service import finetuned
+    from service.registry import finetuned
 
     if not finetuned.is_fine_tuned(job.model):
         return job.model, ()
@@ -319,7 +321,7 @@ def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
     from pydantic import ValidationError
 
     from service import graders
-    from service.schemas import RESOLVED
+    from service.jobs.hyperparameters import RESOLVED
 
     kind = job.method["type"]
     try:

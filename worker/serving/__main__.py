@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from service.logs import configure
-from service.settings import get_settings
+from service.core.logs import configure
+from service.core.settings import get_settings
 from worker.cli.serve import _die_with_parent
 from worker.serving.server import main
 

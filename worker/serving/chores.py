@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from service import inference
+from service.infra import inference_bus
 from worker.engine.recorders import JobError
 from worker.serving.models import Servable
 
@@ -57,8 +57,8 @@ class Chores:
         if kind == "score":
             return self.score(envelope)
         if kind != "export":
-            return inference.error_message(400, "unsupported", f"unknown request kind {kind!r}")
-        lane = str(envelope.get("project") or inference.SYSTEM_LANE)
+            return inference_bus.error_message(400, "unsupported", f"unknown request kind {kind!r}")
+        lane = str(envelope.get("project") or inference_bus.SYSTEM_LANE)
         merged = self.server.background.submit(lane, exported, envelope)
         merged.add_done_callback(lambda done: self.server.answer(envelope["id"], done.result()))
         return None
@@ -74,10 +74,12 @@ class Chores:
                 return answer(self.server.rewards(), envelope)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            return inference.error_message(503, "out_of_memory", "The inference worker ran out of GPU memory scoring")
+            return inference_bus.error_message(
+                503, "out_of_memory", "The inference worker ran out of GPU memory scoring"
+            )
         except Exception as exc:  # a broken model, a bug: this batch's answer, never the worker's end
             log.exception("scoring failed")
-            return inference.error_message(500, "score_failed", f"Scoring failed: {type(exc).__name__}: {exc}")
+            return inference_bus.error_message(500, "score_failed", f"Scoring failed: {type(exc).__name__}: {exc}")
 
     def beat(self) -> None:
         """The evaluation in progress is alive (from the heartbeat thread, however long a chunk takes);
@@ -112,7 +114,7 @@ class Chores:
             return
         self._polled = time.monotonic()
         # Claimed and started (its file and checkpoints fetched) on the background thread.
-        self._claiming = self.server.background.submit(inference.SYSTEM_LANE, evaluate.claim_next, self.server)
+        self._claiming = self.server.background.submit(inference_bus.SYSTEM_LANE, evaluate.claim_next, self.server)
 
 
 def exported(envelope: dict[str, Any]) -> dict[str, Any]:
@@ -120,18 +122,18 @@ def exported(envelope: dict[str, Any]) -> dict[str, Any]:
     try:
         export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
     except JobError as exc:
-        return inference.error_message(500, exc.code, exc.message)
+        return inference_bus.error_message(500, exc.code, exc.message)
     except Exception as exc:  # a disk that is full, a checkpoint half gone: this export's answer
         log.exception("export failed")
-        return inference.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
+        return inference_bus.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
     return {"t": "done", "usage": None}
 
 
 def export_to(servable: Servable, target: str) -> None:
     """``export`` to the API's ``target``: a directory, or (relative) a key of the object store,
-    made in this host's cache and published there whole, marker last (``service.artifacts``)."""
-    from service.artifacts import open_store
-    from service.settings import get_settings
+    made in this host's cache and published there whole, marker last (``service.infra.artifacts``)."""
+    from service.core.settings import get_settings
+    from service.infra.artifacts import open_store
 
     if Path(target).is_absolute():
         export(servable, Path(target))

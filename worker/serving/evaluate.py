@@ -34,13 +34,14 @@ from typing import Any
 
 from sqlalchemy import func, or_, select, update
 
-from service import graders, outbound
-from service.artifacts import open_store
-from service.db import session_scope
+from service import graders
+from service.core.db import session_scope
+from service.core.settings import get_settings, tenant_safe
+from service.core.tables import Evaluation, File, Job, Project
 from service.graders import GradeResult
-from service.inference import MAX_BYTES_PER_TOKEN
-from service.models import Evaluation, File, Job, Project
-from service.settings import get_settings, tenant_safe
+from service.infra import outbound
+from service.infra.artifacts import open_store
+from service.infra.inference_bus import MAX_BYTES_PER_TOKEN
 from worker.engine.recorders import JobError
 from worker.serving.decode import Row
 from worker.serving.models import Servable
@@ -207,7 +208,7 @@ class Run:
 
     @classmethod
     def start(cls, server: Any, session: Any, evaluation: Evaluation, job: Any, file: Any) -> Run:
-        from service import servable
+        from service.registry import weights
 
         settings = get_settings()
         grader = graders.parse_grader(evaluation.grader, allow_python=settings.allow_python_grader)
@@ -218,7 +219,7 @@ class Run:
             raise JobError("empty_file", f"the file {evaluation.file_id} has no lines to evaluate on")
         models = []
         for entry in evaluation.models:
-            wire = servable.resolve(
+            wire = weights.resolve(
                 session, settings, project_seq=job.project_seq, name=entry["model"], include_deleted=True
             )
             models.append((entry, Servable.from_wire(wire)))

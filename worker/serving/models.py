@@ -3,7 +3,7 @@ full checkpoints and earlier adapters merged in), and LoRA adapters loaded on th
 as merged copies, so ten LoRA jobs of one base cost one base and ten adapters. Least recently used
 ones are unloaded once their weights would pass the worker's memory budget.
 
-A request names what to serve as the API resolved it (``service.servable``): the base model's
+A request names what to serve as the API resolved it (``service.registry.weights``): the base model's
 directory, and the fine-tuned chain's checkpoint directories, oldest first. The last one, when it is
 a LoRA adapter, is served as an adapter; everything before it makes the base.
 """
@@ -33,8 +33,8 @@ def is_adapter(path: Path) -> bool:
 def _checkpoint(entry: str) -> Path:
     if Path(entry).is_absolute():
         return Path(entry)
-    from service.artifacts import open_store
-    from service.settings import get_settings
+    from service.core.settings import get_settings
+    from service.infra.artifacts import open_store
 
     return open_store(get_settings()).fetch_checkpoint(entry)
 
@@ -49,7 +49,7 @@ class Servable:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Servable:
-        """What the API sent (``service.servable.resolve``): a relative chain entry is a key of the
+        """What the API sent (``service.registry.weights.resolve``): a relative chain entry is a key of the
         object store, fetched into this host's cache (once: ``S3Store.fetch_checkpoint``)."""
         return cls(Path(data["base"]), tuple(_checkpoint(p) for p in data.get("chain", ())))
 

@@ -1,4 +1,4 @@
-"""An inference worker's process: takes requests from Redis (``service.inference``), batches those for
+"""An inference worker's process: takes requests from Redis (``service.infra.inference_bus``), batches those for
 one base model, streams what each row writes back, and between batches does the rest
 (``worker.serving.chores``): remote reward models' batches, never inside a batch's decoding, and
 checkpoint evaluations' decoding. What would hold the loop (a merge, an evaluation's grading and
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from service import inference
-from service.settings import get_settings, tenant_safe
+from service.core.settings import get_settings, tenant_safe
+from service.infra import inference_bus
 from worker.engine.recorders import JobError
 from worker.serving.background import Background
 from worker.serving.decode import Row
@@ -63,7 +63,7 @@ class Request:
 
     @property
     def project(self) -> str:
-        return str(self.envelope.get("project") or inference.SYSTEM_LANE)
+        return str(self.envelope.get("project") or inference_bus.SYSTEM_LANE)
 
     @staticmethod
     def rows_of(envelope: dict[str, Any]) -> int:
@@ -79,12 +79,12 @@ class Server:
     def __init__(self, conn: Any, *, worker: str, cache: Any, max_rows: int, chores: Any = None) -> None:
         settings = get_settings()
         self.conn, self.worker, self.cache, self.max_rows = conn, worker, cache, max_rows
-        self.ns = inference.namespace(inference.serve_queue())
+        self.ns = inference_bus.namespace(inference_bus.serve_queue())
         self.max_tokens = settings.inference_max_tokens
         self.pending: list[Request] = []
         self.requests: list[dict[str, Any]] = []  # taken requests that are no completion, for between batches
         self.active_rows = 0  # rows of the batch decoding now
-        self.share = inference.rows_a_project(max_rows)
+        self.share = inference_bus.rows_a_project(max_rows)
         """Rows one project's requests may hold of a batch: the rest is kept for others' to join."""
         self.project_rows: dict[str, int] = {}  # rows of the batch decoding now, by project
         self.held: set[str] = set()
@@ -122,7 +122,7 @@ class Server:
     def run(self, keep_going: Any = lambda: True) -> None:
         beat = threading.Thread(target=self._beat, args=(keep_going,), daemon=True, name="serve-heartbeat")
         beat.start()
-        inference.heartbeat(self.conn, self.ns, self.worker, [])
+        inference_bus.heartbeat(self.conn, self.ns, self.worker, [])
         while keep_going():
             ready = self.chores is not None and self.chores.ready
             idle = not self.pending and not self.requests and not ready
@@ -143,12 +143,12 @@ class Server:
             try:
                 with self._lock:
                     held = list(self.held)
-                inference.heartbeat(self.conn, self.ns, self.worker, held)
+                inference_bus.heartbeat(self.conn, self.ns, self.worker, held)
                 if self.chores is not None:
                     self.chores.beat()
             except Exception as exc:  # Redis or the database away for a moment: the next beat tries again
                 log.warning("heartbeat failed: %s", exc)
-            time.sleep(inference.LEASE_REFRESH)
+            time.sleep(inference_bus.LEASE_REFRESH)
 
     def _take(self, *, block: float) -> None:
         """Requests taken from Redis (in turn between projects) as room allows, and always a couple:
@@ -158,25 +158,25 @@ class Server:
         most = max(room, TAKEN_PAST_ROOM if len(self.pending) < MAX_PENDING else 0)
         if most == 0:
             return
-        for envelope in inference.take(self.conn, self.ns, self.worker, block=block, most=most):
+        for envelope in inference_bus.take(self.conn, self.ns, self.worker, block=block, most=most):
             with self._lock:
                 self.held.add(envelope["id"])
             if envelope.get("kind") in ("chat", "completion"):
                 if Request.rows_of(envelope) > self.share:  # (the API refuses them: one from elsewhere)
                     message = f"A request may ask for at most {self.share} completions (n times the prompts)."
-                    self._answer(envelope["id"], inference.error_message(400, "too_many_completions", message, "n"))
+                    self._answer(envelope["id"], inference_bus.error_message(400, "too_many_completions", message, "n"))
                     continue
                 try:  # (an object store's checkpoints are fetched here, once a host)
                     servable = Servable.from_wire(envelope["servable"])
                 except (OSError, ValueError) as exc:
                     message = f"The model's checkpoints could not be fetched: {exc}"
-                    self._answer(envelope["id"], inference.error_message(500, "model_load_failed", message))
+                    self._answer(envelope["id"], inference_bus.error_message(500, "model_load_failed", message))
                     continue
                 self.pending.append(Request(envelope, servable))
             elif self.chores is not None:
                 self.requests.append(envelope)  # answered between batches, never inside one's decoding
             else:
-                self._answer(envelope["id"], inference.error_message(400, "unsupported", "not served here"))
+                self._answer(envelope["id"], inference_bus.error_message(400, "unsupported", "not served here"))
 
     def _answer_requests(self) -> None:
         """The taken requests that are no completion (exports, remote reward models' batches), each
@@ -225,15 +225,15 @@ class Server:
         try:
             yield
         except JobError as exc:
-            self._fail(requests, inference.error_message(500, exc.code, exc.message))
+            self._fail(requests, inference_bus.error_message(500, exc.code, exc.message))
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             message = "The inference worker ran out of GPU memory; send fewer or shorter requests at once."
-            self._fail(requests, inference.error_message(503, "out_of_memory", message))
+            self._fail(requests, inference_bus.error_message(503, "out_of_memory", message))
         except Exception as exc:  # a bug or a broken model
             log.exception("inference batch failed")
             message = f"Inference failed: {type(exc).__name__}: {exc}"
-            self._fail(requests, inference.error_message(500, "inference_failed", message))
+            self._fail(requests, inference_bus.error_message(500, "inference_failed", message))
 
     def _fail(self, requests: list[Request], message: dict[str, Any]) -> None:
         for request in requests:
@@ -252,20 +252,20 @@ class Server:
         try:
             texts = [prompt_text(item, tok) for item in items]
         except JobError as exc:  # a chat template that cannot render these messages
-            return inference.error_message(400, exc.code, exc.message, param)
+            return inference_bus.error_message(400, exc.code, exc.message, param)
         except Exception as exc:  # noqa: BLE001 - a template's own error (a role it refuses, …)
-            return inference.error_message(400, "invalid_messages", f"The chat template refused them: {exc}", param)
-        why = inference.past_any_context(context, max(len(text.encode()) for text in texts), param)
+            return inference_bus.error_message(400, "invalid_messages", f"The chat template refused them: {exc}", param)
+        why = inference_bus.past_any_context(context, max(len(text.encode()) for text in texts), param)
         if why is not None:  # never tokenized whole
-            return inference.error_message(400, "context_length_exceeded", why, param)
+            return inference_bus.error_message(400, "context_length_exceeded", why, param)
         prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
         longest = max(len(p) for p in prompts)
         asked = env.get("max_tokens")
         if longest == 0:
-            return inference.error_message(400, "empty_prompt", "The prompt has no tokens.", param)
+            return inference_bus.error_message(400, "empty_prompt", "The prompt has no tokens.", param)
         if context is not None and longest + (asked or 1) > context:
             what = f"{longest} in the {param}" + (f", {asked} in the completion" if asked else "")
-            return inference.error_message(
+            return inference_bus.error_message(
                 400,
                 "context_length_exceeded",
                 f"This model's maximum context length is {context} tokens. However, you requested "
@@ -302,10 +302,10 @@ class Server:
 
         def gone() -> set[str]:
             live = [rid for rid in running if rid in self.held]
-            dropped = inference.cancelled(self.conn, self.ns, live)
+            dropped = inference_bus.cancelled(self.conn, self.ns, live)
             dropped |= {rid for rid in live if float(running[rid].envelope["deadline"]) <= time.time()}
             for rid in dropped:
-                self._answer(rid, inference.error_message(499, "cancelled", "The client went away."))
+                self._answer(rid, inference_bus.error_message(499, "cancelled", "The client went away."))
             return dropped | {rid for rid in running if rid not in self.held}
 
         def joining() -> list[Row]:
@@ -350,7 +350,9 @@ class Server:
         return None
 
     def _start(self, requests: list[Request], running: dict[str, Request]) -> None:
-        inference.push(self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests])
+        inference_bus.push(
+            self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests]
+        )
         for request in requests:
             running[request.id] = request
             self.active_rows += request.row_count
@@ -371,7 +373,7 @@ class Server:
                 self.project_rows[request.project] -= 1
                 if request.open_rows == 0:
                     ended.append(request)
-        inference.push(self.conn, self.ns, messages)
+        inference_bus.push(self.conn, self.ns, messages)
         for request in ended:
             completion = sum(row.sampled for row in request.rows)
             usage = {
@@ -384,7 +386,7 @@ class Server:
     def _answer(self, rid: str, last: dict[str, Any]) -> None:
         if last.get("t") == "error":  # (a model that would not load names its directory)
             last = {**last, "message": tenant_safe(str(last["message"]))}
-        inference.finish(self.conn, self.ns, self.worker, rid, last)
+        inference_bus.finish(self.conn, self.ns, self.worker, rid, last)
         with self._lock:
             self.held.discard(rid)
 
@@ -421,6 +423,8 @@ def main(worker: str) -> None:
     server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
     # A worker of its own queue (`--serve --queue`, remote reward models) leaves evaluations to the others.
     server.chores = Chores(server, evaluations=settings.serve_queue in (None, f"{settings.queue}-serve"))
-    log.info("inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference.serve_queue())
+    log.info(
+        "inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference_bus.serve_queue()
+    )
     parent = os.getppid()  # its supervisor: in a container that is PID 1, so compare, never test for 1
     server.run(lambda: os.getppid() == parent)

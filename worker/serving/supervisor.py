@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from service import inference
-from service.settings import get_settings
+from service.core.settings import get_settings
+from service.infra import inference_bus
 
 log = logging.getLogger("rloo.serve")
 
@@ -28,7 +28,7 @@ def supervise() -> None:
     settings = get_settings()
     logging.basicConfig(format="[%(asctime)s: %(levelname)s/serve] %(message)s", level=logging.INFO)
     conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=10, socket_connect_timeout=10)
-    ns = inference.namespace(inference.serve_queue())
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     stopping: list[int] = []
     child: subprocess.Popen[bytes] | None = None
 
@@ -49,7 +49,7 @@ def supervise() -> None:
         if stopping:
             break
         try:
-            lost = inference.worker_gone(conn, ns, worker)
+            lost = inference_bus.worker_gone(conn, ns, worker)
         except Exception as exc:  # Redis away: the API sees the leases expire instead
             log.warning("could not answer the dead worker's requests: %s", exc)
             lost = 0

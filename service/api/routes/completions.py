@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions`` in OpenAI's shapes, on base models and on
 the project's fine-tuned models and checkpoints, answered by the inference workers
-(``rloo worker --serve``; ``service.inference`` carries the request there and the tokens back).
+(``rloo worker --serve``; ``service.infra.inference_bus`` carries the request there and the tokens back).
 
 With ``stream: true`` the answer is OpenAI's server-sent events (``chat.completion.chunk`` or
 ``text_completion`` objects, then ``data: [DONE]``); without, one object once the last choice ends.
@@ -23,16 +23,17 @@ import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service import inference, servable
 from service.api.deps import ProjectDep, SessionDep, SettingsDep
 from service.api.responses import JSON
 from service.api.routing import StrictJSONRoute
+from service.api.schemas.completions import ChatCompletionCreate, CompletionCreate, Sampling
 from service.api.streams import EventStreamResponse
-from service.crud import Caller
-from service.db import run_db
-from service.errors import APIError, error_body, no_inference_worker
-from service.sampling import ChatCompletionCreate, CompletionCreate, Sampling
-from service.settings import Settings
+from service.core.crud import Caller
+from service.core.db import run_db
+from service.core.errors import APIError, error_body, no_inference_worker
+from service.core.settings import Settings
+from service.infra import inference_bus
+from service.registry import weights
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["inference"])
 log = logging.getLogger("rloo.api")
@@ -122,14 +123,12 @@ async def _complete(
     body: Sampling,
     shape: Shape,
 ) -> Response:
-    served = await run_db(
-        session, lambda: servable.resolve(session, settings, project_seq=project.seq, name=body.model)
-    )
-    body.check_context(servable.context_of(served))
-    ns = inference.namespace(inference.serve_queue())
+    served = await run_db(session, lambda: weights.resolve(session, settings, project_seq=project.seq, name=body.model))
+    body.check_context(weights.context_of(served))
+    ns = inference_bus.namespace(inference_bus.serve_queue())
     rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings)
     deadline = time.time() + settings.inference_timeout_seconds
-    conn = inference.connect_async()
+    conn = inference_bus.connect_async()
     admitted = answered = handed = False
     try:
         await _admit(conn, ns, settings, key=key, rid=rid, tokens=tokens, deadline=deadline)
@@ -142,12 +141,12 @@ async def _complete(
             "servable": served,
             **body.wire(),
         }
-        await inference.submit(conn, ns, envelope)
+        await inference_bus.submit(conn, ns, envelope)
 
         async def wanted() -> bool:  # a client that left while its request waited frees its place
             return not await request.is_disconnected()
 
-        messages = inference.replies(conn, ns, rid, deadline, wanted=wanted).__aiter__()
+        messages = inference_bus.replies(conn, ns, rid, deadline, wanted=wanted).__aiter__()
         first = await _next(messages, settings)
         if first["t"] == "error":
             answered = True
@@ -162,7 +161,7 @@ async def _complete(
         whole = await _collect(shape, messages, settings)
         answered = True
         return JSON(whole)
-    except inference.ClientGone:
+    except inference_bus.ClientGone:
         return Response(status_code=499)  # nobody reads it; the finally lets the request go
     except redis.RedisError as exc:
         raise APIError(
@@ -178,7 +177,7 @@ async def _complete(
 
 async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, tokens: int, deadline: float) -> None:
     try:
-        await inference.admit(
+        await inference_bus.admit(
             conn,
             ns,
             key=key,
@@ -188,9 +187,9 @@ async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, 
             cap=settings.inference_max_concurrent,
             token_cap=settings.inference_max_tokens_in_flight,
         )
-    except inference.NoWorker:
+    except inference_bus.NoWorker:
         raise no_inference_worker("No inference worker is running") from None
-    except inference.Refused as refused:
+    except inference_bus.Refused as refused:
         limit = (
             f"{settings.inference_max_concurrent} requests in flight (RLOO_INFERENCE_MAX_CONCURRENT)"
             if refused.what == "requests"
@@ -208,9 +207,9 @@ async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, 
 async def _next(messages: AsyncIterator[dict[str, Any]], settings: Settings) -> dict[str, Any]:
     try:
         return await messages.__anext__()
-    except inference.WorkerLost:
-        raise _error(inference.lost_message()) from None
-    except inference.TimedOut:
+    except inference_bus.WorkerLost:
+        raise _error(inference_bus.lost_message()) from None
+    except inference_bus.TimedOut:
         raise APIError(
             504,
             f"The request took longer than {settings.inference_timeout_seconds:g} s (RLOO_INFERENCE_TIMEOUT_SECONDS); "
@@ -292,9 +291,9 @@ async def _let_go(conn: Any, ns: str, key: str, rid: str, tokens: int, *, admitt
     with anyio.CancelScope(shield=True):
         try:
             if cancel:
-                await inference.cancel(conn, ns, rid)
+                await inference_bus.cancel(conn, ns, rid)
             if admitted:
-                await inference.release(conn, ns, key=key, rid=rid, tokens=tokens)
+                await inference_bus.release(conn, ns, key=key, rid=rid, tokens=tokens)
         except redis.RedisError as exc:  # the entry expires at its deadline anyway
             log.warning("could not let request %s go: %s", rid, exc)
         finally:

@@ -13,15 +13,17 @@ from fastapi import APIRouter
 from pydantic import Field
 from sqlalchemy import select
 
-from service import evaluations, graders, servable
+from service import graders
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.responses import JSON, page
 from service.api.routes.jobs import _file, _job
 from service.api.routing import StrictJSONRoute
-from service.db import ends_session
-from service.errors import APIError, bad_request, not_found
-from service.models import Checkpoint, Evaluation, Job
-from service.schemas import Strict
+from service.core.db import ends_session
+from service.core.errors import APIError, bad_request, not_found
+from service.core.tables import Checkpoint, Evaluation, Job
+from service.core.validation import Strict
+from service.jobs import evaluations
+from service.registry import weights
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["evaluations"])
 
@@ -81,7 +83,7 @@ def create_evaluation(
     models = [{"model": job.model, "step_number": None}] + _checkpoints(session, job, body.checkpoints)
     for entry in models:  # each one servable now, or a 400 that says which
         try:
-            servable.resolve(session, settings, project_seq=project.seq, name=entry["model"], include_deleted=True)
+            weights.resolve(session, settings, project_seq=project.seq, name=entry["model"], include_deleted=True)
         except APIError as exc:
             raise bad_request(f"{entry['model']} cannot be evaluated: {exc.message}", "checkpoints") from None
     hp = job.hyperparameters

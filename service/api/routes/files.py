@@ -1,4 +1,4 @@
-"""Files: JSONL prompt datasets, streamed to the artifacts store (``service.artifacts``: the directory,
+"""Files: JSONL prompt datasets, streamed to the artifacts store (``service.infra.artifacts``: the directory,
 or an object store), validated line by line."""
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, evaluations, idempotency
 from service.api.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.responses import JSON, page, replayed
 from service.api.routing import StrictJSONRoute
-from service.artifacts import S3Store, open_store
-from service.datasets import UploadSummary, copy_jsonl, store_jsonl
-from service.db import ends_session, write_lock
-from service.errors import APIError, bad_request, not_found
-from service.models import Evaluation, File, Job, new_id
-from service.settings import Settings
-from service.storage import confined, staged_path
+from service.core import crud
+from service.core.db import ends_session, write_lock
+from service.core.errors import APIError, bad_request, not_found
+from service.core.settings import Settings
+from service.core.tables import Evaluation, File, Job, new_id
+from service.files.datasets import UploadSummary, copy_jsonl, store_jsonl
+from service.files.upload_sweep import confined, staged_path
+from service.infra.artifacts import S3Store, open_store
+from service.jobs import evaluations, idempotency, lifecycle
 
 router = APIRouter(prefix="/v1/files", route_class=StrictJSONRoute, tags=["files"])
 
@@ -235,7 +236,7 @@ def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep,
     with write_lock(session):  # against a job being created with it (crud.lock_files)
         if not crud.lock_files(session=session, project_seq=project.seq, file_ids=[f.id], for_delete=True):
             raise not_found("file", file_id)
-        if crud.files_in_use(session=session, file_id=f.id):
+        if lifecycle.file_in_use(session=session, file_id=f.id):
             session.rollback()
             raise APIError(
                 409,

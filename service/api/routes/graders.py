@@ -12,12 +12,12 @@ from service import graders
 from service.api.deps import ProjectDep, SettingsDep
 from service.api.responses import JSON
 from service.api.routing import StrictJSONRoute
-from service.datasets import MAX_DEPTH
-from service.errors import APIError, bad_request
+from service.api.schemas.graders import GraderRun, GraderValidate
+from service.core.errors import APIError, bad_request
+from service.core.settings import Settings
+from service.core.strictjson import depth
+from service.files.datasets import MAX_DEPTH
 from service.graders.report import run_answer
-from service.schemas import GraderRun, GraderValidate
-from service.settings import Settings
-from service.strictjson import depth
 
 router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", route_class=StrictJSONRoute, tags=["graders"])
 
@@ -40,7 +40,7 @@ def validate_grader(_: ProjectDep, settings: SettingsDep, body: GraderValidate) 
 
 @router.post("/run", summary="Run a grader on one sample")
 async def run_grader(project: ProjectDep, settings: SettingsDep, body: GraderRun) -> JSON:
-    """Every grader runs on a worker of the graders queue (service.dryruns), within
+    """Every grader runs on a worker of the graders queue (service.jobs.dry_runs), within
     RLOO_GRADER_RUN_SECONDS, at most RLOO_MAX_DRY_RUNS at once per project: the API grades nothing."""
     grader = _parse(body.grader, settings)
     item = dict(body.item)
@@ -77,17 +77,18 @@ def _check_item(item: dict[str, Any], max_bytes: int) -> None:
 
 
 async def _run_on_worker(project: str, payload: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    from service import dryruns, queue
+    from service.infra import task_queue
+    from service.jobs import dry_runs
 
     try:
-        return await dryruns.run(
+        return await dry_runs.run(
             project=project,
             payload=payload,
-            queue=queue.grader_queue(),
+            queue=task_queue.grader_queue(),
             timeout=settings.grader_run_seconds,
             cap=settings.max_dry_runs,
         )
-    except dryruns.Busy:
+    except dry_runs.Busy:
         raise APIError(
             429,
             f"This project already has {settings.max_dry_runs} grader runs in progress (RLOO_MAX_DRY_RUNS); "
@@ -95,7 +96,7 @@ async def _run_on_worker(project: str, payload: dict[str, Any], settings: Settin
             code="too_many_dry_runs",
             headers={"Retry-After": "1"},
         ) from None
-    except dryruns.NoAnswer as exc:
+    except dry_runs.NoAnswer as exc:
         raise APIError(504, str(exc), param="grader", code="grader_timeout") from None
     except Exception as exc:  # the broker is down
         raise APIError(

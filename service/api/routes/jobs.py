@@ -13,19 +13,23 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import String, cast, select
 from sqlalchemy.exc import IntegrityError
 
-from service import crud, exports, finetuned, graders, idempotency, jobspec, lifecycle, memoryplan, queue
+from service import graders
 from service.api import streams
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.responses import JSON, page, replayed
 from service.api.routing import StrictJSONRoute
 from service.api.tarstream import TarLayout, tar_response
-from service.artifacts import S3Store, open_store
-from service.crud import Caller
-from service.db import ends_session, run_db, write_lock
-from service.errors import APIError, bad_request, model_not_found, not_found
-from service.lifecycle import JobStatus
-from service.models import Checkpoint, File, Job, JobEvent
-from service.schemas import JobCreate, Resources
+from service.core import crud
+from service.core.crud import Caller
+from service.core.db import ends_session, run_db, write_lock
+from service.core.errors import APIError, bad_request, model_not_found, not_found
+from service.core.tables import Checkpoint, File, Job, JobEvent
+from service.infra import task_queue
+from service.infra.artifacts import S3Store, open_store
+from service.jobs import idempotency, lifecycle, memory_plan, spec
+from service.jobs.lifecycle import JobStatus
+from service.jobs.spec import JobCreate, Resources
+from service.registry import exports, finetuned
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
@@ -97,12 +101,12 @@ def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> Fil
 @ends_session
 def estimate_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
     """The same body as a job's creation, checked the same way (no file is read): what the job would
-    hold a device (``service.memoryplan``), nothing created."""
-    _, hp = jobspec.check_spec(body, settings=settings)
+    hold a device (``service.jobs.memory_plan``), nothing created."""
+    _, hp = spec.check_spec(body, settings=settings)
     base_model = _base_model(session, project, settings, body)
     try:
         return JSON(_plan(settings, base_model, hp, body))
-    except memoryplan.UnknownShape as exc:
+    except memory_plan.UnknownShape as exc:
         raise bad_request(f"The memory of a job on '{base_model}' cannot be planned: {exc}.", "model") from None
 
 
@@ -121,14 +125,14 @@ def create_job(
         stored := idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
     ):
         return replayed(stored)
-    grader, hp = jobspec.check_spec(body, settings=settings)
+    grader, hp = spec.check_spec(body, settings=settings)
     base_model = _base_model(session, project, settings, body)
     method = body.method_
     kind = method.type
     _check_memory(settings, base_model, hp, body)
     training, validation = _checked_files(session, project, body, grader)
     total_steps = hp.total_steps(training.line_count)
-    jobspec.check_kept_checkpoints(
+    spec.check_kept_checkpoints(
         hp, total_steps, cap=settings.max_kept_checkpoints, param=f"method.{kind}.hyperparameters"
     )
     stored_hp = hp.model_dump()
@@ -148,7 +152,7 @@ def create_job(
         metadata_=body.metadata,
         integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
         resources=resources,
-        lane=queue.lane(resources),
+        lane=task_queue.lane(resources),
         method=method_object,
         hyperparameters=stored_hp,
         status=JobStatus.QUEUED.value,
@@ -173,7 +177,7 @@ def create_job(
             job=job,
             message=f"Validated training file: {training.id} ({training.line_count} lines, {total_steps} steps)",
         )
-        for note in jobspec.notes(hp):
+        for note in spec.notes(hp):
             lifecycle.add_event(session=session, job=job, message=note)
         if key is not None:  # the answer, in the same transaction as the job
             idempotency.remember(
@@ -192,7 +196,7 @@ def create_job(
                     session, project_seq=project.seq, route="jobs", key=key, digest=digest
                 )
             )
-    if not queue.enqueue_job(job):
+    if not task_queue.enqueue_job(job):
         lifecycle.add_event(
             session=session,
             job=job,
@@ -215,9 +219,9 @@ def _checked_files(
         if f is None:
             continue
         source = f"the {which.replace('_', ' ')} ({f.id})"
-        jobspec.check_format(method.family, f.keys_summary or {}, source=source, param=which)
+        spec.check_format(method.family, f.keys_summary or {}, source=source, param=which)
         if grader is not None:
-            jobspec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{method.type}.grader")
+            spec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{method.type}.grader")
     return training, validation
 
 
@@ -229,14 +233,14 @@ def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, bod
     source = finetuned.find(session=session, project_seq=project.seq, name=body.model)
     if source is None:
         raise model_not_found(body.model)
-    jobspec.check_context(body, settings.models_dir / source.base_model)
+    spec.check_context(body, settings.models_dir / source.base_model)
     return source.base_model
 
 
 def _plan(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> dict[str, Any]:
     """The job's memory plan on the devices it asks for (``resources``)."""
     resources = body.resources or Resources()
-    return memoryplan.for_job(
+    return memory_plan.for_job(
         settings.models_dir,
         base_model,
         hp,
@@ -249,14 +253,14 @@ def _plan(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> d
 
 def _check_memory(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> None:
     """A job whose memory plan fits no accelerator kind the operator declared (RLOO_ACCELERATORS) is
-    a 400 now, not a failure hours later (``service.memoryplan``). A model whose shape its files do
+    a 400 now, not a failure hours later (``service.jobs.memory_plan``). A model whose shape its files do
     not say (a hub id) is not checked."""
     if not settings.accelerators:
         return
     kind = body.method_.type
     try:
         estimate = _plan(settings, base_model, hp, body)
-    except memoryplan.UnknownShape:
+    except memory_plan.UnknownShape:
         return
     if any(estimate["fits"].values()):
         return
@@ -266,15 +270,15 @@ def _check_memory(settings: SettingsDep, base_model: str, hp: Any, body: JobCrea
     raise bad_request(
         f"This job needs about {need:.1f} GiB a device on {estimate['devices']} device(s) (POST "
         f"/v1/fine_tuning/jobs/estimate shows the parts); the largest accelerator it may run on is {largest[0]} "
-        f"with {largest[1]:g} GiB, {memoryplan.HEADROOM:.0%} of it usable. "
-        f"To fit: {memoryplan.what_to_change(hp, estimate['bytes'])}.",
+        f"with {largest[1]:g} GiB, {memory_plan.HEADROOM:.0%} of it usable. "
+        f"To fit: {memory_plan.what_to_change(hp, estimate['bytes'])}.",
         f"method.{kind}.hyperparameters",
         "insufficient_memory",
     )
 
 
 def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
-    waiting = crud.waiting_jobs(session=session, project_seq=project.seq, up_to=cap)
+    waiting = lifecycle.waiting_jobs(session=session, project_seq=project.seq, up_to=cap)
     if waiting >= cap:
         session.rollback()
         raise APIError(
@@ -378,7 +382,7 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
                 code="invalid_state",
             )
         raise APIError(409, f"Job {job_id} is {job.status}; only a paused job can be resumed.", code="invalid_state")
-    if not queue.enqueue_job(job):
+    if not task_queue.enqueue_job(job):
         lifecycle.add_event(
             session=session,
             job=job,

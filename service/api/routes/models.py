@@ -1,7 +1,7 @@
 """Models (OpenAI's ``/v1/models``): the base models under the models root and the project's
 fine-tuned models, each ``{id, object: "model", created, owned_by}``.
 
-A fine-tuned model (``service.finetuned``) is a succeeded job's; its checkpoints are models too
+A fine-tuned model (``service.registry.finetuned``) is a succeeded job's; its checkpoints are models too
 (retrieve them by their ``fine_tuned_model_checkpoint`` id; the list shows the final ones).
 ``DELETE`` of a fine-tuned model takes it out of the list and out of reach of new jobs; its job,
 checkpoints and files stay.
@@ -15,17 +15,18 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from service import evaluations, export_dirs, finetuned
 from service.api.deps import ProjectDep, SessionDep, SettingsDep
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
-from service.artifacts import open_store
-from service.crud import Caller
-from service.db import ends_session
-from service.errors import APIError, model_not_found
-from service.lifecycle import JobStatus
-from service.modelroot import list_models
-from service.models import Evaluation, Job, now
+from service.core.crud import Caller
+from service.core.db import ends_session
+from service.core.errors import APIError, model_not_found
+from service.core.tables import Evaluation, Job, now
+from service.infra.artifacts import open_store
+from service.jobs import evaluations
+from service.jobs.lifecycle import JobStatus
+from service.registry import export_dirs, finetuned
+from service.registry.model_root import list_models
 
 log = logging.getLogger("rloo.api")
 router = APIRouter(prefix="/v1/models", route_class=StrictJSONRoute, tags=["models"])

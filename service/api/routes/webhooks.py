@@ -2,7 +2,7 @@
 ``client.webhooks``): create (the signing secret answered once), list, retrieve, update, delete,
 rotate the secret, send a test event; plus ``GET …/{id}/deliveries``, each delivery's state.
 
-Deliveries themselves are made by the workers' side (``service.webhooks``).
+Deliveries themselves are made by the workers' side (``service.jobs.webhooks``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from typing import Any
 from fastapi import APIRouter
 from sqlalchemy import func, select
 
-from service import egress, outbound, webhooks
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
-from service.crud import Caller
-from service.db import ends_session, run_db
-from service.errors import APIError, bad_request, not_found
-from service.models import WebhookDelivery, WebhookEndpoint, now
-from service.schemas import WebhookCreate, WebhookRotate, WebhookTest, WebhookUpdate
-from service.settings import Settings
+from service.api.schemas.webhooks import WebhookCreate, WebhookRotate, WebhookTest, WebhookUpdate
+from service.core.crud import Caller
+from service.core.db import ends_session, run_db
+from service.core.errors import APIError, bad_request, not_found
+from service.core.settings import Settings
+from service.core.tables import WebhookDelivery, WebhookEndpoint, now
+from service.infra import egress, outbound
+from service.jobs import webhooks
 
 router = APIRouter(prefix="/v1/webhook_endpoints", route_class=StrictJSONRoute, tags=["webhooks"])
 

@@ -1,5 +1,5 @@
 """``GET /v1/workers``: the fleet of training workers as they registered themselves
-(``service.fleet``), for the operator's key only: hosts and devices span every project."""
+(``service.jobs.fleet``), for the operator's key only: hosts and devices span every project."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from service import fleet
 from service.api.deps import OperatorDep, SessionDep, SettingsDep
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
-from service.db import ends_session
-from service.models import Worker
+from service.core.db import ends_session
+from service.core.tables import Worker
+from service.jobs import fleet
 
 router = APIRouter(prefix="/v1/workers", route_class=StrictJSONRoute, tags=["workers"])
 

@@ -1,0 +1,97 @@
+"""Fine-tuned models: their ids (OpenAI's form), and finding the checkpoint an id names.
+
+A succeeded job's model is ``ft:<base>:<project>:<suffix>:<job id>`` and each checkpoint's
+``ft:<base>:<project>:<suffix>:<job id>:ckpt-step-<N>``, as OpenAI writes them. ``<base>`` is the
+base model directory the weights descend from (a chain of jobs keeps its first base). A new job's
+``model`` may name either, in its own project: it starts from that checkpoint's weights.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.core.tables import Checkpoint, Job, Project
+
+PREFIX = "ft:"
+
+
+def is_fine_tuned(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def _part(text: str) -> str:
+    """A name as one segment of an id: no colon, no space."""
+    return re.sub(r"[^A-Za-z0-9._/-]+", "-", text).strip("-")
+
+
+def model_id(*, base: str, project: str, suffix: str | None, job_id: str) -> str:
+    return f"{PREFIX}{_part(base)}:{_part(project)}:{_part(suffix or '')}:{job_id}"
+
+
+def checkpoint_id(model: str, step: int) -> str:
+    return f"{model}:ckpt-step-{step}"
+
+
+def project_name(*, session: Session, project_seq: int) -> str:
+    return session.scalar(select(Project.name).where(Project.seq == project_seq)) or "project"
+
+
+MAX_CHAIN = 64
+"""Most jobs in a chain (each started from the one before's model): bounds the walk back."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a fine-tuned model's weights are: its base model directory, and the checkpoints
+    (relative to the artifacts root) to apply to it in order, oldest first: the named one last,
+    after those of the jobs its own job started from (a LoRA checkpoint holds only its adapter,
+    trained on its job's starting weights)."""
+
+    base_model: str
+    chain: tuple[str, ...]
+    job: Job
+
+
+def find(*, session: Session, project_seq: int, name: str, include_deleted: bool = False) -> Source | None:
+    """The checkpoint a fine-tuned model or checkpoint id of the project names, or None (another
+    project's, an unknown id, a model whose job did not succeed, a deleted model's unless
+    ``include_deleted``: a job already started from it keeps its weights)."""
+    chain: list[str] = []
+    first: tuple[Checkpoint, Job] | None = None
+    while is_fine_tuned(name) and len(chain) < MAX_CHAIN:
+        pair = _named_checkpoint(session, project_seq, name) or _final_checkpoint(session, project_seq, name)
+        if pair is None or (first is None and pair[1].model_deleted_at is not None and not include_deleted):
+            return None
+        first = first or pair
+        chain.insert(0, pair[0].path)
+        name = pair[1].model  # the model its job started from: a base model ends the walk
+    if first is None or is_fine_tuned(name):
+        return None
+    job = first[1]
+    return Source(base_model=job.base_model or job.model, chain=tuple(chain), job=job)
+
+
+def _named_checkpoint(session: Session, project_seq: int, name: str) -> tuple[Checkpoint, Job] | None:
+    found = session.execute(
+        select(Checkpoint, Job)
+        .join(Job, Job.seq == Checkpoint.job_seq)
+        .where(Job.project_seq == project_seq, Checkpoint.fine_tuned_model_checkpoint == name)
+    ).first()
+    return None if found is None else (found[0], found[1])
+
+
+def _final_checkpoint(session: Session, project_seq: int, name: str) -> tuple[Checkpoint, Job] | None:
+    """A fine-tuned model's weights: its succeeded job's newest checkpoint."""
+    job = session.scalar(
+        select(Job).where(Job.project_seq == project_seq, Job.fine_tuned_model == name, Job.status == "succeeded")
+    )
+    if job is None:
+        return None
+    ckpt = session.scalar(
+        select(Checkpoint).where(Checkpoint.job_seq == job.seq).order_by(Checkpoint.step_number.desc()).limit(1)
+    )
+    return (ckpt, job) if ckpt is not None else None
