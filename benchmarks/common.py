@@ -60,7 +60,7 @@ def count_reward(texts: list[str]) -> list[float]:
 def counting_reward() -> Iterator[None]:
     """Score our engine's completions with ``count_reward``: the grader family has no counting
     grader, and a python grader would run in a sandboxed process TRL's reward function does not pay for."""
-    import worker.engine.train as train_mod
+    import worker.engine.methods.rloo as train_mod
 
     real = train_mod.score_batch
 
@@ -148,7 +148,7 @@ def ours(
     The reward is ``count_reward`` unless ``grader`` names the job's own (a reward model, say)."""
     from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
 
     hyper = Hyperparameters(
         rloo_k=K,

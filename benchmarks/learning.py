@@ -280,11 +280,11 @@ def gradient_variance(points: dict[int, Path | None], batches: int = VARIANCE_BA
     if batches < 2:
         raise ValueError("the gradient variance needs at least 2 batches a point")
 
-    from worker.engine import algorithms as rloo
     from worker.engine.data import batch_indices, prompt_text
+    from worker.engine.methods import policy_gradient as rloo
     from worker.engine.prepare import prepare
-    from worker.engine.rewards import score_batch
-    from worker.engine.rollout import completion_logprobs
+    from worker.engine.rewards.scoring import score_batch
+    from worker.engine.rollout.base import completion_logprobs
     from worker.engine.standalone import spec_config
 
     out: dict[str, Any] = {}

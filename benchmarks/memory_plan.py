@@ -51,8 +51,8 @@ def _case(models: str, model: str, case: str) -> None:
     from service.jobs import memory_plan
     from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
+    from worker.engine.methods.rloo import train
     from worker.engine.recorders import QuietRecorder
-    from worker.engine.train import train
 
     hp = Hyperparameters(**SETTINGS, max_steps=2, **CASES[case]).resolved()
     estimate = memory_plan.plan(memory_plan.model_shape(Path(models) / model), hp, method="reinforcement", device="cpu")

@@ -57,7 +57,7 @@ from benchmarks.common import (
 from service.graders import parse_grader
 from service.jobs.hyperparameters import Hyperparameters
 from worker.engine.config import TrainConfig
-from worker.engine.train import train
+from worker.engine.methods.rloo import train
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -73,7 +73,7 @@ def _endpoint(latency_s: float) -> Iterator[str]:
 
 
 def _http_cases(models: Path, data: Path, tmp: Path) -> dict[str, Any]:
-    import worker.engine.train as train_mod
+    import worker.engine.methods.rloo as train_mod
     from service.core.settings import get_settings
 
     out: dict[str, Any] = {}

@@ -3,16 +3,16 @@
 For the *tiny*, *small* and 8-layer configs, a policy and a reward model of the same shape sharing
 its tokenizer (as the demo's reward-model job has), one step's rollouts sampled by the engine (k = 4,
 8 chat-rendered demo prompts, 32 new tokens), then the scoring of those 32 completions timed as the
-loop runs it (``worker.engine.rewards.score_batch`` over the job's grader: ``whole``), the same with each
+loop runs it (``worker.engine.rewards.scoring.score_batch`` over the job's grader: ``whole``), the same with each
 row read whole as before each prompt's part was read once (``whole_texts``), and stage by stage:
 
 * reading whole texts: ``render`` (the reward model's chat template, per sample), ``tokenize``
   (padded input batches), ``forward`` (the forwards, in inference mode), ``to_host`` (the logits to
   Python floats), ``other`` (the rest of that path: the grader tree, samples, Python per sample);
-* each prompt's part read once (``worker.engine.shared_prefix``): ``split`` (a render a prompt, the rows
+* each prompt's part read once (``worker.engine.rewards.shared_prefix``): ``split`` (a render a prompt, the rows
   tokenized and cut) and ``prefix_forward`` (a prompt's forward once, its rows after it);
 * ``floor``: one batched forward over the same 32 sequences, already tokenized;
-* the policy's sampled tokens read as they are (``worker.engine.rewards.SampledTokens``, what the loop
+* the policy's sampled tokens read as they are (``worker.engine.rewards.scoring.SampledTokens``, what the loop
   does since the reward model shares the policy's tokenizer): ``sampled`` (the loop's scoring), and
   its floor ``floor_sampled``, one batched forward over those sequences (a random model's samples
   re-encode longer than sampled, so these are shorter).
@@ -55,14 +55,15 @@ def _median_ms(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, An
 
 
 def profile(config: str) -> dict[str, Any]:
+    from worker.engine.rewards.scoring.shared_prefix import prefix_logits
+
     from service.graders import parse_grader
     from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.data import prompt_text
     from worker.engine.prepare import prepare
     from worker.engine.recorders import QuietRecorder
-    from worker.engine.rewards import SampledTokens, encode_texts, reward_model_texts, score_batch
-    from worker.engine.shared_prefix import prefix_logits
+    from worker.engine.rewards.scoring import SampledTokens, encode_texts, reward_model_texts, score_batch
     from worker.tiny.models import build_tiny_causal_lm, build_tiny_reward_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -174,7 +175,7 @@ def profile(config: str) -> dict[str, Any]:
 def _split(rm: Any, leaf: Any, tok: Any, samples: Any, items: Any, prompts: Any, sampled: Any = None) -> Any:
     """The rows cut after their prompts' part, as ``RewardModels._shared_prefix_scores`` cuts them
     (from the ``sampled`` token ids, where given)."""
-    from worker.engine import shared_prefix
+    from worker.engine.rewards.scoring import shared_prefix
 
     captured: dict[str, Any] = {}
     real = shared_prefix.prefix_logits

@@ -1,7 +1,7 @@
 """``rloo train`` against the engine benchmark's run, on the same model and settings
 (``python -m benchmarks.run train_vs_engine``).
 
-The engine's figures (``benchmarks.run engine``) come from ``worker.engine.train.train`` called in-process
+The engine's figures (``benchmarks.run engine``) come from ``worker.engine.methods.rloo.train`` called in-process
 with the count reward patched in; a user's ``rloo train SPEC.json`` is a process of its own with a
 grader. On the *small* policy, k = 4, 8 prompts, 32 new tokens, KL 0.05, ``STEPS`` steps each, the
 split's medians over steps 3 on:

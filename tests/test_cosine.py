@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from service.graders import GraderError, Sample, grade_batch, is_model_grader, parse_grader
-from worker.engine.rewards import EMBEDDING_PACKAGE, RewardModels, embedding_model_path, score_batch
+from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels, embedding_model_path, score_batch
 
 COSINE = {
     "type": "text_similarity",
@@ -88,7 +88,7 @@ def test_the_embedding_model_is_the_package_or_a_directory_under_the_models_root
 
 def test_a_job_trains_on_a_cosine_reward(tmp_path: Path, models_dir: Path) -> None:
     from tests.helpers.training import ListRecorder, config
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
 
     rec = ListRecorder()
     train(config(tmp_path, models_dir, COSINE, max_steps=2), rec)

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import ANSWER, LORA, TIMING, ListRecorder, config
 from worker.engine import modeling
-from worker.engine import train as train_mod
 from worker.engine.checkpoints import TRAINING_INFO, TRAINING_STATE, latest_resumable
+from worker.engine.methods import rloo as train_mod
+from worker.engine.methods.rloo import train
 from worker.engine.recorders import JobError
-from worker.engine.train import train
 
 
 def run(
@@ -387,7 +387,7 @@ def test_gradient_checkpointing_recomputes_and_changes_no_number(tmp_path, model
 def test_stop_strings_end_completions(tmp_path, models_dir):
     from transformers import AutoTokenizer
 
-    from worker.engine.rollout import cut_at_stop
+    from worker.engine.rollout.base import cut_at_stop
 
     tok = AutoTokenizer.from_pretrained(models_dir / "tiny-policy")
     ids = torch.tensor([tok.encode("blue sky. red", add_special_tokens=False)])

@@ -14,8 +14,8 @@ from service.core.db import session_scope
 from service.core.tables import Checkpoint, Job
 from service.registry import finetuned
 from tests.helpers.training import LORA, ListRecorder, load_policy, method_config
+from worker.engine.methods.rloo import train
 from worker.engine.prepare import start_from
-from worker.engine.train import train
 
 
 def _job(session, project_seq: int, model: str, status: str, ft: str | None) -> Job:  # type: ignore[no-untyped-def]

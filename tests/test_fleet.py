@@ -160,7 +160,7 @@ def test_a_pool_process_imports_the_training_stack_in_a_thread_unless_forked_wit
         "import sys; from worker import celery_app as c; "
         "assert 'torch' not in sys.modules; c._preload_training_stack(); "
         "assert c._PRELOAD is not None; c.wait_for_preload(); "
-        "assert {'torch', 'worker.engine.train', 'transformers.modeling_utils', 'transformers.modeling_layers'} "
+        "assert {'torch', 'worker.engine.methods.rloo', 'transformers.modeling_utils', 'transformers.modeling_layers'} "
         "<= set(sys.modules)"
     )
     forked = (

@@ -26,7 +26,7 @@ def live(tmp_path: Path, models_dir: Path) -> Iterator[LiveStack]:
 
 def test_a_reward_model_dry_run_is_scored_by_a_graders_worker(live: LiveStack, models_dir: Path) -> None:
     from service import graders
-    from worker.engine.rewards import RewardModels
+    from worker.engine.rewards.scoring import RewardModels
 
     live.start("grader-worker", "worker", "--queue", "rloo-graders")
     body = {"grader": REWARD_MODEL, "model_sample": "The sky is blue.", "item": {}}

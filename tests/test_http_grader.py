@@ -139,8 +139,8 @@ def test_a_broken_answer_fails_clearly_without_retrying(serve, answer: tuple[int
 
 def test_a_job_whose_http_grader_dies_fails_with_grader_unavailable(serve, tmp_path, models_dir) -> None:
     from tests.helpers.training import ListRecorder, config
+    from worker.engine.methods.rloo import train
     from worker.engine.recorders import JobError
-    from worker.engine.train import train
 
     endpoint = serve(lambda n, body: (200, {"scores": [0.5] * len(body["samples"])}) if n <= 2 else (500, {}))
     rec = ListRecorder()
@@ -217,7 +217,8 @@ def test_an_http_graders_job_scores_beside_the_reference_and_computes_the_same(
     """With a reference model (kl_coef > 0), an http grader scores on a thread while the reference
     forward runs; the same seed without the thread gives the same rewards, KL, loss and gradients."""
     from tests.helpers.training import ListRecorder, config
-    from worker.engine import overlap, train
+    from worker.engine import overlap
+    from worker.engine.methods import rloo
 
     endpoint = serve(lambda _, body: (200, {"scores": [len(s["sample"]["output_text"]) / 4 for s in body["samples"]]}))
     keys = ("train_reward_mean", "kl", "loss", "grad_norm", "entropy")
@@ -228,11 +229,11 @@ def test_an_http_graders_job_scores_beside_the_reference_and_computes_the_same(
             flags.append(beside)
             super().__init__(work, beside=beside)
 
-    monkeypatch.setattr(train, "Started", Spy)
+    monkeypatch.setattr(rloo, "Started", Spy)
     for beside in (True, False):
-        monkeypatch.setattr(train, "scored_elsewhere", lambda grader, on=beside: on)
+        monkeypatch.setattr(rloo, "scored_elsewhere", lambda grader, on=beside: on)
         rec = ListRecorder()
-        train.train(config(tmp_path / str(beside), models_dir, spec(endpoint.url), max_steps=3, kl_coef=0.05), rec)
+        rloo.train(config(tmp_path / str(beside), models_dir, spec(endpoint.url), max_steps=3, kl_coef=0.05), rec)
         runs[beside] = [[m[k] for k in keys] for m in rec.steps]
     assert flags == [True] * 3 + [False] * 3
     assert runs[True] == runs[False]

@@ -10,7 +10,7 @@ import pytest
 
 from service.graders import parse_grader
 from worker.engine.overlap import Started
-from worker.engine.rewards import scored_elsewhere
+from worker.engine.rewards.scoring import scored_elsewhere
 
 HTTP = {"type": "http", "name": "far", "url": "http://127.0.0.1:1/"}
 PYTHON = {"type": "python", "name": "py", "source": "def grade(sample, item):\n    return 1.0\n"}

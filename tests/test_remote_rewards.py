@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from service.graders import GraderError, GraderUnavailable, Sample, parse_grader
-from worker.engine.rewards import RewardModels, SampledTokens, tokenizer_fingerprint
+from worker.engine.rewards.scoring import RewardModels, SampledTokens, tokenizer_fingerprint
 
 RM = {"type": "reward_model", "name": "rm", "model": "tiny-reward"}
 QUESTIONS = ["What is 2 plus 2?", "Sky?", "Name a colour that the sea is."]

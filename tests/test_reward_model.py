@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from service.graders import Sample, parse_grader
-from worker.engine.rewards import RewardModels, SampledTokens, tokenizer_fingerprint
+from worker.engine.rewards.scoring import RewardModels, SampledTokens, tokenizer_fingerprint
 
 RM = {"type": "reward_model", "name": "rm", "model": "tiny-reward"}
 
@@ -205,8 +205,8 @@ def test_a_training_run_reads_the_sampled_tokens_and_ids_past_the_vocabulary_are
     """The loop hands the reward model the sampled tokens and it reads them (its tokenizer is the
     policy's); a row holding an id the reward model has no embedding for is read from its text."""
     from tests.helpers.training import ListRecorder, config
-    from worker.engine import shared_prefix
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
+    from worker.engine.rewards.scoring import shared_prefix
 
     splits: list[object] = []
     real = shared_prefix.sampled_rows

@@ -1,4 +1,4 @@
-"""Hand-worked checks of the RLOO math in worker/engine/algorithms.py, through its documented name
+"""Hand-worked checks of the RLOO math in worker/engine/methods/policy_gradient.py, through its documented name
 ``worker.rloo`` (spec: docs/algorithm.md). Arithmetic in comments."""
 
 import math

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from tests.helpers.training import load_policy
-from worker.engine.rollout import Sampling, TransformersBackend, completion_logprobs, completion_mask_from
+from worker.engine.rollout.base import (
+    Sampling,
+    TransformersBackend,
+    completion_logprobs,
+    completion_mask_from,
+)
 
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
 
@@ -99,7 +104,7 @@ def test_left_padding_does_not_change_a_prompts_logprobs(policy) -> None:
 
 
 def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
-    from worker.engine.rollout import _nucleus
+    from worker.engine.rollout.base import _nucleus
 
     probs = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
     # Ranked: 0.5, 0.25 (0.75 so far), 0.15 (0.90), 0.1. top_p 0.8 keeps 0.5, 0.25, 0.15.
@@ -109,7 +114,7 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p() -> None:
 
 
 def test_top_p_sampling_never_draws_outside_the_nucleus(policy) -> None:
-    from worker.engine.rollout import _nucleus
+    from worker.engine.rollout.base import _nucleus
 
     model, tok = policy
     ro = backend(policy, top_p=0.05, max_new_tokens=1).generate(PROMPTS, k=16, generator_seed=11)
@@ -138,7 +143,7 @@ def test_a_prompts_completions_do_not_depend_on_the_prompts_beside_it(policy) ->
 
 
 def test_sampling_draws_each_token_at_its_probability_and_never_a_zero() -> None:
-    from worker.engine.rollout import sample
+    from worker.engine.rollout.base import sample
 
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
     logits = probs.clamp(min=1e-45).log().expand(200_000, -1)  # -inf-like where the probability is 0
@@ -177,7 +182,7 @@ def test_sampling_at_a_low_temperature_is_greedy_decoding(policy) -> None:
 
 
 def test_the_4d_decode_mask_draws_the_same_tokens_as_the_2d_one(policy, monkeypatch) -> None:
-    import worker.engine.rollout as rollout
+    import worker.engine.rollout.base as rollout
 
     assert rollout._decode_mask_is_padding_only(policy[0].config)
     fast = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS, k=4, generator_seed=17)
@@ -221,7 +226,7 @@ def test_nan_logits_fail_the_rollout_clearly_and_never_index_past_the_vocabulary
     import copy
 
     from worker.engine.recorders import JobError
-    from worker.engine.rollout import sample
+    from worker.engine.rollout.base import sample
 
     logits = torch.tensor([[float("nan")] * 6, [0.0, float("-inf"), 1.0, 2.0, float("nan"), 0.5]])
     assert (sample(logits, 1.0, 1.0, torch.tensor([0.3, 0.9])) < 6).all()  # a valid id, whatever the row holds

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from worker.engine.rollout.base.backends import make_backend
 
 from tests.helpers.training import load_policy
-from worker.engine.backends import make_backend
-from worker.engine.rollout import Sampling, TransformersBackend
-from worker.engine.train import train
+from worker.engine.methods.rloo import train
+from worker.engine.rollout.base import Sampling, TransformersBackend
 
 FAKES = Path(__file__).parent / "fakes"
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]

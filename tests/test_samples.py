@@ -14,8 +14,8 @@ from tests.helpers.api import assert_error, create_job, upload_ok
 from tests.helpers.data import job_body
 from tests.helpers.training import ListRecorder, config
 from worker import rloo
+from worker.engine.methods.rloo import train
 from worker.engine.samples import MAX_CHARS, best_and_worst, is_sample_step, sample_groups
-from worker.engine.train import train
 
 
 def test_sample_steps_are_every_interval_and_the_last() -> None:

@@ -441,7 +441,7 @@ def test_without_bubblewrap_python_graders_refuse_to_run(monkeypatch) -> None:
 
 def test_a_job_with_a_python_grader_trains_counts_its_errors_and_says_the_first(tmp_path, models_dir) -> None:
     from tests.helpers.training import ListRecorder, config
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
 
     source = (
         "def grade(sample, item):\n"

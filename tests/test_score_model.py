@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.graders import GraderError, Sample, grader_to_dict, parse_grader, parse_judge_score
-from worker.engine.rewards import RewardModels, score_batch
+from worker.engine.rewards.scoring import RewardModels, score_batch
 
 JUDGE = {
     "type": "score_model",
@@ -153,7 +153,7 @@ def test_job_creation_checks_the_judge_model_and_its_item_keys(client, auth, jud
 
 def test_a_job_trains_on_a_judge(judge_models: Path, tmp_path: Path) -> None:
     from tests.helpers.training import ListRecorder, config
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
     from worker.tiny.models import build_tiny_causal_lm
 
     if not (judge_models / "tiny-policy").exists():  # the policy, beside the judge in this models root

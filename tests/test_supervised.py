@@ -12,9 +12,10 @@ import torch
 
 from tests.helpers.data import EXAMPLES
 from tests.helpers.training import LORA, TIMING, ListRecorder, load_policy, method_config
-from worker.engine import dpo, sequences
+from worker.engine import sequences
+from worker.engine.methods import dpo
+from worker.engine.methods.rloo import train
 from worker.engine.sequences import Example, batch_rows, chat_example, token_logprobs
-from worker.engine.train import train
 
 CHAT = {
     "messages": [

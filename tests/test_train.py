@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.training import ANSWER, ListRecorder, config
-from worker.engine.train import JobError, train
+from worker.engine.methods.rloo import JobError, train
 
 
 def test_reward_rises_on_the_demo_task(tmp_path: Path, models_dir: Path) -> None:

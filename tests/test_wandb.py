@@ -15,7 +15,7 @@ from tests.helpers.data import job_body
 from tests.helpers.training import ListRecorder, config
 from tests.helpers.wandb_offline import config as wandb_config
 from tests.helpers.wandb_offline import history
-from worker.engine.train import train
+from worker.engine.methods.rloo import train
 
 WANDB = [{"type": "wandb", "wandb": {"project": "rloo-tests", "name": "tiny", "tags": ["ci"]}}]
 

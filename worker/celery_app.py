@@ -87,7 +87,7 @@ def import_training_stack() -> bool:
     try:
         import transformers
 
-        import worker.engine.train  # noqa: F401
+        import worker.engine.methods.rloo  # noqa: F401
 
         for name in LAZY_TRANSFORMERS:
             getattr(transformers, name)
@@ -129,7 +129,8 @@ def _preload_training_stack(**_: object) -> None:
     and its first step. A thread: the pool gives a child's start only a few seconds. A task that
     arrives first waits for it (``wait_for_preload``)."""
     global _PRELOAD
-    if not PRELOAD_TRAINING_STACK or "worker.engine.train" in sys.modules:  # forked with it (imports_before_forking)
+    # Forked with it already (imports_before_forking):
+    if not PRELOAD_TRAINING_STACK or "worker.engine.methods.rloo" in sys.modules:
         return
     _PRELOAD = threading.Thread(target=import_training_stack, name="preload-torch", daemon=True)
     _PRELOAD.start()

@@ -1,10 +1,10 @@
 """The advantage estimators and the RLOO math under their documented name (``worker.rloo``): the
-functions live in the training engine, ``worker.engine.algorithms``; this module re-exports them so
+functions live in the training engine, ``worker.engine.methods.policy_gradient``; this module re-exports them so
 that scripts written against ``worker.rloo.rloo_advantages`` and ``worker.rloo.advantages`` keep working."""
 
 from __future__ import annotations
 
-from worker.engine.algorithms import (
+from worker.engine.methods.policy_gradient import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
     MAX_LOG_RATIO,

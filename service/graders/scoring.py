@@ -2,7 +2,7 @@
 
 ``SCORERS`` maps each grader class to the function that scores a batch with it. Rule graders score
 anywhere; a grader that needs a model (``needs_model``) scores only where the worker has put its own
-scorer in the table (``worker.engine.rewards.model_scorers``): here it raises a ``GraderError`` saying so.
+scorer in the table (``worker.engine.rewards.scoring.model_scorers``): here it raises a ``GraderError`` saying so.
 
 A completion that cannot be scored (a missing template key, a non-finite value, a division by zero)
 gets a NaN reward, never an exception: RLOO leaves NaN out of its group's baseline (see
@@ -171,7 +171,7 @@ def grade_one(
 
 
 # --------------------------------------------------------------------------------------------------
-# What model scorers render (the worker's, in worker.engine.rewards)
+# What model scorers render (the worker's, in worker.engine.rewards.scoring)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -163,7 +163,7 @@ class RewardModelGrader(Grader):
 
     ``input`` is an optional template for the text the model scores; None means the completion
     text. The worker renders it with ``render_reward_model_inputs``. ``remote``: scored by the
-    inference workers (``worker.engine.remote_rewards``), not beside the policy.
+    inference workers (``worker.engine.rewards.remote``), not beside the policy.
     """
 
     type: ClassVar[str] = "reward_model"

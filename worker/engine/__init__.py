@@ -3,4 +3,10 @@ device or several ranks, with torch alone. It imports no Celery, SQL or HTTP lay
 inside the function that sends a remote reward model's batch (``tests/test_layout.py`` checks it by
 path; a run of several ranks starts ``python -m worker.jobs.rank`` as processes). The Celery tier
 (``worker.jobs``) and ``rloo train`` (``worker.engine.standalone``) both drive it through
-``train(config, recorder)``."""
+``train(config, recorder)`` (``worker.engine.methods.rloo``).
+
+Its folders: ``methods`` (the loops and their math), ``rollout`` (sampling, both backends),
+``rewards`` (scoring a batch), ``distributed`` (ranks); beside them what every method shares: the
+run's config and state, ``prepare`` (model, data, optimizer), ``loop`` (recording, checkpoints, the
+end), ``data``, ``sequences``, ``samples``, ``metrics``, ``recorders``, ``modeling``,
+``checkpoints``, ``resume``, ``overlap``, and ``standalone`` (``rloo train``)."""

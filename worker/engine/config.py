@@ -44,10 +44,10 @@ class TrainConfig:
     method: str = "reinforcement"
     """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
     integrations: list[dict[str, Any]] = field(default_factory=list)
-    """OpenAI's ``integrations`` of the job (``worker.engine.wandb_recorder``)."""
+    """OpenAI's ``integrations`` of the job (``worker.engine.integrations.wandb_recorder``)."""
     gpus: int = 1
     """Ranks the run takes (``resources.gpus``): one process a device, or on a CPU host N gloo
-    processes, started by ``worker.engine.launch``."""
+    processes, started by ``worker.engine.distributed.launch``."""
     init_from: tuple[Path, ...] = ()
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
     weights, applied in order (``service.registry.finetuned.Source.chain``): a full model's weights loaded,

@@ -1,7 +1,7 @@
 """What every method's training loop shares after it has computed a step: recording it, stopping
 where a pause or a cancel says, checkpoints at the interval and at the end, and the result.
 
-A loop (``worker.engine.train`` for RLOO, ``worker.engine.supervised``, ``worker.engine.dpo``) reads::
+A loop (``worker.engine.methods``: ``rloo`` for RLOO, ``supervised``, ``dpo``) reads::
 
     for step in range(run.start + 1, run.total_steps + 1):
         ...compute the step's metrics...

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from service.jobs.hyperparameters import LoraSpec
-from worker.engine.ranks import current
+from worker.engine.distributed.ranks import current
 from worker.engine.recorders import JobError
-from worker.engine.rollout import Rollout, completion_logprobs
+from worker.engine.rollout.base import Rollout, completion_logprobs
 
 
 def pick_device(requested: str | None) -> torch.device:

@@ -1,7 +1,7 @@
 """Work a training step runs on a thread beside its own: scoring that waits on other processes.
 
 A step's scores do not depend on its reference log-probs, nor these on the scores. Where the
-grader spends its time waiting on other processes (``worker.engine.rewards.scored_elsewhere``: a python
+grader spends its time waiting on other processes (``worker.engine.rewards.scoring.scored_elsewhere``: a python
 grader's sandbox, an ``http`` endpoint, a remote reward model), the step scores on a thread while it
 runs the reference forward, and waits for the scores only where the advantages need them. The
 thread draws no random numbers and makes no collectives, so the step computes what it computes

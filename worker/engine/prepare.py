@@ -1,6 +1,6 @@
 """Setting a run up: data, reward models, the policy and its reference, optimizer, schedule and
 rollout backend, restored from a checkpoint when the run continues one. ``prepare`` returns a
-``worker.engine.state.Run``, everything the loop in ``worker.engine.train`` reads."""
+``worker.engine.state.Run``, everything the loop in ``worker.engine.methods.rloo`` reads."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 
 from service import graders
 from service.jobs.hyperparameters import ResolvedHyperparameters
-from worker.engine.backends import make_backend
 from worker.engine.checkpoints import read_training_state
 from worker.engine.config import TrainConfig
 from worker.engine.data import load_items
+from worker.engine.distributed.ranks import current
 from worker.engine.modeling import (
     Reference,
     add_lora,
@@ -28,11 +28,11 @@ from worker.engine.modeling import (
     pick_device,
     without_dropout,
 )
-from worker.engine.ranks import current
 from worker.engine.recorders import JobError, Recorder
 from worker.engine.resume import check_resumable, load_full_weights, restore
-from worker.engine.rewards import EMBEDDING_PACKAGE, RewardModels
-from worker.engine.rollout import RolloutBackend, Sampling
+from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels
+from worker.engine.rollout.base import RolloutBackend, Sampling
+from worker.engine.rollout.base.backends import make_backend
 from worker.engine.state import Run
 
 

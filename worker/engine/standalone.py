@@ -147,7 +147,7 @@ def run_spec(
     resume_from: Path | None = None,
     seed: int | None = None,
 ) -> dict[str, Any]:
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
 
     cfg = spec_config(
         spec_path, overrides=overrides, output_dir=output_dir, device=device, resume_from=resume_from, seed=seed
@@ -156,7 +156,7 @@ def run_spec(
     t0 = time.perf_counter()
     try:
         if cfg.gpus > 1:  # resources.gpus: its ranks under torch.distributed.run, rank 0 printing the steps
-            from worker.engine.launch import RanksLost, run_ranks
+            from worker.engine.distributed.launch import RanksLost, run_ranks
 
             try:
                 result = run_ranks(cfg, timeout_seconds=get_settings().collective_timeout_seconds)
@@ -195,8 +195,8 @@ def evaluate_spec(
     import dataclasses
     import tempfile
 
+    from worker.engine.methods.rloo import evaluate
     from worker.engine.prepare import prepare
-    from worker.engine.train import evaluate
 
     with tempfile.TemporaryDirectory() as scratch:
         cfg = spec_config(spec_path, overrides=overrides, output_dir=Path(scratch), device=device, seed=seed)

@@ -1,4 +1,5 @@
-"""A training run, set up: what ``worker.engine.prepare`` builds and the loop in ``worker.engine.train`` reads."""
+"""A training run, set up: what ``worker.engine.prepare`` builds and the loops in
+``worker.engine.methods`` read."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 from service import graders
 from service.jobs.hyperparameters import AnyResolved, ResolvedHyperparameters
 from worker.engine.config import TrainConfig
+from worker.engine.distributed.ranks import SINGLE, Ranks
 from worker.engine.modeling import Reference
-from worker.engine.ranks import SINGLE, Ranks
-from worker.engine.rewards import RewardModels
-from worker.engine.rollout import RolloutBackend
+from worker.engine.rewards.scoring import RewardModels
+from worker.engine.rollout.base import RolloutBackend
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Run:
     backend: RolloutBackend | None = None
     """Who samples completions (reinforcement only)."""
     ranks: Ranks = SINGLE
-    """The job's processes, when it runs on several (``worker.engine.ranks``)."""
+    """The job's processes, when it runs on several (``worker.engine.distributed.ranks``)."""
     start: int = 0
     counters: dict[str, Any] = field(default_factory=lambda: {"trained_tokens": 0, "first": None})
 
@@ -61,9 +62,9 @@ class Run:
 
     @functools.cached_property
     def tokenizer_digest(self) -> str | None:
-        """The policy tokenizer's digest (``worker.engine.rewards.tokenizer_fingerprint``): a reward model
+        """The policy tokenizer's digest (``worker.engine.rewards.scoring.tokenizer_fingerprint``): a reward model
         with the same reads the sampled tokens."""
-        from worker.engine.rewards import tokenizer_fingerprint
+        from worker.engine.rewards.scoring import tokenizer_fingerprint
 
         return tokenizer_fingerprint(self.tokenizer)
 

@@ -51,7 +51,7 @@ def _with_models(grader: Any, sample: str, item: dict[str, Any]) -> graders.Grad
     from worker.celery_app import wait_for_preload
 
     wait_for_preload()
-    from worker.engine.rewards import score_batch
+    from worker.engine.rewards.scoring import score_batch
 
     return score_batch(grader, prompts=[""], texts=[sample], items=[item], reward_models=_models())
 
@@ -60,7 +60,7 @@ def _models() -> Any:
     """This process's reward models, kept between dry runs (a fresh set once it holds too many)."""
     global _reward_models
     from worker.engine.modeling import pick_device
-    from worker.engine.rewards import RewardModels
+    from worker.engine.rewards.scoring import RewardModels
 
     if _reward_models is None or len(_reward_models._loaded) >= MODELS_KEPT:
         settings = get_settings()

@@ -1,8 +1,8 @@
-"""One rank of a multi-rank run: what ``torch.distributed.run`` starts N times (``worker.engine.launch``).
+"""One rank of a multi-rank run: what ``torch.distributed.run`` starts N times (``worker.engine.distributed.launch``).
 
 ``python -m worker.jobs.rank DIR [--job ID --holder NAME]``: DIR holds the run's config (written by
 ``run_ranks``); each rank joins the process group, runs the method's loop on its share
-(``worker.engine.ranks``) and writes ``DIR/rank-R.json``: rank 0 the run's result, any rank the error
+(``worker.engine.distributed.ranks``) and writes ``DIR/rank-R.json``: rank 0 the run's result, any rank the error
 that ended it. Rank 0 records to the job's rows as the worker process that claimed the job (its
 ``holder``), or prints each step for ``rloo train``; the other ranks record nothing.
 """
@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holder")
     args = parser.parse_args(argv)
 
-    from worker.engine.launch import result_report
-    from worker.engine.ranks import join, leave
+    from worker.engine.distributed.launch import result_report
+    from worker.engine.distributed.ranks import join, leave
     from worker.engine.recorders import JobError
     from worker.jobs.failures import classify
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ranks = join(float(os.environ["RLOO_COLLECTIVE_TIMEOUT_SECONDS"]))
         cfg = pickle.loads((args.dir / "config.pkl").read_bytes())
-        from worker.engine.train import train
+        from worker.engine.methods.rloo import train
 
         report = result_report(train(cfg, _recorder(args, ranks.is_main)))
     except JobError as exc:

@@ -27,7 +27,7 @@ from service.jobs.hyperparameters import method_family
 from service.jobs.lifecycle import JobStatus
 from worker.celery_app import app
 from worker.engine.checkpoints import job_checkpoints_dir, resumable_checkpoint
-from worker.engine.launch import RanksLost
+from worker.engine.distributed.launch import RanksLost
 from worker.engine.recorders import JobError
 from worker.jobs.database_recorder import DatabaseRecorder, Heartbeat, write
 from worker.jobs.failures import cap_memory, classify
@@ -249,7 +249,7 @@ def _train(job: Job) -> Any:
 
     wait_for_preload()
     from worker.engine.config import TrainConfig, worker_extra
-    from worker.engine.train import train
+    from worker.engine.methods.rloo import train
 
     settings = get_settings()
     with session_scope() as session:
@@ -287,7 +287,7 @@ def _train(job: Job) -> Any:
         gpus=int((job.resources or {}).get("gpus") or 1),
     )
     if cfg.gpus > 1:  # its ranks under torch.distributed.run; rank 0 records as this process
-        from worker.engine.launch import run_ranks
+        from worker.engine.distributed.launch import run_ranks
 
         return run_ranks(cfg, timeout_seconds=settings.collective_timeout_seconds, job_id=job.id, holder=process_name())
     return train(cfg, DatabaseRecorder(job))

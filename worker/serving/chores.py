@@ -4,7 +4,7 @@
   in safetensors with its tokenizer (``from_pretrained`` and ``vllm serve`` load the directory as it
   is), under ``<artifacts>/exports/<job>/step-<N>``; asked by ``GET …/checkpoints/{id}/content?merged=true``,
   merged on the background thread (``worker.serving.background``) in the project's turn;
-* remote reward models' batches (``worker.engine.remote_rewards``): a training job's completions scored by
+* remote reward models' batches (``worker.engine.rewards.remote``): a training job's completions scored by
   a reward model kept loaded here;
 * evaluations (``worker.serving.evaluate``): checkpoints scored on a file, a few tokens of a chunk at a
   time between batches of completions; its start and grading on the background thread.
@@ -64,10 +64,10 @@ class Chores:
         return None
 
     def score(self, envelope: dict[str, Any]) -> dict[str, Any]:
-        """A remote reward model's batch (``worker.engine.remote_rewards``): its scores, or its error."""
+        """A remote reward model's batch (``worker.engine.rewards.remote``): its scores, or its error."""
         import torch
 
-        from worker.engine.remote_rewards import answer
+        from worker.engine.rewards.scoring.remote import answer
 
         try:
             with self.server.scoring:  # (an evaluation's model grader on the grading thread: in turn)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.engine.rollout import _cache_arg, _eos_ids, _nucleus
+from worker.engine.rollout.base import _cache_arg, _eos_ids, _nucleus
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch (``adapter_names``)."""

@@ -333,7 +333,7 @@ class Run:
 
     def _grade(self, chunk: Chunk) -> GradeResult:
         """On the grading thread: the chunk's completions scored, within the evaluation's budget."""
-        from worker.engine.rewards import score_batch
+        from worker.engine.rewards.scoring import score_batch
 
         models = self.server.scoring if graders.is_model_grader(self.grader) else contextlib.nullcontext()
         with models, outbound.within(max(0.0, self.ends_at - time.time())):

@@ -107,7 +107,7 @@ class Server:
             self._rewards = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            from worker.engine.rewards import RewardModels
+            from worker.engine.rewards.scoring import RewardModels
 
             settings = get_settings()
             self._rewards = RewardModels(

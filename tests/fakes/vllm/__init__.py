@@ -1,4 +1,4 @@
-"""A stand-in for vLLM's offline API, only the surface ``worker.engine.rollout_vllm`` uses (``LLM``,
+"""A stand-in for vLLM's offline API, only the surface ``worker.engine.rollout.vllm_backend`` uses (``LLM``,
 ``SamplingParams``, the engine's model ``load_weights``, ``reset_prefix_cache``), backed by a
 transformers model on the CPU. vLLM itself needs a GPU, which the CI does not have.
 

@@ -1,14 +1,14 @@
 """Choosing the rollout backend of a run (the operator's ``RLOO_ROLLOUT_BACKEND``).
 
-Apart from both backends, so that neither imports the other: ``worker.engine.rollout`` holds the
-transformers backend and what both share, ``worker.engine.rollout_vllm`` the vLLM one.
+Apart from both backends, so that neither imports the other: ``worker.engine.rollout.base`` holds the
+transformers backend and what both share, ``worker.engine.rollout.vllm_backend`` the vLLM one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.rollout import RolloutBackend, Sampling, TransformersBackend
+from worker.engine.rollout.base import RolloutBackend, Sampling, TransformersBackend
 
 BACKENDS = ("auto", "transformers", "vllm")
 
@@ -26,7 +26,7 @@ def make_backend(
     if choice not in BACKENDS:
         raise ValueError(f"unknown rollout backend '{choice}'; choose one of {', '.join(BACKENDS)}")
     if choice == "vllm" or (choice == "auto" and getattr(device, "type", "") == "cuda" and vllm_installed()):
-        from worker.engine.rollout_vllm import VLLMBackend  # imports vLLM: only where it is chosen
+        from worker.engine.rollout.base.vllm_backend import VLLMBackend  # imports vLLM: only where it is chosen
 
         return VLLMBackend(model, tokenizer, sampling, options=vllm_options or {})
     return TransformersBackend(model, tokenizer, sampling)

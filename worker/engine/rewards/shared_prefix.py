@@ -211,7 +211,7 @@ def _chunk_logits(
 ) -> Tensor:
     from transformers import DynamicCache
 
-    from worker.engine.rollout import _cache_arg
+    from worker.engine.rollout.base import _cache_arg
 
     pad = 0
     # Prefixes left-padded (their last tokens aligned), rows right-padded after them.

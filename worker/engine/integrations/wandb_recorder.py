@@ -59,7 +59,7 @@ class WandbRecorder:
 def recording(cfg: TrainConfig, recorder: Recorder) -> Iterator[Recorder]:
     """``recorder``, or a ``WandbRecorder`` around it for the run's life when the job asks for W&B
     (on rank 0 alone, when the job runs on several)."""
-    from worker.engine.ranks import current
+    from worker.engine.distributed.ranks import current
 
     spec = next((i["wandb"] for i in cfg.integrations if i.get("type") == "wandb"), None)
     if spec is None or not current().is_main:

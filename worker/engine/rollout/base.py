@@ -96,8 +96,8 @@ class RolloutBackend(Protocol):
     (``completion_logprobs``), so a backend only has to sample from the current weights.
 
     ``transformers`` (this module) samples with the policy object itself; ``vllm``
-    (``worker.engine.rollout_vllm``) runs a vLLM engine beside it on the GPU and receives the weights after
-    each update (``sync``). ``worker.engine.backends.make_backend`` picks one.
+    (``worker.engine.rollout.vllm_backend``) runs a vLLM engine beside it on the GPU and receives the weights after
+    each update (``sync``). ``worker.engine.rollout.backends.make_backend`` picks one.
     """
 
     name: str
@@ -136,7 +136,7 @@ class TransformersBackend:
 
     def sampling(self) -> AbstractContextManager[None]:
         """A sharded policy's whole weights on each rank while it samples (``Ranks.generating``)."""
-        from worker.engine.ranks import current
+        from worker.engine.distributed.ranks import current
 
         return current().generating(self.model)
 

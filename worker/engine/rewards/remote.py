@@ -9,7 +9,7 @@ Redis as the API sends exports (``service.infra.inference_bus.ask``). A dedicate
 
 A request carries what the local scorer reads: the grader, the completions' texts, their items and
 prompts (once a group), and the policy's sampled tokens with its tokenizer's digest
-(``worker.engine.rewards.SampledTokens``), so a remote reward model scores what the same model would
+(``worker.engine.rewards.scoring.SampledTokens``), so a remote reward model scores what the same model would
 score beside the policy. Its answer is the scores (``null`` for NaN). A worker that dies mid-batch
 is asked once more; no worker, a time-out or a worker's error make the grader unavailable (the job
 fails, saying what to start or change).
@@ -25,7 +25,7 @@ from typing import Any
 from service import graders
 from service.core.settings import get_settings
 from service.infra import inference_bus
-from worker.engine.shared_prefix import SampledTokens, first_rows, groups
+from worker.engine.rewards.scoring.shared_prefix import SampledTokens, first_rows, groups
 
 ATTEMPTS = 2
 """A batch is sent again once when the worker that held it died."""
@@ -96,8 +96,8 @@ def request_body(
 
 def answer(reward_models: Any, envelope: Mapping[str, Any]) -> dict[str, Any]:
     """The inference worker's side: a ``score`` request's last message, its scores or its error
-    (``reward_models``: the worker's ``worker.engine.rewards.RewardModels``, ``serving``, which scores
-    remote reward models itself; this module imports nothing of ``worker.engine.rewards``, which calls it)."""
+    (``reward_models``: the worker's ``worker.engine.rewards.scoring.RewardModels``, ``serving``, which scores
+    remote reward models itself; this module imports nothing of ``worker.engine.rewards.scoring``, which calls it)."""
     try:
         leaf = graders.parse_grader(envelope["grader"])
         if not isinstance(leaf, graders.RewardModelGrader):

@@ -8,7 +8,7 @@ Direct preference optimisation (Rafailov et al., 2023) with the sigmoid loss::
 
 The reference is the starting model: a frozen copy for full fine-tuning, the policy with its
 adapter disabled under LoRA (``worker.engine.modeling.Reference``, as for RLOO's KL). A pair is a group of
-two completions sharing one prompt (``worker.engine.rollout.Rollout`` with ``group = 2``), so the prompt
+two completions sharing one prompt (``worker.engine.rollout.base.Rollout`` with ``group = 2``), so the prompt
 goes through the model once for both outputs, as RLOO's k completions share theirs.
 
 Metrics: ``train_loss`` (OpenAI's name), ``reward_margin`` (the mean of ``z``: how far the implicit
@@ -32,7 +32,7 @@ from worker.engine.data import batch_indices
 from worker.engine.loop import Stop, TrainResult, base_metrics, end_of_step, finish, is_eval_step
 from worker.engine.prepare import max_length, prepare
 from worker.engine.recorders import Recorder
-from worker.engine.rollout import Rollout, completion_logprobs
+from worker.engine.rollout.base import Rollout, completion_logprobs
 from worker.engine.sequences import preference_texts
 from worker.engine.state import Run
 

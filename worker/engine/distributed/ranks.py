@@ -1,7 +1,7 @@
 """A job's ranks: what the training loop asks of the processes that run one job together.
 
 A job with ``resources.gpus: N > 1`` runs as N processes started by PyTorch's elastic launcher
-(``worker.engine.launch``), one a device (on a CPU host, N gloo processes). Each runs the same loop on its
+(``worker.engine.distributed.launch``), one a device (on a CPU host, N gloo processes). Each runs the same loop on its
 share of the batch; the differences live here, as operations that are no-ops for one process
 (``SINGLE``), so the loop reads the same for one rank or many:
 

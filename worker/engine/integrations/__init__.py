@@ -1,0 +1,1 @@
+"""Where a run's metrics go beyond the service: ``wandb_recorder`` (Weights & Biases)."""
