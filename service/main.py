@@ -17,11 +17,11 @@ from sqlalchemy import text
 from service.api import errors as api_errors
 from service.api import openapi
 from service.api import prometheus as prometheus_module
+from service.api.errors import APIError
 from service.api.middleware import AuthMiddleware, BodyLimitMiddleware
 from service.api.routes import completions, dashboard, evaluations, files, graders, jobs, models, webhooks, workers
 from service.core import logs
 from service.core.db import get_engine, session_scope
-from service.core.errors import APIError
 from service.core.settings import get_settings
 
 log = logging.getLogger("rloo.api")

@@ -19,9 +19,9 @@ from tests.helpers.data import EXAMPLES
 from tests.helpers.training import ANSWER, LORA, TIMING, ListRecorder, config
 from worker.engine import modeling
 from worker.engine.checkpoints import TRAINING_INFO, TRAINING_STATE, latest_resumable
+from worker.engine.errors import JobError
 from worker.engine.methods import rloo as train_mod
 from worker.engine.methods.rloo import train
-from worker.engine.recorders import JobError
 
 
 def run(

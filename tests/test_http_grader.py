@@ -139,8 +139,8 @@ def test_a_broken_answer_fails_clearly_without_retrying(serve, answer: tuple[int
 
 def test_a_job_whose_http_grader_dies_fails_with_grader_unavailable(serve, tmp_path, models_dir) -> None:
     from tests.helpers.training import ListRecorder, config
+    from worker.engine.errors import JobError
     from worker.engine.methods.rloo import train
-    from worker.engine.recorders import JobError
 
     endpoint = serve(lambda n, body: (200, {"scores": [0.5] * len(body["samples"])}) if n <= 2 else (500, {}))
     rec = ListRecorder()

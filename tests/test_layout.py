@@ -158,7 +158,7 @@ ENGINE_MAY_IMPORT = {
     "service.jobs.spec",  # `rloo train`: a local spec checked as the API checks a job's
     "service.core.validation",  # `rloo train`: the same messages as the API's
     "service.core.strictjson",  # `rloo train`: the spec parsed as the API parses a body
-    "service.core.errors",  # `rloo train`: the API's error, turned into the CLI's
+    "service.core.errors",  # the domain's errors: a job's JobError, `rloo train`'s SpecError
     "service.infra.inference_bus",  # remote reward models: a batch asked of the inference workers
 }
 # The one broker the engine reaches: a remote reward model's batch goes to the inference workers
@@ -210,7 +210,7 @@ HTTP_FRAMEWORK = ("fastapi", "starlette")
 
 def test_only_the_http_layer_imports_the_framework() -> None:
     """FastAPI and Starlette are imported in service/api/ and by the app (service/main.py) alone: the
-    domain code raises ``service.core.errors.APIError``, which ``service.api.errors`` answers."""
+    domain code raises ``service.core.errors.DomainError``s, which ``service.api.errors`` answers."""
     modules = _modules()
     assert "service.api.routes.jobs" in modules and "service.api.errors" in modules  # the scan finds them
     offenders = [

@@ -254,7 +254,7 @@ def test_rloo_train_runs_a_lora_job_on_two_ranks_as_on_one(tmp_path: Path, model
 
 def test_a_checkpoint_of_two_ranks_resumes_on_two_only(tmp_path: Path, models_dir: Path) -> None:
     from tests.helpers.training import config
-    from worker.engine.recorders import JobError
+    from worker.engine.errors import JobError
     from worker.engine.resume import check_resumable
 
     cfg = config(tmp_path, models_dir, max_steps=4)

@@ -225,7 +225,7 @@ def test_a_shared_prompt_gives_the_full_forwards_logprobs_and_gradient(policy) -
 def test_nan_logits_fail_the_rollout_clearly_and_never_index_past_the_vocabulary(policy) -> None:
     import copy
 
-    from worker.engine.recorders import JobError
+    from worker.engine.errors import JobError
     from worker.engine.rollout.base import sample
 
     logits = torch.tensor([[float("nan")] * 6, [0.0, float("-inf"), 1.0, 2.0, float("nan"), 0.5]])

@@ -64,7 +64,7 @@ def test_an_example_keeps_its_first_tokens() -> None:
 def test_a_template_that_rewrites_earlier_turns_fails_clearly(models_dir: Path) -> None:
     """A template that moves the system prompt to the last user turn writes a conversation's start
     differently as more turns follow: which tokens are whose cannot be told, and the job says so."""
-    from worker.engine.recorders import JobError
+    from worker.engine.errors import JobError
 
     _, tok = load_policy(models_dir)
 

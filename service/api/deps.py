@@ -7,9 +7,10 @@ from typing import Annotated, Any
 from fastapi import Depends, Query, Request
 from sqlalchemy.orm import Session
 
+from service.api.errors import APIError
 from service.core import crud
 from service.core.db import get_session
-from service.core.errors import APIError, bad_request, operator_only
+from service.core.errors import bad_request, operator_only
 from service.core.settings import Settings, get_settings
 
 SessionDep = Annotated[Session, Depends(get_session)]

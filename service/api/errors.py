@@ -1,5 +1,7 @@
-"""The HTTP side of errors: the app's exception handlers, which answer every error in OpenAI's shape
-(``service.core.errors.APIError``, a body that fails validation, the framework's 404 and 405, anything
+"""The HTTP side of errors, the one place they become responses: each kind of the domain's
+``DomainError`` mapped to its status (``STATUS``), ``APIError`` for what only the HTTP layer says
+(a status of its own, headers), the app's exception handlers, which answer every error in OpenAI's
+shape (a domain error, a body that fails validation, the framework's 404 and 405, anything
 unhandled), and the middleware that answers 503 when the database is unreachable."""
 
 from __future__ import annotations
@@ -13,9 +15,90 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.responses import JSON
-from service.core.errors import APIError, error_body
+from service.core.errors import (
+    Conflict,
+    DomainError,
+    Failed,
+    Forbidden,
+    Gone,
+    Invalid,
+    LimitReached,
+    NotFound,
+    TimedOut,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+    UpstreamFailed,
+)
 
 log = logging.getLogger("rloo.api")
+
+STATUS: dict[type[DomainError], int] = {
+    Invalid: 400,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    Gone: 410,
+    TooLarge: 413,
+    LimitReached: 429,
+    Failed: 500,
+    UpstreamFailed: 502,
+    Unavailable: 503,
+    TimedOut: 504,
+}
+"""Each kind of domain error as HTTP: a kind of a kind (``GraderError`` is ``Invalid``) answers as its
+nearest listed ancestor; a ``DomainError`` of no listed kind is a 400."""
+
+
+class APIError(DomainError):
+    """An error only the HTTP layer says: its status and headers given (a relayed worker's answer,
+    ``WWW-Authenticate``)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status, self.headers = status, headers
+
+
+def status_of(exc: DomainError) -> int:
+    if isinstance(exc, APIError):
+        return exc.status
+    return next((STATUS[k] for k in type(exc).__mro__ if k in STATUS), 400)
+
+
+def headers_of(exc: DomainError) -> dict[str, str] | None:
+    headers = dict(exc.headers or {}) if isinstance(exc, APIError) else {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = f"{exc.retry_after:g}"
+    return headers or None
+
+
+_TYPES = {429: "requests"}
+"""OpenAI's error ``type``: ``invalid_request_error`` for every 4xx (a bad key, an unknown id, a state
+that forbids the change, too large), ``requests`` for a rate limit, ``server_error`` for 5xx; the
+``code`` says which."""
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def answer(exc: DomainError) -> JSON:
+    """A domain error as OpenAI's error response."""
+    status = status_of(exc)
+    return JSON(error_body(status, exc.message, exc.param, exc.code), status, headers=headers_of(exc))
 
 
 def _body_model(request: Request) -> Any:
@@ -55,9 +138,9 @@ def _allowed_methods(request: Request) -> str:
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSON:
-        return JSON(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=exc.headers)
+    @app.exception_handler(DomainError)
+    async def _domain_error(_: Request, exc: DomainError) -> JSON:
+        return answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSON:

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import TrackedSend
-from service.core.errors import error_body
+from service.api.errors import TrackedSend, error_body, headers_of, status_of
+from service.core.errors import DomainError
 
 
 class BodyTooLarge(HTTPException):
@@ -180,7 +180,6 @@ class AuthMiddleware:
 
         from service.api.deps import authenticate_header
         from service.core.db import session_scope
-        from service.core.errors import APIError
 
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
@@ -200,9 +199,9 @@ class AuthMiddleware:
             self._check_limiter = CapacityLimiter(self.CHECK_THREADS)
         try:
             caller = await to_thread.run_sync(check, limiter=self._check_limiter)
-        except APIError as exc:
-            extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
-            await _send_error(send, exc.status, exc.message, exc.code, extra, exc.param)
+        except DomainError as exc:
+            extra = [(k.lower().encode(), v.encode()) for k, v in (headers_of(exc) or {}).items()]
+            await _send_error(send, status_of(exc), exc.message, exc.code, extra, exc.param)
             return
         if self.cache_seconds > 0:
             if len(self.cache) >= self.CACHE_LIMIT:

@@ -14,8 +14,9 @@ from typing import Any
 from fastapi import Request, Response, params
 from fastapi.routing import APIRoute
 
+from service.api.errors import APIError
 from service.core import strictjson
-from service.core.errors import APIError, bad_request
+from service.core.errors import bad_request
 
 
 class StrictJSONRoute(APIRoute):

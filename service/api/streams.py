@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Send
 
-from service.core.errors import APIError
+from service.api.errors import APIError
 from service.core.tables import Job, JobEvent, JobMetric
 from service.infra.wakeups import CHANNEL
 

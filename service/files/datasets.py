@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from service.core import strictjson
-from service.core.errors import APIError, bad_request
+from service.core.errors import Invalid, TooLarge, bad_request
 from service.core.identity import writer_tag
 
 FORMATS = ("prompt", "chat", "preference")
@@ -71,7 +71,7 @@ def first_line_not(keys_summary: dict[str, Any], method: str) -> tuple[int, str]
     return (int(line), wanted) if line is not None else None
 
 
-def _invalid(message: str) -> APIError:
+def _invalid(message: str) -> Invalid:
     return bad_request(message, "file", "invalid_file")
 
 
@@ -280,8 +280,8 @@ def _read_lines(
     while block := source.read(chunk):
         summary.bytes += len(block)
         if summary.bytes > max_bytes:
-            raise APIError(
-                413, f"The file is larger than the limit of {max_bytes} bytes.", param="file", code="file_too_large"
+            raise TooLarge(
+                f"The file is larger than the limit of {max_bytes} bytes.", param="file", code="file_too_large"
             )
         out.write(block)
         if head is not None:

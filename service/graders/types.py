@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
+from service.core.errors import Invalid
 from service.graders.formula import Expr
 from service.graders.metrics import MODEL_METRICS
 
 NAN = float("nan")
 
 
-class GraderError(ValueError):
+class GraderError(Invalid, ValueError):
     """A grader spec the user must fix (or a grader that cannot run here).
 
     ``param`` is the dotted path of the offending field, as the API reports it in its error body
@@ -29,9 +30,8 @@ class GraderError(ValueError):
     """
 
     def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+        super().__init__(message, param=param)
+        self.param: str = param
 
 
 class GraderUnavailable(RuntimeError):

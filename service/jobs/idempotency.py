@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.core.errors import APIError, bad_request
+from service.core.errors import Conflict, bad_request
 from service.core.tables import IdempotentRequest
 
 HEADER = "Idempotency-Key"
@@ -45,8 +45,7 @@ def replay(session: Session, *, project_seq: int, route: str, key: str, digest: 
     if row is None:
         return None
     if row.request_hash != digest:
-        raise APIError(
-            409,
+        raise Conflict(
             f"{HEADER} '{key}' was used for a different request; send a new key for a new request.",
             param=HEADER,
             code="idempotency_key_reused",

@@ -178,7 +178,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
     """Everything checkable without the dataset: returns the parsed grader (None for a method
     without one) and the resolved hyperparameters.
 
-    Raises a 400 ``APIError`` whose ``param`` names the offending field.
+    Raises ``Invalid`` whose ``param`` names the offending field.
     """
     method = body.method_
     prefix = f"method.{method.type}"

@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.core.errors import APIError, no_inference_worker
+from service.core.errors import Failed, Gone, LimitReached, Unavailable, no_inference_worker, queue_unreachable
 from service.core.settings import Settings
 from service.core.tables import Checkpoint
 from service.infra import inference_bus
@@ -74,8 +74,8 @@ def merged_in_store(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _gone(name: str) -> APIError:
-    return APIError(410, f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
+def _gone(name: str) -> Gone:
+    return Gone(f"The checkpoints that {name} was trained from are gone.", code="checkpoint_gone")
 
 
 MERGES_PER_PROJECT = 2
@@ -101,12 +101,10 @@ def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id
             raise no_inference_worker("Merging an adapter needs an inference worker")
         conn.zremrangebyscore(asks, "-inf", time.time())
         if conn.zcard(asks) >= MERGES_PER_PROJECT and conn.zscore(asks, key) is None:
-            raise APIError(
-                429,
+            raise LimitReached(
                 f"This project has {MERGES_PER_PROJECT} merged models being made; download those first (each is "
                 "made once), then ask for this one.",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "30"},
+                retry_after=30,
             )
         rid = f"export-{secrets.token_hex(12)}"
         deadline = time.time() + settings.inference_timeout_seconds  # to be taken by a worker
@@ -122,12 +120,7 @@ def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id
                 conn.zrem(asks, key)
                 raise
     except redis.RedisError as exc:
-        raise APIError(
-            503,
-            f"The queue (Redis) is unreachable ({type(exc).__name__}); retry in a few seconds.",
-            code="queue_unavailable",
-            headers={"Retry-After": "2"},
-        ) from None
+        raise queue_unreachable(exc) from None
     finally:
         conn.close()
     raise _in_progress()
@@ -144,13 +137,14 @@ def _answer_of(conn: Any, ns: str, marker: str, asks: str, key: str, asked: dict
     conn.zrem(asks, key)
     answer = json.loads(last) if last is not None else {}
     if answer.get("t") == "error":
-        raise APIError(int(answer["status"]), answer["message"], code=answer["code"])
+        # The bus answers in statuses: 503 when the worker holding the merge died (ask again), else it raised.
+        kind = Unavailable if int(answer["status"]) == 503 else Failed
+        raise kind(answer["message"], code=answer["code"])
 
 
-def _in_progress() -> APIError:
-    return APIError(
-        503,
+def _in_progress() -> Unavailable:
+    return Unavailable(
         "The merged model is being made by an inference worker; download it again in a little while.",
         code="export_in_progress",
-        headers={"Retry-After": "10"},
+        retry_after=10,
     )

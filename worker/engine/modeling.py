@@ -13,7 +13,7 @@ from torch import Tensor
 
 from service.jobs.hyperparameters import LoraSpec
 from worker.engine.distributed.ranks import current
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.engine.rollout.base import Rollout, completion_logprobs
 
 

@@ -17,6 +17,7 @@ from worker.engine.checkpoints import read_training_state
 from worker.engine.config import TrainConfig
 from worker.engine.data import load_items
 from worker.engine.distributed.ranks import current
+from worker.engine.errors import JobError
 from worker.engine.modeling import (
     Reference,
     add_lora,
@@ -28,7 +29,7 @@ from worker.engine.modeling import (
     pick_device,
     without_dropout,
 )
-from worker.engine.recorders import JobError, Recorder
+from worker.engine.recorders import Recorder
 from worker.engine.resume import check_resumable, load_full_weights, restore
 from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels
 from worker.engine.rollout.base import RolloutBackend, Sampling

@@ -49,14 +49,6 @@ class QuietRecorder:
         pass
 
 
-class JobError(Exception):
-    """A failure with a code users can act on (``error.code`` on the job)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 def json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
     """NaN and inf are not JSON; they become null."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}

@@ -21,8 +21,9 @@ from torch import Tensor
 from worker.engine.checkpoints import checkpoint_dir, list_checkpoints, prune_checkpoints, save_checkpoint, staging_dir
 from worker.engine.config import TrainConfig
 from worker.engine.distributed.ranks import SHARDED_STATE, current
+from worker.engine.errors import JobError
 from worker.engine.metrics import checkpoint_metrics
-from worker.engine.recorders import JobError, Recorder
+from worker.engine.recorders import Recorder
 from worker.engine.state import Run
 
 RESUMABLE_CHANGES = frozenset(

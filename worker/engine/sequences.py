@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: Any = None, generation: bool) -> str:

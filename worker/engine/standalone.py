@@ -14,20 +14,22 @@ from pydantic import ValidationError
 
 from service import graders
 from service.core import strictjson, validation
-from service.core.errors import APIError
+from service.core.errors import DomainError, Invalid
 from service.core.settings import get_settings
 from service.files.datasets import store_jsonl
 from service.jobs import spec
 from service.jobs.hyperparameters import AnyResolved
 from service.jobs.spec import JobCreate
-from worker.engine.recorders import JobError, QuietRecorder, Recorder, StdoutRecorder
+from worker.engine.errors import JobError
+from worker.engine.recorders import QuietRecorder, Recorder, StdoutRecorder
 
 if TYPE_CHECKING:
     from worker.engine.config import TrainConfig
 
 
-class SpecError(ValueError):
-    pass
+class SpecError(Invalid, ValueError):
+    """A job spec or a local file ``rloo train`` cannot run: the API's checks and wording, the path
+    in front."""
 
 
 def load_spec(spec_path: Path, overrides: dict[str, Any], seed: int | None = None) -> JobCreate:
@@ -90,7 +92,9 @@ def _validate(
                     grader, summary.as_dict(), source=str(path), param=f"method.{body.method_.type}.grader"
                 )
             files[which] = path
-    except APIError as exc:
+    except SpecError:
+        raise
+    except DomainError as exc:  # the API's checks: the field at fault, the API's words
         hint = f" (models root: {settings.models_dir}; set RLOO_MODELS_DIR)" if exc.code == "model_not_found" else ""
         raise SpecError(f"{exc.param}: {exc.message}{hint}") from None
     return grader, hp, files

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 
 OUT_OF_MEMORY_HINT = (
     "lower batch_size, rloo_k or max_new_tokens, raise gradient_accumulation_steps, or train a LoRA adapter"

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker.engine.distributed.launch import result_report
     from worker.engine.distributed.ranks import join, leave
-    from worker.engine.recorders import JobError
+    from worker.engine.errors import JobError
     from worker.jobs.failures import classify
 
     rank = int(os.environ.get("RANK", "0"))

@@ -28,7 +28,7 @@ from service.jobs.lifecycle import JobStatus
 from worker.celery_app import app
 from worker.engine.checkpoints import job_checkpoints_dir, resumable_checkpoint
 from worker.engine.distributed.launch import RanksLost
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.jobs.database_recorder import DatabaseRecorder, Heartbeat, write
 from worker.jobs.failures import cap_memory, classify
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from service.infra import inference_bus
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.serving.models import Servable
 
 log = logging.getLogger("rloo.serve")

@@ -42,7 +42,7 @@ from service.graders import GradeResult
 from service.infra import outbound
 from service.infra.artifacts import open_store
 from service.infra.inference_bus import MAX_BYTES_PER_TOKEN
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.serving.decode import Row
 from worker.serving.models import Servable
 

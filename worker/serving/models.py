@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.serving.decode import Batch, Delta, Row
 
 log = logging.getLogger("rloo.serve")

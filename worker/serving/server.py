@@ -26,7 +26,7 @@ import torch
 
 from service.core.settings import get_settings, tenant_safe
 from service.infra import inference_bus
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.serving.background import Background
 from worker.serving.decode import Row
 from worker.serving.models import ModelCache, Servable

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.serving.decode import Delta, Row
 from worker.serving.models import Loaded, Servable
 

@@ -24,13 +24,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service.api.deps import ProjectDep, SessionDep, SettingsDep
+from service.api.errors import APIError, error_body, status_of
 from service.api.responses import JSON
 from service.api.routing import StrictJSONRoute
 from service.api.schemas.completions import ChatCompletionCreate, CompletionCreate, Sampling
 from service.api.streams import EventStreamResponse
 from service.core.crud import Caller
 from service.core.db import run_db
-from service.core.errors import APIError, error_body, no_inference_worker
+from service.core.errors import DomainError, no_inference_worker
 from service.core.settings import Settings
 from service.infra import inference_bus
 from service.registry import weights
@@ -250,8 +251,8 @@ async def _stream(shape: Shape, messages: AsyncIterator[dict[str, Any]], setting
     while True:
         try:
             message = await _next(messages, settings)
-        except APIError as exc:  # after the 200: OpenAI's way, an error object in the stream
-            yield _event(error_body(exc.status, exc.message, exc.param, exc.code))
+        except DomainError as exc:  # after the 200: OpenAI's way, an error object in the stream
+            yield _event(error_body(status_of(exc), exc.message, exc.param, exc.code))
             return
         kind = message["t"]
         if kind in ("delta", "end"):

@@ -15,11 +15,12 @@ from sqlalchemy import select
 
 from service import graders
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.errors import APIError
 from service.api.responses import JSON, page
 from service.api.routes.jobs import _file, _job
 from service.api.routing import StrictJSONRoute
 from service.core.db import ends_session
-from service.core.errors import APIError, bad_request, not_found
+from service.core.errors import DomainError, bad_request, not_found
 from service.core.tables import Checkpoint, Evaluation, Job
 from service.core.validation import Strict
 from service.jobs import evaluations
@@ -84,7 +85,7 @@ def create_evaluation(
     for entry in models:  # each one servable now, or a 400 that says which
         try:
             weights.resolve(session, settings, project_seq=project.seq, name=entry["model"], include_deleted=True)
-        except APIError as exc:
+        except DomainError as exc:
             raise bad_request(f"{entry['model']} cannot be evaluated: {exc.message}", "checkpoints") from None
     hp = job.hyperparameters
     evaluation = Evaluation(

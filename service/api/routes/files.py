@@ -14,11 +14,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from service.api.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.errors import APIError
 from service.api.responses import JSON, page, replayed
 from service.api.routing import StrictJSONRoute
 from service.core import crud
 from service.core.db import ends_session, write_lock
-from service.core.errors import APIError, bad_request, not_found
+from service.core.errors import bad_request, not_found
 from service.core.settings import Settings
 from service.core.tables import Evaluation, File, Job, new_id
 from service.files.datasets import UploadSummary, copy_jsonl, store_jsonl

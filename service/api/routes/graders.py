@@ -10,10 +10,11 @@ from fastapi import APIRouter
 
 from service import graders
 from service.api.deps import ProjectDep, SettingsDep
+from service.api.errors import APIError
 from service.api.responses import JSON
 from service.api.routing import StrictJSONRoute
 from service.api.schemas.graders import GraderRun, GraderValidate
-from service.core.errors import APIError, bad_request
+from service.core.errors import bad_request
 from service.core.settings import Settings
 from service.core.strictjson import depth
 from service.files.datasets import MAX_DEPTH

@@ -16,13 +16,14 @@ from sqlalchemy.exc import IntegrityError
 from service import graders
 from service.api import streams
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.errors import APIError
 from service.api.responses import JSON, page, replayed
 from service.api.routing import StrictJSONRoute
 from service.api.tarstream import TarLayout, tar_response
 from service.core import crud
 from service.core.crud import Caller
 from service.core.db import ends_session, run_db, write_lock
-from service.core.errors import APIError, bad_request, model_not_found, not_found
+from service.core.errors import bad_request, model_not_found, not_found
 from service.core.tables import Checkpoint, File, Job, JobEvent
 from service.infra import task_queue
 from service.infra.artifacts import S3Store, open_store

@@ -16,11 +16,12 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from service.api.deps import ProjectDep, SessionDep, SettingsDep
+from service.api.errors import APIError
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
 from service.core.crud import Caller
 from service.core.db import ends_session
-from service.core.errors import APIError, model_not_found
+from service.core.errors import model_not_found
 from service.core.tables import Evaluation, Job, now
 from service.infra.artifacts import open_store
 from service.jobs import evaluations

@@ -13,12 +13,13 @@ from fastapi import APIRouter
 from sqlalchemy import func, select
 
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
+from service.api.errors import APIError
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
 from service.api.schemas.webhooks import WebhookCreate, WebhookRotate, WebhookTest, WebhookUpdate
 from service.core.crud import Caller
 from service.core.db import ends_session, run_db
-from service.core.errors import APIError, bad_request, not_found
+from service.core.errors import bad_request, not_found
 from service.core.settings import Settings
 from service.core.tables import WebhookDelivery, WebhookEndpoint, now
 from service.infra import egress, outbound

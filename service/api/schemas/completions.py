@@ -11,7 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from service.core.errors import APIError, bad_request
+from service.api.errors import APIError
+from service.core.errors import bad_request
 from service.core.settings import Settings
 from service.core.validation import Strict
 from service.infra.inference_bus import BYTES_PER_TOKEN, estimated_tokens, past_any_context, rows_a_project

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 
 if TYPE_CHECKING:  # importing this module (worker.jobs.tasks does, in Celery's parent process) imports no torch
     from worker.engine.config import TrainConfig

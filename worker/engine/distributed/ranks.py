@@ -255,7 +255,7 @@ def whole_tensor(tensor: Tensor) -> Tensor:
 
 def _layer_classes(model: Any) -> set[str]:
     """The class names of a model's repeated blocks, as Hugging Face declares them for sharding."""
-    from worker.engine.recorders import JobError
+    from worker.engine.errors import JobError
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())

@@ -34,12 +34,13 @@ from service import graders
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices, prompt_text
 from worker.engine.distributed.ranks import whole_tensor
+from worker.engine.errors import JobError
 from worker.engine.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
 from worker.engine.methods import policy_gradient as rloo
 from worker.engine.metrics import Timings, UpdateStats, grader_metrics, step_metrics
 from worker.engine.overlap import Started
 from worker.engine.prepare import prepare
-from worker.engine.recorders import JobError, Recorder
+from worker.engine.recorders import Recorder
 from worker.engine.resume import preserved_rng
 from worker.engine.rewards.scoring import SampledTokens, score_batch, scored_elsewhere
 from worker.engine.rollout.base import Rollout, completion_logprobs

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 
 
 @dataclass

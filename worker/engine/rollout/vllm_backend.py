@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from worker.engine.distributed.ranks import current, whole_tensor
-from worker.engine.recorders import JobError
+from worker.engine.errors import JobError
 from worker.engine.rollout.base import Rollout, Sampling, _eos_ids, group_seed
 
 # Where vLLM keeps the model it runs, by version (V1 in-process engine first).
