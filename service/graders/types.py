@@ -29,6 +29,8 @@ class GraderError(Invalid, ValueError):
     (``method.reinforcement.grader.graders.correct.operation``), so a user can find the field.
     """
 
+    default_code = None  # the caller names it: a job's invalid_grader, an evaluation's evaluation_failed
+
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message, param=param)
         self.param: str = param
