@@ -32,7 +32,7 @@ class DomainError(Exception):
 class Invalid(DomainError):
     """The request is wrong: a value, a file's content, a combination. Change it and send it again."""
 
-    default_code = "invalid_value"
+    default_code: ClassVar[str | None] = "invalid_value"
 
 
 class Unauthenticated(DomainError):
