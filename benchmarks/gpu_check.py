@@ -431,10 +431,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
-    from worker.engine.rollout.base.backends import vllm_installed
 
     from service.jobs import memory_plan
     from service.jobs.hyperparameters import Hyperparameters
+    from worker.engine.rollout.backends import vllm_installed
 
     cpu = args.cpu_smoke
     if not cpu and not torch.cuda.is_available():

@@ -55,8 +55,6 @@ def _median_ms(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, An
 
 
 def profile(config: str) -> dict[str, Any]:
-    from worker.engine.rewards.scoring.shared_prefix import prefix_logits
-
     from service.graders import parse_grader
     from service.jobs.hyperparameters import Hyperparameters
     from worker.engine.config import TrainConfig
@@ -64,6 +62,7 @@ def profile(config: str) -> dict[str, Any]:
     from worker.engine.prepare import prepare
     from worker.engine.recorders import QuietRecorder
     from worker.engine.rewards.scoring import SampledTokens, encode_texts, reward_model_texts, score_batch
+    from worker.engine.rewards.shared_prefix import prefix_logits
     from worker.tiny.models import build_tiny_causal_lm, build_tiny_reward_model
 
     with tempfile.TemporaryDirectory() as tmp_name:

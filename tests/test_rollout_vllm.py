@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from worker.engine.rollout.base.backends import make_backend
 
 from tests.helpers.training import load_policy
 from worker.engine.methods.rloo import train
+from worker.engine.rollout.backends import make_backend
 from worker.engine.rollout.base import Sampling, TransformersBackend
 
 FAKES = Path(__file__).parent / "fakes"

@@ -1,2 +1,2 @@
 """The HTTP layer's own modules, FastAPI and Starlette beside them; the domain code raises
-``service.core.errors.APIError`` and never imports the framework."""
+``service.core.errors.DomainError`` and never imports the framework (``errors`` maps it to HTTP)."""

@@ -32,8 +32,8 @@ from worker.engine.modeling import (
 from worker.engine.recorders import Recorder
 from worker.engine.resume import check_resumable, load_full_weights, restore
 from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels
+from worker.engine.rollout.backends import make_backend
 from worker.engine.rollout.base import RolloutBackend, Sampling
-from worker.engine.rollout.base.backends import make_backend
 from worker.engine.state import Run
 
 

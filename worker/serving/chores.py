@@ -67,7 +67,7 @@ class Chores:
         """A remote reward model's batch (``worker.engine.rewards.remote``): its scores, or its error."""
         import torch
 
-        from worker.engine.rewards.scoring.remote import answer
+        from worker.engine.rewards.remote import answer
 
         try:
             with self.server.scoring:  # (an evaluation's model grader on the grading thread: in turn)

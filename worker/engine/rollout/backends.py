@@ -26,7 +26,7 @@ def make_backend(
     if choice not in BACKENDS:
         raise ValueError(f"unknown rollout backend '{choice}'; choose one of {', '.join(BACKENDS)}")
     if choice == "vllm" or (choice == "auto" and getattr(device, "type", "") == "cuda" and vllm_installed()):
-        from worker.engine.rollout.base.vllm_backend import VLLMBackend  # imports vLLM: only where it is chosen
+        from worker.engine.rollout.vllm_backend import VLLMBackend  # imports vLLM: only where it is chosen
 
         return VLLMBackend(model, tokenizer, sampling, options=vllm_options or {})
     return TransformersBackend(model, tokenizer, sampling)
