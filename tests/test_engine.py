@@ -427,3 +427,21 @@ def test_lora_learns_the_demo_task(tmp_path, models_dir):
     rewards = series(rec, "train_reward_mean")
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.08, (first, last)
+
+
+def test_a_runs_counters_read_alike_from_checkpoints_of_before_and_after_they_were_typed() -> None:
+    """``RunCounters`` saves the keys the string-keyed dict had; a checkpoint written before (with
+    only the keys set, and ``first_reward`` before every method had a headline) restores the same."""
+    from worker.engine.state import RunCounters
+
+    old = {"trained_tokens": 120, "first_reward": 0.25, "valid_reward_mean": 0.5, "reported_grader_errors": ["g"]}
+    counters = RunCounters.restored(old)
+    assert (counters.trained_tokens, counters.first, counters.valid_reward_mean) == (120, 0.25, 0.5)
+    assert counters.reported_grader_errors == ["g"] and counters.valid_loss is None
+    saved = counters.saved()
+    assert {"trained_tokens", "first", "valid_reward_mean", "reported_grader_errors"} <= set(saved)
+    assert RunCounters.restored(saved) == counters  # a round trip through a checkpoint
+    counters.record_valid({"valid_loss": 1.5, "full_valid_loss": 1.25})
+    assert (counters.valid_loss, counters.full_valid_loss) == (1.5, 1.25)
+    with pytest.raises(KeyError, match="train_loss"):
+        counters.record_valid({"train_loss": 2.0})

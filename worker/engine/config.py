@@ -11,6 +11,34 @@ from service.jobs.hyperparameters import AnyResolved
 
 
 @dataclass(frozen=True)
+class OperatorOptions:
+    """The operator's settings a run needs (the server's, or ``rloo train``'s environment), the same
+    for a job and ``rloo train``: ``from_settings``."""
+
+    rollout_backend: str = "auto"
+    """``RLOO_ROLLOUT_BACKEND``: ``auto``, ``transformers`` or ``vllm``."""
+    embedding_model: str | None = None
+    """``RLOO_EMBEDDING_MODEL``: the embedding model of ``text_similarity``'s cosine (None: ours)."""
+    vllm_gpu_memory_utilization: float | None = None
+    """``RLOO_VLLM_GPU_MEMORY_UTILIZATION``: the share of a GPU vLLM may take (None: vLLM's default)."""
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> OperatorOptions:
+        return cls(
+            rollout_backend=settings.rollout_backend,
+            embedding_model=settings.embedding_model,
+            vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+        )
+
+    @property
+    def vllm_options(self) -> dict[str, Any]:
+        """What the vLLM backend is built with beyond its defaults."""
+        if self.vllm_gpu_memory_utilization is None:
+            return {}
+        return {"gpu_memory_utilization": self.vllm_gpu_memory_utilization}
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """A resolved run of any method. Hyperparameter names and defaults are in docs/algorithm.md (and
     service.jobs.hyperparameters, which validates them)."""
@@ -39,8 +67,8 @@ class TrainConfig:
     """``cuda``/``cpu``; None picks CUDA when there is one."""
     resume_from: Path | None = None
     """A checkpoint directory with a training state: continue the run after its step."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """The operator's settings a run needs (``worker_extra``)."""
+    operator: OperatorOptions = field(default_factory=OperatorOptions)
+    """The operator's settings a run needs."""
     method: str = "reinforcement"
     """``reinforcement``, ``supervised`` or ``dpo``: which loop runs it."""
     integrations: list[dict[str, Any]] = field(default_factory=list)
@@ -52,12 +80,3 @@ class TrainConfig:
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
     weights, applied in order (``service.registry.finetuned.Source.chain``): a full model's weights loaded,
     a LoRA adapter merged."""
-
-
-def worker_extra(settings: Any) -> dict[str, Any]:
-    """The operator's settings a run needs (``TrainConfig.extra``), the same for a job and ``rloo train``."""
-    return {
-        "rollout_backend": settings.rollout_backend,
-        "embedding_model": settings.embedding_model,
-        "vllm_options": {"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
-    }

@@ -52,13 +52,13 @@ def base_metrics(run: Run, step: int, *, started: float, tokens: int, **values: 
     """A step's metrics as every method names them: ``step``, ``total_steps``, the method's
     ``values``, ``time_step`` (since ``started``, a ``perf_counter``) and ``trained_tokens`` (which
     ``tokens`` more advance)."""
-    run.counters["trained_tokens"] += tokens
+    run.counters.trained_tokens += tokens
     return {
         "step": step,
         "total_steps": run.total_steps,
         **values,
         "time_step": time.perf_counter() - started,
-        "trained_tokens": run.counters["trained_tokens"],
+        "trained_tokens": run.counters.trained_tokens,
     }
 
 
@@ -70,8 +70,8 @@ def is_eval_step(run: Run, step: int) -> bool:
 
 def end_of_step(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, headline: str) -> Stop:
     """Record the step, then checkpoint where the run stops (pause, cancel) or at the interval."""
-    if run.counters.get("first") is None:
-        run.counters["first"] = metrics.get(headline)
+    if run.counters.first is None:
+        run.counters.first = metrics.get(headline)
     stopped = run.ranks.agree(recorder.step(step, metrics))  # rank 0 records; every rank stops with it
     if stopped == "paused" and step == run.total_steps:
         stopped = None  # nothing is left to pause: finish
@@ -98,9 +98,9 @@ def finish(run: Run, stop: Stop, recorder: Recorder, *, headline: str) -> TrainR
         steps=stop.step,
         stopped=stop.stopped,
         final_checkpoint=checkpoint,
-        first=run.counters.get("first"),
+        first=run.counters.first,
         last=last,
-        trained_tokens=run.counters["trained_tokens"],
+        trained_tokens=run.counters.trained_tokens,
         resumed_from=run.start or None,
         headline=headline,
     )

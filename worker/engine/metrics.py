@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from service.graders import GradeResult
+
+if TYPE_CHECKING:
+    from worker.engine.state import RunCounters
 
 DEPRECATED_ALIASES = {"clip_frac": "ratio_clip_frac"}
 """Old metric name -> its new name. Both are recorded for one release, then the old one goes.
@@ -132,7 +135,7 @@ VALID_KEYS = (
 )
 
 
-def checkpoint_metrics(metrics: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_metrics(metrics: dict[str, Any], counters: RunCounters) -> dict[str, Any]:
     """What a checkpoint carries (the job's ``checkpoints`` list shows it): OpenAI's keys, then ours
     that the step has; validation figures are the newest pass's. RLOO's ``train_loss`` is its loss."""
     out: dict[str, Any] = dict.fromkeys(OPENAI_CHECKPOINT_KEYS)
@@ -140,5 +143,5 @@ def checkpoint_metrics(metrics: dict[str, Any], counters: dict[str, Any]) -> dic
     out["train_loss"] = metrics.get("train_loss", metrics.get("loss"))
     out["train_mean_token_accuracy"] = metrics.get("train_mean_token_accuracy")
     out.update({key: metrics[key] for key in OUR_CHECKPOINT_KEYS if key in metrics})
-    out.update({key: counters[key] for key in VALID_KEYS if counters.get(key) is not None})
+    out.update({key: getattr(counters, key) for key in VALID_KEYS if getattr(counters, key) is not None})
     return out

@@ -49,7 +49,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     valid_items = load_items(cfg.validation_file) if cfg.validation_file else []
     reward_models = None
     if cfg.grader is not None and graders.is_model_grader(cfg.grader):
-        embedding_model = cfg.extra.get("embedding_model") or EMBEDDING_PACKAGE
+        embedding_model = cfg.operator.embedding_model or EMBEDDING_PACKAGE
         reward_models = RewardModels(models_dir=cfg.models_dir, device=device, embedding_model=embedding_model)
     total_steps = hp.total_steps(len(items))
     resumed = None
@@ -185,12 +185,12 @@ def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device)
     )
     try:
         return make_backend(
-            cfg.extra.get("rollout_backend", "auto"),
+            cfg.operator.rollout_backend,
             model,
             tokenizer,
             sampling,
             device=device,
-            vllm_options=cfg.extra.get("vllm_options"),
+            vllm_options=cfg.operator.vllm_options or None,
         )
     except ImportError as exc:
         raise JobError("rollout_backend_failed", f"the rollout backend could not be loaded: {exc}") from None

@@ -24,7 +24,7 @@ from worker.engine.distributed.ranks import SHARDED_STATE, current
 from worker.engine.errors import JobError
 from worker.engine.metrics import checkpoint_metrics
 from worker.engine.recorders import Recorder
-from worker.engine.state import Run
+from worker.engine.state import Run, RunCounters
 
 RESUMABLE_CHANGES = frozenset(
     {
@@ -59,7 +59,7 @@ def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, fi
         "adapter": "lora" if hp.lora else None,
         "data_position": {"epoch": epoch, "offset": offset, "n_items": len(run.items)},
         "hyperparameters": hp.model_dump(),
-        "counters": run.counters,
+        "counters": run.counters.saved(),
         "ranks": ranks.world,
     }
     weights = None
@@ -102,10 +102,7 @@ def restore(run: Run, state: dict[str, Any], info: dict[str, Any]) -> None:
         run.ranks.load_sharded(run.cfg.resume_from / SHARDED_STATE, run.model, run.optimizer)
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.device)
-    run.counters.update(info["counters"])
-    legacy = run.counters.pop("first_reward", None)  # written before every method had a headline metric
-    if run.counters.get("first") is None:
-        run.counters["first"] = legacy
+    run.counters = RunCounters.restored(info["counters"])
     run.start = int(info["step"])
 
 

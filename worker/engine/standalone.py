@@ -111,7 +111,7 @@ def spec_config(
 ) -> TrainConfig:
     """The ``TrainConfig`` of SPEC (``seed``, when given, over its own), validated as the API
     validates a job (errors: ``SpecError``)."""
-    from worker.engine.config import TrainConfig, worker_extra
+    from worker.engine.config import OperatorOptions, TrainConfig
 
     settings = get_settings()
     body = load_spec(spec_path, overrides, seed)
@@ -135,7 +135,7 @@ def spec_config(
         seed=body.seed if body.seed is not None else 0,
         device=device,
         resume_from=resume_from,
-        extra=worker_extra(settings),
+        operator=OperatorOptions.from_settings(settings),
         method=body.method_.family,
         gpus=body.resources.gpus if body.resources is not None else 1,
     )

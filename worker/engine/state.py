@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,51 @@ from worker.engine.distributed.ranks import SINGLE, Ranks
 from worker.engine.modeling import Reference
 from worker.engine.rewards.scoring import RewardModels
 from worker.engine.rollout.base import RolloutBackend
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class RunCounters:
+    """What a run carries from step to step and through its checkpoints (``saved``: the same keys as
+    before it was a dataclass, so checkpoints of either read alike)."""
+
+    trained_tokens: int = 0
+    first: float | None = None
+    """The headline metric (reward, loss) of the run's first step."""
+    reported_grader_errors: list[str] = field(default_factory=list)
+    """The graders whose first error the run reported (once each)."""
+    valid_reward_mean: float | None = None
+    valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
+    full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
+    valid_reward_margin: float | None = None
+    valid_reward_accuracy: float | None = None
+
+    def record_valid(self, figures: Mapping[str, float]) -> None:
+        """The newest validation pass's figures (``valid_*``, ``full_valid_*``)."""
+        for key, value in figures.items():
+            if key not in _VALID_FIELDS:
+                raise KeyError(f"{key} is not a validation figure a run keeps")
+            setattr(self, key, value)
+
+    def saved(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def restored(cls, saved: Mapping[str, Any]) -> RunCounters:
+        """A checkpoint's counters; ``first_reward`` is ``first`` as written before every method had a
+        headline metric."""
+        known = {f.name for f in fields(cls)}
+        counters = cls(**{k: v for k, v in saved.items() if k in known})
+        if counters.first is None:
+            counters.first = saved.get("first_reward")
+        return counters
+
+
+_VALID_FIELDS = frozenset(f.name for f in fields(RunCounters) if f.name.startswith(("valid_", "full_valid_")))
 
 
 @dataclass
@@ -31,18 +77,18 @@ class Run:
     valid_items: list[dict[str, Any]]
     reward_models: RewardModels | None
     total_steps: int
-    tokenizer: Any
-    model: Any
+    tokenizer: PreTrainedTokenizerBase
+    model: torch.nn.Module
     reference: Reference | None
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     backend: RolloutBackend | None = None
     """Who samples completions (reinforcement only)."""
     ranks: Ranks = SINGLE
     """The job's processes, when it runs on several (``worker.engine.distributed.ranks``)."""
     start: int = 0
-    counters: dict[str, Any] = field(default_factory=lambda: {"trained_tokens": 0, "first": None})
+    counters: RunCounters = field(default_factory=RunCounters)
 
     @property
     def hp(self) -> AnyResolved:

@@ -248,7 +248,7 @@ def _train(job: Job) -> Any:
     from worker.celery_app import wait_for_preload
 
     wait_for_preload()
-    from worker.engine.config import TrainConfig, worker_extra
+    from worker.engine.config import OperatorOptions, TrainConfig
     from worker.engine.methods.rloo import train
 
     settings = get_settings()
@@ -280,7 +280,7 @@ def _train(job: Job) -> Any:
         job_name=job.id,
         # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
         resume_from=resumable_checkpoint(store, output_dir),
-        extra=worker_extra(settings),
+        operator=OperatorOptions.from_settings(settings),
         method=method_family(job.method["type"]),
         init_from=init_from,
         integrations=list(job.integrations or []),

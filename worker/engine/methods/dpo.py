@@ -64,7 +64,7 @@ def train_dpo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if is_eval_step(run, step):
             valid_stats = evaluate(run, valid)
             metrics.update(valid_stats)
-            run.counters.update(valid_stats)
+            run.counters.record_valid(valid_stats)
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
@@ -162,7 +162,7 @@ def dpo_update(run: Run, batch: list[Triple]) -> DpoStats:
         tokens += int(ro.prompt_mask.sum()) // 2 + int(ro.completion_mask.sum())  # each prompt once
     grad_norm = torch.nn.utils.clip_grad_norm_(run.params, hp.max_grad_norm)
     run.optimizer.step()
-    learning_rate = run.scheduler.get_last_lr()[0]
+    learning_rate = float(run.scheduler.get_last_lr()[0])
     run.scheduler.step()
     loss_v, margin_v, accuracy_v = sums.tolist()
     return DpoStats(loss_v, margin_v, accuracy_v, float(grad_norm), learning_rate, tokens)

@@ -48,7 +48,7 @@ from worker.engine.resume import preserved_rng
 from worker.engine.rewards.scoring import SampledTokens, score_batch, scored_elsewhere
 from worker.engine.rollout.base import Rollout, completion_logprobs
 from worker.engine.samples import is_sample_step, sample_groups
-from worker.engine.state import Run
+from worker.engine.state import Run, RunCounters
 
 
 def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
@@ -130,7 +130,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
 
         # 6. Record, evaluate, checkpoint (the whole batch's figures, on every rank) ------------------
         mask_all, truncated_all = ranks.whole(mask), ranks.whole(ro.truncated)
-        counters["trained_tokens"] += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
+        counters.trained_tokens += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
         # A step takes as long as its slowest rank.
         seconds = [t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step]
         timings = Timings(*ranks.max(torch.tensor(seconds, dtype=torch.float64)).tolist())
@@ -143,7 +143,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             truncated=truncated_all,
             update=update,
             timings=timings,
-            trained_tokens=counters["trained_tokens"],
+            trained_tokens=counters.trained_tokens,
         )
         _report_grader_errors(graded, step, counters, recorder)
         metrics.update(grader_metrics(graded))
@@ -152,7 +152,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
         if is_eval_step(run, step):
             with run.autocast:
-                metrics["valid_reward_mean"] = counters["valid_reward_mean"] = evaluate(run)
+                metrics["valid_reward_mean"] = counters.valid_reward_mean = evaluate(run)
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
@@ -291,7 +291,7 @@ def rloo_update(
     side = _sampling_side_before_the_update(run, b, timing)
     loss_sum, clip_sum, grad_norm = _policy_epochs(run, b, side, timing)
     run.sampler.sync()  # the next rollouts come from the updated weights
-    learning_rate = run.scheduler.get_last_lr()[0]
+    learning_rate = float(run.scheduler.get_last_lr()[0])
     run.scheduler.step()
     ranks = run.ranks
     # Each rank's loss and clip fraction are its rows' share of the whole batch's: they add up.
@@ -417,11 +417,11 @@ def _micro_batch_loss(
     return loss, stats
 
 
-def _report_grader_errors(graded: graders.GradeResult, step: int, counters: dict[str, Any], recorder: Recorder) -> None:
+def _report_grader_errors(graded: graders.GradeResult, step: int, counters: RunCounters, recorder: Recorder) -> None:
     """The first error of each grader, once a run, as a warning event."""
     for name, message in graded.messages.items():
-        if name not in counters.setdefault("reported_grader_errors", []):
-            counters["reported_grader_errors"].append(name)
+        if name not in counters.reported_grader_errors:
+            counters.reported_grader_errors.append(name)
             recorder.event(
                 f"Grader '{name}' could not score a sample at step {step}: {message} (such samples "
                 f"score NaN; graders.{name}.errors counts them)",

@@ -60,7 +60,7 @@ def train_supervised(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             metrics["valid_loss"], metrics["valid_mean_token_accuracy"] = evaluate(run, valid[: hp.eval_samples])
             if step == run.total_steps:
                 metrics["full_valid_loss"], metrics["full_valid_mean_token_accuracy"] = evaluate(run, valid)
-            run.counters.update({k: v for k, v in metrics.items() if k.startswith(("valid_", "full_valid_"))})
+            run.counters.record_valid({k: v for k, v in metrics.items() if k.startswith(("valid_", "full_valid_"))})
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
@@ -105,7 +105,7 @@ def supervised_update(run: Run, batch: list[Example]) -> SupervisedStats:
     grad_norm = torch.nn.utils.clip_grad_norm_(run.params, hp.max_grad_norm)
     if learned:  # else the gradient is all zero: AdamW's momentum and decay must not move the weights
         run.optimizer.step()
-    learning_rate = run.scheduler.get_last_lr()[0]
+    learning_rate = float(run.scheduler.get_last_lr()[0])
     run.scheduler.step()
     return SupervisedStats(
         loss=float(loss_sum) if learned else float("nan"),

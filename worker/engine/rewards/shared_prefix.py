@@ -247,7 +247,8 @@ def _chunk_logits(
     last = hidden[torch.arange(len(rows), device=device), (lengths - 1).clamp(min=0)]
     # A row with no tokens of its own (an empty completion without a suffix) ends at its prefix.
     last = torch.where((lengths > 0).unsqueeze(1), last, first.repeat_interleave(counts, dim=0))
-    return head(last)[:, 0]
+    scores: Tensor = head(last)[:, 0]
+    return scores
 
 
 def _repeat_cache(cache: Any, counts: Tensor) -> None:

@@ -255,7 +255,7 @@ def _preallocate(cache: Any, capacity: int) -> None:
 def _preallocated_layer_class() -> type:
     from transformers.cache_utils import DynamicLayer
 
-    class PreallocatedLayer(DynamicLayer):  # type: ignore[misc]
+    class PreallocatedLayer(DynamicLayer):
         """``DynamicLayer`` semantics (its mask sizes and length), written into buffers in place."""
 
         def __init__(self, capacity: int) -> None:
@@ -509,7 +509,7 @@ def _shared_prompt_logits(model: Any, rollout: Rollout) -> Tensor:
         use_cache=True,
         logits_to_keep=1,
     )
-    first = out.logits[:, -1:, :].repeat_interleave(k, dim=0)
+    first: Tensor = out.logits[:, -1:, :].repeat_interleave(k, dim=0)
     if t == 1:
         return first
     cache.batch_repeat_interleave(k)  # out of place: autograd carries each row's gradient back to its prompt
