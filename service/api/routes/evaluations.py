@@ -17,13 +17,14 @@ from service import graders
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.errors import APIError
 from service.api.responses import JSON, page
-from service.api.routes.jobs import _file, _job
+from service.api.routes.jobs import _job
 from service.api.routing import StrictJSONRoute
 from service.core.db import ends_session
 from service.core.errors import DomainError, bad_request, not_found
 from service.core.tables import Checkpoint, Evaluation, Job
 from service.core.validation import Strict
 from service.jobs import evaluations
+from service.jobs.creation import fine_tune_file
 from service.registry import weights
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["evaluations"])
@@ -72,7 +73,7 @@ def create_evaluation(
     job = _job(session, project, job_id)  # another project's job is a 404 before its body is read
     if body is None:
         raise bad_request('Give the evaluation as a JSON body: {"file": "file-…", "checkpoints": "all"}.', "file")
-    _file(session, project, body.file, "file")
+    fine_tune_file(session, project, body.file, "file")
     kind = job.method.get("type", "supervised")
     spec = body.grader if body.grader is not None else (job.method.get(kind) or {}).get("grader")
     if spec is None:

@@ -4,14 +4,12 @@ their events, metrics and checkpoints."""
 from __future__ import annotations
 
 import re
-import secrets
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import String, cast, select
-from sqlalchemy.exc import IntegrityError
 
 from service import graders
 from service.api import streams
@@ -23,14 +21,14 @@ from service.api.tarstream import TarLayout, tar_response
 from service.core import crud
 from service.core.crud import Caller
 from service.core.db import ends_session, run_db, write_lock
-from service.core.errors import bad_request, model_not_found, not_found
-from service.core.tables import Checkpoint, File, Job, JobEvent
+from service.core.errors import bad_request, not_found
+from service.core.tables import Checkpoint, Job, JobEvent
 from service.infra import task_queue
 from service.infra.artifacts import S3Store, open_store
-from service.jobs import idempotency, lifecycle, memory_plan, spec
+from service.jobs import creation, idempotency, lifecycle, memory_plan, spec
 from service.jobs.lifecycle import JobStatus
-from service.jobs.spec import JobCreate, Resources
-from service.registry import exports, finetuned
+from service.jobs.spec import JobCreate
+from service.registry import exports
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
@@ -83,30 +81,15 @@ def method_answer(method: dict[str, Any]) -> dict[str, Any]:
     return method
 
 
-def _file(session: SessionDep, project: Caller, file_id: str, param: str) -> File:
-    f = crud.get_file(session=session, project=project, file_id=file_id)
-    if f is None:
-        raise bad_request(
-            f"No file with id '{file_id}' in this project; upload it with POST /v1/files.", param, "file_not_found"
-        )
-    if f.purpose != "fine-tune":
-        raise bad_request(
-            f"File '{file_id}' has purpose '{f.purpose}'; a job trains on a file uploaded with purpose 'fine-tune'.",
-            param,
-            "invalid_file_purpose",
-        )
-    return f
-
-
 @router.post("/estimate", summary="A job's memory plan: bytes a device, step FLOPs, which accelerators hold it")
 @ends_session
 def estimate_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
     """The same body as a job's creation, checked the same way (no file is read): what the job would
     hold a device (``service.jobs.memory_plan``), nothing created."""
     _, hp = spec.check_spec(body, settings=settings)
-    base_model = _base_model(session, project, settings, body)
+    base_model = creation.base_model_of(session, project, settings, body)
     try:
-        return JSON(_plan(settings, base_model, hp, body))
+        return JSON(creation.plan_of(settings, base_model, hp, body))
     except memory_plan.UnknownShape as exc:
         raise bad_request(f"The memory of a job on '{base_model}' cannot be planned: {exc}.", "model") from None
 
@@ -120,175 +103,14 @@ def create_job(
     body: JobCreate,
     idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
 ) -> JSON:
+    """The checks, the row and the task: ``service.jobs.creation``."""
     key = idempotency.check_key(idempotency_key)
-    digest = idempotency.request_hash(body.model_dump(mode="json"))
-    if key is not None and (
-        stored := idempotency.replay(session, project_seq=project.seq, route="jobs", key=key, digest=digest)
-    ):
-        return replayed(stored)
-    grader, hp = spec.check_spec(body, settings=settings)
-    base_model = _base_model(session, project, settings, body)
-    method = body.method_
-    kind = method.type
-    _check_memory(settings, base_model, hp, body)
-    training, validation = _checked_files(session, project, body, grader)
-    total_steps = hp.total_steps(training.line_count)
-    spec.check_kept_checkpoints(
-        hp, total_steps, cap=settings.max_kept_checkpoints, param=f"method.{kind}.hyperparameters"
+    created = creation.create_job(
+        session, project, settings, body, key=key, present=lambda job: job_object(job, project)
     )
-    stored_hp = hp.model_dump()
-    config: dict[str, Any] = {"hyperparameters": stored_hp}
-    if grader is not None:
-        config = {"grader": graders.grader_to_dict(grader), **config}
-    method_object = {"type": kind, kind: config}
-    resources = body.resources.model_dump() if body.resources else None
-    job = Job(
-        project_seq=project.seq,
-        model=body.model,
-        base_model=base_model,
-        training_file=training.id,
-        validation_file=validation.id if validation else None,
-        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
-        suffix=body.suffix,
-        metadata_=body.metadata,
-        integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
-        resources=resources,
-        lane=task_queue.lane(resources),
-        method=method_object,
-        hyperparameters=stored_hp,
-        status=JobStatus.QUEUED.value,
-        total_steps=total_steps,
-    )
-    with write_lock(session):
-        _check_room(session, project, settings.max_queued_jobs)
-        wanted = {**({validation.id: "validation_file"} if validation else {}), training.id: "training_file"}
-        gone = sorted(set(wanted) - crud.lock_files(session=session, project_seq=project.seq, file_ids=list(wanted)))
-        if gone:
-            session.rollback()
-            raise bad_request(
-                f"File '{gone[0]}' was deleted while the job was being created; upload it again.",
-                wanted[gone[0]],
-                "file_not_found",
-            )
-        session.add(job)
-        session.flush()
-        lifecycle.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
-        lifecycle.add_event(
-            session=session,
-            job=job,
-            message=f"Validated training file: {training.id} ({training.line_count} lines, {total_steps} steps)",
-        )
-        for note in spec.notes(hp):
-            lifecycle.add_event(session=session, job=job, message=note)
-        if key is not None:  # the answer, in the same transaction as the job
-            idempotency.remember(
-                session,
-                project_seq=project.seq,
-                route="jobs",
-                key=key,
-                digest=digest,
-                response=job_object(job, project),
-            )
-        try:
-            session.commit()  # the row exists before the task does: a worker always finds it
-        except IntegrityError:
-            return replayed(
-                idempotency.replay_after_conflict(
-                    session, project_seq=project.seq, route="jobs", key=key, digest=digest
-                )
-            )
-    if not task_queue.enqueue_job(job):
-        lifecycle.add_event(
-            session=session,
-            job=job,
-            level="warn",
-            message="The queue is unreachable; the job will be queued when it is back.",
-        )
-        session.commit()
-    return JSON(job_object(job, project))
-
-
-def _checked_files(
-    session: SessionDep, project: Caller, body: JobCreate, grader: graders.Grader | None
-) -> tuple[File, File | None]:
-    """The job's training and validation files, each of the project and fit for its method (and its
-    grader's item keys), or a 400 naming the file."""
-    method = body.method_
-    training = _file(session, project, body.training_file, "training_file")
-    validation = _file(session, project, body.validation_file, "validation_file") if body.validation_file else None
-    for f, which in ((training, "training_file"), (validation, "validation_file")):
-        if f is None:
-            continue
-        source = f"the {which.replace('_', ' ')} ({f.id})"
-        spec.check_format(method.family, f.keys_summary or {}, source=source, param=which)
-        if grader is not None:
-            spec.check_item_keys(grader, f.keys_summary or {}, source=source, param=f"method.{method.type}.grader")
-    return training, validation
-
-
-def _base_model(session: SessionDep, project: Caller, settings: SettingsDep, body: JobCreate) -> str:
-    """The base model directory of a new job: its ``model``, or the base of the fine-tuned model or
-    checkpoint of this project it names (another project's: 404, as at OpenAI)."""
-    if not finetuned.is_fine_tuned(body.model):
-        return body.model
-    source = finetuned.find(session=session, project_seq=project.seq, name=body.model)
-    if source is None:
-        raise model_not_found(body.model)
-    spec.check_context(body, settings.models_dir / source.base_model)
-    return source.base_model
-
-
-def _plan(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> dict[str, Any]:
-    """The job's memory plan on the devices it asks for (``resources``)."""
-    resources = body.resources or Resources()
-    return memory_plan.for_job(
-        settings.models_dir,
-        base_model,
-        hp,
-        method=body.method_.type,
-        accelerators=settings.accelerators,
-        devices=resources.gpus,
-        accelerator=resources.accelerator,
-    )
-
-
-def _check_memory(settings: SettingsDep, base_model: str, hp: Any, body: JobCreate) -> None:
-    """A job whose memory plan fits no accelerator kind the operator declared (RLOO_ACCELERATORS) is
-    a 400 now, not a failure hours later (``service.jobs.memory_plan``). A model whose shape its files do
-    not say (a hub id) is not checked."""
-    if not settings.accelerators:
-        return
-    kind = body.method_.type
-    try:
-        estimate = _plan(settings, base_model, hp, body)
-    except memory_plan.UnknownShape:
-        return
-    if any(estimate["fits"].values()):
-        return
-    need = estimate["bytes_per_device"] / 2**30
-    considered = {kind: settings.accelerators[kind] for kind in estimate["fits"]}
-    largest = max(considered.items(), key=lambda kv: kv[1])
-    raise bad_request(
-        f"This job needs about {need:.1f} GiB a device on {estimate['devices']} device(s) (POST "
-        f"/v1/fine_tuning/jobs/estimate shows the parts); the largest accelerator it may run on is {largest[0]} "
-        f"with {largest[1]:g} GiB, {memory_plan.HEADROOM:.0%} of it usable. "
-        f"To fit: {memory_plan.what_to_change(hp, estimate['bytes'])}.",
-        f"method.{kind}.hyperparameters",
-        "insufficient_memory",
-    )
-
-
-def _check_room(session: SessionDep, project: Caller, cap: int) -> None:
-    waiting = lifecycle.waiting_jobs(session=session, project_seq=project.seq, up_to=cap)
-    if waiting >= cap:
-        session.rollback()
-        raise APIError(
-            429,
-            f"This project has {waiting} jobs waiting for a worker, the most it may have (RLOO_MAX_QUEUED_JOBS="
-            f"{cap}); create or resume this one when one of them has started, or cancel one.",
-            code="too_many_queued_jobs",
-            headers={"Retry-After": "10"},
-        )
+    if created.job is None:
+        return replayed(created.replayed)
+    return JSON(job_object(created.job, project))
 
 
 @router.get("", summary="List fine-tuning jobs")
@@ -372,7 +194,7 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
     job = _job(session, project, job_id)
     with write_lock(session):
         if job.status == JobStatus.PAUSED:
-            _check_room(session, project, settings.max_queued_jobs)
+            creation.check_room(session, project, settings.max_queued_jobs)
         resumed = lifecycle.resume(session=session, job=job, stale_after=settings.stale_after)
     if not resumed:
         if job.status == JobStatus.PAUSED:
