@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-from service.jobs import dry_runs
+from service.jobs import dry_runs as dry_run_queue
 from tests.helpers.api import assert_error
 from tests.helpers.data import STRING_CHECK
 from tests.helpers.scoring import Endpoint
@@ -50,8 +50,8 @@ def test_a_worker_takes_from_the_project_served_longest_ago(env, monkeypatch) ->
 
     async def submit() -> None:
         async def one(project: str, n: int) -> None:
-            with contextlib.suppress(dry_runs.NoAnswer):  # (each is answered)
-                await dry_runs.run(project=project, payload={"n": n}, queue=queue, timeout=20, cap=10)
+            with contextlib.suppress(dry_run_queue.NoAnswer):  # (each is answered)
+                await dry_run_queue.run(project=project, payload={"n": n}, queue=queue, timeout=20, cap=10)
 
         tasks = []
         for project, count in (("a", 5), ("b", 1), ("c", 1)):  # a's five are queued before b's one
@@ -63,9 +63,9 @@ def test_a_worker_takes_from_the_project_served_longest_ago(env, monkeypatch) ->
         await asyncio.gather(*tasks)
 
     def play_worker() -> None:
-        while (envelope := dry_runs.take(conn, queue, "task")) is not None:
+        while (envelope := dry_run_queue.take(conn, queue, "task")) is not None:
             taken.append(f"{envelope['project']}{envelope['payload']['n']}")
-            dry_runs.answer(conn, queue, "task", envelope, {"reward": 1.0})
+            dry_run_queue.answer(conn, queue, "task", envelope, {"reward": 1.0})
 
     monkeypatch.setattr("service.infra.task_queue.wake_grader", lambda *a: None)  # this test plays the worker
     asyncio.run(submit())
@@ -90,7 +90,7 @@ def test_two_processes_taking_at_once_never_take_a_project_past_its_share(env, m
         def eval(self, *args: Any) -> Any:
             out = self.real.eval(*args)
             if not second:
-                second.append(dry_runs.take(conn, queue, "second-process"))
+                second.append(dry_run_queue.take(conn, queue, "second-process"))
             return out
 
         def __getattr__(self, name: str) -> Any:
@@ -100,19 +100,19 @@ def test_two_processes_taking_at_once_never_take_a_project_past_its_share(env, m
 
     async def scenario() -> None:
         waiting = [
-            asyncio.create_task(dry_runs.run(project="a", payload={"n": n}, queue=queue, timeout=5, cap=10))
+            asyncio.create_task(dry_run_queue.run(project="a", payload={"n": n}, queue=queue, timeout=5, cap=10))
             for n in range(2)
         ]
         await asyncio.sleep(0.3)
-        first = await asyncio.to_thread(dry_runs.take, Interleaved(conn), queue, "first-process")
+        first = await asyncio.to_thread(dry_run_queue.take, Interleaved(conn), queue, "first-process")
         taken.append(first)
-        dry_runs.answer(conn, queue, "first-process", first, {"reward": 1.0})
+        dry_run_queue.answer(conn, queue, "first-process", first, {"reward": 1.0})
         if second[0] is not None:  # (before: answered too, so that the scenario ends)
-            dry_runs.answer(conn, queue, "second-process", second[0], {"reward": 1.0})
-        nxt = await asyncio.to_thread(dry_runs.take, conn, queue, "third")  # a's next, its place free again
+            dry_run_queue.answer(conn, queue, "second-process", second[0], {"reward": 1.0})
+        nxt = await asyncio.to_thread(dry_run_queue.take, conn, queue, "third")  # a's next, its place free again
         taken.append(nxt)
         if nxt is not None:
-            dry_runs.answer(conn, queue, "third", nxt, {"reward": 1.0})
+            dry_run_queue.answer(conn, queue, "third", nxt, {"reward": 1.0})
         await asyncio.gather(*waiting)
 
     monkeypatch.setattr("service.infra.task_queue.wake_grader", lambda *a: None)  # this test plays the workers
@@ -129,10 +129,10 @@ def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) ->
 
     async def one(project: str) -> str:
         try:
-            await dry_runs.run(project=project, payload={}, queue=queue, timeout=1, cap=1)
-        except dry_runs.Busy:
+            await dry_run_queue.run(project=project, payload={}, queue=queue, timeout=1, cap=1)
+        except dry_run_queue.Busy:
             return f"{project}: busy"
-        except dry_runs.NoAnswer:
+        except dry_run_queue.NoAnswer:
             return f"{project}: no answer"  # admitted, and nobody answered in time
         return f"{project}: answered"
 
@@ -143,9 +143,9 @@ def test_a_project_at_its_cap_is_refused_and_others_are_not(env, monkeypatch) ->
         # A worker takes a's next dry run and is slow: the API stops waiting; the place stays taken.
         held = asyncio.create_task(one("a"))
         await asyncio.sleep(0.3)
-        envelope = await asyncio.to_thread(dry_runs.take, conn, queue, "slow-task")
+        envelope = await asyncio.to_thread(dry_run_queue.take, conn, queue, "slow-task")
         outcomes += [await held, await one("a")]
-        dry_runs.answer(conn, queue, "slow-task", envelope, {"reward": 1.0})
+        dry_run_queue.answer(conn, queue, "slow-task", envelope, {"reward": 1.0})
         return [*outcomes, await one("a")]
 
     monkeypatch.setattr("service.infra.task_queue.wake_grader", lambda *a: None)  # no worker: admission only
@@ -278,7 +278,7 @@ def test_a_dry_run_that_kills_its_worker_process_is_answered_once_and_set_aside(
     thread.join(60)
     resp = answer[0]
     assert_error(resp, 502, code="grader_crashed", contains="will not be run again")
-    dead = _redis(dry_runs).lrange(f"{dry_runs.namespace(dry_runs['RLOO_QUEUE'] + '-graders')}:dead", 0, -1)
+    dead = _redis(dry_runs).lrange(f"{dry_run_queue.namespace(dry_runs['RLOO_QUEUE'] + '-graders')}:dead", 0, -1)
     assert len(dead) >= 1 and b"time.sleep(20)" in dead[0]
     ok = client.post(RUN, headers=auth, json={"grader": STRING_CHECK, "model_sample": "red", "item": {"answer": "red"}})
     assert ok.status_code == 200 and ok.json()["reward"] == 1.0, ok.text
