@@ -23,7 +23,7 @@ import pytest
 from tests.helpers.data import EXAMPLES, job_body
 from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 from tests.helpers.scoring import Endpoint
-from worker.celery_app import imports_before_forking
+from worker.jobs.preload import imports_before_forking
 
 pytestmark = pytest.mark.e2e
 

@@ -138,17 +138,17 @@ def test_only_a_host_without_gpus_imports_torch_before_forking_its_pool(
 ) -> None:
     """A CUDA context does not survive a fork: where a GPU or any graphics device node is, the Celery
     parent must never import torch; without one, it imports the training stack once for its pool."""
-    from worker import celery_app
+    from worker.jobs import preload
 
     nodes = {name: tmp_path / name for name in ("nvidia0", "kfd", "dxg", "dri")}
     monkeypatch.setattr(devices, "GPU_NODES", (str(tmp_path / "nvidia[0-9]*"), str(nodes["kfd"]), str(nodes["dxg"])))
     monkeypatch.setattr(devices, "OTHER_DEVICE_NODES", (str(nodes["dri"]),))
     assert not devices.has_device_nodes()
-    assert celery_app.imports_before_forking() == sys.platform.startswith("linux")
+    assert preload.imports_before_forking() == sys.platform.startswith("linux")
     for name, node in nodes.items():
         node.touch()
         assert devices.has_gpu_nodes() == (name != "dri") and devices.has_device_nodes(), name
-        assert not celery_app.imports_before_forking(), name
+        assert not preload.imports_before_forking(), name
         node.unlink()
 
 
@@ -157,15 +157,15 @@ def test_a_pool_process_imports_the_training_stack_in_a_thread_unless_forked_wit
     the stack in a thread and a job waits for it; one forked from a parent that imported it starts
     no thread."""
     fresh = (
-        "import sys; from worker import celery_app as c; "
-        "assert 'torch' not in sys.modules; c._preload_training_stack(); "
+        "import sys; from worker.jobs import preload as c; "
+        "assert 'torch' not in sys.modules; c.preload_training_stack(); "
         "assert c._PRELOAD is not None; c.wait_for_preload(); "
         "assert {'torch', 'worker.engine.methods.rloo', 'transformers.modeling_utils', 'transformers.modeling_layers'} "
         "<= set(sys.modules)"
     )
     forked = (
-        "from worker import celery_app as c; "
-        "c.import_training_stack(); c._preload_training_stack(); assert c._PRELOAD is None"
+        "from worker.jobs import preload as c; "
+        "c.import_training_stack(); c.preload_training_stack(); assert c._PRELOAD is None"
     )
     for code in (fresh, forked):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

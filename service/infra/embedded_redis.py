@@ -98,3 +98,10 @@ def stop_daemon(settings: Settings) -> None:
         os.kill(pid, signal.SIGTERM)
     except (OSError, ValueError):
         pass
+
+
+def ensure(settings: Settings) -> None:
+    """Without ``REDIS_URL``, ``rloo api`` and ``rloo worker`` share one embedded Redis, started by
+    whichever comes first (and by a reconciler's round, should it have died)."""
+    if settings.embedded_redis:
+        start(settings, daemonize=True)

@@ -48,7 +48,7 @@ def grade(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_models(grader: Any, sample: str, item: dict[str, Any]) -> graders.GradeResult:
-    from worker.celery_app import wait_for_preload
+    from worker.jobs.preload import wait_for_preload
 
     wait_for_preload()
     from worker.engine.rewards.scoring import score_batch

@@ -245,7 +245,7 @@ def run_grader(self: Any) -> str:
 
 def _train(job: Job) -> Any:
     # Imported here: on a GPU host the Celery parent stays free of torch; only the process that trains loads it.
-    from worker.celery_app import wait_for_preload
+    from worker.jobs.preload import wait_for_preload
 
     wait_for_preload()
     from worker.engine.config import OperatorOptions, TrainConfig

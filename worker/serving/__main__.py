@@ -7,10 +7,10 @@ import sys
 
 from service.core.logs import configure
 from service.core.settings import get_settings
-from worker.cli.serve import _die_with_parent
+from worker.engine.processes import die_with_parent
 from worker.serving.server import main
 
 logging.basicConfig(format="[%(asctime)s: %(levelname)s/serve] %(message)s", level=logging.INFO)
 configure(get_settings().log_format)
-_die_with_parent()
+die_with_parent()
 main(sys.argv[1])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from worker.engine.errors import JobError
+from worker.engine.processes import die_with_parent
 
 if TYPE_CHECKING:  # importing this module (worker.jobs.tasks does, in Celery's parent process) imports no torch
     from worker.engine.config import TrainConfig
@@ -70,7 +71,7 @@ def run_ranks(
         # Its own process group, which stopping this worker stops; and, should this process die
         # without a word (the out-of-memory killer), the kernel stops the launcher, which stops
         # every rank: no ranks are left training a job that runs again elsewhere.
-        launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        launcher = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
         try:
             code = launcher.wait()
         except BaseException:
@@ -92,15 +93,6 @@ def _check_devices(cfg: TrainConfig) -> None:
             f"the job asks for {cfg.gpus} GPUs (resources.gpus) and its worker has {have}; "
             f"run it on a worker with {cfg.gpus} (rloo worker --gpus) or ask for {have}",
         )
-
-
-def _die_with_parent() -> None:
-    """In the launcher, before it runs: SIGTERM when the process that started it dies (Linux)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _stop(launcher: subprocess.Popen[Any]) -> None:
