@@ -174,7 +174,7 @@ def profile(config: str) -> dict[str, Any]:
 def _split(rm: Any, leaf: Any, tok: Any, samples: Any, items: Any, prompts: Any, sampled: Any = None) -> Any:
     """The rows cut after their prompts' part, as ``RewardModels._shared_prefix_scores`` cuts them
     (from the ``sampled`` token ids, where given)."""
-    from worker.engine.rewards.scoring import shared_prefix
+    from worker.engine.rewards import shared_prefix
 
     captured: dict[str, Any] = {}
     real = shared_prefix.prefix_logits

@@ -206,7 +206,7 @@ def test_a_training_run_reads_the_sampled_tokens_and_ids_past_the_vocabulary_are
     policy's); a row holding an id the reward model has no embedding for is read from its text."""
     from tests.helpers.training import ListRecorder, config
     from worker.engine.methods.rloo import train
-    from worker.engine.rewards.scoring import shared_prefix
+    from worker.engine.rewards import shared_prefix
 
     splits: list[object] = []
     real = shared_prefix.sampled_rows

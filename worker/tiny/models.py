@@ -418,42 +418,13 @@ def train_tiny_reward_model(
     enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     y = torch.tensor([float(v) for v in labels], dtype=torch.float32)
-
-    def full_loss() -> float:
-        model.eval()
-        with torch.no_grad():
-            preds = torch.cat(
-                [
-                    model(input_ids=ids[i : i + 256], attention_mask=mask[i : i + 256]).logits.squeeze(-1)
-                    for i in range(0, len(y), 256)
-                ]
-            )
-        return float(torch.nn.functional.mse_loss(preds, y))
-
     old_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        initial = full_loss()
-        gen = torch.Generator().manual_seed(seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        # 10-step warm-up, then linear decay to zero
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * (1 - s / steps))
-        model.train()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for _ in range(steps):
-                idx = torch.randint(len(y), (min(batch_size, len(y)),), generator=gen)
-                m = mask[idx]
-                keep = m.any(0)  # drop columns that are padding for the whole minibatch
-                out = model(input_ids=ids[idx][:, keep], attention_mask=m[:, keep])
-                loss = torch.nn.functional.mse_loss(out.logits.squeeze(-1), y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
-        final = full_loss()
+        initial = _mse(model, ids, mask, y)
+        _fit(model, ids, mask, y, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+        final = _mse(model, ids, mask, y)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -472,6 +443,51 @@ def train_tiny_reward_model(
 
     _atomic_write_dir(path, write, overwrite=True)
     return fit
+
+
+def _mse(model: Any, ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> float:
+    """The model's mean squared error over every text, in batches of 256."""
+    model.eval()
+    with torch.no_grad():
+        preds = torch.cat(
+            [
+                model(input_ids=ids[i : i + 256], attention_mask=mask[i : i + 256]).logits.squeeze(-1)
+                for i in range(0, len(y), 256)
+            ]
+        )
+    return float(torch.nn.functional.mse_loss(preds, y))
+
+
+def _fit(
+    model: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+) -> None:
+    """``steps`` of AdamW on random minibatches (a 10-step warm-up, then linear decay to zero),
+    torch's global random state left as it was."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * (1 - s / steps))
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            idx = torch.randint(len(y), (min(batch_size, len(y)),), generator=gen)
+            m = mask[idx]
+            keep = m.any(0)  # drop columns that are padding for the whole minibatch
+            out = model(input_ids=ids[idx][:, keep], attention_mask=m[:, keep])
+            loss = torch.nn.functional.mse_loss(out.logits.squeeze(-1), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
 
 
 # --------------------------------------------------------------------------
