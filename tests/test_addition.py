@@ -1,5 +1,5 @@
 """examples/addition, the task a model really learns: built as users build it; one run through
-``rloo train`` and through the HTTP API gives the same numbers, and ``rloo eval`` the same
+``rloo train`` and through the HTTP API gives the same numbers, and ``rloo score`` the same
 validation pass; the learning benchmark's gradient statistics on vectors whose answer is known."""
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ def test_rloo_train_and_the_api_give_the_same_numbers_and_rloo_eval_the_same_val
     assert [m["step"] for m in local] == [1, 2, 3, 4]
     assert [m["step"] for m in local if "valid_reward_mean" in m] == [2, 4]
 
-    # rloo eval on the final checkpoint is the run's own last validation pass, exactly.
+    # rloo score on the final checkpoint is the run's own last validation pass, exactly.
     scored = _cli(
-        tmp_path, built, "eval", str(ADDITION / "job.json"), "--checkpoint", summary["final_checkpoint"],
+        tmp_path, built, "score", str(ADDITION / "job.json"), "--checkpoint", summary["final_checkpoint"],
         "--set", "eval_samples=64", "--seed", "3",
     )  # fmt: skip
     assert scored.returncode == 0, scored.stderr
@@ -129,17 +129,18 @@ def test_rloo_train_and_the_api_give_the_same_numbers_and_rloo_eval_the_same_val
     assert numbers(served) == numbers(local)  # every metric of every step, to the last bit
 
 
-def test_rloo_eval_refuses_what_it_cannot_score(tmp_path: Path, models_dir: Path) -> None:
+def test_rloo_score_refuses_what_it_cannot_score_and_its_old_name_still_works(tmp_path: Path, models_dir: Path) -> None:
     spec = tmp_path / "job.json"
     body = json.loads((EXAMPLES / "demo" / "job.json").read_text())
     body["training_file"] = str(EXAMPLES / "demo" / "train.jsonl")
     spec.write_text(json.dumps(body))
-    out = _cli(tmp_path, models_dir, "eval", str(spec))
+    out = _cli(tmp_path, models_dir, "score", str(spec))
     assert out.returncode == 2 and "no validation_file" in out.stderr and "Traceback" not in out.stderr
     body["validation_file"] = str(EXAMPLES / "demo" / "valid.jsonl")
     spec.write_text(json.dumps(body))
-    out = _cli(tmp_path, models_dir, "eval", str(spec), "--checkpoint", str(tmp_path))
+    out = _cli(tmp_path, models_dir, "eval", str(spec), "--checkpoint", str(tmp_path))  # the old name, for a release
     assert out.returncode == 2 and "no model there" in out.stderr and "Traceback" not in out.stderr
+    assert "`rloo eval` is now `rloo score`" in out.stderr
 
 
 # ---------------------------------------------------------------- the benchmark's statistics

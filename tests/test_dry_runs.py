@@ -24,7 +24,7 @@ from service.jobs import dry_runs as dry_run_queue
 from tests.helpers.api import assert_error
 from tests.helpers.data import STRING_CHECK
 from tests.helpers.scoring import Endpoint
-from worker.jobs.requests import MAX_DELIVERIES
+from worker.jobs.message_guard import MAX_DELIVERIES
 
 RUN = "/v1/fine_tuning/alpha/graders/run"
 

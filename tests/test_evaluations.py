@@ -56,7 +56,7 @@ def _evaluation(job: Job, file_id: str = "file-x") -> str:
 
 def _claim(monkeypatch: pytest.MonkeyPatch) -> str | None:
     """The evaluation a worker claims next (its run is not started: only which is claimed)."""
-    monkeypatch.setattr(evaluate.Run, "start", classmethod(lambda cls, server, session, e, job, file: e.id))
+    monkeypatch.setattr(evaluate.EvaluationRun, "start", classmethod(lambda cls, server, session, e, job, file: e.id))
     return evaluate.claim_next(Worker())  # type: ignore[return-value]
 
 
@@ -100,7 +100,7 @@ def test_an_evaluation_past_its_time_budget_fails_saying_so(env, monkeypatch) ->
     assert _claim(monkeypatch) == e
     with session_scope() as session:
         seq = session.query(Evaluation).filter(Evaluation.id == e).one().seq
-    run = evaluate.Run(Worker(), seq, None, [{}], [], {}, [], ends_at=time.time() - 1)
+    run = evaluate.EvaluationRun(Worker(), seq, None, [{}], [], {}, [], ends_at=time.time() - 1)
     assert run.step() is False
     with session_scope() as session:
         row = session.query(Evaluation).filter(Evaluation.id == e).one()

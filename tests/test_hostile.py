@@ -255,11 +255,11 @@ def test_a_file_deleted_while_a_job_using_it_is_created_one_of_the_two_loses(env
 def test_fuzzy_match_reads_at_most_the_cap_of_each_string(monkeypatch) -> None:
     """Every metric reads SIMILARITY_MAX_CHARS of each string (fuzzy_match read everything: a 2M
     character sample took minutes): strings equal up to the cap score as equal."""
-    from service.graders import metrics
+    from service.graders import similarity
 
-    monkeypatch.setattr(metrics, "SIMILARITY_MAX_CHARS", 300)
+    monkeypatch.setattr(similarity, "SIMILARITY_MAX_CHARS", 300)
     head = "the same words in the same order " * 10  # 330 characters
-    for name, metric in metrics.TEXT_SIMILARITY_METRICS.items():
+    for name, metric in similarity.TEXT_SIMILARITY_METRICS.items():
         score = metric(head + "tail one " * 50, head + "quite another ending " * 50)
         assert math.isclose(score, 1.0, abs_tol=1e-3), (name, score)
 

@@ -487,8 +487,8 @@ def test_a_project_holds_three_quarters_of_a_batch_and_another_joins_at_the_next
     waited for all of them to end. A project's requests hold at most 24 rows of it: the third waits
     for the next batch, the other project's chat decodes in this one, and one that arrives later
     joins past the first project's next request."""
-    from worker.serving.models import Servable
-    from worker.serving.server import Request, Server
+    from worker.serving.inference_worker import Request, Server
+    from worker.serving.model_cache import Servable
 
     server = Server(None, worker="w", cache=None, max_rows=32)
     base = Servable(Path("/models/tiny"))

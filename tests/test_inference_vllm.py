@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from worker.serving.decode import Row
-from worker.serving.models import Servable
+from worker.serving.model_cache import Servable
 
 FAKES = Path(__file__).parent / "fakes"
 PROMPT = "the cat sat on"

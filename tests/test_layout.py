@@ -136,8 +136,8 @@ def test_the_workers_import_no_http_layer() -> None:
     import sys
 
     code = (
-        "import sys, worker.jobs.tasks, worker.serving.server, worker.serving.evaluate, worker.jobs.database_recorder, "
-        "worker.engine.standalone; "
+        "import sys, worker.jobs.tasks, worker.serving.inference_worker, worker.serving.evaluate, "
+        "worker.jobs.database_recorder, worker.engine.standalone; "
         "print(sorted(m for m in ('fastapi', 'starlette') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -55,9 +55,9 @@ def serving(settings: str) -> Iterator[Callable[[str | None], None]]:
     import redis
 
     from service.core.settings import get_settings
-    from worker.serving.chores import Chores
-    from worker.serving.models import ModelCache
-    from worker.serving.server import Server
+    from worker.serving.between_batches import BetweenBatches
+    from worker.serving.inference_worker import Server
+    from worker.serving.model_cache import ModelCache
 
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -71,7 +71,7 @@ def serving(settings: str) -> Iterator[Callable[[str | None], None]]:
             get_settings.cache_clear()
             server = Server(conn, worker=f"w-{secrets.token_hex(3)}", cache=cache, max_rows=32)
         get_settings.cache_clear()
-        server.chores = Chores(server)
+        server.between_batches = BetweenBatches(server)
         thread = threading.Thread(target=server.run, args=(lambda: not stop.is_set(),), daemon=True)
         thread.start()
         threads.append(thread)
@@ -219,7 +219,7 @@ def test_asking_fails_soon_when_its_workers_are_gone_and_a_timed_out_batch_is_ca
 def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.serving import evaluate
     from worker.serving.background import Background
-    from worker.serving.chores import Chores
+    from worker.serving.between_batches import BetweenBatches
 
     claimed: list[object] = []
     monkeypatch.setattr(evaluate, "claim_next", lambda server: claimed.append(server))
@@ -228,11 +228,11 @@ def test_a_worker_of_its_own_queue_claims_no_evaluations(monkeypatch: pytest.Mon
         background = Background()  # where an evaluation is looked for
 
     server = Server()
-    Chores(server, evaluations=False).step()
-    chores = Chores(server, evaluations=True)
-    chores.step()
-    assert chores._claiming is not None
-    chores._claiming.result(timeout=10)
+    BetweenBatches(server, evaluations=False).step()
+    between_batches = BetweenBatches(server, evaluations=True)
+    between_batches.step()
+    assert between_batches._claiming is not None
+    between_batches._claiming.result(timeout=10)
     assert claimed == [server]  # the check is the flag, not the stub
 
 

@@ -23,7 +23,6 @@ Python: no torch, transformers or numpy. Every mistake a user can make is a ``Gr
 the dotted path (``param``) of the offending field and a message saying what to change.
 """
 
-from service.graders.metrics import EVALUATION_METRICS, MODEL_METRICS, TEXT_SIMILARITY_METRICS
 from service.graders.scoring import (
     SCORERS,
     Batch,
@@ -36,6 +35,7 @@ from service.graders.scoring import (
     render_pairs,
     render_reward_model_inputs,
 )
+from service.graders.similarity import EVALUATION_METRICS, MODEL_METRICS, TEXT_SIMILARITY_METRICS
 from service.graders.spec import (
     first_missing_item_key,
     grader_to_dict,

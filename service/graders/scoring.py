@@ -20,7 +20,7 @@ from typing import Any
 
 from service.graders import formula
 from service.graders.httpgrader import grade_http
-from service.graders.metrics import TEXT_SIMILARITY_METRICS
+from service.graders.similarity import TEXT_SIMILARITY_METRICS
 from service.graders.templates import TemplateKeyError, render, render_batch
 from service.graders.types import (
     NAN,

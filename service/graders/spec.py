@@ -14,7 +14,7 @@ from typing import Any
 
 from service.core.settings import redact_url
 from service.graders import formula
-from service.graders.metrics import EVALUATION_METRICS, MODEL_METRICS
+from service.graders.similarity import EVALUATION_METRICS, MODEL_METRICS
 from service.graders.templates import template_item_keys, validate
 from service.graders.types import (
     STRING_CHECK_OPERATIONS,

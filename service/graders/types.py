@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from service.core.errors import Invalid
 from service.graders.formula import Expr
-from service.graders.metrics import MODEL_METRICS
+from service.graders.similarity import MODEL_METRICS
 
 NAN = float("nan")
 

@@ -1,7 +1,7 @@
 """A checkpoint as one full model (``GET …/checkpoints/{id}/content?merged=true``): every LoRA adapter
 of its fine-tuned chain merged into the weights before it, saved in safetensors with its tokenizer, so
 that ``from_pretrained`` and ``vllm serve`` load the directory as it is. The API loads no weights and
-waits for none: an inference worker merges (``worker.serving.chores.export``), once a checkpoint, into
+waits for none: an inference worker merges (``worker.serving.between_batches.export``), once a checkpoint, into
 ``<artifacts>/exports/<job id>/step-<N>`` (with an object store, that key: the worker publishes it
 there). Until it is there, a download is answered at once with 503 ``export_in_progress`` and
 ``Retry-After``; the merge was asked for once (a marker in Redis, ``export:<key>``, while it is queued

@@ -57,7 +57,7 @@ def _context(base: Path, stamp: int) -> int | None:
 def chain_of(settings: Settings, chain: tuple[str, ...], name: str) -> list[str]:
     """A fine-tuned chain's checkpoints as a worker finds them: directories under the artifacts root,
     or, with an object store, their keys (relative: the worker fetches them into its cache,
-    ``worker.serving.models.Servable.from_wire``). A checkpoint that is gone (pruned by
+    ``worker.serving.model_cache.Servable.from_wire``). A checkpoint that is gone (pruned by
     ``keep_checkpoints``) is OpenAI's 404 of ``name``."""
     store = open_store(settings)
     try:

@@ -13,7 +13,7 @@ the processes that train):
 
 from __future__ import annotations
 
-from worker.cli import admin, client, evaluations, run, serve, stack  # noqa: F401 (each registers its commands)
+from worker.cli import admin, client, evaluations, serve, stack, training  # noqa: F401 (each registers its commands)
 from worker.cli.app import app
 
 

@@ -206,7 +206,7 @@ def evaluate_spec(
         cfg = spec_config(spec_path, overrides=overrides, output_dir=Path(scratch), device=device, seed=seed)
         if cfg.method != "reinforcement":
             raise SpecError(
-                f"{spec_path}: rloo eval scores a reinforcement job's validation pass; this is {cfg.method}"
+                f"{spec_path}: rloo score scores a reinforcement job's validation pass; this is {cfg.method}"
             )
         if cfg.validation_file is None:
             raise SpecError(f"{spec_path}: no validation_file to score")

@@ -2,7 +2,7 @@
 atomically, so a task delivered twice trains once) and ``rloo.run_grader`` (a wake-up for one
 grader dry run). What a run writes lives in ``worker.jobs.database_recorder``, how it fails in
 ``worker.jobs.failures``; what the worker's main process refuses before a task reaches a pool process,
-in ``worker.jobs.requests``."""
+in ``worker.jobs.message_guard``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ from worker.jobs.failures import cap_memory, classify
 log = logging.getLogger("rloo.worker")
 
 
-@app.task(name=RUN_JOB_TASK, Request="worker.jobs.requests:JobRequest")  # acks_late and the rest: worker.celery_app
+@app.task(
+    name=RUN_JOB_TASK, Request="worker.jobs.message_guard:JobRequest"
+)  # acks_late and the rest: worker.celery_app
 def run_job(job_id: str) -> str:
     """A turn to run one job of ``job_id``'s lane to its end: the fairest queued job there, by turns
     between projects (``lifecycle.claim_fairest``), which is ``job_id`` itself unless another project
@@ -204,7 +206,7 @@ def _finish(session: Any, job: Job, result: Any) -> None:
 @app.task(
     name=RUN_GRADER_TASK,
     bind=True,
-    Request="worker.jobs.requests:WakeUpRequest",
+    Request="worker.jobs.message_guard:WakeUpRequest",
     time_limit=get_settings().grader_run_seconds + 60,
 )
 def run_grader(self: Any) -> str:

@@ -8,7 +8,7 @@ import sys
 from service.core.logs import configure
 from service.core.settings import get_settings
 from worker.engine.processes import die_with_parent
-from worker.serving.server import main
+from worker.serving.inference_worker import main
 
 logging.basicConfig(format="[%(asctime)s: %(levelname)s/serve] %(message)s", level=logging.INFO)
 configure(get_settings().log_format)

@@ -44,7 +44,7 @@ from service.infra.artifacts import open_store
 from service.infra.inference_bus import MAX_BYTES_PER_TOKEN
 from worker.engine.errors import JobError
 from worker.serving.decode import Row
-from worker.serving.models import Servable
+from worker.serving.model_cache import Servable
 
 log = logging.getLogger("rloo.serve")
 
@@ -57,7 +57,7 @@ STALE_SECONDS = 60.0
 older than this lost its worker."""
 
 
-def claim_next(server: Any) -> Run | None:
+def claim_next(server: Any) -> EvaluationRun | None:
     """The next evaluation by turns between projects, claimed for this worker by a conditional
     update (two workers never run one): queued, or running with a stale heartbeat; of a project with
     fewer than ``RLOO_EVALUATIONS_PER_PROJECT`` running; the project whose last one started longest ago
@@ -110,7 +110,7 @@ def claim_next(server: Any) -> Run | None:
         job = session.get(Job, evaluation.job_seq)
         file = session.scalar(select(File).where(File.id == evaluation.file_id))
         try:
-            return Run.start(server, session, evaluation, job, file)
+            return EvaluationRun.start(server, session, evaluation, job, file)
         except Exception as exc:  # a model gone since, a file that no longer parses: this evaluation's end
             message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             _fail(seq, server.worker, getattr(exc, "code", None) or "evaluation_failed", message)
@@ -191,7 +191,7 @@ class Chunk:
 
 
 @dataclass
-class Run:
+class EvaluationRun:
     server: Any
     seq: int
     grader: Any
@@ -207,7 +207,7 @@ class Run:
     restarts: int = 0
 
     @classmethod
-    def start(cls, server: Any, session: Any, evaluation: Evaluation, job: Any, file: Any) -> Run:
+    def start(cls, server: Any, session: Any, evaluation: Evaluation, job: Any, file: Any) -> EvaluationRun:
         from service.registry import weights
 
         settings = get_settings()

@@ -5,7 +5,7 @@ one vLLM engine per base model and LoRA checkpoints served through vLLM's LoRA s
 
 A base whose fine-tuned chain has checkpoints before its last adapter (a full checkpoint, earlier
 adapters) is merged once into ``<artifacts>/exports/bases/<digest>`` for vLLM to load
-(``worker.serving.chores.export``). vLLM decodes a batch whole: its rows' text arrives in one piece at
+(``worker.serving.between_batches.export``). vLLM decodes a batch whole: its rows' text arrives in one piece at
 their end, not token by token (streams still stream, in one chunk a choice), and a client that leaves
 is dropped before the batch starts, not during it. A base's engine takes
 ``RLOO_VLLM_GPU_MEMORY_UTILIZATION`` of the GPU; an engine for another base replaces it.
@@ -24,7 +24,7 @@ from typing import Any
 
 from worker.engine.errors import JobError
 from worker.serving.decode import Delta, Row
-from worker.serving.models import Loaded, Servable
+from worker.serving.model_cache import Loaded, Servable
 
 MAX_LORA_RANK = 64
 
@@ -75,7 +75,7 @@ class VLLMModels:
         base, prefix = servable.base_key
         path = base
         if prefix:  # full checkpoints or earlier adapters: one merged directory for vLLM to load
-            from worker.serving.chores import export
+            from worker.serving.between_batches import export
 
             digest = hashlib.sha256("\0".join(map(str, (base, *prefix))).encode()).hexdigest()[:24]
             path = self.artifacts_dir / "exports" / "bases" / digest

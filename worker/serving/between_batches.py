@@ -22,19 +22,19 @@ from typing import Any
 
 from service.infra import inference_bus
 from worker.engine.errors import JobError
-from worker.serving.models import Servable
+from worker.serving.model_cache import Servable
 
 log = logging.getLogger("rloo.serve")
 
 POLL_SECONDS = 2.0  # how often an idle worker looks for an evaluation to run
 
 
-class Chores:
+class BetweenBatches:
     def __init__(self, server: Any, *, evaluations: bool = True) -> None:
         """``evaluations``: whether this worker claims evaluations (a dedicated worker of its own
         queue does not)."""
         self.server, self.evaluations = server, evaluations
-        self.evaluation: Any = None  # the evaluation in progress (worker.serving.evaluate.Run)
+        self.evaluation: Any = None  # the evaluation in progress (worker.serving.evaluate.EvaluationRun)
         self._claiming: Future[Any] | None = None  # the look for the next, on the background thread
         self._left: Future[Any] | None = None  # the last one's grading, should it outlive it
         self._polled = 0.0

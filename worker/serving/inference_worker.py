@@ -1,6 +1,6 @@
 """An inference worker's process: takes requests from Redis (``service.infra.inference_bus``), batches those for
 one base model, streams what each row writes back, and between batches does the rest
-(``worker.serving.chores``): remote reward models' batches, never inside a batch's decoding, and
+(``worker.serving.between_batches``): remote reward models' batches, never inside a batch's decoding, and
 checkpoint evaluations' decoding. What would hold the loop (a merge, an evaluation's grading and
 start) runs on the worker's background thread (``worker.serving.background``), in turn by project.
 
@@ -29,7 +29,7 @@ from service.infra import inference_bus
 from worker.engine.errors import JobError
 from worker.serving.background import Background
 from worker.serving.decode import Row
-from worker.serving.models import ModelCache, Servable
+from worker.serving.model_cache import ModelCache, Servable
 
 log = logging.getLogger("rloo.serve")
 
@@ -76,7 +76,7 @@ def seed_of(seed: int | None, choice: int) -> int | None:
 
 
 class Server:
-    def __init__(self, conn: Any, *, worker: str, cache: Any, max_rows: int, chores: Any = None) -> None:
+    def __init__(self, conn: Any, *, worker: str, cache: Any, max_rows: int, between_batches: Any = None) -> None:
         settings = get_settings()
         self.conn, self.worker, self.cache, self.max_rows = conn, worker, cache, max_rows
         self.ns = inference_bus.namespace(inference_bus.serve_queue())
@@ -88,7 +88,7 @@ class Server:
         """Rows one project's requests may hold of a batch: the rest is kept for others' to join."""
         self.project_rows: dict[str, int] = {}  # rows of the batch decoding now, by project
         self.held: set[str] = set()
-        self.chores = chores
+        self.between_batches = between_batches
         self._lock = threading.Lock()
         self._rewards: Any = None
         self.scoring = threading.Lock()
@@ -124,16 +124,16 @@ class Server:
         beat.start()
         inference_bus.heartbeat(self.conn, self.ns, self.worker, [])
         while keep_going():
-            ready = self.chores is not None and self.chores.ready
+            ready = self.between_batches is not None and self.between_batches.ready
             idle = not self.pending and not self.requests and not ready
-            waiting = self.chores is not None and self.chores.busy  # for its grading: look again soon
+            waiting = self.between_batches is not None and self.between_batches.busy  # for its grading: look again soon
             self._take(block=(0.1 if waiting else 1.0) if idle else 0.0)
             self._answer_requests()
             if self.pending:
                 self.serve_one_batch()
-            elif self.chores is not None:
+            elif self.between_batches is not None:
                 try:
-                    self.chores.step()
+                    self.between_batches.step()
                 except Exception:  # the database away, a bug: logged, and the worker goes on serving
                     log.exception("an evaluation step failed")
                     time.sleep(1.0)
@@ -144,8 +144,8 @@ class Server:
                 with self._lock:
                     held = list(self.held)
                 inference_bus.heartbeat(self.conn, self.ns, self.worker, held)
-                if self.chores is not None:
-                    self.chores.beat()
+                if self.between_batches is not None:
+                    self.between_batches.beat()
             except Exception as exc:  # Redis or the database away for a moment: the next beat tries again
                 log.warning("heartbeat failed: %s", exc)
             time.sleep(inference_bus.LEASE_REFRESH)
@@ -173,17 +173,17 @@ class Server:
                     self._answer(envelope["id"], inference_bus.error_message(500, "model_load_failed", message))
                     continue
                 self.pending.append(Request(envelope, servable))
-            elif self.chores is not None:
+            elif self.between_batches is not None:
                 self.requests.append(envelope)  # answered between batches, never inside one's decoding
             else:
                 self._answer(envelope["id"], inference_bus.error_message(400, "unsupported", "not served here"))
 
     def _answer_requests(self) -> None:
         """The taken requests that are no completion (exports, remote reward models' batches), each
-        answered by ``chores`` (now, or later from the background thread), oldest first."""
-        while self.requests and self.chores is not None:
+        answered by ``between_batches`` (now, or later from the background thread), oldest first."""
+        while self.requests and self.between_batches is not None:
             envelope = self.requests.pop(0)
-            last = self.chores.request(envelope)
+            last = self.between_batches.request(envelope)
             if last is not None:
                 self._answer(envelope["id"], last)
 
@@ -407,7 +407,7 @@ def main(worker: str) -> None:
 
     from worker.engine.modeling import pick_device
     from worker.serving import vllm_models
-    from worker.serving.chores import Chores
+    from worker.serving.between_batches import BetweenBatches
 
     settings = get_settings()
     torch.set_grad_enabled(False)
@@ -422,7 +422,9 @@ def main(worker: str) -> None:
         cache = ModelCache(device=device, budget_bytes=memory_budget(device, settings.inference_memory_mb))
     server = Server(conn, worker=worker, cache=cache, max_rows=settings.inference_max_batch)
     # A worker of its own queue (`--serve --queue`, remote reward models) leaves evaluations to the others.
-    server.chores = Chores(server, evaluations=settings.serve_queue in (None, f"{settings.queue}-serve"))
+    server.between_batches = BetweenBatches(
+        server, evaluations=settings.serve_queue in (None, f"{settings.queue}-serve")
+    )
     log.info(
         "inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference_bus.serve_queue()
     )

@@ -80,8 +80,8 @@ def train_cmd(
         raise typer.Exit(1)
 
 
-@app.command("eval")
-def eval_cmd(
+@app.command("score")
+def score_cmd(
     spec: Annotated[
         Path,
         typer.Argument(metavar="SPEC.json", help="A reinforcement job's body, with a validation_file (a local path)."),
@@ -101,10 +101,13 @@ def eval_cmd(
     valid_reward_mean over eval_samples prompts, one completion each at the job's sampling settings,
     seeded by its seed: a run's value at step N is this on its step-N checkpoint.
 
+    Named apart from ``rloo evals`` (evaluations the server runs); ``rloo eval``, its name until
+    this release, still works and says so.
+
     \b
     Examples:
-      rloo eval examples/addition/job.json
-      rloo eval examples/addition/job.json --checkpoint runs/a/step-600
+      rloo score examples/addition/job.json
+      rloo score examples/addition/job.json --checkpoint runs/a/step-600
     """
     from worker.engine.recorders import json_safe
     from worker.engine.standalone import SpecError, evaluate_spec
@@ -115,6 +118,19 @@ def eval_cmd(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(json_safe(result)))  # NaN (nothing could be scored) is null
+
+
+@app.command("eval", hidden=True, deprecated=True)
+def eval_cmd(
+    spec: Annotated[Path, typer.Argument(metavar="SPEC.json")],
+    checkpoint: Annotated[Path | None, typer.Option(metavar="DIR")] = None,
+    set_: SetOption = None,
+    seed: SeedOption = None,
+    device: DeviceOption = None,
+) -> None:
+    """``rloo score``'s name until this release (one letter from ``rloo evals``); it goes in the next."""
+    typer.echo("note: `rloo eval` is now `rloo score`; the old name goes in the next release", err=True)
+    score_cmd(spec, checkpoint=checkpoint, set_=set_, seed=seed, device=device)
 
 
 @app.command("demo")
