@@ -146,11 +146,11 @@ def ours(
 ) -> dict[str, Any]:
     """One run of our engine (the same ``train`` a job runs); wall time and each step's metrics.
     The reward is ``count_reward`` unless ``grader`` names the job's own (a reward model, say)."""
-    from service.jobs.hyperparameters import Hyperparameters
+    from service.jobs.hyperparameters import ReinforcementHyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.methods.rloo import train
 
-    hyper = Hyperparameters(
+    hyper = ReinforcementHyperparameters(
         rloo_k=K,
         batch_size=PROMPTS,
         max_new_tokens=NEW_TOKENS,

@@ -198,12 +198,12 @@ def fit_accumulation(model: Path, settings: dict[str, Any], device_bytes: int, r
     again, fits 90% of a device of ``device_bytes`` beside ``reserved`` bytes; the most there are
     when none fits."""
     from service.jobs import memory_plan
-    from service.jobs.hyperparameters import Hyperparameters
+    from service.jobs.hyperparameters import ReinforcementHyperparameters
 
     shape = memory_plan.model_shape(model)
     accumulation = 1
     while True:
-        hp = Hyperparameters(**settings, gradient_accumulation_steps=accumulation).resolved()
+        hp = ReinforcementHyperparameters(**settings, gradient_accumulation_steps=accumulation).resolved()
         need = PLAN_MARGIN * memory_plan.plan(shape, hp, method="reinforcement")["bytes_per_device"] + reserved
         if need <= memory_plan.HEADROOM * device_bytes or settings["batch_size"] % (2 * accumulation):
             return accumulation
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from service.jobs import memory_plan
-    from service.jobs.hyperparameters import Hyperparameters
+    from service.jobs.hyperparameters import ReinforcementHyperparameters
     from worker.engine.rollout.backends import vllm_installed
 
     cpu = args.cpu_smoke
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gpu-check: {case.name} ({steps} steps)", file=sys.stderr, flush=True)
                 run_settings = {**settings, "batch_size": batch_for(settings, case.gpus)}
                 spec = job_spec(arch.name, run_settings, steps=steps, gpus=case.gpus)
-                hp = Hyperparameters(**run_settings, max_steps=steps).resolved()
+                hp = ReinforcementHyperparameters(**run_settings, max_steps=steps).resolved()
                 plan = memory_plan.plan(
                     shape, hp, method="reinforcement", device="cpu" if cpu else "cuda", devices=case.gpus
                 )

@@ -49,12 +49,12 @@ def _case(models: str, model: str, case: str) -> None:
     from benchmarks.common import PLACEHOLDER_GRADER
     from service.graders import parse_grader
     from service.jobs import memory_plan
-    from service.jobs.hyperparameters import Hyperparameters
+    from service.jobs.hyperparameters import ReinforcementHyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.methods.rloo import train
     from worker.engine.recorders import QuietRecorder
 
-    hp = Hyperparameters(**SETTINGS, max_steps=2, **CASES[case]).resolved()
+    hp = ReinforcementHyperparameters(**SETTINGS, max_steps=2, **CASES[case]).resolved()
     estimate = memory_plan.plan(memory_plan.model_shape(Path(models) / model), hp, method="reinforcement", device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "long.jsonl"

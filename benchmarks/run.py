@@ -55,7 +55,7 @@ from benchmarks.common import (
     plain_prompts,
 )
 from service.graders import parse_grader
-from service.jobs.hyperparameters import Hyperparameters
+from service.jobs.hyperparameters import ReinforcementHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.methods.rloo import train
 
@@ -143,7 +143,7 @@ MEMORY_CASES: dict[str, dict[str, Any]] = {
 
 
 def _memory_case(models: str, case: str) -> None:
-    hp = Hyperparameters(
+    hp = ReinforcementHyperparameters(
         rloo_k=4, batch_size=8, max_new_tokens=32, learning_rate=1e-4, max_steps=2, **MEMORY_CASES[case]
     ).resolved()
     grader = {

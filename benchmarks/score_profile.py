@@ -56,7 +56,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, An
 
 def profile(config: str) -> dict[str, Any]:
     from service.graders import parse_grader
-    from service.jobs.hyperparameters import Hyperparameters
+    from service.jobs.hyperparameters import ReinforcementHyperparameters
     from worker.engine.config import TrainConfig
     from worker.engine.data import prompt_text
     from worker.engine.prepare import prepare
@@ -69,7 +69,9 @@ def profile(config: str) -> dict[str, Any]:
         models = Path(tmp_name) / "models"
         build_tiny_causal_lm(models / "policy", seed=0, **PROFILE_CONFIGS[config])
         build_tiny_reward_model(models / "rm", tokenizer_from=models / "policy", seed=1, **PROFILE_CONFIGS[config])
-        hp = Hyperparameters(rloo_k=K, batch_size=PROMPTS, max_new_tokens=NEW_TOKENS, kl_coef=0.05).resolved()
+        hp = ReinforcementHyperparameters(
+            rloo_k=K, batch_size=PROMPTS, max_new_tokens=NEW_TOKENS, kl_coef=0.05
+        ).resolved()
         cfg = TrainConfig(
             model="policy",
             training_file=DEMO_DATA,

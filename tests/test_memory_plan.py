@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from service.jobs import memory_plan
-from service.jobs.hyperparameters import Hyperparameters
+from service.jobs.hyperparameters import ReinforcementHyperparameters
 from tests.helpers.api import assert_error, upload_ok
 from tests.helpers.data import job_body
 
@@ -39,7 +39,7 @@ def test_the_shape_is_read_from_the_files_as_torch_counts_it(shape: memory_plan.
 
 
 def _hp(**values: Any) -> Any:
-    return Hyperparameters(**values).resolved()
+    return ReinforcementHyperparameters(**values).resolved()
 
 
 def test_each_part_of_a_full_fine_tuning_plan_by_hand(shape: memory_plan.Shape) -> None:

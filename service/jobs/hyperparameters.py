@@ -149,7 +149,7 @@ def least_rloo_k(estimator: str) -> int:
     return 1 if estimator == "reinforce" else 2
 
 
-class Hyperparameters(TrainingHyperparameters):
+class ReinforcementHyperparameters(TrainingHyperparameters):
     """The reinforcement (RLOO) hyperparameters of docs/algorithm.md."""
 
     rloo_k: int = Field(
@@ -211,7 +211,7 @@ class Hyperparameters(TrainingHyperparameters):
             raise ValueError("must be 'auto' or greater than 0.00001 and at most 10")
         return v
 
-    def resolved(self) -> ResolvedHyperparameters:
+    def resolved(self) -> ResolvedReinforcementHyperparameters:
         """All values concrete (no "auto"), ``rloo_k`` scaled by ``compute_multiplier`` (and kept
         where the estimator has a group: 2 at least, 1 for ``reinforce``): what a run reads, and
         what the job stores."""
@@ -222,7 +222,7 @@ class Hyperparameters(TrainingHyperparameters):
         # A k below the estimator's least stays as given: job creation refuses it (service.jobs.spec), never a silent 2.
         if values["compute_multiplier"] != 1.0 and values["rloo_k"] >= least:
             values["rloo_k"] = min(256, max(least, round(values["rloo_k"] * values["compute_multiplier"])))
-        return ResolvedHyperparameters.model_validate(values)
+        return ResolvedReinforcementHyperparameters.model_validate(values)
 
 
 class SupervisedHyperparameters(TrainingHyperparameters):
@@ -292,7 +292,7 @@ class _Resolved(TrainingHyperparameters):
         return min(steps, self.max_steps) if self.max_steps else steps
 
 
-class ResolvedHyperparameters(_Resolved, Hyperparameters):
+class ResolvedReinforcementHyperparameters(_Resolved, ReinforcementHyperparameters):
     """A reinforcement run's hyperparameters, concrete (``rloo_k`` already scaled)."""
 
     compute_multiplier: float = 1.0
@@ -311,12 +311,12 @@ class ResolvedDpoHyperparameters(_Resolved, DpoHyperparameters):
     beta: float = 0.1
 
 
-AnyResolved = ResolvedHyperparameters | ResolvedSupervisedHyperparameters | ResolvedDpoHyperparameters
+AnyResolved = ResolvedReinforcementHyperparameters | ResolvedSupervisedHyperparameters | ResolvedDpoHyperparameters
 
 
 class RLConfig(Strict):
     grader: dict[str, Any] = Field(description="The reward spec: a grader (see docs/api.md).")
-    hyperparameters: Hyperparameters = Hyperparameters()
+    hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
 
 
 class SupervisedConfig(Strict):
@@ -332,15 +332,15 @@ METHOD_TYPES: tuple[str, ...] = ("supervised", "dpo", "reinforcement", "rloo")
 HYPERPARAMETERS: dict[str, type[TrainingHyperparameters]] = {
     "supervised": SupervisedHyperparameters,
     "dpo": DpoHyperparameters,
-    "reinforcement": Hyperparameters,
-    "rloo": Hyperparameters,
+    "reinforcement": ReinforcementHyperparameters,
+    "rloo": ReinforcementHyperparameters,
 }
 """Each method's hyperparameters (``rloo`` is our name for ``reinforcement``)."""
 RESOLVED: dict[str, type[_Resolved]] = {
     "supervised": ResolvedSupervisedHyperparameters,
     "dpo": ResolvedDpoHyperparameters,
-    "reinforcement": ResolvedHyperparameters,
-    "rloo": ResolvedHyperparameters,
+    "reinforcement": ResolvedReinforcementHyperparameters,
+    "rloo": ResolvedReinforcementHyperparameters,
 }
 
 

@@ -18,9 +18,9 @@ from service.files.datasets import first_line_not
 from service.jobs.hyperparameters import (
     HYPERPARAMETERS,
     AnyResolved,
-    Hyperparameters,
     Method,
-    ResolvedHyperparameters,
+    ReinforcementHyperparameters,
+    ResolvedReinforcementHyperparameters,
     SupervisedConfig,
     SupervisedHyperparameters,
     least_rloo_k,
@@ -208,7 +208,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
     hp_param = f"{prefix}.hyperparameters"
     if hp.eval_interval != "auto" and not body.validation_file:
         raise bad_request("eval_interval needs a validation_file to score.", f"{hp_param}.eval_interval")
-    if isinstance(hp, ResolvedHyperparameters):
+    if isinstance(hp, ResolvedReinforcementHyperparameters):
         _check_reinforcement(hp, hp_param)
     if body.resources is not None:
         check_resources(body.resources, hp, method.type, settings)
@@ -218,7 +218,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
             f"({hp.batch_size}): each micro-batch holds whole "
             + (
                 "prompts (each with its rloo_k completions)."
-                if isinstance(hp, ResolvedHyperparameters)
+                if isinstance(hp, ResolvedReinforcementHyperparameters)
                 else "examples."
             ),
             f"{hp_param}.gradient_accumulation_steps",
@@ -264,7 +264,7 @@ def check_context(body: JobCreate, model: Path | str) -> None:
     method = body.method_
     hp = method.config.hyperparameters
     param = f"method.{method.type}.hyperparameters"
-    if isinstance(hp, Hyperparameters) and hp.max_new_tokens >= context:
+    if isinstance(hp, ReinforcementHyperparameters) and hp.max_new_tokens >= context:
         raise bad_request(
             f"max_new_tokens ({hp.max_new_tokens}) plus the prompt exceeds the model's context of {context} tokens "
             f"(max_position_embeddings); give at most {context - 1} new tokens (prompts are cut to the "
@@ -280,7 +280,7 @@ def check_context(body: JobCreate, model: Path | str) -> None:
         )
 
 
-def _check_reinforcement(hp: ResolvedHyperparameters, hp_param: str) -> None:
+def _check_reinforcement(hp: ResolvedReinforcementHyperparameters, hp_param: str) -> None:
     if hp.rloo_k < least_rloo_k(hp.advantage_estimator):
         raise bad_request(
             f"rloo_k 1 leaves advantage_estimator '{hp.advantage_estimator}' no group: its baseline is the other "
@@ -315,12 +315,12 @@ def check_kept_checkpoints(hp: AnyResolved, total_steps: int, *, cap: int, param
 def notes(hp: AnyResolved) -> list[str]:
     """What a job's creation tells in its events about settings accepted for OpenAI's sake."""
     out = []
-    if isinstance(hp, ResolvedHyperparameters) and hp.reasoning_effort != "default":
+    if isinstance(hp, ResolvedReinforcementHyperparameters) and hp.reasoning_effort != "default":
         out.append(
             f"reasoning_effort '{hp.reasoning_effort}' is accepted for OpenAI compatibility and has no effect: "
             "the models trained here have no reasoning mode (max_new_tokens bounds a completion)"
         )
-    if isinstance(hp, ResolvedHyperparameters) and hp.compute_multiplier != 1.0:
+    if isinstance(hp, ResolvedReinforcementHyperparameters) and hp.compute_multiplier != 1.0:
         out.append(f"compute_multiplier {hp.compute_multiplier:g}: rloo_k is {hp.rloo_k} completions per prompt")
     return out
 

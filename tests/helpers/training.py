@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from service.graders import parse_grader
-from service.jobs.hyperparameters import HYPERPARAMETERS, Hyperparameters
+from service.jobs.hyperparameters import HYPERPARAMETERS, ReinforcementHyperparameters
 from tests.helpers.data import EXAMPLES
 from worker.engine.config import TrainConfig
 from worker.engine.metrics import TIMING_METRICS
@@ -63,7 +63,7 @@ def config(
         model="tiny-policy",
         training_file=EXAMPLES / "demo" / "train.jsonl",
         grader=parse_grader(grader, allow_python=True),
-        hyperparameters=Hyperparameters(**{**demo, **hp}).resolved(),
+        hyperparameters=ReinforcementHyperparameters(**{**demo, **hp}).resolved(),
         output_dir=tmp_path / "out",
         models_dir=models_dir,
         seed=0,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from service import graders
-from service.jobs.hyperparameters import ResolvedHyperparameters
+from service.jobs.hyperparameters import ResolvedReinforcementHyperparameters
 from worker.engine.checkpoints import read_training_state
 from worker.engine.config import TrainConfig
 from worker.engine.data import load_items
@@ -172,7 +172,7 @@ def start_from(base: Any, chain: tuple[Path, ...], device: torch.device) -> Any:
 
 def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> RolloutBackend:
     hp = cfg.hyperparameters
-    assert isinstance(hp, ResolvedHyperparameters)
+    assert isinstance(hp, ResolvedReinforcementHyperparameters)
     context = getattr(model.config, "max_position_embeddings", None)
     # A prompt keeps its last tokens: as many as max_prompt_length, and no more than the context leaves.
     prompt_room = min(hp.max_prompt_length, context - hp.max_new_tokens) if context else hp.max_prompt_length

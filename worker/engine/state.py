@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from service import graders
-from service.jobs.hyperparameters import AnyResolved, ResolvedHyperparameters
+from service.jobs.hyperparameters import AnyResolved, ResolvedReinforcementHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.distributed.ranks import SINGLE, Ranks
 from worker.engine.modeling import Reference
@@ -95,9 +95,9 @@ class Run:
         return self.cfg.hyperparameters
 
     @property
-    def rl(self) -> ResolvedHyperparameters:
+    def rl(self) -> ResolvedReinforcementHyperparameters:
         """The hyperparameters of a reinforcement run."""
-        assert isinstance(self.cfg.hyperparameters, ResolvedHyperparameters)
+        assert isinstance(self.cfg.hyperparameters, ResolvedReinforcementHyperparameters)
         return self.cfg.hyperparameters
 
     @property

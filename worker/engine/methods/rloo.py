@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from service import graders
-from service.jobs.hyperparameters import ResolvedHyperparameters
+from service.jobs.hyperparameters import ResolvedReinforcementHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices, prompt_text
 from worker.engine.distributed.ranks import whole_tensor
@@ -211,7 +211,7 @@ class AdvantageTiming(enum.Enum):
 
 
 def advantage_timing(
-    hp: ResolvedHyperparameters, *, has_reference: bool, micro_batches: int, distributed: bool
+    hp: ResolvedReinforcementHyperparameters, *, has_reference: bool, micro_batches: int, distributed: bool
 ) -> AdvantageTiming:
     if not (has_reference and hp.kl_in_reward):
         return AdvantageTiming.FROM_REWARDS
