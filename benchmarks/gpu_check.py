@@ -40,7 +40,7 @@ what it recorded is kept, later runs are skipped, and the file is written after 
 1 when a run failed or was stopped, else 0 (skipped runs included). Without a GPU it says so and
 exits 0, unless ``--cpu-smoke``: the same runs' code path on the CPU with a
 tiny model of the same family, 2 steps, the measured peak then the training process's peak RSS
-(``tests/test_gpu_check.py``).
+(``tests/unit/test_gpu_check.py``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,22 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = ("unit", "api", "workers", "hardening", "e2e")
+"""The folders mirror the code's tiers, each a marker of the same name (``pytest -m unit``, ``-m "not
+e2e"``): ``unit`` (engine, graders: no server), ``api`` (the app in process, a real database),
+``workers`` (the Celery and inference tiers), ``hardening`` (hostile input, faults, secrets, limits),
+``e2e`` (real processes end to end). A test elsewhere that starts real processes is marked ``e2e``
+itself."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(TESTS).parts
+        if len(parts) > 1 and parts[0] in FOLDER_MARKERS:
+            item.add_marker(parts[0])
+
+
 # Databases -----------------------------------------------------------------------------------------
 def _postgres_url() -> str | None:
     return os.environ.get("TEST_DATABASE_URL") or None

@@ -9,6 +9,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLES = ROOT / "examples"
+FAKES = ROOT / "tests" / "fakes"
+"""Stand-ins for what cannot run here (vLLM, a GPU launcher)."""
 
 TRAIN_JSONL = (EXAMPLES / "demo" / "train.jsonl").read_bytes()
 TRAIN_LINES = len(TRAIN_JSONL.strip().splitlines())

@@ -19,23 +19,17 @@ class OperatorOptions:
     """``RLOO_ROLLOUT_BACKEND``: ``auto``, ``transformers`` or ``vllm``."""
     embedding_model: str | None = None
     """``RLOO_EMBEDDING_MODEL``: the embedding model of ``text_similarity``'s cosine (None: ours)."""
-    vllm_gpu_memory_utilization: float | None = None
-    """``RLOO_VLLM_GPU_MEMORY_UTILIZATION``: the share of a GPU vLLM may take (None: vLLM's default)."""
+    vllm_options: dict[str, Any] = field(default_factory=dict)
+    """What the vLLM backend is built with beyond its defaults (``RLOO_VLLM_GPU_MEMORY_UTILIZATION``:
+    ``gpu_memory_utilization``, the share of a GPU it may take)."""
 
     @classmethod
     def from_settings(cls, settings: Any) -> OperatorOptions:
         return cls(
             rollout_backend=settings.rollout_backend,
             embedding_model=settings.embedding_model,
-            vllm_gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            vllm_options={"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
         )
-
-    @property
-    def vllm_options(self) -> dict[str, Any]:
-        """What the vLLM backend is built with beyond its defaults."""
-        if self.vllm_gpu_memory_utilization is None:
-            return {}
-        return {"gpu_memory_utilization": self.vllm_gpu_memory_utilization}
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device)
             tokenizer,
             sampling,
             device=device,
-            vllm_options=cfg.operator.vllm_options or None,
+            vllm_options=dict(cfg.operator.vllm_options) or None,
         )
     except ImportError as exc:
         raise JobError("rollout_backend_failed", f"the rollout backend could not be loaded: {exc}") from None

@@ -1,7 +1,7 @@
 """Checkpoint evaluations kept bounded and fair (``worker.serving.evaluate``): projects take turns for
 the inference workers' evaluations, at most one running a project; a cancel route, and deleting the
 file or the model cancels too; a time budget from the first start; only the lines used are read. The
-grading off the serving loop is tested end to end in ``tests/test_e2e_inference.py``."""
+grading off the serving loop is tested end to end in ``tests/e2e/test_e2e_inference.py``."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from worker.cli.stack import wait_until_ready
 def test_128_concurrent_reads_are_all_answered(tmp_path: Path, models_dir: Path) -> None:
     # (RLOO_HEADER_TIMEOUT_SECONDS: for the slowloris part, at the end)
     # 512 reads with one key in a second or two: far past the per-key rate limit, which is not what
-    # this test is about (tests/test_rate_limit.py is).
+    # this test is about (tests/hardening/test_rate_limit.py is).
     env = child_env(tmp_path, models_dir, RLOO_RATE_LIMIT="0", RLOO_HEADER_TIMEOUT_SECONDS="1")
     cli = [sys.executable, "-m", "worker.cli"]
     subprocess.run([*cli, "db", "upgrade"], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)

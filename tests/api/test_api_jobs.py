@@ -483,7 +483,7 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
 @pytest.fixture
 def unlimited_client(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> Iterator[Any]:
     """A client of an app without the per-key rate limit, for a table of cases sent with one key at
-    in-process speed (tests/test_rate_limit.py checks the limit)."""
+    in-process speed (tests/hardening/test_rate_limit.py checks the limit)."""
     with fresh_client(monkeypatch, RLOO_RATE_LIMIT="0") as c:
         yield c
 

@@ -541,7 +541,7 @@ def test_module_imports_no_heavy_dependencies() -> None:
         "bad = sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)); "
         "assert not bad, bad"
     )
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.data import FAKES
 from tests.helpers.training import load_policy
+from worker.engine.config import OperatorOptions
 from worker.engine.methods.rloo import train
 from worker.engine.rollout.backends import make_backend
 from worker.engine.rollout.base import Sampling, TransformersBackend
 
-FAKES = Path(__file__).parent / "fakes"
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
 SAMPLING = Sampling(max_new_tokens=24, temperature=1.0, top_p=1.0, max_prompt_length=64)
 
@@ -85,8 +86,8 @@ def test_a_job_on_vllm_pushes_the_updated_policy_every_step(fake_vllm, tmp_path,
     from tests.helpers.training import ListRecorder, config
 
     rec = ListRecorder()
-    extra = {"rollout_backend": "vllm", "vllm_options": {"sleep_mode": True}}
-    train(config(tmp_path, models_dir, max_steps=3, cfg={"extra": extra}), rec)
+    operator = OperatorOptions(rollout_backend="vllm", vllm_options={"sleep_mode": True})
+    train(config(tmp_path, models_dir, max_steps=3, cfg={"operator": operator}), rec)
     assert len(rec.steps) == 3
     pushes = fake_vllm.LLM.instances[-1].runner.pushes
     assert len(pushes) == 3  # before each step's rollouts, none after the last update
@@ -102,7 +103,12 @@ def test_a_lora_job_on_vllm_pushes_merged_weights_under_the_base_names(fake_vllm
 
     train(
         config(
-            tmp_path, models_dir, max_steps=2, learning_rate=0.05, lora=LORA, cfg={"extra": {"rollout_backend": "vllm"}}
+            tmp_path,
+            models_dir,
+            max_steps=2,
+            learning_rate=0.05,
+            lora=LORA,
+            cfg={"operator": OperatorOptions(rollout_backend="vllm")},
         ),
         ListRecorder(),
     )

@@ -26,12 +26,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers.data import EXAMPLES
+from tests.helpers.data import EXAMPLES, FAKES
 from tests.helpers.live import LiveStack, child_env, live_stack, run_cli, upload_path, wait_for
 from worker.engine.metrics import TIMING_METRICS
 
 pytestmark = pytest.mark.e2e
-FAKES = Path(__file__).parent / "fakes"
 
 METRIC_RTOL, METRIC_ATOL = 1e-3, 1e-5
 """Per-step metrics of 2 ranks against 1. Rounding differences grow through AdamW (which scales a

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.data import FAKES
 from worker.serving.decode import Row
 from worker.serving.model_cache import Servable
 
-FAKES = Path(__file__).parent / "fakes"
 PROMPT = "the cat sat on"
 
 

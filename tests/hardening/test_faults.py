@@ -3,8 +3,8 @@ clients submit, the database cut off and back, a job that runs out of memory, a 
 process keeps getting killed. After each: nothing lost, nothing done twice, the service carries on
 without a restart.
 
-Issue 6's other faults live in tests/test_e2e.py (a worker SIGKILLed mid-job, non-finite rewards,
-two workers) and tests/test_reconcile.py (the reconciler's rules on a real database).
+Issue 6's other faults live in tests/e2e/test_e2e.py (a worker SIGKILLed mid-job, non-finite rewards,
+two workers) and tests/workers/test_reconcile.py (the reconciler's rules on a real database).
 """
 
 from __future__ import annotations

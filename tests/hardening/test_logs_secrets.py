@@ -2,7 +2,7 @@
 stored, the digest the auth cache keys by), and the passwords of DATABASE_URL, REDIS_URL and of an
 http grader's URL.
 
-The real stack as processes (``rloo api``, ``rloo worker``; tests/test_e2e.py's ``live_stack``) on the
+The real stack as processes (``rloo api``, ``rloo worker``; tests/e2e/test_e2e.py's ``live_stack``) on the
 embedded defaults, and on the CI's PostgreSQL and Redis when TEST_DATABASE_URL and TEST_REDIS_URL are
 set (with a password put into the database URL where the server ignores it); a Redis that wants a
 password, started here, for the broker's URL; and the formatting of what `rloo up` prints, directly.
