@@ -84,6 +84,13 @@ def create_job(
                     session, project_seq=project.seq, route=ROUTE, key=key, digest=digest
                 ),
             )
+    send_task(session, job)
+    return Created(job)
+
+
+def send_task(session: Session, job: Job) -> None:
+    """Send a committed job's task (created or resumed); a queue that does not answer leaves a
+    warning on the job, and the reconciler sends the task when the queue is back."""
     if not task_queue.enqueue_job(job):
         lifecycle.add_event(
             session=session,
@@ -92,7 +99,6 @@ def create_job(
             message="The queue is unreachable; the job will be queued when it is back.",
         )
         session.commit()
-    return Created(job)
 
 
 def _job_row(

@@ -23,7 +23,6 @@ from service.core.crud import Caller
 from service.core.db import ends_session, run_db, write_lock
 from service.core.errors import bad_request, not_found
 from service.core.tables import Checkpoint, Job, JobEvent
-from service.infra import task_queue
 from service.infra.artifacts import S3Store, open_store
 from service.jobs import creation, idempotency, lifecycle, memory_plan, spec
 from service.jobs.lifecycle import JobStatus
@@ -205,14 +204,7 @@ def resume_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, 
                 code="invalid_state",
             )
         raise APIError(409, f"Job {job_id} is {job.status}; only a paused job can be resumed.", code="invalid_state")
-    if not task_queue.enqueue_job(job):
-        lifecycle.add_event(
-            session=session,
-            job=job,
-            level="warn",
-            message="The queue is unreachable; the job will be queued when it is back.",
-        )
-        session.commit()
+    creation.send_task(session, job)
     return JSON(job_object(job, project))
 
 
