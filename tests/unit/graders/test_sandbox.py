@@ -489,7 +489,7 @@ def _grader_parent(attempts: int = 3) -> subprocess.Popen[bytes]:
     was not seen): a parent that ends first is started again, and each try's output is shown if none
     runs."""
     code = (
-        "from service import sandbox\n"
+        "from service.graders import sandbox\n"
         "sandbox.run_python_grader('def grade(s, i):\\n    while True: pass\\n', [{}], [{}],"
         " sandbox.Limits(per_sample_seconds=60, batch_seconds=60), sandbox=sandbox.current('bwrap', 65534))\n"
     )
