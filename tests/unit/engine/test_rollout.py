@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.training import load_policy
-from worker.engine.rollout.base import (
-    Sampling,
-    TransformersBackend,
-    completion_logprobs,
-    completion_mask_from,
-)
+from worker.engine.rollout.base import Sampling, completion_logprobs, completion_mask_from
+from worker.engine.rollout.transformers_backend import TransformersBackend
 
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
 
@@ -182,7 +178,7 @@ def test_sampling_at_a_low_temperature_is_greedy_decoding(policy) -> None:
 
 
 def test_the_4d_decode_mask_draws_the_same_tokens_as_the_2d_one(policy, monkeypatch) -> None:
-    import worker.engine.rollout.base as rollout
+    import worker.engine.rollout.transformers_backend as rollout
 
     assert rollout._decode_mask_is_padding_only(policy[0].config)
     fast = backend(policy, max_new_tokens=12, temperature=2.0).generate(PROMPTS, k=4, generator_seed=17)

@@ -17,7 +17,8 @@ from tests.helpers.training import load_policy
 from worker.engine.config import OperatorOptions
 from worker.engine.methods.rloo import train
 from worker.engine.rollout.backends import make_backend
-from worker.engine.rollout.base import Sampling, TransformersBackend
+from worker.engine.rollout.base import Sampling
+from worker.engine.rollout.transformers_backend import TransformersBackend
 
 PROMPTS = ["What color is the sky?", "Grass?", "What color is a ripe banana, usually, at noon?"]
 SAMPLING = Sampling(max_new_tokens=24, temperature=1.0, top_p=1.0, max_prompt_length=64)

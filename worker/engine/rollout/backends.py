@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.engine.rollout.base import RolloutBackend, Sampling, TransformersBackend
+from worker.engine.rollout.base import RolloutBackend, Sampling
+from worker.engine.rollout.transformers_backend import TransformersBackend
 
 BACKENDS = ("auto", "transformers", "vllm")
 
