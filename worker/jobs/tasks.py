@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -20,15 +19,11 @@ from service.core.identity import died_here, process_name
 from service.core.settings import get_settings
 from service.core.tables import Job
 from service.infra import outbound
-from service.infra.artifacts import open_store
 from service.infra.task_queue import RUN_GRADER_TASK, RUN_JOB_TASK
 from service.jobs import lifecycle
-from service.jobs.hyperparameters import method_family
 from service.jobs.lifecycle import JobStatus
 from worker.celery_app import app
-from worker.engine.checkpoints import job_checkpoints_dir, resumable_checkpoint
 from worker.engine.distributed.launch import RanksLost
-from worker.engine.errors import JobError
 from worker.jobs.database_recorder import DatabaseRecorder, Heartbeat, write
 from worker.jobs.failures import cap_memory, classify
 
@@ -250,87 +245,13 @@ def _train(job: Job) -> Any:
     from worker.jobs.preload import wait_for_preload
 
     wait_for_preload()
-    from worker.engine.config import OperatorOptions, TrainConfig
     from worker.engine.methods.rloo import train
+    from worker.jobs.job_config import train_config
 
     settings = get_settings()
-    with session_scope() as session:
-        project = job.project_seq
-        files = {
-            f: crud.get_file_by_id(session=session, project_seq=project, file_id=f)
-            for f in (job.training_file, job.validation_file)
-            if f
-        }
-    store = open_store(settings)  # the artifacts directory, or an object store and this host's cache of it
-    paths = {}
-    for file_id, f in files.items():
-        if f is None:
-            raise JobError("file_not_found", f"file {file_id} was deleted before the job started")
-        paths[file_id] = store.fetch_file(f.path)
-    grader, hyperparameters = _stored_spec(job, settings)
-    output_dir = job_checkpoints_dir(settings.artifacts_dir, job.id)
-    base, init_from = _starting_point(job, settings)
-    cfg = TrainConfig(
-        model=base,
-        training_file=paths[job.training_file],
-        validation_file=paths[job.validation_file] if job.validation_file else None,
-        grader=grader,
-        hyperparameters=hyperparameters,
-        output_dir=output_dir,
-        models_dir=settings.models_dir,
-        seed=job.seed,
-        job_name=job.id,
-        # A job that ran before (a worker crash, or pause then resume) continues from its newest checkpoint.
-        resume_from=resumable_checkpoint(store, output_dir),
-        operator=OperatorOptions.from_settings(settings),
-        method=method_family(job.method["type"]),
-        init_from=init_from,
-        integrations=list(job.integrations or []),
-        gpus=int((job.resources or {}).get("gpus") or 1),
-    )
+    cfg = train_config(job, settings)
     if cfg.gpus > 1:  # its ranks under torch.distributed.run; rank 0 records as this process
         from worker.engine.distributed.launch import run_ranks
 
         return run_ranks(cfg, timeout_seconds=settings.collective_timeout_seconds, job_id=job.id, holder=process_name())
     return train(cfg, DatabaseRecorder(job))
-
-
-def _starting_point(job: Job, settings: Any) -> tuple[str, tuple[Path, ...]]:
-    """The base model directory and, for a job that starts from a fine-tuned model or checkpoint of
-    its project, the checkpoint directories to apply to it (``finetuned.Source.chain``). A model
-    deleted after the job was created still starts it: the job was accepted from it."""
-    from service.registry import finetuned
-
-    if not finetuned.is_fine_tuned(job.model):
-        return job.model, ()
-    with session_scope() as session:
-        source = finetuned.find(session=session, project_seq=job.project_seq, name=job.model, include_deleted=True)
-    if source is None:
-        raise JobError("model_load_failed", f"the checkpoints of the fine-tuned model '{job.model}' are gone")
-    store = open_store(settings)  # (fetched into this host's cache from an object store)
-    return source.base_model, tuple(store.fetch_checkpoint(path) for path in source.chain)
-
-
-def _upgraded(stored: dict[str, Any]) -> dict[str, Any]:
-    """Hyperparameters stored by an earlier release, as this one reads them: ``eval_interval: 0``
-    (its default, no validation passes) is ``auto`` now, whose minimum is 1 as OpenAI's."""
-    return {**stored, "eval_interval": "auto"} if stored.get("eval_interval") == 0 else stored
-
-
-def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:
-    """The job's grader and hyperparameters, parsed again in this process. A job created under other
-    settings (the operator turned python graders off since) fails with what to change."""
-    from pydantic import ValidationError
-
-    from service import graders
-    from service.jobs.hyperparameters import RESOLVED
-
-    kind = job.method["type"]
-    try:
-        spec = job.method[kind].get("grader")
-        grader = graders.parse_grader(spec, allow_python=settings.allow_python_grader) if spec is not None else None
-        return grader, RESOLVED[kind].model_validate(_upgraded(job.hyperparameters))
-    except graders.GraderError as exc:
-        raise JobError("invalid_grader", f"{exc.param}: {exc.message}") from None
-    except ValidationError as exc:
-        raise JobError("invalid_hyperparameters", f"the job's hyperparameters no longer validate: {exc}") from None

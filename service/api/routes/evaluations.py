@@ -7,10 +7,9 @@ retrieved like jobs; the answer's ``results`` fills in, a row a model, as the wo
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter
-from pydantic import Field
 from sqlalchemy import select
 
 from service import graders
@@ -19,32 +18,15 @@ from service.api.errors import APIError
 from service.api.responses import JSON, page
 from service.api.routes.jobs import _job
 from service.api.routing import StrictJSONRoute
+from service.api.schemas.evaluations import EvaluationCreate
 from service.core.db import ends_session
 from service.core.errors import DomainError, bad_request, not_found
 from service.core.tables import Checkpoint, Evaluation, Job
-from service.core.validation import Strict
 from service.jobs import evaluations
 from service.jobs.creation import fine_tune_file
 from service.registry import weights
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["evaluations"])
-
-MAX_SAMPLES = 2000
-DEFAULT_SAMPLES = 200
-
-
-class EvaluationCreate(Strict):
-    file: str = Field(max_length=64, description="A file of the project (prompt lines, as a training file).")
-    checkpoints: Annotated[list[str], Field(max_length=1024)] | Literal["all"] = Field(
-        default="all",
-        description="Checkpoint ids (ftckpt-… or ft:…:ckpt-step-N) of the job, or all it has so far (none: the "
-        "starting model alone).",
-    )
-    grader: dict[str, Any] | None = Field(default=None, description="Default: the grader the job trained with.")
-    samples: int = Field(default=DEFAULT_SAMPLES, ge=1, le=MAX_SAMPLES, description="Lines of the file scored.")
-    temperature: float | None = Field(default=None, ge=0, le=2, description="Default: the job's (1 if it has none).")
-    max_tokens: int | None = Field(default=None, ge=1, le=4096, description="Default: the job's max_new_tokens (64).")
-    seed: int | None = Field(default=None, ge=0, lt=2**62)
 
 
 def evaluation_object(e: Evaluation, job: Job) -> dict[str, Any]:
