@@ -66,7 +66,7 @@ gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 lint: install
-	$(BIN)/ruff check service worker tests benchmarks examples
+	$(BIN)/ruff check service worker tests benchmarks migrations examples
 	$(BIN)/ruff format --check service worker tests benchmarks migrations examples
 	$(BIN)/mypy service worker
 

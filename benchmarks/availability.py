@@ -414,7 +414,7 @@ def lora_checkpoint(home: Path, project: str) -> tuple[str, str]:
     from service.core.db import session_scope
     from service.core.settings import get_settings
     from service.core.tables import Checkpoint
-    from service.registry import finetuned
+    from service.registry import model_ids
 
     settings = get_settings()
     base = settings.models_dir / MODEL
@@ -425,12 +425,12 @@ def lora_checkpoint(home: Path, project: str) -> tuple[str, str]:
         path = settings.artifacts_dir / "checkpoints" / job.id / "step-1"
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(base).save_pretrained(path)
-        model_id = finetuned.model_id(base=MODEL, project=project, suffix=None, job_id=job.id)
+        model_id = model_ids.model_id(base=MODEL, project=project, suffix=None, job_id=job.id)
         ckpt = Checkpoint(
             job_seq=job.seq,
             step_number=1,
             path=str(path.relative_to(settings.artifacts_dir)),
-            fine_tuned_model_checkpoint=finetuned.checkpoint_id(model_id, 1),
+            fine_tuned_model_checkpoint=model_ids.checkpoint_id(model_id, 1),
         )
         session.add(ckpt)
         session.commit()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from alembic import context
+
 from service.core.db import make_engine
-from service.core.tables import Base
 from service.core.settings import get_settings
+from service.core.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -137,7 +137,9 @@ def test_the_workers_import_no_http_layer() -> None:
 
     code = (
         "import sys, worker.jobs.tasks, worker.serving.inference_worker, worker.serving.evaluate, "
-        "worker.jobs.database_recorder, worker.engine.standalone; "
+        "worker.jobs.database_recorder, worker.engine.standalone, worker.jobs.celery_worker, "
+        "worker.jobs.reconciler, worker.jobs.preload, worker.jobs.job_config, worker.jobs.metrics_server, "
+        "worker.cli.serve; "
         "print(sorted(m for m in ('fastapi', 'starlette') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -240,6 +242,17 @@ def test_the_service_never_imports_the_worker() -> None:
 SERVICE_LAYERS = {
     "service.core": ("service.core",),
     "service.infra": ("service.core", "service.infra"),
+    "service.files": ("service.core", "service.infra", "service.files"),
+    "service.graders": ("service.core", "service.infra", "service.graders"),
+    "service.registry": ("service.core", "service.infra", "service.files", "service.registry"),
+    "service.jobs": (
+        "service.core",
+        "service.infra",
+        "service.files",
+        "service.graders",
+        "service.registry",
+        "service.jobs",
+    ),
 }
 
 
@@ -272,3 +285,43 @@ def test_the_top_of_service_holds_at_most_eight_loose_modules() -> None:
     """The service's folders are its layers (api, core, jobs, registry, files, infra, graders)."""
     loose = sorted(p.name for p in (ROOT / "service").glob("*.py"))
     assert len(loose) <= 8, loose
+
+
+def _loaded(modules: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded once it imported ``modules``."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {modules}; print(sorted(m for m in {watched!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return list(ast.literal_eval(out.stdout.strip()))
+
+
+def test_the_engine_loads_no_celery_broker_sql_or_http_through_what_it_imports() -> None:
+    """The rule above reads each module's own imports; this one what a process holds once it imported
+    the engine's entry points (a training loop, ``rloo train``, a job's ranks): nothing it forbids,
+    however indirectly (the one broker client is imported when a remote batch is sent)."""
+    entry = "worker.engine.methods.rloo, worker.engine.standalone, worker.engine.distributed.launch"
+    assert _loaded(entry, ENGINE_NEVER_IMPORTS) == []
+
+
+def test_the_celery_parent_and_the_reconciler_never_load_torch() -> None:
+    """A training worker's parent forks a pool process a job and the reconciler beside it: with torch
+    loaded (or transformers, which initialises devices) a GPU host's children would inherit a CUDA
+    state that does not survive a fork. ``preload`` decides when the pool imports it."""
+    parent = "worker.celery_app, worker.jobs.celery_worker, worker.jobs.reconciler, worker.jobs.preload"
+    assert _loaded(parent, ("torch", "transformers")) == []
+
+
+def test_the_service_imports_no_torch_or_transformers() -> None:
+    """Not one module of service/, whether the app imports it or not (``test_api_ops`` checks the
+    app's process as it runs)."""
+    modules = _modules()
+    offenders = [
+        f"{name} imports {package}"
+        for name, path in sorted(modules.items())
+        if name.startswith("service")
+        for package in sorted(_third_party(path) & {"torch", "transformers"})
+    ]
+    assert len([m for m in modules if m.startswith("service.")]) > 60 and offenders == []

@@ -17,7 +17,7 @@ depends_on = None
 
 
 def _lane(resources: object) -> str:
-    """service.infra.task_queue.lane, as it was when this revision was written."""
+    """service.queue.lane (now service.infra.task_queue.lane), as it was when this revision was written."""
     resources = resources if isinstance(resources, dict) else {}
     kind = resources.get('accelerator') or None
     gpus = int(resources.get('gpus') or 1)

@@ -7,6 +7,7 @@ unhandled), and the middleware that answers 503 when the database is unreachable
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -76,8 +77,8 @@ def status_of(exc: DomainError) -> int:
 
 def headers_of(exc: DomainError) -> dict[str, str] | None:
     headers = dict(exc.headers or {}) if isinstance(exc, APIError) else {}
-    if exc.retry_after is not None:
-        headers["Retry-After"] = f"{exc.retry_after:g}"
+    if exc.retry_after is not None:  # whole seconds (RFC 9110), never 0
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return headers or None
 
 

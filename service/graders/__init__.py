@@ -10,7 +10,7 @@ The package, one concern a module:
 * ``types``: the parsed graders (one frozen dataclass per type), ``Sample``, the errors.
 * ``templates``: ``{{ item.key }}`` templates, checked at parse time and rendered per sample.
 * ``formula``: ``calculate_output``, parsed and interpreted by hand (never ``eval``).
-* ``metrics``: the ``text_similarity`` metrics.
+* ``similarity``: the ``text_similarity`` metrics.
 * ``spec``: JSON spec -> grader, one parser per type; questions about a parsed grader.
 * ``httpgrader``: the http grader's URL allowlist and client.
 * ``scoring``: one scorer per grader class in ``SCORERS``; ``grade_batch``.

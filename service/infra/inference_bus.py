@@ -36,6 +36,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from service.core import errors
+
 LEASE_SECONDS = 10
 BYTES_PER_TOKEN = 4
 """A prompt's tokens, as the per-key budget estimates them from its UTF-8 bytes (the API tokenizes
@@ -382,3 +384,25 @@ def lost_message() -> dict[str, Any]:
 
 def error_message(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
     return {"t": "error", "status": status, "code": code, "message": message, "param": param}
+
+
+WIRE_KINDS: dict[int, type[errors.DomainError]] = {
+    400: errors.Invalid,
+    404: errors.NotFound,
+    409: errors.Conflict,
+    410: errors.Gone,
+    413: errors.TooLarge,
+    429: errors.LimitReached,
+    502: errors.UpstreamFailed,
+    503: errors.Unavailable,
+    504: errors.TimedOut,
+}
+"""What the statuses of a worker's error answer mean: the bus speaks in statuses, as HTTP does, and
+each is the kind the API answers with that same status (``tests/api/test_errors.py`` holds the two
+tables to each other); any other is the service's failure (``Failed``)."""
+
+
+def error_of(answer: dict[str, Any]) -> errors.DomainError:
+    """A worker's error answer (``error_message``) as the domain's error."""
+    kind = WIRE_KINDS.get(int(answer["status"]), errors.Failed)
+    return kind(answer["message"], param=answer.get("param"), code=answer.get("code"))

@@ -26,7 +26,7 @@ from service.jobs import idempotency, lifecycle, memory_plan, spec
 from service.jobs.hyperparameters import AnyResolved
 from service.jobs.lifecycle import JobStatus
 from service.jobs.spec import JobCreate, Resources
-from service.registry import finetuned
+from service.registry import finetuned, model_ids
 
 ROUTE = "jobs"
 """The idempotency keys' scope."""
@@ -199,7 +199,7 @@ def _checked_files(
 def base_model_of(session: Session, project: Caller, settings: Settings, body: JobCreate) -> str:
     """The base model directory of a new job: its ``model``, or the base of the fine-tuned model or
     checkpoint of this project it names (another project's: 404, as at OpenAI)."""
-    if not finetuned.is_fine_tuned(body.model):
+    if not model_ids.is_fine_tuned(body.model):
         return body.model
     source = finetuned.find(session=session, project_seq=project.seq, name=body.model)
     if source is None:

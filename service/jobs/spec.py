@@ -25,7 +25,7 @@ from service.jobs.hyperparameters import (
     SupervisedHyperparameters,
     least_rloo_k,
 )
-from service.registry import finetuned
+from service.registry import model_ids
 from service.registry.model_root import model_context, resolve_model
 
 
@@ -188,7 +188,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
         missing = wandb_missing()
         if missing:
             raise bad_request(missing, f"integrations.{i}")
-    if not finetuned.is_fine_tuned(body.model):  # a fine-tuned model's id is the route's to find
+    if not model_ids.is_fine_tuned(body.model):  # a fine-tuned model's id is the route's to find
         check_context(
             body, resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
         )

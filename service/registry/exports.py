@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.core.errors import Failed, Gone, LimitReached, Unavailable, no_inference_worker, queue_unreachable
+from service.core.errors import Gone, LimitReached, Unavailable, no_inference_worker, queue_unreachable
 from service.core.settings import Settings
 from service.core.tables import Checkpoint
 from service.infra import inference_bus
@@ -137,9 +137,7 @@ def _answer_of(conn: Any, ns: str, marker: str, asks: str, key: str, asked: dict
     conn.zrem(asks, key)
     answer = json.loads(last) if last is not None else {}
     if answer.get("t") == "error":
-        # The bus answers in statuses: 503 when the worker holding the merge died (ask again), else it raised.
-        kind = Unavailable if int(answer["status"]) == 503 else Failed
-        raise kind(answer["message"], code=answer["code"])
+        raise inference_bus.error_of(answer)  # 503 when the worker holding it died (ask again), else it raised
 
 
 def _in_progress() -> Unavailable:

@@ -1,4 +1,4 @@
-"""Fine-tuned models: their ids (OpenAI's form), and finding the checkpoint an id names.
+"""Fine-tuned models: finding the checkpoint an id names (the ids' form is ``model_ids``).
 
 A succeeded job's model is ``ft:<base>:<project>:<suffix>:<job id>`` and each checkpoint's
 ``ft:<base>:<project>:<suffix>:<job id>:ckpt-step-<N>``, as OpenAI writes them. ``<base>`` is the
@@ -8,32 +8,13 @@ base model directory the weights descend from (a chain of jobs keeps its first b
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.core.tables import Checkpoint, Job, Project
-
-PREFIX = "ft:"
-
-
-def is_fine_tuned(name: str) -> bool:
-    return name.startswith(PREFIX)
-
-
-def _part(text: str) -> str:
-    """A name as one segment of an id: no colon, no space."""
-    return re.sub(r"[^A-Za-z0-9._/-]+", "-", text).strip("-")
-
-
-def model_id(*, base: str, project: str, suffix: str | None, job_id: str) -> str:
-    return f"{PREFIX}{_part(base)}:{_part(project)}:{_part(suffix or '')}:{job_id}"
-
-
-def checkpoint_id(model: str, step: int) -> str:
-    return f"{model}:ckpt-step-{step}"
+from service.registry.model_ids import is_fine_tuned
 
 
 def project_name(*, session: Session, project_seq: int) -> str:

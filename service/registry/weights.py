@@ -16,7 +16,7 @@ from service.core.errors import model_not_found
 from service.core.settings import Settings
 from service.files.upload_sweep import confined
 from service.infra.artifacts import S3Store, open_store, relative_key
-from service.registry import finetuned
+from service.registry import finetuned, model_ids
 from service.registry.model_root import model_context
 
 
@@ -26,7 +26,7 @@ def resolve(
     """``{"base": <directory or hub id>, "chain": [<checkpoint directories>, oldest first]}`` for
     ``name``. ``include_deleted``: a deleted fine-tuned model still resolves (an evaluation of a job
     that trained from it)."""
-    if finetuned.is_fine_tuned(name):
+    if model_ids.is_fine_tuned(name):
         source = finetuned.find(session=session, project_seq=project_seq, name=name, include_deleted=include_deleted)
         if source is None:
             raise model_not_found(name)

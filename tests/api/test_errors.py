@@ -54,7 +54,7 @@ def test_a_kind_answers_as_its_nearest_listed_ancestor(error: DomainError, statu
 
 def test_a_retry_hint_becomes_retry_after_and_an_api_errors_headers_stay() -> None:
     assert http.headers_of(errors.no_inference_worker("A merge")) == {"Retry-After": "5"}
-    assert http.headers_of(errors.LimitReached("busy", retry_after=0.5)) == {"Retry-After": "0.5"}
+    assert http.headers_of(errors.LimitReached("busy", retry_after=0.5)) == {"Retry-After": "1"}  # whole seconds
     assert http.headers_of(errors.bad_request("bad")) is None
     auth = http.APIError(401, "no key", headers={"WWW-Authenticate": "Bearer"})
     assert http.headers_of(auth) == {"WWW-Authenticate": "Bearer"}
@@ -80,3 +80,17 @@ def test_a_domain_error_under_a_route_is_openais_shape_not_a_500(client, auth) -
         "param": None,
         "code": "not_found",
     }
+
+
+def test_the_inference_bus_reads_a_workers_status_as_the_kind_the_api_answers_with_it() -> None:
+    """A worker's error answer (a merge that raised, a worker that died) reaches the user with the
+    status the worker gave: each wire status's kind maps back to that status."""
+    from service.infra import inference_bus
+
+    assert {status: http.STATUS[kind] for status, kind in inference_bus.WIRE_KINDS.items()} == {
+        status: status for status in inference_bus.WIRE_KINDS
+    }
+    unsupported = inference_bus.error_of(inference_bus.error_message(400, "unsupported", "not served here"))
+    assert isinstance(unsupported, errors.Invalid) and http.status_of(unsupported) == 400
+    assert http.status_of(inference_bus.error_of(inference_bus.lost_message())) == 503
+    assert http.status_of(inference_bus.error_of(inference_bus.error_message(500, "export_failed", "x"))) == 500

@@ -12,7 +12,7 @@ import torch
 from service.core import crud
 from service.core.db import session_scope
 from service.core.tables import Checkpoint, Job
-from service.registry import finetuned
+from service.registry import finetuned, model_ids
 from tests.helpers.training import LORA, ListRecorder, load_policy, method_config
 from worker.engine.methods.rloo import train
 from worker.engine.prepare import start_from
@@ -34,7 +34,7 @@ def _job(session, project_seq: int, model: str, status: str, ft: str | None) -> 
     session.add(job)
     session.flush()
     for step in (1, 2):
-        name = finetuned.checkpoint_id(ft or f"ft:tiny-policy:p::{job.id}", step)
+        name = model_ids.checkpoint_id(ft or f"ft:tiny-policy:p::{job.id}", step)
         session.add(
             Checkpoint(job_seq=job.seq, step_number=step, path=f"{job.id}/{step}", fine_tuned_model_checkpoint=name)
         )

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,19 @@ def test_only_a_host_without_gpus_imports_torch_before_forking_its_pool(
         assert devices.has_gpu_nodes() == (name != "dri") and devices.has_device_nodes(), name
         assert not preload.imports_before_forking(), name
         node.unlink()
+
+
+def test_each_pool_process_is_wired_to_preload_after_forgetting_the_parents_connections() -> None:
+    """The Celery app connects ``preload.preload_training_stack`` to ``worker_process_init``, after
+    the handler that drops the parent's pooled database connections."""
+    from celery.signals import worker_process_init
+
+    from worker import celery_app
+    from worker.jobs import preload
+
+    receivers = [ref() if isinstance(ref, weakref.ref) else ref for _, ref in worker_process_init.receivers]
+    mine = [r for r in receivers if r in (celery_app._forget_the_parents_connections, preload.preload_training_stack)]
+    assert mine == [celery_app._forget_the_parents_connections, preload.preload_training_stack]
 
 
 def test_a_pool_process_imports_the_training_stack_in_a_thread_unless_forked_with_it() -> None:

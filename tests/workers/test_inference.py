@@ -18,7 +18,7 @@ import torch
 
 from service.core.db import session_scope
 from service.core.tables import Checkpoint, Job
-from service.registry import finetuned
+from service.registry import model_ids
 from tests.helpers.live import worker_process
 from tests.helpers.rows import job_row
 
@@ -98,8 +98,8 @@ def _checkpoint_job(artifacts: Path, models_dir: Path, project: str, *, lora: bo
         path = artifacts / "checkpoints" / job.id / "step-1"
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(base).save_pretrained(path)
-        name = finetuned.checkpoint_id(
-            finetuned.model_id(base="tiny-policy", project=project, suffix=None, job_id=job.id), 1
+        name = model_ids.checkpoint_id(
+            model_ids.model_id(base="tiny-policy", project=project, suffix=None, job_id=job.id), 1
         )
         session.add(
             Checkpoint(

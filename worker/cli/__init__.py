@@ -4,9 +4,9 @@ One module a group of commands, each importing what it needs when it runs (torch
 the processes that train):
 
 * ``admin``: ``rloo db upgrade``, ``rloo keys create|revoke|list``;
-* ``serve``: ``rloo api``, ``rloo worker`` (and the reconciler a training worker runs);
+* ``serve``: ``rloo api``, ``rloo worker`` (over ``worker.jobs.celery_worker`` and ``worker.serving``);
 * ``stack``: ``rloo up``, the local stack as child processes;
-* ``run``: ``rloo train``, ``rloo demo`` (``demo`` holds the demo itself);
+* ``training``: ``rloo train``, ``rloo score``, ``rloo demo`` (``demo`` holds the demo itself);
 * ``client``: ``rloo files|jobs|checkpoints|graders …``, any server over HTTP (``http``: the
   requests and streams; ``watch``: ``rloo jobs watch``); ``evaluations``: ``rloo evals …``.
 """

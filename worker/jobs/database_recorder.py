@@ -16,7 +16,7 @@ from service.core.settings import get_settings
 from service.core.tables import Job
 from service.infra.artifacts import open_store
 from service.jobs import lifecycle, webhooks
-from service.registry import export_dirs, finetuned
+from service.registry import export_dirs, finetuned, model_ids
 from worker.engine.checkpoints import job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
 from worker.engine.recorders import json_safe, step_message
 
@@ -86,7 +86,7 @@ class DatabaseRecorder:
             job = self.job
             project = finetuned.project_name(session=session, project_seq=job.project_seq)
             base = job.base_model or job.model
-            self.model_id = finetuned.model_id(base=base, project=project, suffix=job.suffix, job_id=job.id)
+            self.model_id = model_ids.model_id(base=base, project=project, suffix=job.suffix, job_id=job.id)
         return self.model_id
 
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
@@ -95,7 +95,7 @@ class DatabaseRecorder:
 
         def saved(session: Any) -> None:
             model = self._model_id(session)
-            name = finetuned.checkpoint_id(model, step)
+            name = model_ids.checkpoint_id(model, step)
             crud.add_checkpoint(
                 session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
             )

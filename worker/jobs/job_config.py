@@ -60,9 +60,9 @@ def _starting_point(job: Job, settings: Any) -> tuple[str, tuple[Path, ...]]:
     """The base model directory and, for a job that starts from a fine-tuned model or checkpoint of
     its project, the checkpoint directories to apply to it (``finetuned.Source.chain``). A model
     deleted after the job was created still starts it: the job was accepted from it."""
-    from service.registry import finetuned
+    from service.registry import finetuned, model_ids
 
-    if not finetuned.is_fine_tuned(job.model):
+    if not model_ids.is_fine_tuned(job.model):
         return job.model, ()
     with session_scope() as session:
         source = finetuned.find(session=session, project_seq=job.project_seq, name=job.model, include_deleted=True)

@@ -266,7 +266,7 @@ class EvaluationRun:
                 self.chunk.grading = self.server.grade(self.lane, self._grade, self.chunk)
             return True
         except (JobError, graders.GraderError) as exc:
-            _fail(self.seq, self.server.worker, getattr(exc, "code", "grader_failed"), exc.message)
+            _fail(self.seq, self.server.worker, getattr(exc, "code", None) or "grader_failed", exc.message)
         except graders.GraderUnavailable as exc:  # an endpoint down, a sandbox that cannot start
             _fail(self.seq, self.server.worker, "grader_unavailable", str(exc))
         except Exception as exc:

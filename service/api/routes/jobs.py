@@ -102,7 +102,7 @@ def create_job(
     body: JobCreate,
     idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
 ) -> JSON:
-    """The checks, the row and the task: ``service.jobs.creation``."""
+    # The checks, the row and the task: service.jobs.creation.
     key = idempotency.check_key(idempotency_key)
     created = creation.create_job(
         session, project, settings, body, key=key, present=lambda job: job_object(job, project)

@@ -26,7 +26,7 @@ from service.core.tables import Evaluation, Job, now
 from service.infra.artifacts import open_store
 from service.jobs import evaluations
 from service.jobs.lifecycle import JobStatus
-from service.registry import export_dirs, finetuned
+from service.registry import export_dirs, finetuned, model_ids
 from service.registry.model_root import list_models
 
 log = logging.getLogger("rloo.api")
@@ -55,7 +55,7 @@ def _fine_tuned(session: SessionDep, project: Caller) -> list[Job]:
             select(Job)
             .where(Job.project_seq == project.seq, Job.model_deleted_at.is_(None))
             # Ids of OpenAI's form only (a release before this one named models otherwise).
-            .where(Job.fine_tuned_model.like(f"{finetuned.PREFIX}%"))
+            .where(Job.fine_tuned_model.like(f"{model_ids.PREFIX}%"))
             .where(Job.status == JobStatus.SUCCEEDED.value)
             .order_by(Job.seq.desc())
         ).all()
@@ -75,7 +75,7 @@ def list_all(session: SessionDep, project: ProjectDep, settings: SettingsDep) ->
 @router.get("/{model_id:path}", summary="Retrieve a model")
 @ends_session
 def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, model_id: str) -> JSON:
-    if finetuned.is_fine_tuned(model_id):
+    if model_ids.is_fine_tuned(model_id):
         source = finetuned.find(session=session, project_seq=project.seq, name=model_id)
         if source is None:  # (a fine-tuned model whose job did not succeed is none)
             raise model_not_found(model_id)

@@ -39,7 +39,7 @@ from worker.engine.data import batch_indices, prompt_text
 from worker.engine.distributed.ranks import whole_tensor
 from worker.engine.errors import JobError
 from worker.engine.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
-from worker.engine.methods import policy_gradient as rloo
+from worker.engine.methods import policy_gradient
 from worker.engine.metrics import Timings, UpdateStats, grader_metrics, step_metrics
 from worker.engine.overlap import Started
 from worker.engine.prepare import prepare
@@ -308,7 +308,7 @@ def rloo_update(
 
 def _advantages(run: Run, rewards: Tensor, kl: Tensor | None, finite: Tensor) -> Tensor:
     hp = run.rl
-    return rloo.batch_advantages(
+    return policy_gradient.batch_advantages(
         rewards,
         kl,
         finite,
@@ -336,7 +336,9 @@ def _sampling_side_before_the_update(run: Run, b: UpdateBatch, timing: Advantage
         with torch.no_grad(), run.autocast:
             for sl in b.local:
                 side.old_logp.append(completion_logprobs(run.model, b.ro.rows(sl), temperature=run.rl.temperature)[0])
-        side.kl_seq = rloo.sequence_kl(torch.cat(side.old_logp), b.ref_logp, b.mask, run.rl.kl_estimator).float()
+        side.kl_seq = policy_gradient.sequence_kl(
+            torch.cat(side.old_logp), b.ref_logp, b.mask, run.rl.kl_estimator
+        ).float()
         side.advantages = _advantages(run, b.rewards, run.ranks.whole(side.kl_seq).view_as(b.rewards), b.finite)
     return side
 
@@ -352,7 +354,7 @@ def _first_epoch(
     if entropy is not None:
         side.entropy_sum += (entropy.float() * b.mask[sl]).sum()
     if b.ref_logp is not None:
-        side.kl_seq[sl] = rloo.sequence_kl(side.old_logp[m], b.ref_logp[sl], b.mask[sl], hp.kl_estimator)
+        side.kl_seq[sl] = policy_gradient.sequence_kl(side.old_logp[m], b.ref_logp[sl], b.mask[sl], hp.kl_estimator)
     if timing is AdvantageTiming.PER_MICRO_BATCH:
         # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
         kl = side.kl_seq[sl].view(rows.stop - rows.start, hp.rloo_k)
@@ -366,7 +368,7 @@ def _policy_epochs(
     The last pass's loss and clip fraction sums, and its gradient norm."""
     hp, device = run.rl, run.device
     whole_loss_mask = run.ranks.whole(b.loss_mask)
-    norm = rloo.loss_normalizer(whole_loss_mask, hp.loss_aggregation)
+    norm = policy_gradient.loss_normalizer(whole_loss_mask, hp.loss_aggregation)
     has_loss = bool(whole_loss_mask.any())
     for epoch in range(hp.ppo_epochs):
         run.optimizer.zero_grad(set_to_none=True)
@@ -395,7 +397,7 @@ def _micro_batch_loss(
     """The clipped policy loss of micro-batch ``m`` (plus the KL term when it is not in the reward),
     divided by the whole batch's normaliser."""
     sl, hp = b.local[m], run.rl
-    loss, stats = rloo.policy_loss(
+    loss, stats = policy_gradient.policy_loss(
         logp.float(),
         side.old_logp[m].float(),
         side.advantages[b.groups[m]].reshape(-1).to(run.device),
@@ -406,7 +408,7 @@ def _micro_batch_loss(
         normalizer=norm,
     )
     if b.ref_logp is not None and not hp.kl_in_reward:
-        loss = loss + hp.kl_coef * rloo.kl_loss(
+        loss = loss + hp.kl_coef * policy_gradient.kl_loss(
             logp.float(),
             b.ref_logp[sl].float(),
             b.loss_mask[sl],
