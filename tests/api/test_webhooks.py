@@ -365,6 +365,24 @@ def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_onc
             )
         session.commit()
 
+    # Attempts in flight to the stuck project's receivers, counted where they are made: the receiver
+    # sees a closed connection only when its thread next runs, so on a loaded machine its own count
+    # can overlap a finished attempt with the next one (3 seen where the senders held 2).
+    real_send, lock, sending = webhooks.send, threading.Lock(), {"now": 0, "most": 0}
+
+    def counted_send(endpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        if endpoint.url != stuck.url:
+            return real_send(endpoint, *args, **kwargs)
+        with lock:
+            sending["now"] += 1
+            sending["most"] = max(sending["most"], sending["now"])
+        try:
+            return real_send(endpoint, *args, **kwargs)
+        finally:
+            with lock:
+                sending["now"] -= 1
+
+    monkeypatch.setattr(webhooks, "send", counted_send)
     going = True
 
     def sender() -> None:
@@ -385,7 +403,7 @@ def test_one_projects_stuck_receivers_hold_two_senders_and_others_deliver_at_onc
         took = time.monotonic() - t0
         assert len(fine.got) == 3 and took < 4.0, took  # before: behind 12 attempts of 3 s of the stuck ones (9 s)
         time.sleep(3.5)
-        assert stuck.most <= webhooks.SENDERS // 2
+        assert 1 <= sending["most"] <= webhooks.SENDERS // 2 and stuck.most >= 1  # (the receiver saw them)
         with session_scope() as session:
             attempts = [
                 d.attempts
