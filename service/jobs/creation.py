@@ -70,7 +70,7 @@ def create_job(
         _lock_files(session, project, training, validation)
         session.add(job)
         session.flush()
-        _first_events(session, job, training, hp)
+        _first_events(session, job, training, [*spec.model_notes(settings, base_model), *spec.notes(hp)])
         if key is not None:  # the answer, in the same transaction as the job
             idempotency.remember(
                 session, project_seq=project.seq, route=ROUTE, key=key, digest=digest, response=present(job)
@@ -149,14 +149,14 @@ def _lock_files(session: Session, project: Caller, training: File, validation: F
         )
 
 
-def _first_events(session: Session, job: Job, training: File, hp: AnyResolved) -> None:
+def _first_events(session: Session, job: Job, training: File, notes: list[str]) -> None:
     lifecycle.add_event(session=session, job=job, message=f"Created fine-tuning job: {job.id}")
     lifecycle.add_event(
         session=session,
         job=job,
         message=f"Validated training file: {training.id} ({training.line_count} lines, {job.total_steps} steps)",
     )
-    for note in spec.notes(hp):
+    for note in notes:
         lifecycle.add_event(session=session, job=job, message=note)
 
 

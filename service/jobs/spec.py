@@ -25,7 +25,7 @@ from service.jobs.hyperparameters import (
     SupervisedHyperparameters,
     least_rloo_k,
 )
-from service.registry import model_ids
+from service.registry import inspection, model_ids
 from service.registry.model_root import model_context, resolve_model
 
 
@@ -189,9 +189,9 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
         if missing:
             raise bad_request(missing, f"integrations.{i}")
     if not model_ids.is_fine_tuned(body.model):  # a fine-tuned model's id is the route's to find
-        check_context(
-            body, resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
-        )
+        policy = resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
+        inspection.check_policy(policy, body.model, "model")
+        check_context(body, policy)
     grader = None
     if method.grader is not None:
         try:
@@ -200,10 +200,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
             )
         except graders.GraderError as exc:
             raise bad_request(exc.message, exc.param) from None
-        for leaf, leaf_param in graders.model_leaves(grader, f"{prefix}.grader"):
-            resolve_model(
-                settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=f"{leaf_param}.model"
-            )
+        check_grader_models(grader, f"{prefix}.grader", settings)
     hp = method.config.hyperparameters.resolved()
     hp_param = f"{prefix}.hyperparameters"
     if hp.eval_interval != "auto" and not body.validation_file:
@@ -310,6 +307,25 @@ def check_kept_checkpoints(hp: AnyResolved, total_steps: int, *, cap: int, param
             "a larger checkpoint_interval.",
             f"{param}.keep_checkpoints" if hp.keep_checkpoints else f"{param}.checkpoint_interval",
         )
+
+
+def check_grader_models(grader: graders.Grader, param: str, settings: Settings) -> None:
+    """Each model a grader names is under the models root and fit for its use: a reward_model's a
+    one-label sequence classifier, a judge's (score_model, label_model) a causal LM; each with a
+    tokenizer."""
+    for leaf, leaf_param in graders.model_leaves(grader, param):
+        where = f"{leaf_param}.model"
+        path = resolve_model(settings.models_dir, leaf.model, hub_offline=settings.hub_offline, param=where)
+        if isinstance(leaf, graders.RewardModelGrader):
+            inspection.check_reward_model(path, leaf.model, where)
+        else:
+            inspection.check_policy(path, leaf.model, where)
+
+
+def model_notes(settings: Settings, base_model: str) -> list[str]:
+    """What a job's events say of its base model (no chat template: how conversations are rendered)."""
+    local = settings.models_dir / base_model
+    return inspection.check_policy(local, base_model, "model") if local.is_dir() else []
 
 
 def notes(hp: AnyResolved) -> list[str]:

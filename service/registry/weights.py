@@ -16,7 +16,7 @@ from service.core.errors import model_not_found
 from service.core.settings import Settings
 from service.files.upload_sweep import confined
 from service.infra.artifacts import S3Store, open_store, relative_key
-from service.registry import finetuned, model_ids
+from service.registry import finetuned, inspection, model_ids
 from service.registry.model_root import model_context
 
 
@@ -34,6 +34,14 @@ def resolve(
     if _is_base_model(settings, name):
         return {"base": str(settings.models_dir / name), "chain": []}
     raise model_not_found(name)
+
+
+def check_servable(served: dict[str, Any], name: str) -> None:
+    """What ``resolve`` answered can write text: its base a causal LM with a tokenizer (a base under
+    the models root; a hub id is the worker's to load)."""
+    base = Path(served["base"])
+    if base.is_absolute():
+        inspection.check_policy(base, name, "model")
 
 
 def context_of(served: dict[str, Any]) -> int | None:

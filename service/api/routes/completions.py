@@ -124,7 +124,7 @@ async def _complete(
     body: Sampling,
     shape: Shape,
 ) -> Response:
-    served = await run_db(session, lambda: weights.resolve(session, settings, project_seq=project.seq, name=body.model))
+    served = await run_db(session, lambda: _servable(session, settings, project, body.model))
     body.check_context(weights.context_of(served))
     ns = inference_bus.namespace(inference_bus.serve_queue())
     rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings)
@@ -174,6 +174,13 @@ async def _complete(
     finally:
         if not handed:
             await _let_go(conn, ns, key, rid, tokens, admitted=admitted, cancel=admitted and not answered)
+
+
+def _servable(session: Any, settings: Settings, project: Any, name: str) -> dict[str, Any]:
+    """What ``name`` serves, checked fit to write text (on a thread: it reads the database and files)."""
+    served = weights.resolve(session, settings, project_seq=project.seq, name=name)
+    weights.check_servable(served, name)
+    return served
 
 
 async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, tokens: int, deadline: float) -> None:

@@ -22,8 +22,10 @@ from service.api.schemas.evaluations import EvaluationCreate
 from service.core.db import ends_session
 from service.core.errors import DomainError, bad_request, not_found
 from service.core.tables import Checkpoint, Evaluation, Job
+from service.files.datasets import first_line_not
 from service.jobs import evaluations
 from service.jobs.creation import fine_tune_file
+from service.jobs.spec import check_grader_models, check_item_keys
 from service.registry import weights
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["evaluations"])
@@ -55,15 +57,26 @@ def create_evaluation(
     job = _job(session, project, job_id)  # another project's job is a 404 before its body is read
     if body is None:
         raise bad_request('Give the evaluation as a JSON body: {"file": "file-…", "checkpoints": "all"}.', "file")
-    fine_tune_file(session, project, body.file, "file")
+    file = fine_tune_file(session, project, body.file, "file")
+    found = first_line_not(dict(file.keys_summary or {}), "reinforcement")
+    if found is not None:
+        raise bad_request(
+            f"Line {found[0]} of file {file.id} is not a prompt: an evaluation samples a completion for each "
+            "line's 'prompt' (or 'messages' ending in a user turn), as a reinforcement job's training file "
+            "holds. Upload such a file for it.",
+            "file",
+            "invalid_file_format",
+        )
     kind = job.method.get("type", "supervised")
     spec = body.grader if body.grader is not None else (job.method.get(kind) or {}).get("grader")
     if spec is None:
         raise bad_request(f"Job {job.id} trained with no grader ({kind}); give one as 'grader'.", "grader")
     try:
-        graders.parse_grader(spec, allow_python=settings.allow_python_grader)
+        grader = graders.parse_grader(spec, allow_python=settings.allow_python_grader)
     except graders.GraderError as exc:
         raise bad_request(exc.message, exc.param) from None
+    check_grader_models(grader, "grader", settings)
+    check_item_keys(grader, file.keys_summary or {}, source=f"file {file.id}", param="grader")
     models = [{"model": job.model, "step_number": None}] + _checkpoints(session, job, body.checkpoints)
     for entry in models:  # each one servable now, or a 400 that says which
         try:

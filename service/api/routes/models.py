@@ -1,5 +1,7 @@
 """Models (OpenAI's ``/v1/models``): the base models under the models root and the project's
-fine-tuned models, each ``{id, object: "model", created, owned_by}``.
+fine-tuned models, each ``{id, object: "model", created, owned_by}``; a base model also says what
+it can be used for (our ``rloo`` key: ``uses``, ``architecture``, ``context_length``,
+``chat_template``).
 
 A fine-tuned model (``service.registry.finetuned``) is a succeeded job's; its checkpoints are models too
 (retrieve them by their ``fine_tuned_model_checkpoint`` id; the list shows the final ones).
@@ -26,7 +28,7 @@ from service.core.tables import Evaluation, Job, now
 from service.infra.artifacts import open_store
 from service.jobs import evaluations
 from service.jobs.lifecycle import JobStatus
-from service.registry import export_dirs, finetuned, model_ids
+from service.registry import export_dirs, finetuned, inspection, model_ids
 from service.registry.model_root import list_models
 
 log = logging.getLogger("rloo.api")
@@ -45,8 +47,19 @@ def _base_models(settings: SettingsDep) -> list[dict[str, Any]]:
 
 
 def _base_model(settings: SettingsDep, name: str) -> dict[str, Any]:
-    created = int((settings.models_dir / name / "config.json").stat().st_mtime)
-    return model_object(name, created, BASE_OWNER)
+    """A base model, with our extension ``rloo``: what it can be used for (``policy``: trained,
+    sampled, a judge; ``reward_model``; ``embedding``), its context length and whether it has a chat
+    template, from its files (``service.registry.inspection``)."""
+    path = settings.models_dir / name
+    created = int((path / "config.json").stat().st_mtime)
+    info = inspection.inspect_model(path)
+    described = {
+        "uses": info.uses if info else [],
+        "architecture": info.architectures[0] if info and info.architectures else None,
+        "context_length": info.context_length if info else None,
+        "chat_template": info.has_chat_template if info else False,
+    }
+    return {**model_object(name, created, BASE_OWNER), "rloo": described}
 
 
 def _fine_tuned(session: SessionDep, project: Caller) -> list[Job]:

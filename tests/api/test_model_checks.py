@@ -1,0 +1,147 @@
+"""Bring your own model: each model a request names is checked at the door for the use it is put to
+(``service.registry.inspection``, from its files, no weight loaded): a policy is a causal LM with a
+tokenizer, a reward model a one-label classifier, a judge a causal LM; an evaluation samples prompt
+lines; a completion needs a model that writes text. Each mistake is a 400 that says what to do; a
+model without a chat template is accepted and its job says how conversations are rendered."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from service.registry import inspection
+from tests.helpers.api import assert_error, create_job, list_ids, upload_ok
+from tests.helpers.data import EXAMPLES, STRING_CHECK, job_body
+
+GR = "method.reinforcement.grader"
+
+
+def _copy_of(models_dir: Path, unique_model_path: Callable[[str], Path], source: str, stem: str) -> Path:
+    path = unique_model_path(stem)
+    shutil.copytree(models_dir / source, path)
+    return path
+
+
+def test_a_sequence_classifier_as_the_policy_is_a_400_that_names_its_head(client, auth) -> None:
+    f = upload_ok(client, auth)
+    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(f["id"], model="tiny-reward"))
+    err = assert_error(resp, 400, param="model", code="invalid_model", contains="sequence classifier")
+    assert "ForSequenceClassification" in err["message"] and "reward_model" in err["message"]
+    assert list_ids(client, auth, "/v1/fine_tuning/jobs") == []
+
+
+def test_a_model_without_a_tokenizer_is_a_400_that_says_to_save_one(
+    client, auth, models_dir, unique_model_path
+) -> None:
+    bare = _copy_of(models_dir, unique_model_path, "tiny-policy", "no-tokenizer")
+    for name in inspection.TOKENIZER_FILES:
+        (bare / name).unlink(missing_ok=True)
+    f = upload_ok(client, auth)
+    for method in ("reinforcement", "supervised"):
+        body = job_body(f["id"], model=bare.name)
+        if method == "supervised":
+            body["method"] = {"type": "supervised"}
+        resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+        assert_error(resp, 400, param="model", code="invalid_model", contains="save_pretrained")
+
+
+def test_a_model_without_a_chat_template_is_accepted_and_its_job_says_how_it_renders(
+    client, auth, models_dir, unique_model_path
+) -> None:
+    plain = _copy_of(models_dir, unique_model_path, "tiny-policy", "no-template")
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    f = upload_ok(client, auth)
+    job = create_job(client, auth, job_body(f["id"], model=plain.name))
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=auth).json()["data"]
+    said = [e["message"] for e in events if "no chat template" in e["message"]]
+    assert len(said) == 1 and "assistant:" in said[0], [e["message"] for e in events]
+    with_template = create_job(client, auth, job_body(f["id"]))  # tiny-policy has one: nothing said
+    events = client.get(f"/v1/fine_tuning/jobs/{with_template['id']}/events", headers=auth).json()["data"]
+    assert not [e for e in events if "chat template" in e["message"]]
+
+
+@pytest.mark.parametrize(
+    ("grader", "says"),
+    [
+        ({"type": "reward_model", "name": "rm", "model": "tiny-policy"}, "not a sequence classifier"),
+        (
+            {
+                "type": "score_model",
+                "name": "judge",
+                "model": "tiny-reward",
+                "input": [{"role": "user", "content": "Rate {{sample.output_text}} from 0 to 1."}],
+            },
+            "sequence classifier",
+        ),
+    ],
+)
+def test_a_graders_model_unfit_for_its_use_is_a_400_at_its_field(client, auth, grader, says) -> None:
+    f = upload_ok(client, auth)
+    body = job_body(f["id"])
+    body["method"]["reinforcement"]["grader"] = grader
+    resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+    assert_error(resp, 400, param=f"{GR}.model", code="invalid_model", contains=says)
+
+
+def test_an_evaluation_on_a_file_of_preference_pairs_is_a_400_before_anything_runs(client, auth) -> None:
+    f = upload_ok(client, auth)
+    job = create_job(client, auth, job_body(f["id"], hp={"n_epochs": 1}))
+    pairs = upload_ok(client, auth, (EXAMPLES / "dpo" / "train.jsonl").read_bytes())
+    resp = client.post(f"/v1/fine_tuning/jobs/{job['id']}/evaluations", headers=auth, json={"file": pairs["id"]})
+    assert_error(resp, 400, param="file", code="invalid_file_format", contains="is not a prompt")
+    unknown_key = {**STRING_CHECK, "reference": "{{item.no_such_key}}"}
+    resp = client.post(
+        f"/v1/fine_tuning/jobs/{job['id']}/evaluations", headers=auth, json={"file": f["id"], "grader": unknown_key}
+    )
+    assert_error(resp, 400, param="grader", code="missing_item_key", contains="item.no_such_key")
+
+
+def test_a_completion_from_a_model_that_cannot_write_is_a_400(client, auth) -> None:
+    body = {"model": "tiny-reward", "messages": [{"role": "user", "content": "hi"}]}
+    resp = client.post("/v1/chat/completions", headers=auth, json=body)
+    assert_error(resp, 400, param="model", code="invalid_model", contains="sequence classifier")
+
+
+def test_the_inspection_reads_files_only_and_sees_a_changed_config(models_dir, unique_model_path) -> None:
+    policy = inspection.inspect_model(models_dir / "tiny-policy")
+    reward = inspection.inspect_model(models_dir / "tiny-reward")
+    assert policy is not None and reward is not None
+    assert (policy.head, policy.has_tokenizer, policy.has_chat_template, policy.uses) == (
+        "causal_lm",
+        True,
+        True,
+        ["policy"],
+    )
+    assert (reward.head, reward.num_labels, reward.uses) == ("sequence_classification", 1, ["reward_model"])
+    copy = _copy_of(models_dir, unique_model_path, "tiny-reward", "relabelled")
+    config = json.loads((copy / "config.json").read_text())
+    assert inspection.inspect_model(copy) == reward
+    time.sleep(0.01)
+    config["num_labels"] = 3
+    config["id2label"] = {str(i): f"L{i}" for i in range(3)}
+    (copy / "config.json").write_text(json.dumps(config))
+    relabelled = inspection.inspect_model(copy)
+    assert relabelled is not None and relabelled.num_labels == 3 and relabelled.uses == []
+    with pytest.raises(inspection.Invalid, match="3 labels"):
+        inspection.check_reward_model(copy, copy.name, "model")
+    assert inspection.head_of(("GPT2LMHeadModel",)) == "causal_lm"
+    assert inspection.head_of(("BertModel",)) == "base"
+    assert inspection.head_of(()) == "unknown"
+    assert inspection.inspect_model(models_dir / "no-such-model") is None
+
+
+def test_the_models_list_says_what_each_base_model_can_be_used_for(client, auth) -> None:
+    listed = {m["id"]: m for m in client.get("/v1/models", headers=auth).json()["data"]}
+    assert listed["tiny-policy"]["rloo"]["uses"] == ["policy"] and listed["tiny-policy"]["rloo"]["chat_template"]
+    assert listed["tiny-reward"]["rloo"]["uses"] == ["reward_model"]
+    assert listed["tiny-reward"]["rloo"]["architecture"].endswith("ForSequenceClassification")
+    one = client.get("/v1/models/tiny-policy", headers=auth).json()
+    assert one["owned_by"] == "system" and one["rloo"]["context_length"] > 0
