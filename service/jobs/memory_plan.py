@@ -89,6 +89,16 @@ def model_shape(model_dir: Path) -> Shape:
     )
 
 
+def module_names(model_dir: Path) -> set[str]:
+    """Every module that holds a tensor (``model.layers.0.self_attn.q_proj``), from the headers."""
+    return {name.rsplit(".", 1)[0] for name in _tensors(model_dir)}
+
+
+def linear_names(model_dir: Path) -> list[str]:
+    """The linear layers LoRA can adapt (``model_shape``'s, by name)."""
+    return [name for name, _, _ in model_shape(model_dir).linear]
+
+
 def _tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
     """Every tensor's dtype and shape from the safetensors headers (one file, or a sharded index)."""
     index = model_dir / "model.safetensors.index.json"

@@ -15,6 +15,7 @@ from service.core.errors import bad_request
 from service.core.settings import Settings
 from service.core.validation import Strict
 from service.files.datasets import first_line_not
+from service.jobs import memory_plan
 from service.jobs.hyperparameters import (
     HYPERPARAMETERS,
     AnyResolved,
@@ -188,6 +189,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
         missing = wandb_missing()
         if missing:
             raise bad_request(missing, f"integrations.{i}")
+    policy: Path | str | None = None
     if not model_ids.is_fine_tuned(body.model):  # a fine-tuned model's id is the route's to find
         policy = resolve_model(settings.models_dir, body.model, hub_offline=settings.hub_offline, param="model")
         inspection.check_policy(policy, body.model, "model")
@@ -207,6 +209,8 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
         raise bad_request("eval_interval needs a validation_file to score.", f"{hp_param}.eval_interval")
     if isinstance(hp, ResolvedReinforcementHyperparameters):
         _check_reinforcement(hp, hp_param)
+    if isinstance(policy, Path):
+        check_lora_targets(hp, policy, hp_param)
     if body.resources is not None:
         check_resources(body.resources, hp, method.type, settings)
     if hp.batch_size % hp.gradient_accumulation_steps:
@@ -320,6 +324,27 @@ def check_grader_models(grader: graders.Grader, param: str, settings: Settings) 
             inspection.check_reward_model(path, leaf.model, where)
         else:
             inspection.check_policy(path, leaf.model, where)
+
+
+def check_lora_targets(hp: AnyResolved, model: Path, param: str) -> None:
+    """LoRA's ``target_modules`` name modules the model has (as peft matches them: the name, or a
+    dotted path's end), read from its safetensors headers; a model whose files do not say is not
+    checked here (the worker then says)."""
+    lora = getattr(hp, "lora", None)
+    if lora is None or not isinstance(lora.target_modules, list):
+        return
+    try:
+        names = memory_plan.module_names(model)
+    except memory_plan.UnknownShape:
+        return
+    for target in lora.target_modules:
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            linear = sorted({layer.rsplit(".", 1)[-1] for layer in memory_plan.linear_names(model)})
+            raise bad_request(
+                f"The model has no module named '{target}' for LoRA to adapt. Its linear layers are named: "
+                f"{', '.join(linear)} (or give 'all-linear').",
+                f"{param}.lora.target_modules",
+            )
 
 
 def model_notes(settings: Settings, base_model: str) -> list[str]:

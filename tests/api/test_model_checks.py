@@ -145,3 +145,15 @@ def test_the_models_list_says_what_each_base_model_can_be_used_for(client, auth)
     assert listed["tiny-reward"]["rloo"]["architecture"].endswith("ForSequenceClassification")
     one = client.get("/v1/models/tiny-policy", headers=auth).json()
     assert one["owned_by"] == "system" and one["rloo"]["context_length"] > 0
+
+
+def test_lora_target_modules_the_model_lacks_are_a_400_naming_the_ones_it_has(client, auth) -> None:
+    f = upload_ok(client, auth)
+    hp_param = "method.reinforcement.hyperparameters"
+    resp = client.post(
+        "/v1/fine_tuning/jobs", headers=auth, json=job_body(f["id"], hp={"lora": {"target_modules": ["c_attn"]}})
+    )
+    err = assert_error(resp, 400, param=f"{hp_param}.lora.target_modules", contains="no module named 'c_attn'")
+    assert "q_proj" in err["message"] and "all-linear" in err["message"]
+    ok = create_job(client, auth, job_body(f["id"], hp={"lora": {"target_modules": ["q_proj", "embed_tokens"]}}))
+    assert ok["status"] == "queued"
