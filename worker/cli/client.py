@@ -87,18 +87,29 @@ def files_list(base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
 
 # Jobs ----------------------------------------------------------------------------------------------
 def _spec(path: Path | None) -> dict[str, Any]:
+    """The job a spec file holds (JSON, or YAML by its suffix); a file that cannot be read or parsed
+    is one line naming it and why, exit 2."""
     if path is None:
         return {}
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        fail(f"{path}: cannot read it ({exc.strerror})", code=2)
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        loaded = yaml.safe_load(text)
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            fail(f"{path}: not valid YAML ({' '.join(str(exc).split())})", code=2)
     else:
-        loaded = json.loads(text)
+        try:
+            loaded = json.loads(text)
+        except ValueError as exc:
+            fail(f"{path}: not valid JSON ({exc})", code=2)
     if not isinstance(loaded, dict):
-        fail(f"{path} must hold one job object")
-    return loaded
+        fail(f"{path} must hold one job object", code=2)
+    return dict(loaded)
 
 
 def _file_id(api: Api, value: str, base: Path) -> str:
@@ -130,8 +141,8 @@ def jobs_create(
       rloo jobs create examples/demo/job.json --training-file examples/demo/train.jsonl --watch
       rloo jobs create --model tiny-policy --training-file file-abc    # supervised, OpenAI's default
     """
+    body = _spec(spec)  # before anything is asked of the server
     api = Api(base_url, api_key)
-    body = _spec(spec)
     given = {"model": model, "training_file": training_file, "validation_file": validation_file}
     body.update({k: v for k, v in {**given, "suffix": suffix, "seed": seed}.items() if v is not None})
     base = spec.parent if spec is not None else Path(".")
@@ -296,6 +307,8 @@ def graders_run(
     """
     try:
         body = {"grader": json.loads(grader.read_text()), "model_sample": sample, "item": json.loads(item)}
+    except OSError as exc:
+        fail(f"{grader}: cannot read it ({exc.strerror})", code=2)
     except ValueError as exc:
-        fail(f"the grader file and --item must be JSON: {exc}")
+        fail(f"the grader file and --item must be JSON: {exc}", code=2)
     _show(Api(base_url, api_key).call("POST", "/fine_tuning/alpha/graders/run", json=body))

@@ -95,6 +95,7 @@ def _error_line(r: httpx.Response) -> str:
         return f"{r.status_code}: {r.text[:300]}"
 
 
-def fail(message: str) -> Any:
+def fail(message: str, *, code: int = 1) -> Any:
+    """One line on stderr, then exit ``code`` (2: the command's own input is wrong)."""
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
