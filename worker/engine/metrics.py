@@ -114,17 +114,6 @@ def grader_metrics(graded: GradeResult) -> dict[str, float | int]:
     return metrics
 
 
-OPENAI_CHECKPOINT_KEYS = (
-    "train_loss",
-    "train_mean_token_accuracy",
-    "valid_loss",
-    "valid_mean_token_accuracy",
-    "full_valid_loss",
-    "full_valid_mean_token_accuracy",
-    "valid_reward_margin",
-    "valid_reward_accuracy",
-)
-"""OpenAI's checkpoint metrics: each checkpoint carries all of them, null where its method has none."""
 OUR_CHECKPOINT_KEYS = ("train_reward_mean", "kl", "loss", "entropy", "reward_margin", "reward_accuracy")
 VALID_KEYS = (
     "valid_reward_mean",
@@ -132,16 +121,20 @@ VALID_KEYS = (
     "valid_mean_token_accuracy",
     "full_valid_loss",
     "full_valid_mean_token_accuracy",
+    "valid_reward_margin",
+    "valid_reward_accuracy",
 )
 
 
 def checkpoint_metrics(metrics: dict[str, Any], counters: RunCounters) -> dict[str, Any]:
     """What a checkpoint carries (the job's ``checkpoints`` list shows it): OpenAI's keys, then ours
-    that the step has; validation figures are the newest pass's. RLOO's ``train_loss`` is its loss."""
-    out: dict[str, Any] = dict.fromkeys(OPENAI_CHECKPOINT_KEYS)
-    out["step"] = metrics["step"]
-    out["train_loss"] = metrics.get("train_loss", metrics.get("loss"))
-    out["train_mean_token_accuracy"] = metrics.get("train_mean_token_accuracy")
+    that the step has; validation figures are the newest pass's. RLOO's ``train_loss`` is its loss.
+    A key the method has no value for is left out (OpenAI's schema types each one as a number)."""
+    out: dict[str, Any] = {
+        "step": metrics["step"],
+        "train_loss": metrics.get("train_loss", metrics.get("loss")),
+        "train_mean_token_accuracy": metrics.get("train_mean_token_accuracy"),
+    }
     out.update({key: metrics[key] for key in OUR_CHECKPOINT_KEYS if key in metrics})
-    out.update({key: getattr(counters, key) for key in VALID_KEYS if getattr(counters, key) is not None})
-    return out
+    out.update({key: getattr(counters, key) for key in VALID_KEYS})
+    return {key: value for key, value in out.items() if value is not None}

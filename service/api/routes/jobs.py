@@ -334,7 +334,8 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
         "fine_tuned_model_checkpoint": c.fine_tuned_model_checkpoint,
         "fine_tuning_job_id": job.id,
         "step_number": c.step_number,
-        "metrics": {"step": c.step_number, **c.metrics},
+        # Left out where the method has no value (a checkpoint of an earlier release stored nulls).
+        "metrics": {"step": c.step_number, **{k: v for k, v in c.metrics.items() if v is not None}},
     }
 
 

@@ -159,7 +159,8 @@ def test_the_loss_falls_on_the_example_task(tmp_path: Path, models_dir: Path, me
     if method == "supervised":
         assert 0 <= final["train_mean_token_accuracy"] <= 1 and final["full_valid_loss"] is not None
     else:
-        assert final["train_mean_token_accuracy"] is None and final["reward_accuracy"] is not None
+        assert "train_mean_token_accuracy" not in final and final["reward_accuracy"] is not None
+        assert final["valid_reward_margin"] is not None and None not in final.values()
 
 
 @pytest.mark.parametrize(
