@@ -42,3 +42,19 @@ def test_a_grader_file_that_cannot_be_read_is_one_line_and_exit_2(tmp_path: Path
         env={"RLOO_API_KEY": "sk-test"},
     )
     assert result.exit_code == 2 and "cannot read it" in result.output, result.output
+
+
+@pytest.mark.parametrize(("command", "suggests"), [("up", "rloo up --port"), ("demo", "make demo PORT=")])
+def test_a_port_in_use_is_found_before_anything_starts(tmp_path: Path, command: str, suggests: str) -> None:
+    """A second `rloo up` or `make demo` on a taken port (by another stack, or another program) says
+    so and which port to take instead, and exits 1, before it builds, migrates or starts anything."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, [command, "--port", str(port)], env={"RLOO_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 1, result.output
+    assert f"port {port} on 127.0.0.1 is in use" in result.output and suggests in result.output, result.output
+    assert "is up" not in result.output and not (tmp_path / "home").exists()  # nothing started

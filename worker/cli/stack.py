@@ -196,6 +196,7 @@ def up(
     Example:
       rloo up --port 8000
     """
+    port_free_or_exit(host, port, "rloo up --port {free}")
     stack = Stack(host, port)
     try:
         key = stack.start()
@@ -208,6 +209,31 @@ def up(
         typer.echo("\nstopping…")
     finally:
         stack.stop()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on ``host:port`` already (a bind with SO_REUSEADDR, as uvicorn's, fails)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def port_free_or_exit(host: str, port: int, how: str) -> None:
+    """Before anything starts: a port another program (or another stack) holds is one line saying
+    so and a free one to take instead (``how`` with ``{free}`` in it), and exit 1."""
+    if not port_in_use(host, port):
+        return
+    free = next((p for p in range(port + 1, min(port + 100, 65536)) if not port_in_use(host, p)), None)
+    hint = f": {how.format(free=free)}" if free is not None else ""
+    typer.echo(f"error: port {port} on {host} is in use (another rloo-service, or another program){hint}", err=True)
+    raise typer.Exit(1)
 
 
 def up_banner(url: str, key: str, settings: Any) -> str:

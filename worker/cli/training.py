@@ -146,5 +146,7 @@ def demo(
       rloo demo --set max_steps=10
     """
     from worker.cli.demo import run_demo
+    from worker.cli.stack import port_free_or_exit
 
+    port_free_or_exit("127.0.0.1", port, "make demo PORT={free} (rloo demo --port {free})")
     raise typer.Exit(run_demo(port=port, overrides=parse_set(set_ or [])))
