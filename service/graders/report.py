@@ -44,7 +44,7 @@ def run_answer(
     (first error by path)."""
     errors: dict[str, Any] = {**dict.fromkeys(FLAGS, False), **dict.fromkeys(DETAILS)}
     by_path = dict(_paths(grader))
-    messages: Mapping[str, str] = scores["messages"]
+    messages: dict[str, str] = dict(scores["messages"])
     for path in scores["errors"]:
         leaf = by_path.get(path)
         if leaf is None or leaf.children():
@@ -52,11 +52,12 @@ def run_answer(
         elif isinstance(leaf, PythonGrader):
             errors["python_grader_runtime_error"] = True
             errors["python_grader_runtime_error_details"] = messages.get(path)
-        elif not _renders(leaf, sample, item):
+        elif (unrendered := _render_error(leaf, sample, item)) is not None:
             reads_json = any("sample.output_json" in t for t in leaf.templates())
             errors["sample_parse_error" if reads_json and sample.output_json is None else "invalid_variable_error"] = (
                 True
             )
+            messages.setdefault(path, unrendered)  # which variable, so the flag says what to change
         elif isinstance(leaf, ScoreModelGrader):  # its messages rendered: its answer held no number
             errors["model_grader_parse_error"] = True
         else:
@@ -81,13 +82,14 @@ def run_answer(
     }
 
 
-def _renders(leaf: Grader, sample: Sample, item: Mapping[str, Any]) -> bool:
+def _render_error(leaf: Grader, sample: Sample, item: Mapping[str, Any]) -> str | None:
+    """Why the leaf's templates do not render for this sample (the variable missing), or None."""
     try:
         for template in leaf.templates():
             render(template, sample=sample, item=item)
-    except TemplateKeyError:
-        return False
-    return True
+    except TemplateKeyError as exc:
+        return exc.message
+    return None
 
 
 def _paths(grader: Grader, prefix: str = "") -> list[tuple[str, Grader]]:

@@ -85,10 +85,12 @@ def test_a_job_starts_from_the_full_model_then_each_adapter_after_it(tmp_path: P
     a_cfg = method_config(tmp_path / "a", models_dir, "supervised", n_epochs=1, batch_size=8)
     train(a_cfg, ListRecorder())
     a = _final_checkpoint(a_cfg.output_dir)
-    b_cfg = method_config(
-        tmp_path / "b", models_dir, "supervised", cfg={"init_from": (a,)}, n_epochs=1, batch_size=8, lora=LORA
-    )
-    train(b_cfg, ListRecorder())
+    started = {"init_from": (a,), "started_from": "ft:tiny-policy:p::ftjob-a"}
+    b_cfg = method_config(tmp_path / "b", models_dir, "supervised", cfg=started, n_epochs=1, batch_size=8, lora=LORA)
+    b_rec = ListRecorder()
+    train(b_cfg, b_rec)
+    ready = [e for e in b_rec.events if " ready on " in e]
+    assert len(ready) == 1 and ready[0].startswith("Model 'ft:tiny-policy:p::ftjob-a' (base 'tiny-policy') ready")
     b = _final_checkpoint(b_cfg.output_dir)
     assert (b / "adapter_config.json").is_file() and (a / "config.json").is_file()
 

@@ -70,6 +70,9 @@ class TrainConfig:
     gpus: int = 1
     """Ranks the run takes (``resources.gpus``): one process a device, or on a CPU host N gloo
     processes, started by ``worker.engine.distributed.launch``."""
+    started_from: str | None = None
+    """What the job named to start from, when it is not ``model`` itself (a fine-tuned model's or
+    checkpoint's id, whose base is ``model``): the run's events name it."""
     init_from: tuple[Path, ...] = ()
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
     weights, applied in order (``service.registry.finetuned.Source.chain``): a full model's weights loaded,

@@ -91,8 +91,9 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         ranks=ranks,
     )
     n_params = sum(p.numel() for p in model.parameters())
+    named = f"'{cfg.started_from}' (base '{cfg.model}')" if cfg.started_from else f"'{cfg.model}'"
     recorder.event(
-        f"Model '{cfg.model}' ready on {device.type} in {time.perf_counter() - t_setup:.1f} s: "
+        f"Model {named} ready on {device.type} in {time.perf_counter() - t_setup:.1f} s: "
         f"{n_params / 1e6:.1f}M parameters, {sum(p.numel() for p in params) / 1e6:.2f}M trained"
     )
     if resumed is not None:

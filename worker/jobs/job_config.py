@@ -51,6 +51,7 @@ def train_config(job: Job, settings: Any) -> TrainConfig:
         operator=OperatorOptions.from_settings(settings),
         method=method_family(job.method["type"]),
         init_from=init_from,
+        started_from=job.model if init_from else None,
         integrations=list(job.integrations or []),
         gpus=int((job.resources or {}).get("gpus") or 1),
     )

@@ -832,6 +832,7 @@ def test_unscored_samples_are_0_with_the_flag_that_says_why() -> None:
     missing = _dry_run(string_check("c", "eq"), "Paris", {})
     assert missing["reward"] == 0.0 and _flags(missing) == {"invalid_variable_error"}
     assert missing["metadata"]["error_counts"] == {"c": 1}
+    assert "item.answer" in missing["metadata"]["error_messages"]["c"]  # the flag says which variable
     not_json = _dry_run(string_check("c", "eq", inp="{{ sample.output_json.city }}"), "Paris", {"answer": "Paris"})
     assert _flags(not_json) == {"sample_parse_error"}
     divided = _dry_run(
