@@ -58,3 +58,21 @@ def test_a_port_in_use_is_found_before_anything_starts(tmp_path: Path, command: 
     assert result.exit_code == 1, result.output
     assert f"port {port} on 127.0.0.1 is in use" in result.output and suggests in result.output, result.output
     assert "is up" not in result.output and not (tmp_path / "home").exists()  # nothing started
+
+
+def test_a_key_asked_of_a_database_with_no_schema_says_to_upgrade_it(tmp_path: Path) -> None:
+    """`rloo keys create` before the first `rloo up` or `rloo db upgrade`: one line, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"} | {"RLOO_HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "keys", "create", "--project", "p"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "has no schema yet: run `rloo db upgrade`" in out.stderr and out.stdout == ""

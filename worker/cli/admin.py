@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
 
 import typer
 
@@ -26,6 +28,28 @@ def db_upgrade(
     typer.echo(f"database at revision {revision}: {redact(get_settings().database_url)}")
 
 
+@contextmanager
+def _keys_session() -> Iterator[Any]:
+    """A session for the key commands; a database with no schema yet (before the first `rloo up` or
+    `rloo db upgrade`) is one line saying what to run, exit 1, not the driver's traceback."""
+    from sqlalchemy.exc import OperationalError, ProgrammingError
+
+    from service.core.db import session_scope
+
+    try:
+        with session_scope() as session:
+            yield session
+    except (OperationalError, ProgrammingError) as exc:
+        text = str(exc.orig).lower()
+        if "no such table" not in text and "does not exist" not in text:
+            raise
+        where = redact(get_settings().database_url)
+        typer.echo(
+            f"error: the database at {where} has no schema yet: run `rloo db upgrade` (rloo up does it)", err=True
+        )
+        raise typer.Exit(1) from None
+
+
 @keys_app.command("create")
 def keys_create(
     project: Annotated[str, typer.Option(metavar="NAME", help="Project name; created if new.")],
@@ -44,9 +68,8 @@ def keys_create(
       rloo keys create --project ops --operator
     """
     from service.core import crud
-    from service.core.db import session_scope
 
-    with session_scope() as session:
+    with _keys_session() as session:
         proj = crud.get_or_create_project(session=session, name=project)
         row, secret = crud.create_api_key(session=session, project=proj, name=name, operator=operator)
         session.commit()
@@ -64,9 +87,8 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
       rloo keys revoke key-3f9a…
     """
     from service.core import crud
-    from service.core.db import session_scope
 
-    with session_scope() as session:
+    with _keys_session() as session:
         n = crud.revoke_api_key(session=session, key_id_or_prefix=key)
         session.commit()
     if not n:
@@ -80,9 +102,8 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
 def keys_list() -> None:
     """List keys (ids and prefixes; secrets are never stored)."""
     from service.core import crud
-    from service.core.db import session_scope
 
-    with session_scope() as session:
+    with _keys_session() as session:
         for row in crud.list_api_keys(session=session):
             state = "revoked" if row.revoked_at else "active"
             typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{state}" + ("\toperator" if row.operator else ""))
