@@ -60,17 +60,21 @@ def create_job(
     base_model = base_model_of(session, project, settings, body)
     check_memory(settings, base_model, hp, body)
     training, validation = _checked_files(session, project, body, grader)
+    hp_param = f"method.{body.method_.type}.hyperparameters"
     total_steps = hp.total_steps(training.line_count)
-    spec.check_kept_checkpoints(
-        hp, total_steps, cap=settings.max_kept_checkpoints, param=f"method.{body.method_.type}.hyperparameters"
-    )
+    spec.check_kept_checkpoints(hp, total_steps, cap=settings.max_kept_checkpoints, param=hp_param)
     job = _job_row(project, body, grader, hp, base_model, training, validation, total_steps)
     with write_lock(session):
         check_room(session, project, settings.max_queued_jobs)
         _lock_files(session, project, training, validation)
         session.add(job)
         session.flush()
-        _first_events(session, job, training, [*spec.model_notes(settings, base_model), *spec.notes(hp)])
+        notes = [
+            *spec.model_notes(settings, base_model),
+            *spec.batch_notes(hp, training.line_count, source=f"the training file ({training.id})"),
+            *spec.notes(hp),
+        ]
+        _first_events(session, job, training, notes)
         if key is not None:  # the answer, in the same transaction as the job
             idempotency.remember(
                 session, project_seq=project.seq, route=ROUTE, key=key, digest=digest, response=present(job)

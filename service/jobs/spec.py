@@ -374,6 +374,17 @@ FORMAT_NEEDS = {
 }
 
 
+def batch_notes(hp: AnyResolved, lines: int, *, source: str) -> list[str]:
+    """A ``batch_size`` over the training file's lines is accepted, as OpenAI's API accepts it, and
+    said: each step then takes lines again within its batch."""
+    if hp.batch_size <= lines:
+        return []
+    return [
+        f"batch_size {hp.batch_size} is more than the {lines} line(s) of {source}: each step takes some "
+        f"lines more than once. Lower batch_size to {lines} or less, or add lines, for a batch of distinct lines."
+    ]
+
+
 def check_format(method: str, keys_summary: Mapping[str, Any], *, source: str, param: str) -> None:
     """Refuse a file with a line the method cannot train on (``source`` names the file)."""
     found = first_line_not(dict(keys_summary), method)

@@ -195,6 +195,13 @@ def test_total_steps(client, auth) -> None:
         body["method"]["reinforcement"]["hyperparameters"] = hp
         job = create_job(client, auth, body)
         assert job["progress"] == {"step": 0, "total_steps": expected}, (hp, job["progress"])
+        # A batch over the file's lines is accepted (as at OpenAI) and said: its steps repeat lines.
+        events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=auth).json()["data"]
+        said = [e["message"] for e in events if "more than the" in e["message"]]
+        over = (
+            isinstance(hp["batch_size"], int) and hp["batch_size"] > lines or hp["batch_size"] == "auto" and lines < 8
+        )
+        assert len(said) == int(over) and (not said or f"{lines} line(s)" in said[0]), (hp, said)
 
     each(TOTAL_STEPS, check)
 
