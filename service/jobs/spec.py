@@ -338,8 +338,10 @@ def check_lora_targets(hp: AnyResolved, model: Path, param: str) -> None:
     except memory_plan.UnknownShape:
         return
     for target in lora.target_modules:
+        if target == "lm_head":  # every causal LM has its output head, stored or tied to the embeddings
+            continue
         if not any(name == target or name.endswith(f".{target}") for name in names):
-            linear = sorted({layer.rsplit(".", 1)[-1] for layer in memory_plan.linear_names(model)})
+            linear = sorted({n.rsplit(".", 1)[-1] for n in names if "embed" not in n and "norm" not in n})
             raise bad_request(
                 f"The model has no module named '{target}' for LoRA to adapt. Its linear layers are named: "
                 f"{', '.join(linear)} (or give 'all-linear').",
