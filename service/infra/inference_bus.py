@@ -159,6 +159,10 @@ class WorkerLost(Exception):
     pass
 
 
+class Unreachable(Exception):
+    """Redis, which carries the bus, did not answer (``ask``'s callers need no Redis of their own)."""
+
+
 class TimedOut(Exception):
     pass
 
@@ -268,7 +272,8 @@ async def replies(
 def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -> dict[str, Any]:
     """A request that is no completion (a remote reward model's batch), from sync code: queued on
     ``queue`` (the inference workers' own by default) in its ``project``'s lane (none: the system's),
-    then its one last message waited for. Raises ``NoWorker``, ``WorkerLost`` or ``TimedOut``."""
+    then its one last message waited for. Raises ``NoWorker``, ``WorkerLost``, ``TimedOut`` or
+    ``Unreachable``."""
     import redis
 
     from service.core.settings import get_settings
@@ -292,6 +297,8 @@ def ask(envelope: dict[str, Any], *, timeout: float, queue: str | None = None) -
                 raise WorkerLost()  # its worker is gone, or (queued) every worker is
         conn.set(f"{ns}:cancel:{envelope['id']}", 1, ex=600)  # no worker takes it now
         raise TimedOut()
+    except redis.RedisError as exc:
+        raise Unreachable(f"{type(exc).__name__}: {exc}") from exc
     finally:
         conn.close()
 

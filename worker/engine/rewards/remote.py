@@ -39,8 +39,6 @@ def score_remotely(
     sampled: SampledTokens | None,
 ) -> list[float]:
     """The scores of ``samples`` from the inference workers; raises ``GraderUnavailable``."""
-    import redis
-
     settings = get_settings()
     queue = settings.reward_model_queue or inference_bus.serve_queue()
     body = request_body(leaf, samples, items, prompts, sampled)
@@ -57,9 +55,9 @@ def score_remotely(
             ) from None
         except inference_bus.WorkerLost:
             continue
-        except redis.RedisError as exc:
+        except inference_bus.Unreachable as exc:
             raise graders.GraderUnavailable(
-                f"{where}: Redis, which carries its batches, did not answer ({type(exc).__name__}: {exc}); "
+                f"{where}: Redis, which carries its batches, did not answer ({exc}); "
                 "check REDIS_URL on the training worker"
             ) from None
         except inference_bus.TimedOut:
