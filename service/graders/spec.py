@@ -437,15 +437,18 @@ def referenced_item_keys(grader: Grader) -> set[str]:
     return {key for leaf in leaves(grader) for template in leaf.templates() for key in template_item_keys(template)}
 
 
-def first_missing_item_key(grader: Grader, keys_summary: Mapping[str, Any]) -> tuple[str, int] | None:
-    """The first ``item.`` key the grader uses that some dataset line lacks, with that line's number.
+def first_missing_item_key(
+    grader: Grader, keys_summary: Mapping[str, Any], *, within: int | None = None
+) -> tuple[str, int] | None:
+    """The first ``item.`` key the grader uses that some dataset line lacks, with that line's number
+    (only lines up to ``within``, where only those are read).
 
     ``keys_summary`` is an upload's summary: ``{"keys": {key: count}, "first_missing": {key: line}}``.
     """
     keys, first_missing = keys_summary.get("keys", {}), keys_summary.get("first_missing", {})
     for key in sorted(referenced_item_keys(grader)):
         line = 1 if key not in keys else first_missing.get(key)
-        if line is not None:
+        if line is not None and (within is None or int(line) <= within):
             return key, int(line)
     return None
 

@@ -64,16 +64,16 @@ def create_job(
     total_steps = hp.total_steps(training.line_count)
     spec.check_kept_checkpoints(hp, total_steps, cap=settings.max_kept_checkpoints, param=hp_param)
     job = _job_row(project, body, grader, hp, base_model, training, validation, total_steps)
+    notes = [
+        *spec.model_notes(settings, base_model),
+        *spec.batch_notes(hp, training.line_count, source=f"the training file ({training.id})"),
+        *spec.notes(hp),
+    ]
     with write_lock(session):
         check_room(session, project, settings.max_queued_jobs)
         _lock_files(session, project, training, validation)
         session.add(job)
         session.flush()
-        notes = [
-            *spec.model_notes(settings, base_model),
-            *spec.batch_notes(hp, training.line_count, source=f"the training file ({training.id})"),
-            *spec.notes(hp),
-        ]
         _first_events(session, job, training, notes)
         if key is not None:  # the answer, in the same transaction as the job
             idempotency.remember(
@@ -202,13 +202,18 @@ def _checked_files(
 
 def base_model_of(session: Session, project: Caller, settings: Settings, body: JobCreate) -> str:
     """The base model directory of a new job: its ``model``, or the base of the fine-tuned model or
-    checkpoint of this project it names (another project's: 404, as at OpenAI)."""
+    checkpoint of this project it names (another project's: 404, as at OpenAI), checked as
+    ``spec.check_spec`` checks a base model named directly (context, LoRA's target modules)."""
     if not model_ids.is_fine_tuned(body.model):
         return body.model
     source = finetuned.find(session=session, project_seq=project.seq, name=body.model)
     if source is None:
         raise model_not_found(body.model)
-    spec.check_context(body, settings.models_dir / source.base_model)
+    base = settings.models_dir / source.base_model
+    spec.check_context(body, base)
+    if base.is_dir():
+        hp = body.method_.config.hyperparameters.resolved()
+        spec.check_lora_targets(hp, base, f"method.{body.method_.type}.hyperparameters")
     return source.base_model
 
 

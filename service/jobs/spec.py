@@ -27,7 +27,7 @@ from service.jobs.hyperparameters import (
     least_rloo_k,
 )
 from service.registry import inspection, model_ids
-from service.registry.model_root import model_context, resolve_model
+from service.registry.model_root import resolve_model
 
 
 class WandbSpec(Strict):
@@ -259,7 +259,7 @@ def check_resources(resources: Resources, hp: AnyResolved, kind: str, settings: 
 def check_context(body: JobCreate, model: Path | str) -> None:
     """Refuse what cannot fit the model's context (``max_position_embeddings`` of its config):
     ``max_new_tokens`` new tokens after at least one prompt token, or examples of ``max_length``."""
-    context = model_context(model)
+    context = inspection.context_length(model)
     if context is None:
         return
     method = body.method_
@@ -399,9 +399,12 @@ def check_format(method: str, keys_summary: Mapping[str, Any], *, source: str, p
         )
 
 
-def check_item_keys(grader: graders.Grader, keys_summary: Mapping[str, Any], *, source: str, param: str) -> None:
-    """Refuse a grader that uses an ``item.`` key some line of the dataset lacks (``source`` names it)."""
-    missing = graders.first_missing_item_key(grader, keys_summary)
+def check_item_keys(
+    grader: graders.Grader, keys_summary: Mapping[str, Any], *, source: str, param: str, within: int | None = None
+) -> None:
+    """Refuse a grader that uses an ``item.`` key some line of the dataset lacks (``source`` names it;
+    ``within``: only its first lines are read)."""
+    missing = graders.first_missing_item_key(grader, keys_summary, within=within)
     if missing is not None:
         key, line = missing
         raise bad_request(

@@ -3,7 +3,6 @@ Hugging Face directory in it; a name that leaves it, or that the file system ref
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from service.core.errors import bad_request
@@ -60,17 +59,3 @@ def list_models(models_dir: Path, *, limit: int = 20) -> list[str]:
     for config in sorted(models_dir.glob("*/config.json")) + sorted(models_dir.glob("*/*/config.json")):
         found.append(str(config.parent.relative_to(models_dir)))
     return found[:limit]
-
-
-def model_context(model: Path | str) -> int | None:
-    """The context length of a model directory (``max_position_embeddings`` of its config), or
-    None when it does not say (a hub id, a config without it)."""
-    if not isinstance(model, Path):
-        return None
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return value if isinstance(value, int) and value > 0 else None

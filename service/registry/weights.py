@@ -6,7 +6,6 @@ checkpoints, ``service.registry.finetuned``). Anything else is OpenAI's 404.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from service.core.settings import Settings
 from service.files.upload_sweep import confined
 from service.infra.artifacts import S3Store, open_store, relative_key
 from service.registry import finetuned, inspection, model_ids
-from service.registry.model_root import model_context
 
 
 def resolve(
@@ -46,20 +44,9 @@ def check_servable(served: dict[str, Any], name: str) -> None:
 
 def context_of(served: dict[str, Any]) -> int | None:
     """The context length of what ``resolve`` answered: its base model's (None where the base is a
-    hub id or its config does not say). Read from the config, kept while the file is unchanged."""
+    hub id or its config does not say), read from its files while they are unchanged."""
     base = Path(served["base"])
-    if not base.is_absolute():  # a hub id
-        return None
-    try:
-        stamp = (base / "config.json").stat().st_mtime_ns
-    except OSError:
-        return None
-    return _context(base, stamp)
-
-
-@functools.lru_cache(maxsize=256)
-def _context(base: Path, stamp: int) -> int | None:
-    return model_context(base)
+    return inspection.context_length(base) if base.is_absolute() else None
 
 
 def chain_of(settings: Settings, chain: tuple[str, ...], name: str) -> list[str]:

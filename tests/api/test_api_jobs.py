@@ -691,3 +691,17 @@ def test_an_unknown_model_says_what_there_is_or_how_to_build_the_examples(client
     resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(file_id))
     err = assert_error(resp, 400, param="model", code="model_not_found", contains="python -m worker.tiny.models")
     assert str(tmp_path) not in err["message"]  # no path of the host
+
+
+def test_checkpoint_metrics_leave_out_what_is_not_a_number() -> None:
+    """OpenAI's schema types each checkpoint metric as a number: a key the method has no value for
+    (null, as an earlier release stored) or a diverged loss's NaN is left out, not answered null."""
+    import math
+
+    from service.api.routes.jobs import checkpoint_object
+    from service.core.tables import Checkpoint, Job
+
+    job = Job(id="ftjob-x")
+    metrics = {"train_loss": 0.5, "valid_loss": None, "full_valid_loss": math.nan, "train_mean_token_accuracy": 1}
+    c = Checkpoint(id="ftckpt-x", step_number=3, fine_tuned_model_checkpoint="m", created_at=0, metrics=metrics)
+    assert checkpoint_object(c, job)["metrics"] == {"step": 3, "train_loss": 0.5, "train_mean_token_accuracy": 1}

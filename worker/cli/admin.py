@@ -40,14 +40,23 @@ def _keys_session() -> Iterator[Any]:
         with session_scope() as session:
             yield session
     except (OperationalError, ProgrammingError) as exc:
-        text = str(exc.orig).lower()
-        if "no such table" not in text and "does not exist" not in text:
+        if not _missing_table(exc.orig):
             raise
         where = redact(get_settings().database_url)
         typer.echo(
             f"error: the database at {where} has no schema yet: run `rloo db upgrade` (rloo up does it)", err=True
         )
         raise typer.Exit(1) from None
+
+
+def _missing_table(error: BaseException | None) -> bool:
+    """The driver's "no such table": SQLite's message, PostgreSQL's undefined_table (42P01); not a
+    missing database or role, which say "does not exist" too."""
+    return (
+        "no such table" in str(error)
+        or getattr(error, "sqlstate", None) == "42P01"
+        or getattr(error, "pgcode", None) == "42P01"
+    )
 
 
 @keys_app.command("create")

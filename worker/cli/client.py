@@ -92,9 +92,11 @@ def _spec(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         fail(f"{path}: cannot read it ({exc.strerror})", code=2)
+    except UnicodeDecodeError as exc:
+        fail(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 JSON or YAML", code=2)
     if path.suffix in (".yaml", ".yml"):
         import yaml
 

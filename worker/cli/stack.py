@@ -213,6 +213,7 @@ def up(
 
 def port_in_use(host: str, port: int) -> bool:
     """Whether something listens on ``host:port`` already (a bind with SO_REUSEADDR, as uvicorn's, fails)."""
+    import errno
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -220,16 +221,22 @@ def port_in_use(host: str, port: int) -> bool:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
-        except OSError:
-            return True
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise  # a host this machine does not have, a port it may not bind: the caller says which
     return False
 
 
 def port_free_or_exit(host: str, port: int, how: str) -> None:
     """Before anything starts: a port another program (or another stack) holds is one line saying
     so and a free one to take instead (``how`` with ``{free}`` in it), and exit 1."""
-    if not port_in_use(host, port):
-        return
+    try:
+        if not port_in_use(host, port):
+            return
+    except OSError as exc:
+        typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror}", err=True)
+        raise typer.Exit(1) from None
     free = next((p for p in range(port + 1, min(port + 100, 65536)) if not port_in_use(host, p)), None)
     hint = f": {how.format(free=free)}" if free is not None else ""
     typer.echo(f"error: port {port} on {host} is in use (another rloo-service, or another program){hint}", err=True)

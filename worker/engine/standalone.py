@@ -6,6 +6,7 @@ paths (relative to the spec file). It is validated exactly as the API validates 
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,10 +66,12 @@ def load_spec(spec_path: Path, overrides: dict[str, Any], seed: int | None = Non
 
 def _validate(
     body: JobCreate, base: Path, out: Path, settings: Any
-) -> tuple[graders.Grader | None, AnyResolved, dict[str, Path]]:
-    """The API's job-creation checks, on the spec's local files; their errors become SpecError."""
+) -> tuple[graders.Grader | None, AnyResolved, dict[str, Path], list[str]]:
+    """The API's job-creation checks, on the spec's local files, and the notes a job's first events
+    would hold (no chat template, a batch over the file); the checks' errors become SpecError."""
     try:
         grader, hp = spec.check_spec(body, settings=settings)
+        notes = [*spec.model_notes(settings, body.model), *spec.notes(hp)]
         files = {}
         for which in ("training_file", "validation_file"):
             name = getattr(body, which)
@@ -87,6 +90,8 @@ def _validate(
             except OSError as exc:
                 raise SpecError(f"{which}: cannot read {path}: {exc.strerror}") from None
             spec.check_format(body.method_.family, summary.as_dict(), source=str(path), param=which)
+            if which == "training_file":
+                notes += spec.batch_notes(hp, summary.lines, source=str(path))
             if grader is not None:
                 spec.check_item_keys(
                     grader, summary.as_dict(), source=str(path), param=f"method.{body.method_.type}.grader"
@@ -97,7 +102,7 @@ def _validate(
     except DomainError as exc:  # the API's checks: the field at fault, the API's words
         hint = f" (models root: {settings.models_dir}; set RLOO_MODELS_DIR)" if exc.code == "model_not_found" else ""
         raise SpecError(f"{exc.param}: {exc.message}{hint}") from None
-    return grader, hp, files
+    return grader, hp, files, notes
 
 
 def spec_config(
@@ -123,7 +128,9 @@ def spec_config(
             raise SpecError(f"--resume {resume_from}: not a checkpoint with a training state (a step-N directory)")
         output_dir = output_dir or resume_from.parent  # the run's checkpoints stay together
     out = Path(output_dir or settings.home_dir / "runs" / time.strftime("run-%Y%m%d-%H%M%S"))
-    grader, hp, files = _validate(body, spec_path.resolve().parent, out, settings)
+    grader, hp, files, notes = _validate(body, spec_path.resolve().parent, out, settings)
+    for note in notes:  # stderr: stdout is the steps' JSON lines
+        print(f"note: {note}", file=sys.stderr)
     return TrainConfig(
         model=body.model,
         training_file=files["training_file"],

@@ -124,8 +124,8 @@ async def _complete(
     body: Sampling,
     shape: Shape,
 ) -> Response:
-    served = await run_db(session, lambda: _servable(session, settings, project, body.model))
-    body.check_context(weights.context_of(served))
+    served = await run_db(session, lambda: weights.resolve(session, settings, project_seq=project.seq, name=body.model))
+    body.check_context(await anyio.to_thread.run_sync(_servable_context, served, body.model))
     ns = inference_bus.namespace(inference_bus.serve_queue())
     rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings)
     deadline = time.time() + settings.inference_timeout_seconds
@@ -176,11 +176,11 @@ async def _complete(
             await _let_go(conn, ns, key, rid, tokens, admitted=admitted, cancel=admitted and not answered)
 
 
-def _servable(session: Any, settings: Settings, project: Any, name: str) -> dict[str, Any]:
-    """What ``name`` serves, checked fit to write text (on a thread: it reads the database and files)."""
-    served = weights.resolve(session, settings, project_seq=project.seq, name=name)
+def _servable_context(served: dict[str, Any], name: str) -> int | None:
+    """What ``name`` serves checked fit to write text, and its context length (on a thread: it reads
+    the model's files, on any database)."""
     weights.check_servable(served, name)
-    return served
+    return weights.context_of(served)
 
 
 async def _admit(conn: Any, ns: str, settings: Settings, *, key: str, rid: str, tokens: int, deadline: float) -> None:

@@ -59,7 +59,7 @@ def create_evaluation(
         raise bad_request('Give the evaluation as a JSON body: {"file": "file-…", "checkpoints": "all"}.', "file")
     file = fine_tune_file(session, project, body.file, "file")
     found = first_line_not(dict(file.keys_summary or {}), "reinforcement")
-    if found is not None:
+    if found is not None and found[0] <= body.samples:  # it samples the file's first lines only
         raise bad_request(
             f"Line {found[0]} of file {file.id} is not a prompt: an evaluation samples a completion for each "
             "line's 'prompt' (or 'messages' ending in a user turn), as a reinforcement job's training file "
@@ -76,7 +76,7 @@ def create_evaluation(
     except graders.GraderError as exc:
         raise bad_request(exc.message, exc.param) from None
     check_grader_models(grader, "grader", settings)
-    check_item_keys(grader, file.keys_summary or {}, source=f"file {file.id}", param="grader")
+    check_item_keys(grader, file.keys_summary or {}, source=f"file {file.id}", param="grader", within=body.samples)
     models = [{"model": job.model, "step_number": None}] + _checkpoints(session, job, body.checkpoints)
     for entry in models:  # each one servable now, or a 400 that says which
         try:

@@ -3,6 +3,7 @@ their events, metrics and checkpoints."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Annotated, Any
@@ -334,9 +335,14 @@ def checkpoint_object(c: Checkpoint, job: Job) -> dict[str, Any]:
         "fine_tuned_model_checkpoint": c.fine_tuned_model_checkpoint,
         "fine_tuning_job_id": job.id,
         "step_number": c.step_number,
-        # Left out where the method has no value (a checkpoint of an earlier release stored nulls).
-        "metrics": {"step": c.step_number, **{k: v for k, v in c.metrics.items() if v is not None}},
+        # Left out where the method has no value (a checkpoint of an earlier release stored nulls) or
+        # it is not a number JSON holds (a diverged loss's NaN): OpenAI's schema types each as a number.
+        "metrics": {"step": c.step_number, **{k: v for k, v in c.metrics.items() if _finite(v)}},
     }
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
 
 
 @router.get("/{job_id}/checkpoints", summary="List a job's checkpoints, newest first")
