@@ -63,7 +63,7 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             # The job page: the reward curve draws the job's own points, and grows without a reload.
             page.click(f"#jobs a[href='#/jobs/{job_id}']")
             curve = "canvas[data-metric=train_reward_mean]"
-            page.wait_for_function(f"(document.querySelector('{curve}').points || []).length >= 3", timeout=120_000)
+            page.wait_for_function(f"(document.querySelector('{curve}')?.points || []).length >= 3", timeout=120_000)
             drawn = page.evaluate(f"document.querySelector('{curve}').points")
             rows = {
                 m["step"]: m["train_reward_mean"]

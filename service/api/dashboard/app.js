@@ -6,7 +6,32 @@
 "use strict";
 
 const API = "/v1";
-const CURVES = ["train_reward_mean", "kl", "loss", "entropy", "completion_length_mean", "valid_reward_mean"];
+// What each method's job page charts: a chart a metric, with its y axis title; `valid`: measured on
+// the validation file (none without one); `note`: how to read it, from the job's hyperparameters.
+const CHARTS = {
+  reinforcement: { columns: 3, charts: [
+    { metric: "train_reward_mean", y: "reward" },
+    { metric: "kl", y: "KL (nats)" },
+    { metric: "loss", y: "loss", note: hp => onePassLossNote(hp) },
+    { metric: "entropy", y: "entropy (nats/token)" },
+    { metric: "completion_length_mean", y: "length (tokens)" },
+    { metric: "valid_reward_mean", y: "reward", valid: true },
+  ] },
+  supervised: { columns: 2, charts: [
+    { metric: "train_loss", y: "loss (nats/token)" },
+    { metric: "train_mean_token_accuracy", y: "token accuracy" },
+    { metric: "valid_loss", y: "loss (nats/token)", valid: true },
+    { metric: "valid_mean_token_accuracy", y: "token accuracy", valid: true },
+  ] },
+  dpo: { columns: 3, charts: [
+    { metric: "train_loss", y: "loss (-log σ(margin))" },
+    { metric: "reward_margin", y: "reward margin" },
+    { metric: "reward_accuracy", y: "pairs ranked right" },
+    { metric: "valid_loss", y: "loss (-log σ(margin))", valid: true },
+    { metric: "valid_reward_margin", y: "reward margin", valid: true },
+    { metric: "valid_reward_accuracy", y: "pairs ranked right", valid: true },
+  ] },
+};
 const FINAL = new Set(["succeeded", "failed", "cancelled"]);
 const EXAMPLE_GRADER = {
   type: "string_check", name: "exact", input: "{{ sample.output_text }}",
@@ -143,87 +168,150 @@ async function jobsPage(signal) {
 }
 
 async function jobPage(jobId, signal) {
+  let job = await api(`/fine_tuning/jobs/${jobId}`);
+  const reinforcement = job.method.type === "reinforcement"; // only its steps record samples
   const root = el("section");
   main().replaceChildren(root);
   const head = el("div");
-  const charts = el("div", { class: "charts" });
-  const series = Object.fromEntries(CURVES.map(name => [name, []]));
-  const canvases = {};
-  for (const name of CURVES) {
-    canvases[name] = el("canvas", { "data-metric": name });
-    charts.append(el("div", { class: "chart" }, el("h3", { text: name }), canvases[name]));
-  }
+  const charts = jobCharts(job);
   const events = el("div", { class: "events", id: "events" });
   const checkpoints = el("table", { id: "checkpoints" });
   const samples = el("table", { class: "samples", id: "samples" });
-  const evaluation = evaluationPanel(jobId, signal);
-  root.append(head, charts, el("h2", { text: "Events" }), events, el("h2", { text: "Checkpoints" }), checkpoints,
-    el("h2", { text: "Evaluations" }), evaluation.panel, el("h2", { text: "What the reward looks like" }), samples);
+  const evaluation = evaluationPanel(job, signal);
+  root.append(head, charts.node, el("h2", { text: "Events" }), events, el("h2", { text: "Checkpoints" }), checkpoints,
+    el("h2", { text: "Evaluations" }), evaluation.panel,
+    ...(reinforcement ? [el("h2", { text: "What the reward looks like" }), samples] : []));
 
   const refresh = async () => {
-    const job = await api(`/fine_tuning/jobs/${jobId}`);
-    const act = verb => async () => {
-      try { await api(`/fine_tuning/jobs/${jobId}/${verb}`, { method: "POST" }); } catch (e) { alert(e.message); }
-      refresh();
-    };
-    head.replaceChildren(
-      el("h1", { text: job.id }),
-      el("p", {}, el("span", { id: "status", class: `status-${job.status}`, text: job.status }),
-        ` · step ${job.progress.step}/${job.progress.total_steps} · ${job.method.type} · ${job.model}`,
-        job.fine_tuned_model ? ` → ${job.fine_tuned_model}` : ""),
-      job.error ? el("p", { class: "error", text: job.error.message }) : "",
-      el("p", {},
-        el("button", { id: "cancel", onclick: act("cancel"), ...(FINAL.has(job.status) ? { disabled: "" } : {}) }, "Cancel"), " ",
-        el("button", { id: "pause", onclick: act("pause"), ...(job.status !== "running" ? { disabled: "" } : {}) }, "Pause"), " ",
-        el("button", { id: "resume", onclick: act("resume"), ...(job.status !== "paused" ? { disabled: "" } : {}) }, "Resume")));
-    const ckpts = (await api(`/fine_tuning/jobs/${jobId}/checkpoints?limit=100`)).data;
-    checkpoints.replaceChildren(
-      el("tr", {}, ...["step", "model id", "created", ""].map(h => el("th", { text: h }))),
-      ...ckpts.map(c => el("tr", {},
-        el("td", { text: c.step_number }), el("td", { text: c.fine_tuned_model_checkpoint }), el("td", { text: time(c.created_at) }),
-        el("td", {}, el("button", { onclick: () => download(jobId, c) }, "Download")))));
-    // The newest recorded step: samples come every sample_interval steps (and at the last).
-    const since = Math.max(0, job.progress.step - (job.hyperparameters.sample_interval || 1));
-    const recorded = (await api(`/fine_tuning/jobs/${jobId}/samples?after_step=${since}&limit=100`)).data;
-    const latest = recorded[recorded.length - 1];
-    samples.replaceChildren(...(latest ? [
-      el("tr", {}, el("th", { text: `step ${latest.step}: prompt` }), el("th", { text: "completion" }), el("th", { text: "reward" }), el("th", { text: "advantage" })),
-      ...latest.groups.flatMap(g => g.completions.map((c, i) => el("tr", {},
-        el("td", { text: i ? "" : g.prompt }), el("td", { text: c.text }),
-        el("td", { text: c.reward === null ? "n/a" : c.reward.toFixed(3) }), el("td", { text: c.advantage === null ? "" : c.advantage.toFixed(3) })))),
-    ] : [el("tr", {}, el("td", { text: "none recorded yet" }))]));
+    job = await api(`/fine_tuning/jobs/${jobId}`);
+    showJobHead(head, job, refresh);
+    charts.redraw(job);
+    await showCheckpoints(checkpoints, job);
+    if (reinforcement) await showSamples(samples, job);
   };
   const later = debounce(() => refresh().catch(() => {}), 400);
   await refresh();
   evaluation.refresh();
 
-  const redraw = debounce(() => { for (const name of CURVES) plot(canvases[name], series[name]); }, 100);
-  redraw();
-  follow(`/fine_tuning/jobs/${jobId}/metrics?stream=true`, row => {
-    for (const name of CURVES) if (Number.isFinite(row[name])) series[name].push([row.step, row[name]]);
-    redraw();
-  }, signal);
+  follow(`/fine_tuning/jobs/${jobId}/metrics?stream=true`, row => charts.add(row), signal);
   follow(`/fine_tuning/jobs/${jobId}/events?stream=true`, event => {
     events.prepend(el("div", { class: `level-${event.level}`, text: `${time(event.created_at)}  ${event.message}` }));
     later();
   }, signal);
 }
 
+function showJobHead(head, job, refresh) {
+  const act = verb => async () => {
+    try { await api(`/fine_tuning/jobs/${job.id}/${verb}`, { method: "POST" }); } catch (e) { alert(e.message); }
+    refresh();
+  };
+  const off = disabled => (disabled ? { disabled: "" } : {});
+  head.replaceChildren(
+    el("h1", { text: job.id }),
+    el("p", {}, el("span", { id: "status", class: `status-${job.status}`, text: job.status }),
+      ` · step ${job.progress.step}/${job.progress.total_steps} · `, el("span", { id: "method", text: job.method.type }),
+      ` · ${job.model}`, job.fine_tuned_model ? ` → ${job.fine_tuned_model}` : ""),
+    job.error ? el("p", { class: "error", text: job.error.message }) : "",
+    el("p", {},
+      el("button", { id: "cancel", onclick: act("cancel"), ...off(FINAL.has(job.status)) }, "Cancel"), " ",
+      el("button", { id: "pause", onclick: act("pause"), ...off(job.status !== "running") }, "Pause"), " ",
+      el("button", { id: "resume", onclick: act("resume"), ...off(job.status !== "paused") }, "Resume")));
+}
+
+async function showCheckpoints(table, job) {
+  const ckpts = (await api(`/fine_tuning/jobs/${job.id}/checkpoints?limit=100`)).data;
+  table.replaceChildren(
+    el("tr", {}, ...["step", "model id", "created", ""].map(h => el("th", { text: h }))),
+    ...ckpts.map(c => el("tr", {},
+      el("td", { text: c.step_number }), el("td", { text: c.fine_tuned_model_checkpoint }), el("td", { text: time(c.created_at) }),
+      el("td", {}, el("button", { onclick: () => download(job.id, c) }, "Download")))));
+}
+
+// The newest recorded step of a reinforcement job: samples come every sample_interval steps (and at the last).
+async function showSamples(table, job) {
+  const since = Math.max(0, job.progress.step - (job.hyperparameters.sample_interval || 1));
+  const recorded = (await api(`/fine_tuning/jobs/${job.id}/samples?after_step=${since}&limit=100`)).data;
+  const latest = recorded[recorded.length - 1];
+  const num = v => (v === null ? "n/a" : v.toFixed(3));
+  table.replaceChildren(...(latest ? [
+    el("tr", {}, el("th", { text: `step ${latest.step}: prompt` }), el("th", { text: "completion" }), el("th", { text: "reward" }), el("th", { text: "advantage" })),
+    ...latest.groups.flatMap(g => g.completions.map((c, i) => el("tr", {},
+      el("td", { text: i ? "" : g.prompt }), el("td", { text: c.text }),
+      el("td", { text: num(c.reward) }), el("td", { text: c.advantage === null ? "" : c.advantage.toFixed(3) })))),
+  ] : [el("tr", {}, el("td", { text: "none recorded yet" }))]));
+}
+
+// The job's charts, its method's (CHARTS): add(row) takes a metrics row as the stream brings it,
+// redraw(job) draws again with the job as it now is (a finished job's empty chart says so).
+function jobCharts(job) {
+  const spec = CHARTS[job.method.type] || CHARTS.reinforcement;
+  const node = el("div", { class: "charts", style: `--columns: ${spec.columns}` });
+  const charts = spec.charts.map(chart => {
+    const canvas = el("canvas", { "data-metric": chart.metric });
+    const note = el("p", { class: "note", text: chartNote(chart, job) });
+    node.append(el("div", { class: "chart" }, el("h3", { text: chart.metric }), canvas, note));
+    return { ...chart, canvas, points: [] };
+  });
+  const draw = () => {
+    for (const c of charts) plot(c.canvas, c.points, { x: "step", y: c.y, name: c.metric, empty: emptyText(c, job) });
+  };
+  const later = debounce(draw, 100);
+  draw();
+  return {
+    node,
+    add(row) {
+      for (const c of charts) if (Number.isFinite(row[c.metric])) c.points.push([row.step, row[c.metric]]);
+      later();
+    },
+    redraw(latest) { job = latest; later(); },
+  };
+}
+
+// What a chart shows with no point to draw: why there can be none, or that there are none yet.
+function emptyText(chart, job) {
+  if (chart.valid && !job.validation_file) return "no validation file: nothing to measure this on";
+  return FINAL.has(job.status) ? "no data: the job recorded none" : "no data yet";
+}
+
+// The line under a chart: why it stays empty, or how to read it.
+function chartNote(chart, job) {
+  if (chart.valid && !job.validation_file) {
+    return `${chart.metric} is measured on the job's validation_file (every eval_interval steps and at the last); this job was created without one.`;
+  }
+  return chart.note ? chart.note(job.hyperparameters || {}) : "";
+}
+
+// A reinforcement job's loss with one pass over each batch (ppo_epochs 1): the importance ratio is
+// exactly 1, and advantages that sum to zero within each group give a loss of about 0 (rounding,
+// ~1e-9), whatever the gradient. Not so with token_mean (longer completions weigh more), plain
+// REINFORCE, the KL as a loss term, or truncated completions masked out of the loss.
+function onePassLossNote(hp) {
+  const zeroSum = ["rloo", "grpo", "reinforce_mean"].includes(hp.advantage_estimator ?? "rloo");
+  const onePass = (hp.ppo_epochs ?? 1) === 1 && (hp.loss_aggregation ?? "sequence_sum") !== "token_mean";
+  if (!zeroSum || !onePass || hp.kl_in_reward === false || hp.mask_truncated_completions) return "";
+  return "ppo_epochs is 1: each batch is used for one pass, where the importance ratio is exactly 1 and the " +
+    "advantages of each group sum to zero, so this loss is about 0 (~1e-9) by construction. Its gradient is " +
+    "not: the reward and KL curves show the learning.";
+}
+
 // The job's newest evaluation (POST /fine_tuning/jobs/{id}/evaluations): a row a model, the starting
-// model first; a file chosen here starts a new one on the server's inference workers.
-function evaluationPanel(jobId, signal) {
+// model first. On a reinforcement job a file chosen here starts a new one with the job's grader, on
+// the server's inference workers; the picker offers the files an evaluation takes (fine-tune files of
+// prompt lines, by the file objects' line_formats). A supervised or DPO job has no grader to score with.
+function evaluationPanel(job, signal) {
   const files = el("select", { id: "eval-file" });
   const table = el("table", { id: "evaluations" });
   const state = el("p", { id: "eval-status" });
-  const start = el("button", { id: "evaluate" }, "Evaluate checkpoints");
-  const panel = el("div", {}, el("p", {}, "File ", files, " ", start), state, table);
+  const start = el("button", { id: "evaluate", disabled: "" }, "Evaluate checkpoints");
+  const graded = job.method.type === "reinforcement";
+  const panel = el("div", {}, graded ? el("p", {}, "File ", files, " ", start) : el("p", { class: "note", id: "eval-note",
+    text: `A ${job.method.type === "dpo" ? "DPO" : job.method.type} job trains without a grader, and an evaluation scores with one: start it through the API ` +
+      `(POST /v1/fine_tuning/jobs/${job.id}/evaluations with a "grader" and a file of prompts).` }), state, table);
   const num = v => (v === null || v === undefined ? "n/a" : v.toFixed(3));
+  let listed = false;
   const refresh = async () => {
-    if (!files.options.length) {
-      const list = (await api("/files?limit=100")).data;
-      files.replaceChildren(...list.map(f => el("option", { value: f.id, text: `${f.filename} (${f.id})` })));
-    }
-    const latest = (await api(`/fine_tuning/jobs/${jobId}/evaluations?limit=1`)).data[0];
+    if (graded && !listed) { listed = true; await listEvaluationFiles(files, start, job); }
+    const latest = (await api(`/fine_tuning/jobs/${job.id}/evaluations?limit=1`)).data[0];
     if (!latest) { state.textContent = "none yet"; table.replaceChildren(); return; }
     state.replaceChildren(el("span", { class: `status-${latest.status}`, text: latest.status }),
       ` · ${latest.id} · ${latest.progress.done}/${latest.progress.total} · ${latest.samples} lines of ${latest.file}`,
@@ -242,13 +330,28 @@ function evaluationPanel(jobId, signal) {
   };
   start.onclick = async () => {
     try {
-      await api(`/fine_tuning/jobs/${jobId}/evaluations`, {
+      await api(`/fine_tuning/jobs/${job.id}/evaluations`, {
         method: "POST", body: { file: files.value, checkpoints: "all", samples: 20 },
       });
     } catch (e) { alert(e.message); return; }
     watch().catch(() => {});
   };
   return { panel, refresh: () => watch().catch(() => {}) };
+}
+
+// The files an evaluation can read: uploaded for fine-tuning, every line a prompt (a file stored
+// before line formats were recorded holds prompts only). The job's validation file first.
+async function listEvaluationFiles(select, start, job) {
+  const prompts = f => f.purpose === "fine-tune" && Object.keys(f.line_formats || {}).every(k => k === "prompt");
+  const usable = (await api("/files?limit=100")).data.filter(prompts);
+  usable.sort((a, b) => (b.id === job.validation_file) - (a.id === job.validation_file));
+  if (!usable.length) {
+    select.replaceChildren(el("option", { value: "", text: "no file of prompts: upload one (a prompt a line)" }));
+    select.disabled = true;
+    return;
+  }
+  select.replaceChildren(...usable.map(f => el("option", { value: f.id, text: `${f.filename} (${f.id}, ${f.line_count} prompts)` })));
+  start.disabled = false;
 }
 
 async function download(jobId, ckpt) {

@@ -42,6 +42,9 @@ def file_object(f: File) -> dict[str, Any]:
         "purpose": f.purpose,
         "status": f.status,
         "line_count": f.line_count,
+        # Ours: how many lines are prompts, chat examples, preference pairs (what the file can train or
+        # evaluate); null for a file stored before formats were recorded (prompts only) and a result file.
+        "line_formats": (f.keys_summary or {}).get("formats"),
     }  # no status_details or expires_at: OpenAI's are optional, and a file here never expires
 
 
