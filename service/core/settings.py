@@ -57,6 +57,13 @@ class Settings(BaseSettings):
     grader_run_seconds: float = Field(
         default=120.0, gt=0, le=900, description="How long a grader's dry run may wait for a worker's answer."
     )
+    torch_threads: str = Field(
+        default="auto",
+        pattern=r"^(auto|[1-9][0-9]{0,3})$",
+        description="Threads torch computes with on the CPU in each worker process: a number, or auto (an "
+        "OMP_NUM_THREADS already set; else the usable cores less one, shared by rloo up's two torch workers): "
+        "worker.engine.cpu_threads.",
+    )
     grader_concurrency: int = Field(
         default=2,
         ge=1,

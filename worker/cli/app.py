@@ -25,3 +25,14 @@ def redact(url: str) -> str:
     from service.core.settings import redact_url
 
     return redact_url(url)
+
+
+def torch_threads(*, say: bool = True) -> None:
+    """Choose this process's torch threads (``RLOO_TORCH_THREADS``) before torch is imported, and,
+    unless told not to, say on stderr what was chosen and why."""
+    from service.core.settings import get_settings
+    from worker.engine.cpu_threads import configure
+
+    choice = configure(get_settings().torch_threads)
+    if say:
+        typer.echo(choice.describe(), err=True)

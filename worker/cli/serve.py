@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from service.core.settings import get_settings
-from worker.cli.app import app
+from worker.cli.app import app, torch_threads
 
 
 @app.command("api")
@@ -84,6 +84,7 @@ def worker(
       rloo worker --metrics-port 9100      # its metrics at :9100/metrics
     """
     _check_kind(accelerator)
+    torch_threads()  # before anything imports torch: the job and inference processes inherit it
     if serve:
         from worker.serving.supervisor import supervise
 

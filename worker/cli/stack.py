@@ -119,7 +119,7 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         settings = get_settings()
-        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1", **torch_threads_of(name)}
         out = open(settings.home_dir / "logs" / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
         try:
             return subprocess.Popen(
@@ -182,6 +182,19 @@ def _terminate(children: list[subprocess.Popen[bytes]], grace: float = 20) -> No
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+
+
+def torch_threads_of(part: str) -> dict[str, str]:
+    """The torch threads of one of the stack's parts, where the user chose none (``RLOO_TORCH_THREADS``
+    or ``OMP_NUM_THREADS``): the training and the inference worker share the usable cores less one
+    (an evaluation runs on the one while a job trains on the other), a graders worker's dry runs take
+    one each; the API imports no torch."""
+    from worker.engine.cpu_threads import choose
+
+    if get_settings().torch_threads != "auto" or "OMP_NUM_THREADS" in os.environ or part == "api":
+        return {}
+    threads = 1 if part == "grader-worker" else choose("auto", processes=2).threads
+    return {"RLOO_TORCH_THREADS": str(threads)}
 
 
 @app.command("up")
@@ -255,6 +268,8 @@ def up_banner(url: str, key: str, settings: Any) -> str:
             f"  broker:    {redact(settings.redis_url)}",
             f"  models:    {settings.models_dir}",
             f"  python graders: {sandbox_status(settings)}",
+            f"  torch threads: {torch_threads_of('worker').get('RLOO_TORCH_THREADS', 'as set')} a worker "
+            "(RLOO_TORCH_THREADS; README: on a busy machine)",
             f"  API key of project '{LOCAL_PROJECT}' (also in {settings.home_dir / 'api_key'}):",
             f"    export RLOO_BASE_URL={url}/v1 RLOO_API_KEY={key}",
             "Ctrl-C stops everything.",

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from worker.cli.app import app
+from worker.cli.app import app, torch_threads
 
 
 def parse_set(pairs: list[str]) -> dict[str, Any]:
@@ -61,6 +61,7 @@ def train_cmd(
       rloo train examples/demo/job.json --set max_steps=20
       rloo train job.json --output-dir runs/a --resume runs/a/step-10
     """
+    torch_threads()
     from worker.engine.standalone import SpecError, run_spec
 
     try:
@@ -109,6 +110,7 @@ def score_cmd(
       rloo score examples/addition/job.json
       rloo score examples/addition/job.json --checkpoint runs/a/step-600
     """
+    torch_threads()
     from worker.engine.recorders import json_safe
     from worker.engine.standalone import SpecError, evaluate_spec
 

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.engine.cpu_threads import share as rank_threads
 from worker.engine.errors import JobError
 from worker.engine.processes import die_with_parent
 
@@ -67,7 +68,8 @@ def run_ranks(
             "RLOO_RANKS_BACKEND": "gloo" if cfg.device == "cpu" else "",
             "RLOO_COLLECTIVE_TIMEOUT_SECONDS": str(timeout_seconds),
         }
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.gpus)))
+        # The ranks share this process's CPU threads (worker.engine.cpu_threads): none oversubscribed.
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(rank_threads(cfg.gpus))
         # Its own process group, which stopping this worker stops; and, should this process die
         # without a word (the out-of-memory killer), the kernel stops the launcher, which stops
         # every rank: no ranks are left training a job that runs again elsewhere.
