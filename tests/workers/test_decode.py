@@ -93,3 +93,19 @@ def test_text_that_may_become_a_stop_string_or_a_character_is_held_back(
     text: str, stop: tuple[str, ...], sendable: int
 ) -> None:
     assert _safe_end(text, stop) == sendable
+
+
+def test_a_row_ends_at_a_special_token_the_text_would_not_show(policy: tuple[Any, Any]) -> None:
+    """The untrained tiny policy, asked in its chat format at temperature 0, writes its turn marker
+    ``<|assistant|>`` again and again: the completion ends at the first, ``finish_reason: stop``,
+    instead of spending its budget on tokens the text leaves out and answering '' for ``length``."""
+    model, tok = policy
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name the color of the apple."}], tokenize=False)
+    prompt += "<|assistant|>"
+    ids = _ids(tok, prompt)
+    (first,) = _alone(model, tok, prompt, 1)
+    assert first in tok.all_special_ids and first != tok.eos_token_id  # the case this test is about
+    row = Row(request="r", index=0, prompt_ids=ids, max_tokens=8, temperature=0)
+    (deltas,) = list(Batch(model, tok, [row], context=256).run())
+    assert row.finish_reason == "stop" and row.text == "" and row.sampled == 1 and row.tokens == []
+    assert deltas[0].finish_reason == "stop"

@@ -1,6 +1,11 @@
 """Batched decoding for the inference workers: one forward a token for every row of a batch, each row
 with its own sampling settings, seed, token budget and stop strings, its text streamed as it grows.
 
+A row ends at the model's end-of-sequence token or at any other special token of its tokenizer (one
+that opens a turn, pads or begins a text: ``end_ids``). The text never shows such a token, so a
+model that writes one has left its turn: going on would only spend the budget on text written
+after it, or, where every token is one, answer ``''`` with ``finish_reason: length``.
+
 A batch (``Batch``) is formed once from the requests waiting for one base model and decodes until
 its last row ends; rows that end (EOS, their budget, a stop string, a cancelled request) leave the
 batch at once: their rows of the KV cache are dropped, so a long completion does not make the
@@ -68,7 +73,7 @@ class Batch:
 
     def __init__(self, model: Any, tokenizer: Any, rows: list[Row], *, context: int | None) -> None:
         self.model, self.tokenizer, self.rows = model, tokenizer, rows
-        self.eos = set(_eos_ids(model, tokenizer))
+        self.eos = end_ids(_eos_ids(model, tokenizer), tokenizer)
         self.context = context
         self.device = next(model.parameters()).device
         self.adapters = hasattr(model, "peft_config")
@@ -181,6 +186,14 @@ class Batch:
 
     def _decode(self, row: Row) -> str:
         return str(self.tokenizer.decode(row.tokens, skip_special_tokens=True))
+
+
+def end_ids(eos: list[int], tokenizer: Any) -> set[int]:
+    """The tokens a served completion ends at (``finish_reason: stop``): the model's end-of-sequence
+    ids and its tokenizer's special tokens (``all_special_ids``: BOS, padding, a chat template's
+    turn markers such as ``<|im_start|>``), which ``skip_special_tokens`` leaves out of the text.
+    (A training rollout ends at end-of-sequence only, as ``generate`` and TRL do.)"""
+    return set(eos) | {int(i) for i in getattr(tokenizer, "all_special_ids", ()) if i is not None}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.engine.errors import JobError
-from worker.serving.decode import Delta, Row
+from worker.serving.decode import Delta, Row, end_ids
 from worker.serving.model_cache import Loaded, Servable
 
 MAX_LORA_RANK = 64
@@ -97,7 +97,7 @@ class VLLMModels:
         except Exception as exc:
             raise JobError("model_load_failed", f"vLLM could not load the model: {exc}") from None
         self.loads += 1
-        self.eos = _eos_ids(path, tokenizer)
+        self.eos = sorted(end_ids(_eos_ids(path, tokenizer), tokenizer))
         from transformers import AutoConfig
 
         length = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
@@ -145,7 +145,7 @@ class VLLMModels:
             out = output.outputs[0]
             row.tokens = list(out.token_ids)
             # vLLM leaves a stopping EOS out of token_ids (its stop_reason: None, or the token id of a
-            # stop_token_ids entry); it was drawn, so the usage counts it. A stop string is no token.
+            # stop_token_ids entry: an end token of end_ids); it was drawn, so the usage counts it. A stop string is no token.
             ended_on_eos = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
             row.sampled = len(row.tokens) + int(ended_on_eos)
             row.text, row.finish_reason = out.text, "stop" if out.finish_reason == "stop" else "length"
@@ -154,7 +154,7 @@ class VLLMModels:
 
 
 def _eos_ids(path: Path, tokenizer: Any) -> list[int]:
-    """The end-of-sequence ids vLLM stops at: the generation config's and the tokenizer's."""
+    """The end-of-sequence ids: the generation config's and the tokenizer's."""
     from transformers import GenerationConfig
 
     ids = {tokenizer.eos_token_id} - {None}
