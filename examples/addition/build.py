@@ -34,6 +34,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,18 +78,23 @@ def build_base(models: Path, *, force: bool) -> Path:
 
 
 class Progress(QuietRecorder):
-    """A recorder that shows a run as a progress bar (rich), with its headline metric."""
+    """A recorder that shows a run as a progress bar (rich) with its headline metric; where the output
+    is not a terminal (a log, a pipe, CI), a plain line every twentieth of the run and at each
+    validation instead, so that a long run is never silent."""
 
     def __init__(self, title: str, key: str) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.key = key
+        self.title, self.key = title, key
+        self.plain = not sys.stdout.isatty()
+        self.started = time.monotonic()
         self.bar = Progress(
             TextColumn(f"{title:<12}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[shown]}"),
             TimeRemainingColumn(),
+            disable=self.plain,
         )
         self.task = self.bar.add_task(title, total=None, shown="")  # the first step tells the total
         self.steps: list[dict[str, Any]] = []
@@ -109,7 +115,10 @@ class Progress(QuietRecorder):
         value = metrics.get(self.key)
         valid = metrics.get("valid_reward_mean")
         shown = f"{self.key} {value:.3f}" + (f"  held-out accuracy {valid:.1%}" if valid is not None else "")
-        self.bar.update(self.task, completed=step, total=metrics["total_steps"], shown=shown)
+        total = metrics["total_steps"]
+        self.bar.update(self.task, completed=step, total=total, shown=shown)
+        if self.plain and (step % max(1, total // 20) == 0 or step == total or valid is not None):
+            print(f"{self.title} step {step}/{total}  {shown}  ({time.monotonic() - self.started:.0f} s)", flush=True)
 
 
 def run(

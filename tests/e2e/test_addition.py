@@ -57,6 +57,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert out.returncode == 0, out.stderr
     assert "addition-sft: held-out accuracy" in out.stdout and "rloo train examples/addition/job.json" in out.stdout
+    # Not a terminal: plain progress lines, not a bar that shows nothing until the end.
+    progress = [line for line in out.stdout.splitlines() if line.startswith("supervised step ")]
+    assert [line.split()[2] for line in progress] == [f"{n}/30" for n in range(1, 31)], progress
+    assert "train_loss" in progress[-1] and "\x1b[" not in out.stdout
     return home / "models"
 
 
