@@ -281,6 +281,14 @@ class Settings(BaseSettings):
         description="Weights an inference worker keeps loaded, in MiB (least recently used models unloaded past it); "
         "unset: half the GPU's memory, or a quarter of the host's.",
     )
+    inference_preload: str = Field(
+        default="",
+        max_length=4096,
+        pattern=r"^[^\x00]*$",
+        description="Models an inference worker loads when it starts, before its first request asks: base model "
+        "names under the models root, comma-separated, or `all` (every model there that writes text, smallest "
+        "first, while its memory holds them). Empty: each loads on its first request. `rloo up` sets `all`.",
+    )
     accelerators: dict[str, float] = Field(
         default_factory=dict,
         description='The accelerator kinds the fleet has, GiB a device (JSON, e.g. {"h100": 80, "l4": 24}): a job '

@@ -22,6 +22,8 @@ others for the same base model, and pushes what it writes back token by token. I
   the worker process dies, and starts another.
 * ``cancel:<id>``: the client went away: the worker drops the request's rows at its next token.
 * ``workers``: live workers, scored by when their heartbeat expires. No live worker: 503 at once.
+  ``warm``: those of them that have loaded the models they preload (``RLOO_INFERENCE_PRELOAD``);
+  ``rloo up`` waits for one before it says it is up.
 * ``active:<key>``: a key's requests in flight, scored by deadline, each holding its token budget
   (its prompts' tokens, estimated from their bytes, and ``max_tokens``, times ``n``). Past
   ``RLOO_INFERENCE_MAX_CONCURRENT`` requests or ``RLOO_INFERENCE_MAX_TOKENS_IN_FLIGHT`` tokens a key
@@ -191,9 +193,10 @@ def connect_async() -> Any:
     return redis.asyncio.Redis.from_url(get_settings().redis_client_url, socket_timeout=30, socket_connect_timeout=5)
 
 
-def live_workers(conn: Any, ns: str) -> int:
-    """How many workers of ``ns`` beat lately (a synchronous connection)."""
-    return int(conn.zcount(f"{ns}:workers", time.time(), "+inf"))
+def live_workers(conn: Any, ns: str, *, warm: bool = False) -> int:
+    """How many workers of ``ns`` beat lately (``warm``: and have loaded what they preload); a
+    synchronous connection."""
+    return int(conn.zcount(f"{ns}:{'warm' if warm else 'workers'}", time.time(), "+inf"))
 
 
 # The API's side --------------------------------------------------------------------------------------
@@ -331,10 +334,12 @@ def hold(conn: Any, ns: str, worker: str, rid: str) -> None:
     pipe.execute()
 
 
-def heartbeat(conn: Any, ns: str, worker: str, held: list[str]) -> None:
+def heartbeat(conn: Any, ns: str, worker: str, held: list[str], *, warm: bool = False) -> None:
+    """``worker`` is alive (and ``warm``: its preloaded models loaded) and holds ``held``."""
     pipe = conn.pipeline()
-    pipe.zadd(f"{ns}:workers", {worker: time.time() + LEASE_SECONDS})
-    pipe.zremrangebyscore(f"{ns}:workers", "-inf", time.time())
+    for live in ("workers", "warm") if warm else ("workers",):
+        pipe.zadd(f"{ns}:{live}", {worker: time.time() + LEASE_SECONDS})
+        pipe.zremrangebyscore(f"{ns}:{live}", "-inf", time.time())
     for rid in held:
         pipe.set(f"{ns}:lease:{rid}", worker, ex=LEASE_SECONDS)
     pipe.execute()
@@ -376,6 +381,7 @@ def worker_gone(conn: Any, ns: str, worker: str) -> int:
             finish(conn, ns, worker, rid, lost_message())
     conn.delete(f"{ns}:inflight:{worker}")
     conn.zrem(f"{ns}:workers", worker)
+    conn.zrem(f"{ns}:warm", worker)
     return len(held)
 
 

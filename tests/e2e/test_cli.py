@@ -73,6 +73,12 @@ def test_up_serves_and_ctrl_c_stops_every_child(tmp_path: Path, models_dir: Path
         assert base == f"http://127.0.0.1:{port}/v1"
         r = httpx.get(base + "/files", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         assert r.status_code == 200 and r.json()["object"] == "list"
+        # The stack said it was up once the inference worker had loaded the model that writes text
+        # (not the reward model): the first chat pays for no load.
+        assert re.search(r"preloaded tiny-policy in \d", out) and "preloaded tiny-reward" not in out, out
+        chat = {"model": "tiny-policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(base + "/chat/completions", json=chat, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
         # The key is stored hashed: its text appears nowhere in the database file.
         assert key.encode() not in (tmp_path / "var" / "rloo.db").read_bytes()
 
@@ -188,6 +194,7 @@ def test_demo_runs_a_job_over_http_and_reports_it(tmp_path: Path, models_dir: Pa
     assert "what the reward looks like" in out.stdout and re.search(r"best at step 2 \(reward", out.stdout), out.stdout
     # What it trained, used: the fine-tuned model answers, and the evaluation table compares it with the start.
     assert re.search(r"'Name the color of the apple.' -> '", out.stdout), out.stdout
+    assert re.search(r"expect no sense here: the demo's policy is a 0\.\d+M-parameter model", out.stdout), out.stdout
     assert re.search(r"starting model\s+│\s+\d\.\d{3}", out.stdout), out.stdout
     assert re.search(r"final checkpoint \(step 2\)\s+│\s+\d\.\d{3}", out.stdout), out.stdout
     with pytest.raises(httpx.HTTPError):

@@ -71,9 +71,17 @@ def served(env: dict[str, str], serve_worker: dict[str, str], monkeypatch: pytes
 
 
 def _generate(model: Any, tokenizer: Any, text: str, max_new_tokens: int) -> str:
+    """``generate``'s greedy text, ending where a served answer ends: at end-of-sequence or at any
+    other special token of the tokenizer (docs/inference.md)."""
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    ends = sorted({tokenizer.eos_token_id, *tokenizer.all_special_ids})
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        eos_token_id=ends,
     )
     return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 

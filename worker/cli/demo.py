@@ -81,7 +81,7 @@ def run_demo(port: int = 8000, overrides: dict[str, Any] | None = None) -> int:
 
     stack = Stack("127.0.0.1", port, quiet=True)
     try:
-        with console.status("starting the stack: migrations, embedded Redis, API, one Celery worker"):
+        with console.status("starting the stack: migrations, embedded Redis, API, workers; the models loaded for chat"):
             key = stack.start()
         console.print(f"API at [bold]{stack.url}[/] (docs at {stack.url}/docs), logs in {settings.home_dir / 'logs'}")
         http = httpx.Client(base_url=stack.url + "/v1", headers={"Authorization": f"Bearer {key}"}, timeout=30)
@@ -150,6 +150,16 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
     return 0
 
 
+def parameters(model: str) -> str:
+    """A model's size for people (``0.2M-parameter``), from its weight files' headers."""
+    from service.jobs.memory_plan import UnknownShape, model_shape
+
+    try:
+        return f"{model_shape(get_settings().models_dir / model).parameters / 1e6:.1f}M-parameter"
+    except UnknownShape:
+        return "tiny"
+
+
 def use_it(http: httpx.Client, job: dict[str, Any], console: Console) -> None:
     """The fine-tuned model answers a held-out prompt through /v1/chat/completions, and an evaluation
     scores the starting model against the final checkpoint on the held-out prompts."""
@@ -170,6 +180,13 @@ def use_it(http: httpx.Client, job: dict[str, Any], console: Console) -> None:
         return
     answer = r.json()["choices"][0]["message"]["content"]
     console.print(f"  {question[-1]['content']!r} -> {answer!r}", soft_wrap=True, markup=False)
+    console.print(
+        f"  (expect no sense here: the demo's policy is a {parameters(job['model'])} model built on the spot and "
+        "trained for a few steps on a fuzzy-match reward, which it raises without learning the language; "
+        "examples/addition trains one that learns its task: README, Examples)",
+        soft_wrap=True,
+        style="dim",
+    )
 
     r = http.post("/files", files={"file": (valid.name, valid.read_bytes())}, data={"purpose": "fine-tune"})
     r.raise_for_status()

@@ -107,7 +107,33 @@ class Stack:
         ):
             self.parts[name] = _Part(args, self._spawn(name, args), time.monotonic())
         wait_until_ready(self.url, alive=self._check_parts)
+        self._wait_for_inference()
         return key
+
+    def _wait_for_inference(self, timeout: float = 300) -> None:
+        """Until the inference worker has loaded the models it preloads (``RLOO_INFERENCE_PRELOAD``):
+        the first chat request must not wait for a model to load. Past ``timeout`` (a model too big
+        for this machine's patience) the stack is up all the same: requests wait for the worker."""
+        import redis
+
+        from service.infra import inference_bus
+
+        conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=5, socket_connect_timeout=5)
+        ns = inference_bus.namespace(inference_bus.serve_queue())
+        deadline = time.monotonic() + timeout
+        try:
+            while not inference_bus.live_workers(conn, ns, warm=True):
+                self._check_parts()
+                if time.monotonic() > deadline:
+                    typer.echo(
+                        f"the inference worker is still loading its models after {timeout:.0f} s; chat requests "
+                        "wait for it (its log: logs/inference-worker.log)",
+                        err=True,
+                    )
+                    return
+                time.sleep(0.2)
+        finally:
+            conn.close()
 
     def _keep_redis(self) -> None:
         """Start the embedded Redis unless one answers (a worker's reconciler may have started it)."""
@@ -119,7 +145,13 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         settings = get_settings()
-        env = {**os.environ, "RLOO_HOME": str(settings.home_dir), "PYTHONUNBUFFERED": "1", **torch_threads_of(name)}
+        env = {
+            **os.environ,
+            "RLOO_HOME": str(settings.home_dir),
+            "PYTHONUNBUFFERED": "1",
+            **torch_threads_of(name),
+            **preload_of(name),
+        }
         out = open(settings.home_dir / "logs" / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115
         try:
             return subprocess.Popen(
@@ -197,6 +229,15 @@ def torch_threads_of(part: str) -> dict[str, str]:
     return {"RLOO_TORCH_THREADS": str(threads)}
 
 
+def preload_of(part: str) -> dict[str, str]:
+    """The inference worker loads every model under the models root that writes text when it starts
+    (``RLOO_INFERENCE_PRELOAD=all``), where the user chose nothing: a laptop's stack answers its first
+    chat at once."""
+    if part != "inference-worker" or "RLOO_INFERENCE_PRELOAD" in os.environ or get_settings().inference_preload:
+        return {}
+    return {"RLOO_INFERENCE_PRELOAD": "all"}
+
+
 @app.command("up")
 def up(
     host: Annotated[str, typer.Option(metavar="HOST", help="Address the API listens on.")] = "127.0.0.1",
@@ -266,7 +307,9 @@ def up_banner(url: str, key: str, settings: Any) -> str:
             f"\nrloo-service is up at {url}  (dashboard: {url}/, docs: {url}/docs)",
             f"  database:  {redact(settings.database_url)}",
             f"  broker:    {redact(settings.redis_url)}",
-            f"  models:    {settings.models_dir}",
+            f"  models:    {settings.models_dir}  (loaded for chat: "
+            f"{os.environ.get('RLOO_INFERENCE_PRELOAD', settings.inference_preload) or 'all that write text'}; "
+            "RLOO_INFERENCE_PRELOAD)",
             f"  python graders: {sandbox_status(settings)}",
             f"  torch threads: {torch_threads_of('worker').get('RLOO_TORCH_THREADS', 'as set')} a worker "
             "(RLOO_TORCH_THREADS; README: on a busy machine)",

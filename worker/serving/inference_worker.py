@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,6 +96,8 @@ class Server:
         """Held while the scoring models (``rewards()``) score: the loop's remote batches and the
         background thread's model graders take turns."""
         self.background = Background()
+        self.warm = threading.Event()
+        """Set once the models this worker preloads are loaded (``worker.serving.startup_models``)."""
 
     def grade(self, lane: str, fn: Any, *args: Any) -> Future[Any]:
         """``fn(*args)`` on the background thread, in ``lane``'s turn, while the loop serves on."""
@@ -119,10 +122,18 @@ class Server:
         return self._rewards
 
     # The process -------------------------------------------------------------------------------------
-    def run(self, keep_going: Any = lambda: True) -> None:
+    def run(self, keep_going: Any = lambda: True, preload: list[Path] | None = None) -> None:
+        """Serve until ``keep_going()`` is false, having first loaded ``preload`` (requests that arrive
+        meanwhile wait in the queue, and the worker beats)."""
         beat = threading.Thread(target=self._beat, args=(keep_going,), daemon=True, name="serve-heartbeat")
         beat.start()
         inference_bus.heartbeat(self.conn, self.ns, self.worker, [])
+        if preload:
+            from worker.serving.startup_models import preload as load
+
+            load(self.cache, preload)
+        self.warm.set()
+        inference_bus.heartbeat(self.conn, self.ns, self.worker, [], warm=True)
         while keep_going():
             ready = self.between_batches is not None and self.between_batches.ready
             idle = not self.pending and not self.requests and not ready
@@ -143,7 +154,7 @@ class Server:
             try:
                 with self._lock:
                     held = list(self.held)
-                inference_bus.heartbeat(self.conn, self.ns, self.worker, held)
+                inference_bus.heartbeat(self.conn, self.ns, self.worker, held, warm=self.warm.is_set())
                 if self.between_batches is not None:
                     self.between_batches.beat()
             except Exception as exc:  # Redis or the database away for a moment: the next beat tries again
@@ -428,5 +439,7 @@ def main(worker: str) -> None:
     log.info(
         "inference worker %s on %s (%s), queue %s", worker, device, type(cache).__name__, inference_bus.serve_queue()
     )
+    from worker.serving.startup_models import preload_dirs
+
     parent = os.getppid()  # its supervisor: in a container that is PID 1, so compare, never test for 1
-    server.run(lambda: os.getppid() == parent)
+    server.run(lambda: os.getppid() == parent, preload=preload_dirs(settings.inference_preload, settings.models_dir))

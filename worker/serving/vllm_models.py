@@ -30,6 +30,9 @@ MAX_LORA_RANK = 64
 
 
 class VLLMModels:
+    bases_at_once = 1
+    """One engine, for one base (its adapters on it): a second base replaces it."""
+
     def __init__(self, *, artifacts_dir: Path, gpu_memory_utilization: float, max_loras: int = 8) -> None:
         import torch
 
@@ -145,7 +148,8 @@ class VLLMModels:
             out = output.outputs[0]
             row.tokens = list(out.token_ids)
             # vLLM leaves a stopping EOS out of token_ids (its stop_reason: None, or the token id of a
-            # stop_token_ids entry: an end token of end_ids); it was drawn, so the usage counts it. A stop string is no token.
+            # stop_token_ids entry, one of end_ids); it was drawn, so the usage counts it. A stop
+            # string is no token.
             ended_on_eos = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
             row.sampled = len(row.tokens) + int(ended_on_eos)
             row.text, row.finish_reason = out.text, "stop" if out.finish_reason == "stop" else "length"
