@@ -49,6 +49,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.anchor
 	$(BIN)/python -m benchmarks.anchor --reward-model --rounds=3
+	$(BIN)/python -m benchmarks.busy
 
 # The four advantage estimators and TRL's RLOOTrainer on a task a tiny model learns (examples/addition),
 # 5 seeds each, with the gradient variance at fixed weights: figures on stdout, benchmarks/learning.png

@@ -1,4 +1,4 @@
-"""Two-digit addition: a task a tiny model really learns, built offline in about a minute on 2 cores.
+"""Two-digit addition: a task a tiny model really learns, built offline in about 15 s on 2 quiet cores.
 
     python examples/addition/build.py            # the data, the base model, the supervised start
     rloo train examples/addition/job.json        # RLOO with an exact-match reward (or --train below)
@@ -195,4 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from worker.cli.app import torch_threads
+
+    torch_threads()  # RLOO_TORCH_THREADS, before torch is imported, as rloo train chooses them
     sys.exit(main())
