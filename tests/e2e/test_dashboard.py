@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.browser import CHROMIUM, open_page
 from tests.helpers.data import EXAMPLES, job_body
 from tests.helpers.live import live_stack, upload_path
 from tests.helpers.scoring import Endpoint
 
 pytestmark = pytest.mark.e2e
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _slow_scores(n: int, body: dict[str, Any]) -> tuple[int, Any]:
@@ -45,11 +44,7 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             body["method"]["reinforcement"]["grader"] = {"type": "http", "name": "slow", "url": scorer.url}
             job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
 
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            problems: list[str] = []
-            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page, problems = open_page(pw)
 
             # GET / is the dashboard; it asks for the key once, and keeps it out of every URL.
             page.goto(stack.url + "/")
@@ -109,7 +104,7 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             page.goto(stack.url + "/dashboard/#/graders")
             page.click("#run")
             page.wait_for_selector("#result >> text=reward 1")
-            browser.close()
+            page.context.browser.close()
             assert problems == [], problems
     finally:
         scorer.close()
@@ -123,11 +118,7 @@ def test_the_dashboard_shows_the_fleet_to_an_operator_key(tmp_path: Path, models
 
     with live_stack("embedded", tmp_path, models_dir) as stack, sync_playwright() as pw:
         operator = stack.cli("keys", "create", "--project", "ops", "--operator").stdout.strip().splitlines()[-1]
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        problems: list[str] = []
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page, problems = open_page(pw, height=800)
 
         page.goto(stack.url + "/dashboard/#/fleet")
         page.fill("#key", operator)
@@ -146,7 +137,7 @@ def test_the_dashboard_shows_the_fleet_to_an_operator_key(tmp_path: Path, models
         page.click("#login button[type=submit]")
         page.wait_for_selector("main .error >> text=operator key")
         assert page.query_selector("#fleet") is None
-        browser.close()
+        page.context.browser.close()
         # The one error the console saw: the API's 403 itself.
         assert problems == [
             "console error: Failed to load resource: the server responded with a status of 403 (Forbidden)"

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.helpers.browser import CHROMIUM, open_page
 from tests.helpers.data import EXAMPLES, job_body
 from tests.helpers.live import live_stack, upload_path, wait_for
 
 pytestmark = pytest.mark.e2e
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 CHARTS = {
     "supervised": ["train_loss", "train_mean_token_accuracy", "valid_loss", "valid_mean_token_accuracy"],
@@ -135,11 +134,7 @@ def test_each_method_s_page_draws_its_own_metrics(tmp_path: Path, models_dir: Pa
         listed = {f["id"]: f["line_formats"] for f in http.get("/files").json()["data"]}
         assert listed[files["prompts"]] == {"prompt": 48} and listed[files["pairs"]] == {"preference": 48}
 
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 1000})
-        problems: list[str] = []
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page, problems = open_page(pw)
         page.goto(stack.url + "/dashboard/")
         assert "var/api_key" in page.text_content("#login")  # where the key rloo up printed is kept
         page.fill("#key", stack.key)
@@ -182,5 +177,5 @@ def test_each_method_s_page_draws_its_own_metrics(tmp_path: Path, models_dir: Pa
         assert page.is_enabled("#evaluate")
         page.wait_for_selector("#samples th >> text=/step \\d+: prompt/")
         page.screenshot(path=str(shot.with_name(shot.stem + "-reinforcement.png")), full_page=True)
-        browser.close()
+        page.context.browser.close()
         assert problems == [], problems
