@@ -308,7 +308,7 @@ def up_banner(url: str, key: str, settings: Any) -> str:
             f"  database:  {redact(settings.database_url)}",
             f"  broker:    {redact(settings.redis_url)}",
             f"  models:    {settings.models_dir}  (loaded for chat: "
-            f"{os.environ.get('RLOO_INFERENCE_PRELOAD', settings.inference_preload) or 'all that write text'}; "
+            f"{preload_of('inference-worker').get('RLOO_INFERENCE_PRELOAD', settings.inference_preload) or 'none'}; "
             "RLOO_INFERENCE_PRELOAD)",
             f"  python graders: {sandbox_status(settings)}",
             f"  torch threads: {torch_threads_of('worker').get('RLOO_TORCH_THREADS', 'as set')} a worker "

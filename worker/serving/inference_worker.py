@@ -133,7 +133,8 @@ class Server:
 
             load(self.cache, preload)
         self.warm.set()
-        inference_bus.heartbeat(self.conn, self.ns, self.worker, [], warm=True)
+        with contextlib.suppress(Exception):  # Redis away for a moment: the heartbeat thread says it next
+            inference_bus.heartbeat(self.conn, self.ns, self.worker, [], warm=True)
         while keep_going():
             ready = self.between_batches is not None and self.between_batches.ready
             idle = not self.pending and not self.requests and not ready

@@ -49,20 +49,38 @@ def preload_dirs(setting: str, models_dir: Path) -> list[Path]:
 
 
 def weight_bytes(path: Path) -> int:
-    """The bytes of a model directory's weight files."""
-    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+    """The bytes of a model directory's weights: its safetensors files, else its ``.bin`` or ``.pt``
+    ones (never both: a directory may hold the two formats)."""
+    files = [f for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    safetensors = [f for f in files if f.suffix == ".safetensors"]
+    return sum(f.stat().st_size for f in safetensors or files)
+
+
+def served_bytes(path: Path, element_size: int) -> int:
+    """The bytes its weights take once loaded at ``element_size`` bytes a parameter (its parameter
+    count from the safetensors headers; else its weight files' size)."""
+    from service.jobs.memory_plan import UnknownShape, model_shape
+
+    try:
+        return model_shape(path).parameters * element_size
+    except UnknownShape:
+        return weight_bytes(path)
 
 
 def preload(cache: Any, dirs: list[Path]) -> list[Path]:
     """Each of ``dirs`` loaded into ``cache`` and one token decoded on it (the first forward's one-off
-    costs paid here), until the cache's memory (``RLOO_INFERENCE_MEMORY_MB``), or the bases a vLLM
-    worker holds at once, would unload one loaded before; the directories loaded."""
+    costs paid here): one whose weights do not fit what is left of the cache's memory
+    (``RLOO_INFERENCE_MEMORY_MB``) is skipped, and loading stops where one would unload a model
+    loaded before, or at the bases a vLLM worker holds at once; the directories loaded."""
     loaded: list[Any] = []
     done: list[Path] = []
     most = getattr(cache, "bases_at_once", None)
+    budget = getattr(cache, "budget", None)
     for path in dirs:
         if most is not None and len(done) >= most:
             break
+        if budget is not None and not fits(cache, path, budget - sum(m.total_bytes for m in loaded)):
+            continue
         started = time.monotonic()
         try:
             model, _ = cache.get(Servable(path))
@@ -80,3 +98,20 @@ def preload(cache: Any, dirs: list[Path]) -> list[Path]:
         done.append(path)
         log.info("preloaded %s in %.1f s", path.name, time.monotonic() - started)
     return done
+
+
+def fits(cache: Any, path: Path, room: int) -> bool:
+    """Whether ``path``'s weights, as the cache would serve them, fit in ``room`` bytes; a model that
+    does not is left to its first request (a 7B model on a laptop is not loaded unasked)."""
+    from worker.serving.model_cache import serving_dtype
+
+    size = served_bytes(path, serving_dtype(cache.device).itemsize)
+    if size <= room:
+        return True
+    log.info(
+        "not preloading %s: its weights (%.1f GiB as served) do not fit the %.1f GiB left of RLOO_INFERENCE_MEMORY_MB",
+        path.name,
+        size / 2**30,
+        max(0, room) / 2**30,
+    )
+    return False
