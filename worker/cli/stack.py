@@ -256,6 +256,9 @@ def up(
         key = stack.start()
         typer.echo(up_banner(stack.url, key, get_settings()))
         signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the stack as Ctrl-C does
+        # Ctrl-C too where the shell that started it ignores SIGINT (a `cmd &` of a script, `nohup`):
+        # Python leaves an inherited SIG_IGN alone, and the stack would never stop on it.
+        signal.signal(signal.SIGINT, _interrupt)
         while True:
             time.sleep(0.5)
             stack.supervise()
