@@ -21,6 +21,7 @@ from service.api.routes import (
     jobs,
     models,
     ops,
+    tinker,
     webhooks,
     workers,
 )
@@ -64,6 +65,7 @@ def create_app() -> FastAPI:
     app.include_router(completions.router)
     app.include_router(evaluations.router)
     app.include_router(workers.router)
+    app.include_router(tinker.router)
     dashboard.install(app)
     app.include_router(ops.router(settings, prometheus))
     openapi.install(app)

@@ -162,6 +162,7 @@ ENGINE_MAY_IMPORT = {
     "service.core.strictjson",  # `rloo train`: the spec parsed as the API parses a body
     "service.core.errors",  # the domain's errors: a job's JobError, `rloo train`'s SpecError
     "service.infra.inference_bus",  # remote reward models: a batch asked of the inference workers
+    "service.tinker.loss_specs",  # Tinker's losses: their inputs and config, checked as the API checks them
 }
 # A remote reward model's batch goes to the inference workers through service.infra.inference_bus,
 # which holds the Redis client: the engine itself imports no broker.
@@ -249,6 +250,7 @@ SERVICE_LAYERS = {
         "service.registry",
         "service.jobs",
     ),
+    "service.tinker": ("service.core", "service.infra", "service.registry", "service.tinker"),
 }
 
 

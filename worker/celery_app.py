@@ -28,7 +28,7 @@ from worker.jobs import broker, preload
 broker.install()  # a queue entry that is no message is dropped, never the end of the worker
 settings = get_settings()
 
-app = Celery("rloo", broker=settings.redis_url, include=["worker.jobs.tasks"])
+app = Celery("rloo", broker=settings.redis_url, include=["worker.jobs.tasks", "worker.sessions.holder"])
 app.conf.update(
     task_default_queue=settings.queue,
     # JSON only, both ways: a message is data, never code to unpickle (and a task's arguments are

@@ -179,7 +179,8 @@ class AuthMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):  # behind a proxy prefix (uvicorn --root-path)
             path = path[len(root) :]
-        if scope["type"] != "http" or not path.startswith("/v1/"):
+        tinker = path.startswith("/api/v1/")  # the Tinker protocol (service.api.routes.tinker)
+        if scope["type"] != "http" or not (path.startswith("/v1/") or (tinker and path not in OPEN_TINKER_PATHS)):
             await self.app(scope, receive, send)
             return
         from anyio import to_thread
@@ -189,6 +190,8 @@ class AuthMiddleware:
 
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        if authorization is None and tinker and headers.get(b"x-api-key"):  # the Tinker SDK's header
+            authorization = "Bearer " + headers[b"x-api-key"].decode("latin-1")
         digest = hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
         cached = self.cache.get(digest)
         if cached is not None and cached[0] > time.monotonic():
@@ -275,6 +278,8 @@ async def _refuse(send: Send, rule: str, retry: float, headers: list[tuple[bytes
     await _send_error(send, 429, message, "rate_limit_exceeded", extra + headers)
 
 
+OPEN_TINKER_PATHS = ("/api/v1/healthz",)
+"""The Tinker protocol's paths that answer without a key (every other /api/v1 path takes one)."""
 UPLOADS = ("/v1/files",)
 """Where bodies are uploads, bounded by RLOO_MAX_UPLOAD_BYTES and not by the byte rate."""
 UNDECLARED_BODY = 8 * 1024 * 1024

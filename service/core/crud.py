@@ -21,6 +21,8 @@ from sqlalchemy.orm import Session
 from service.core.tables import ApiKey, Checkpoint, File, Job, JobMetric, JobSample, Project, now
 
 KEY_PREFIX = "rloo-"
+TINKER_KEY_PREFIX = "tml-rloo-"
+"""A key the tinker SDK accepts (it refuses one that does not start with ``tml-``)."""
 
 
 # Projects and keys -------------------------------------------------------------------------------
@@ -37,11 +39,21 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_api_key(*, session: Session, project: Project, name: str = "", operator: bool = False) -> tuple[ApiKey, str]:
-    """Create a key (``operator``: one that may also call the operator's routes); returns the row and
-    the secret, which is never stored and shown only now."""
-    secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = ApiKey(project_seq=project.seq, name=name, prefix=secret[:12], key_hash=hash_key(secret), operator=operator)
+def create_api_key(
+    *, session: Session, project: Project, name: str = "", operator: bool = False, prefix: str | None = None
+) -> tuple[ApiKey, str]:
+    """Create a key (``operator``: one that may also call the operator's routes; ``prefix``: its
+    secret's start, ``KEY_PREFIX`` by default); returns the row and the secret, which is never
+    stored and shown only now."""
+    start = prefix or KEY_PREFIX
+    secret = start + secrets.token_urlsafe(32)
+    row = ApiKey(
+        project_seq=project.seq,
+        name=name,
+        prefix=secret[: len(start) + 7],
+        key_hash=hash_key(secret),
+        operator=operator,
+    )
     session.add(row)
     session.flush()
     return row, secret

@@ -165,6 +165,26 @@ class Settings(BaseSettings):
         gt=0,
         description="Cap on a job process's data memory (RLIMIT_DATA) in MiB, on CPU workers; unset = no cap.",
     )
+    tinker_idle_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="A Tinker training model with no request for this long is saved and let go by its worker "
+        "(its device goes back to the queue's jobs); its next request brings it back from that state.",
+    )
+    tinker_models_per_worker: int = Field(
+        default=4,
+        ge=1,
+        description="Tinker training models one worker process holds at once (their sessions' requests served in "
+        "turn): more wait for another worker, or for one of these to idle.",
+    )
+    tinker_max_request_bytes: int = Field(
+        default=64 * 2**20,
+        gt=0,
+        description="The largest Tinker forward_backward body, decompressed (a zstd bomb stops here).",
+    )
+    tinker_max_tokens: int = Field(
+        default=1_048_576, gt=0, description="The most tokens one Tinker forward_backward request may carry."
+    )
     reconcile_seconds: float = Field(
         default=30.0, gt=0, description="How often each worker reconciles job rows with the queue."
     )

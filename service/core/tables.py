@@ -302,3 +302,68 @@ class WebhookDelivery(Base):
     delivered_at: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),)
+
+
+class TinkerSession(Base):
+    """A Tinker SDK client's session (``service.tinker.sessions``): what its training models and
+    sampling clients hang from. The SDK beats it every few seconds; one that stops beating is ended."""
+
+    __tablename__ = "tinker_sessions"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("tks"))
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    display_name: Mapped[str | None] = mapped_column(String(200))
+    sdk_version: Mapped[str] = mapped_column(String(64), default="")
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class TinkerModel(Base):
+    """A training model of a Tinker session (Tinker's "training run"): its base model, LoRA rank (0:
+    full fine-tuning), optimizer, and the newest state a worker saved (where a worker that takes it
+    next resumes). ``id`` is the SDK's ``<session>:train:<n>``."""
+
+    __tablename__ = "tinker_models"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(128), unique=True)
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    session_seq: Mapped[int] = mapped_column(ForeignKey("tinker_sessions.seq", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(1024))
+    lora: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """Tinker's LoraConfig (rank, seed, train_mlp, train_attn, train_unembed); null: full fine-tuning."""
+    optimizer: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    """optim_steps applied."""
+    state_path: Mapped[str | None] = mapped_column(String(1024))
+    """The newest saved state (relative to the artifacts root), with its optimizer."""
+    state_steps: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    last_request_at: Mapped[float | None] = mapped_column(Float)
+
+
+class TinkerCheckpoint(Base):
+    """A saved state (``weights``: weights and optimizer, to resume) or sampler weights
+    (``sampler_weights``: what an inference worker serves) of a training model, named by its
+    ``tinker://<model>/<kind>/<name>`` path."""
+
+    __tablename__ = "tinker_checkpoints"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    model_seq: Mapped[int] = mapped_column(ForeignKey("tinker_models.seq", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(255))
+    path: Mapped[str] = mapped_column(String(1024))
+    """Relative to the artifacts root."""
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (UniqueConstraint("model_seq", "kind", "name", name="uq_tinker_checkpoints_name"),)

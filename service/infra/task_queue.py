@@ -30,6 +30,7 @@ log = logging.getLogger("rloo.queue")
 
 RUN_JOB_TASK = "rloo.run_job"
 RUN_GRADER_TASK = "rloo.run_grader"
+HOLD_TINKER_MODEL_TASK = "rloo.hold_tinker_model"
 
 
 @lru_cache
@@ -107,3 +108,14 @@ def wake_grader(queue: str, expires: float) -> None:
     """One wake-up for a worker of the graders queue: no arguments (the dry run itself waits in
     Redis: ``service.jobs.dry_runs``). It expires with the API's wait, so a late worker skips it."""
     client().send_task(RUN_GRADER_TASK, args=[], queue=queue, expires=expires, retry=True)
+
+
+def wake_tinker_model(model_id: str) -> bool:
+    """Ask a training worker to take a Tinker training model (``worker.sessions.holder``): the
+    default queue, which every training worker consumes. False (logged) if the broker is away."""
+    try:
+        client().send_task(HOLD_TINKER_MODEL_TASK, args=[model_id], queue=get_settings().queue, retry=True)
+        return True
+    except Exception as exc:
+        log.warning("could not ask a worker for tinker model %s: %s", model_id, exc)
+        return False

@@ -67,20 +67,34 @@ def keys_create(
         bool,
         typer.Option("--operator", help="The operator's key: also the routes over every project (GET /v1/workers)."),
     ] = False,
+    tinker: Annotated[
+        bool,
+        typer.Option(
+            "--tinker", help="A key the tinker SDK accepts (it starts with tml-); it serves the rest of the API too."
+        ),
+    ] = False,
 ) -> None:
     """Create an API key. It is shown once, on the last line; only its hash is stored. An operator's
-    key (--operator) is its project's key too, and also lists the fleet of workers.
+    key (--operator) is its project's key too, and also lists the fleet of workers. The tinker SDK
+    takes only keys that start with tml- (--tinker).
 
     \b
     Example:
       export RLOO_API_KEY=$(rloo keys create --project research | tail -1)
+      export TINKER_API_KEY=$(rloo keys create --project research --tinker | tail -1)
       rloo keys create --project ops --operator
     """
     from service.core import crud
 
     with _keys_session() as session:
         proj = crud.get_or_create_project(session=session, name=project)
-        row, secret = crud.create_api_key(session=session, project=proj, name=name, operator=operator)
+        row, secret = crud.create_api_key(
+            session=session,
+            project=proj,
+            name=name,
+            operator=operator,
+            prefix=crud.TINKER_KEY_PREFIX if tinker else None,
+        )
         session.commit()
         kind = "operator key" if operator else "key"
         typer.echo(f"project {proj.name} ({proj.id}), {kind} {row.id} (prefix {row.prefix}); store it now:", err=True)

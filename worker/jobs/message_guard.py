@@ -90,6 +90,20 @@ class WakeUpRequest(GuardedRequest):
         return "a wake-up carries no arguments" if self.args or self.kwargs else None
 
 
+class TinkerModelRequest(GuardedRequest):
+    """A Tinker training model's wake-up: one model id. One that a worker holds already is dropped
+    here (the holder serves its requests), without a pool process."""
+
+    def refusal(self) -> str | None:
+        args, kwargs = self.args, self.kwargs
+        if kwargs or not (len(args) == 1 and isinstance(args[0], str) and 0 < len(args[0]) <= 128):
+            return "its arguments are not one model id"
+        with contextlib.suppress(Exception):
+            if _redis().exists(f"rloo:tinker:holder:{args[0]}"):
+                return ""
+        return None
+
+
 def _still_runnable(job_id: str) -> bool:
     """queued (to claim), running (its worker may have died), unknown to us (the database is away:
     the pool process will see), or another job waits in its lane (a task is a turn in its lane:

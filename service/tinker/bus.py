@@ -1,0 +1,179 @@
+"""Requests of Tinker training models, from the API to the worker that holds the model, and their
+answers (futures), in Redis.
+
+* ``rloo:tinker:model:<model>:requests``: the model's requests in the order they came (a list of
+  JSON envelopes ``{id, kind, ...}``); a request's body, when it has one (a forward_backward's
+  protobuf), waits beside it under ``rloo:tinker:payload:<id>``.
+* ``rloo:tinker:future:<id>``: the future (a hash): its project, model, status (``pending``,
+  ``running``, ``done``, ``failed``), the worker running it, and once done its answer's content
+  type and body. Futures expire an hour after their last change.
+* ``rloo:tinker:ready:<id>``: one element pushed when the future is done, which a waiting
+  ``retrieve_future`` pops (a long poll rather than a busy one).
+* ``rloo:tinker:holder:<model>``: the worker holding the model (a lease it renews while it runs);
+  ``rloo:tinker:wake:<model>``: set for a while after a worker was asked to take the model, so
+  the API asks once.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "rloo:tinker"
+FUTURE_TTL = 3600
+LEASE_SECONDS = 30
+WAKE_SECONDS = 20
+WANTED = f"{PREFIX}:wanted"
+"""Models with requests waiting and no worker holding them."""
+
+
+def new_request_id() -> str:
+    return f"tkr-{secrets.token_hex(12)}"
+
+
+def _requests(model_id: str) -> str:
+    return f"{PREFIX}:model:{model_id}:requests"
+
+
+def _future(rid: str) -> str:
+    return f"{PREFIX}:future:{rid}"
+
+
+def _payload(rid: str) -> str:
+    return f"{PREFIX}:payload:{rid}"
+
+
+def _holder(model_id: str) -> str:
+    return f"{PREFIX}:holder:{model_id}"
+
+
+@dataclass(frozen=True)
+class Future:
+    """A future as the API reads it."""
+
+    project: int
+    model: str
+    status: str
+    worker: str
+    content_type: str
+    body: bytes
+
+
+# The API's side (submit and needs_worker on a synchronous connection, read and wait on an asyncio one) ----
+def submit(
+    conn: Any, *, project: int, model_id: str, kind: str, fields: dict[str, Any], payload: bytes | None = None
+) -> str:
+    """Queue a request of ``model_id`` and create its future; returns the request's id."""
+    rid = new_request_id()
+    envelope = json.dumps({"id": rid, "kind": kind, **fields}, allow_nan=False)
+    pipe = conn.pipeline()
+    pipe.hset(_future(rid), mapping={"project": project, "model": model_id, "status": "pending", "kind": kind})
+    pipe.expire(_future(rid), FUTURE_TTL)
+    if payload is not None:
+        pipe.set(_payload(rid), payload, ex=FUTURE_TTL)
+    pipe.rpush(_requests(model_id), envelope)
+    pipe.expire(_requests(model_id), FUTURE_TTL)
+    pipe.execute()
+    return rid
+
+
+def needs_worker(conn: Any, model_id: str) -> bool:
+    """True when no worker holds ``model_id`` and none was asked lately: the caller asks one (once
+    per ``WAKE_SECONDS``). The model is marked wanted meanwhile, so that a worker holding other
+    models takes it too when it has room."""
+    if conn.exists(_holder(model_id)):
+        return False
+    conn.sadd(WANTED, model_id)
+    return bool(conn.set(f"{PREFIX}:wake:{model_id}", 1, nx=True, ex=WAKE_SECONDS))
+
+
+async def read(conn: Any, rid: str) -> Future | None:
+    raw = await conn.hgetall(_future(rid))
+    if not raw:
+        return None
+    got = {k.decode(): v for k, v in raw.items()}
+    return Future(
+        project=int(got.get("project", b"0")),
+        model=got.get("model", b"").decode(),
+        status=got.get("status", b"").decode(),
+        worker=got.get("worker", b"").decode(),
+        content_type=got.get("content_type", b"").decode(),
+        body=got.get("body", b""),
+    )
+
+
+async def wait(conn: Any, rid: str, seconds: float) -> None:
+    """Up to ``seconds`` for the future to be done (returns at once when it is)."""
+    if seconds > 0:
+        await conn.blpop([f"{PREFIX}:ready:{rid}"], timeout=seconds)
+
+
+async def holder_alive(conn: Any, model_id: str, worker: str) -> bool:
+    held = await conn.get(_holder(model_id))
+    return held is not None and held.decode() == worker
+
+
+async def forget(conn: Any, rid: str) -> None:
+    """The answer was read: it is no longer kept."""
+    await conn.delete(_future(rid), _payload(rid), f"{PREFIX}:ready:{rid}")
+
+
+# The worker's side --------------------------------------------------------------------------------------
+def claim(conn: Any, model_id: str, worker: str) -> bool:
+    """Hold ``model_id`` (a lease of ``LEASE_SECONDS``, renewed with ``renew``); False if another
+    worker holds it."""
+    held = bool(conn.set(_holder(model_id), worker, nx=True, ex=LEASE_SECONDS))
+    if held:
+        conn.srem(WANTED, model_id)
+    return held
+
+
+def wanted(conn: Any) -> list[str]:
+    """The models waiting for a worker, as ``needs_worker`` marked them."""
+    return sorted(m.decode() for m in conn.smembers(WANTED))
+
+
+def renew(conn: Any, model_id: str, worker: str) -> bool:
+    """Renew the lease; False when it was lost (expired and taken by another worker)."""
+    if conn.get(_holder(model_id)) != worker.encode():
+        return False
+    conn.expire(_holder(model_id), LEASE_SECONDS)
+    return True
+
+
+def release(conn: Any, model_id: str, worker: str) -> None:
+    if conn.get(_holder(model_id)) == worker.encode():
+        conn.delete(_holder(model_id))
+
+
+def take(
+    conn: Any, model_ids: list[str], worker: str, *, block: float
+) -> tuple[str, dict[str, Any], bytes | None] | None:
+    """The next request of any of ``model_ids`` (each model's in the order they came), its model and
+    its body, marked running by ``worker``; None after ``block`` seconds without one."""
+    item = conn.blpop([_requests(m) for m in model_ids], timeout=block)
+    if item is None:
+        return None
+    model_id = item[0].decode()[len(f"{PREFIX}:model:") : -len(":requests")]
+    envelope: dict[str, Any] = json.loads(item[1])
+    conn.hset(_future(envelope["id"]), mapping={"status": "running", "worker": worker, "started": time.time()})
+    return model_id, envelope, conn.get(_payload(envelope["id"]))
+
+
+def pending(conn: Any, model_id: str) -> int:
+    return int(conn.llen(_requests(model_id)))
+
+
+def finish(conn: Any, rid: str, *, content_type: str, body: bytes, failed: bool = False) -> None:
+    """Store the answer (a JSON or protobuf body) and wake whoever waits for it."""
+    pipe = conn.pipeline()
+    status = "failed" if failed else "done"
+    pipe.hset(_future(rid), mapping={"status": status, "content_type": content_type, "body": body})
+    pipe.expire(_future(rid), FUTURE_TTL)
+    pipe.delete(_payload(rid))
+    pipe.rpush(f"{PREFIX}:ready:{rid}", 1)
+    pipe.expire(f"{PREFIX}:ready:{rid}", FUTURE_TTL)
+    pipe.execute()

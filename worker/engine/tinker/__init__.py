@@ -1,0 +1,1 @@
+"""Tinker's training primitives on a model held in memory: pure torch, no broker, database or HTTP."""

@@ -1,0 +1,135 @@
+"""A training worker holding Tinker training models: the ``rloo.hold_tinker_model`` task.
+
+The API asks for it when a request arrives for a model no worker holds (``service.tinker.bus``).
+The task takes the model's lease and builds it (from its newest saved state, when it has one),
+then serves the requests of every model it holds, each model's in the order they came, each
+answer stored as its future's. While it serves, it takes other models that wait for a worker, up
+to ``RLOO_TINKER_MODELS_PER_WORKER`` (several sessions, of any projects, on one process). A model
+with no request for ``RLOO_TINKER_IDLE_SECONDS`` has its state saved (weights, optimizer) and
+recorded on its row, and is let go; the task ends with its last model, and the device goes back
+to the queue's jobs. A model's next request brings it back, here or on another worker, from that
+state. A worker that dies loses what was not saved: the running request's future answers 410
+(the SDK sends it again) and the model comes back from its last saved state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+from service.core.settings import get_settings
+from service.infra.task_queue import HOLD_TINKER_MODEL_TASK
+from service.tinker import bus
+from worker.celery_app import app
+from worker.sessions.requests import Failure, Holder
+
+log = logging.getLogger("rloo.tinker")
+
+
+@app.task(name=HOLD_TINKER_MODEL_TASK, Request="worker.jobs.message_guard:TinkerModelRequest")
+def hold_tinker_model(model_id: str) -> str:
+    """Hold ``model_id`` (and the models that come to wait meanwhile) until they idle, serving their
+    requests; "held elsewhere" when another worker has it."""
+    import redis
+
+    from service.core.identity import process_name
+
+    settings = get_settings()
+    conn = redis.Redis.from_url(settings.redis_client_url, socket_timeout=30, socket_connect_timeout=5)
+    models = Models(conn, process_name(), most=settings.tinker_models_per_worker, idle=settings.tinker_idle_seconds)
+    if not models.adopt(model_id):
+        return "held elsewhere"
+    try:
+        models.serve()
+    finally:
+        models.let_go_of_all(save=True)  # stopped (or failed): what it had learned is kept
+    return "released"
+
+
+class Models:
+    """The models this process holds, by id, and when each was last asked for something."""
+
+    def __init__(self, conn: Any, worker: str, *, most: int, idle: float) -> None:
+        self.conn, self.worker, self.most, self.idle = conn, worker, most, idle
+        self.held: dict[str, Holder] = {}
+        self.used: dict[str, float] = {}
+
+    def adopt(self, model_id: str) -> bool:
+        """Take ``model_id``'s lease and build it; False if another worker holds it or it cannot be
+        built (its waiting requests then say why)."""
+        if not bus.claim(self.conn, model_id, self.worker):
+            return False
+        try:
+            self.held[model_id] = Holder.start(model_id)
+        except Exception as exc:
+            self._fail_waiting(model_id, Failure.of(exc))
+            bus.release(self.conn, model_id, self.worker)
+            return False
+        self.used[model_id] = time.monotonic()
+        log.info("holding tinker model %s (%d held)", model_id, len(self.held))
+        return True
+
+    def serve(self) -> None:
+        """Requests of the held models, one at a time, until none is held."""
+        while self.held:
+            self._renew()
+            for model_id in bus.wanted(self.conn)[: max(0, self.most - len(self.held))]:
+                self.adopt(model_id)
+            taken = bus.take(self.conn, list(self.held), self.worker, block=1.0) if self.held else None
+            if taken is not None:
+                model_id, envelope, payload = taken
+                self._answer(self.held[model_id], envelope, payload)
+                self.used[model_id] = time.monotonic()
+            self._let_go_of_idle()
+
+    def _renew(self) -> None:
+        for model_id in list(self.held):
+            if not bus.renew(self.conn, model_id, self.worker):
+                log.warning("tinker model %s: lease lost; letting it go unsaved", model_id)
+                self._forget(model_id)
+
+    def _let_go_of_idle(self) -> None:
+        now = time.monotonic()
+        for model_id in [m for m, t in self.used.items() if now - t >= self.idle]:
+            if not bus.pending(self.conn, model_id):
+                self._let_go(model_id, save=True)
+
+    def _let_go(self, model_id: str, *, save: bool) -> None:
+        try:
+            if save:
+                self.held[model_id].save_resume_state()
+        except Exception:
+            log.error("tinker model %s: its state could not be saved\n%s", model_id, traceback.format_exc())
+        finally:
+            bus.release(self.conn, model_id, self.worker)
+            self._forget(model_id)
+            log.info("let go of tinker model %s (%d held)", model_id, len(self.held))
+
+    def let_go_of_all(self, *, save: bool) -> None:
+        for model_id in list(self.held):
+            self._let_go(model_id, save=save)
+
+    def _forget(self, model_id: str) -> None:
+        self.held.pop(model_id, None)
+        self.used.pop(model_id, None)
+
+    def _answer(self, holder: Holder, envelope: dict[str, Any], payload: bytes | None) -> None:
+        rid = envelope["id"]
+        try:
+            content_type, body = holder.run(envelope, payload)
+        except Exception as exc:
+            failure = Failure.of(exc)
+            if failure.category == "server":
+                log.error(
+                    "tinker model %s: %s failed\n%s", holder.model_id, envelope.get("kind"), traceback.format_exc()
+                )
+            bus.finish(self.conn, rid, content_type="application/json", body=failure.body(), failed=True)
+            return
+        bus.finish(self.conn, rid, content_type=content_type, body=body)
+
+    def _fail_waiting(self, model_id: str, failure: Failure) -> None:
+        log.error("tinker model %s could not be built: %s", model_id, failure.message)
+        while (taken := bus.take(self.conn, [model_id], self.worker, block=0.01)) is not None:
+            bus.finish(self.conn, taken[1]["id"], content_type="application/json", body=failure.body(), failed=True)

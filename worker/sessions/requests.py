@@ -1,0 +1,178 @@
+"""What a worker holding a Tinker training model does with each of its requests: build the model,
+forward_backward (the body is the SDK's protobuf), optim_step, save the state or the sampler's
+weights, load a state. Each answer is what the SDK's future decodes (JSON, or protobuf for a
+forward_backward's output); each failure says whose it is (``user``: the request; ``server``: ours).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service.core.db import session_scope
+from service.core.errors import DomainError
+from service.core.settings import get_settings
+from service.core.tables import TinkerCheckpoint, TinkerModel, now
+from service.tinker import wire
+from worker.engine.modeling import pick_device
+from worker.engine.tinker import losses
+from worker.engine.tinker.model import AdamStep, Datum, LoraSettings, TrainingModel
+
+JSON = "application/json"
+PROTOBUF = "application/x-protobuf"
+RESUME_NAME = "resume"
+"""The state a worker saves when it lets a model go (``tinker://<model>/weights/resume``)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed request as the SDK's ``RequestFailedResponse``: a message and whose fault it is."""
+
+    message: str
+    category: str  # "user" | "server"
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        if isinstance(exc, (DomainError, wire.WireError, losses.LossInputError)):
+            return cls(str(getattr(exc, "message", None) or exc), "user")
+        return cls(f"the server failed this request ({type(exc).__name__}); it was logged", "server")
+
+    def body(self) -> bytes:
+        return json.dumps({"error": self.message, "category": self.category}).encode()
+
+
+def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
+    """Where a checkpoint of ``model_id`` lives, relative to the artifacts root."""
+    return f"tinker/{model_id.replace(':', '.')}/{kind}/{name}"
+
+
+class Holder:
+    """One training model in this worker's memory, and the requests it runs."""
+
+    def __init__(self, row: TinkerModel, model: TrainingModel) -> None:
+        self.model_id, self.row_seq, self.base_model = row.id, row.seq, row.base_model
+        self.model = model
+        self.saved_steps = row.state_steps if row.state_path else -1
+
+    @classmethod
+    def start(cls, model_id: str) -> Holder:
+        """The model built from its base (and its newest saved state, when it has one)."""
+        settings = get_settings()
+        with session_scope() as session:
+            from sqlalchemy import select
+
+            row = session.scalar(select(TinkerModel).where(TinkerModel.id == model_id))
+            if row is None:
+                raise DomainError(f"No training model '{model_id}'.", code="model_not_found")
+            session.expunge(row)
+        lora = LoraSettings(**row.lora) if row.lora is not None else LoraSettings(rank=0)
+        model = TrainingModel(
+            settings.models_dir / row.base_model, lora=lora, device=pick_device(None), name=row.base_model
+        )
+        if row.state_path:
+            model.load(settings.artifacts_dir / row.state_path, optimizer=True)
+        return cls(row, model)
+
+    def run(self, envelope: dict[str, Any], payload: bytes | None) -> tuple[str, bytes]:
+        kind = envelope["kind"]
+        if kind == "create_model":
+            return _json({"model_id": self.model_id, "type": "create_model"})
+        if kind == "forward_backward":
+            return PROTOBUF, self.forward_backward(payload or b"", envelope.get("encoding"))
+        if kind == "optim_step":
+            metrics = self.model.optim_step(AdamStep(**envelope["adam_params"]))
+            self._note(steps=self.model.steps)
+            return _json({"metrics": metrics, "type": "optim_step"})
+        if kind in ("save_weights", "save_weights_for_sampler"):
+            return _json(self.save(envelope, sampler=kind == "save_weights_for_sampler"))
+        if kind == "load_weights":
+            self.model.load(get_settings().artifacts_dir / envelope["source"], optimizer=bool(envelope["optimizer"]))
+            self._note(steps=self.model.steps)
+            return _json({"path": envelope["path"], "model_id": self.model_id, "type": "load_weights"})
+        raise DomainError(f"'{kind}' is not a request of a training model", code="invalid_request")
+
+    def forward_backward(self, payload: bytes, encoding: str | None) -> bytes:
+        settings = get_settings()
+        call = wire.decode_forward_backward(
+            payload,
+            content_encoding=encoding,
+            max_bytes=settings.tinker_max_request_bytes,
+            max_tokens=settings.tinker_max_tokens,
+        )
+        data = [
+            Datum(
+                torch.from_numpy(d.tokens.copy()), {k: torch.from_numpy(v.copy()) for k, v in d.loss_fn_inputs.items()}
+            )
+            for d in call.data
+        ]
+        result = self.model.forward_backward(data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
+        outputs = [{k: v.detach().cpu().numpy() for k, v in out.items()} for out in result.outputs]
+        return wire.encode_forward_backward_output(outputs, result.metrics)
+
+    def save(self, envelope: dict[str, Any], *, sampler: bool) -> dict[str, Any]:
+        """The state (weights and optimizer) or the sampler's weights under the asked name (or a new
+        one), a checkpoint row, and the SDK's answer."""
+        kind = "sampler_weights" if sampler else "weights"
+        name = (
+            envelope.get("name")
+            or f"{'sampler-' if sampler else 'state-'}{self.model.steps:06d}-{secrets.token_hex(3)}"
+        )
+        relative = checkpoint_dir(self.model_id, kind, name)
+        size = self.model.save(
+            get_settings().artifacts_dir / relative, optimizer=not sampler, base_model=self.base_model
+        )
+        ttl = envelope.get("ttl_seconds")
+        self._record(kind, name, relative, size, envelope.get("user_metadata") or {}, ttl)
+        path = f"tinker://{self.model_id}/{kind}/{name}"
+        return {"path": path, "type": "save_weights_for_sampler" if sampler else "save_weights"}
+
+    def save_resume_state(self) -> None:
+        """Before letting the model go: its state, unless nothing changed since the last one saved."""
+        if self.model.steps == self.saved_steps and not self.model.pending:
+            return
+        relative = checkpoint_dir(self.model_id, "weights", RESUME_NAME)
+        size = self.model.save(get_settings().artifacts_dir / relative, optimizer=True, base_model=self.base_model)
+        self._record("weights", RESUME_NAME, relative, size, {}, None)
+        self._note(steps=self.model.steps, state_path=relative)
+        self.saved_steps = self.model.steps
+
+    def _record(
+        self, kind: str, name: str, relative: str, size: int, metadata: dict[str, Any], ttl: int | None
+    ) -> None:
+        from sqlalchemy import select
+
+        with session_scope() as session:
+            row = session.scalar(
+                select(TinkerCheckpoint).where(
+                    TinkerCheckpoint.model_seq == self.row_seq,
+                    TinkerCheckpoint.kind == kind,
+                    TinkerCheckpoint.name == name,
+                )
+            )
+            if row is None:
+                row = TinkerCheckpoint(model_seq=self.row_seq, kind=kind, name=name, path=relative)
+                session.add(row)
+            row.step, row.size_bytes, row.user_metadata = self.model.steps, size, metadata
+            row.created_at = now()
+            row.expires_at = now() + int(ttl) if ttl else None
+            session.commit()
+
+    def _note(self, *, steps: int, state_path: str | None = None) -> None:
+        import time
+
+        with session_scope() as session:
+            row = session.get(TinkerModel, self.row_seq)
+            if row is None:
+                return
+            row.steps, row.last_request_at = steps, time.time()
+            if state_path is not None:
+                row.state_path, row.state_steps = state_path, steps
+            session.commit()
+
+
+def _json(answer: dict[str, Any]) -> tuple[str, bytes]:
+    return JSON, json.dumps(answer, allow_nan=False).encode()
