@@ -1,17 +1,18 @@
 """Requests of Tinker training models, from the API to the worker that holds the model, and their
-answers (futures), in Redis.
+answers (futures), in Redis, under ``rloo:tinker:<queue>`` (``<p>`` below):
 
-* ``rloo:tinker:model:<model>:requests``: the model's requests in the order they came (a list of
-  JSON envelopes ``{id, kind, ...}``); a request's body, when it has one (a forward_backward's
-  protobuf), waits beside it under ``rloo:tinker:payload:<id>``.
-* ``rloo:tinker:future:<id>``: the future (a hash): its project, model, status (``pending``,
-  ``running``, ``done``, ``failed``), the worker running it, and once done its answer's content
-  type and body. Futures expire an hour after their last change.
-* ``rloo:tinker:ready:<id>``: one element pushed when the future is done, which a waiting
+* ``<p>:model:<model>:requests``: the model's requests in the order they came (a list of JSON
+  envelopes ``{id, kind, ...}``); a request's body, when it has one (a forward_backward's
+  protobuf), waits beside it under ``<p>:payload:<id>``.
+* ``<p>:future:<id>``: the future (a hash): its project, model, status (``pending``, ``running``,
+  ``done``, ``failed``), the worker running it, and once done its answer's content type and body.
+  Futures expire an hour after their last change.
+* ``<p>:ready:<id>``: one element pushed when the future is done, which a waiting
   ``retrieve_future`` pops (a long poll rather than a busy one).
-* ``rloo:tinker:holder:<model>``: the worker holding the model (a lease it renews while it runs);
-  ``rloo:tinker:wake:<model>``: set for a while after a worker was asked to take the model, so
-  the API asks once.
+* ``<p>:holder:<model>``: the worker holding the model (a lease it renews while it runs);
+  ``<p>:wake:<model>``: set for a while after a worker was asked to take the model, so the API
+  asks once; ``<p>:wanted``: the models with requests and no holder, which a worker holding
+  others takes when it has room.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-PREFIX = "rloo:tinker"
+
+def prefix() -> str:
+    """``rloo:tinker:<queue>``: deployments sharing one Redis (each its own RLOO_QUEUE and database)
+    never see each other's models."""
+    from service.core.settings import get_settings
+
+    return f"rloo:tinker:{get_settings().queue}"
+
+
 FUTURE_TTL = 3600
 LEASE_SECONDS = 30
 WAKE_SECONDS = 20
-WANTED = f"{PREFIX}:wanted"
-"""Models with requests waiting and no worker holding them."""
 
 
 def new_request_id() -> str:
@@ -35,19 +42,19 @@ def new_request_id() -> str:
 
 
 def _requests(model_id: str) -> str:
-    return f"{PREFIX}:model:{model_id}:requests"
+    return f"{prefix()}:model:{model_id}:requests"
 
 
 def _future(rid: str) -> str:
-    return f"{PREFIX}:future:{rid}"
+    return f"{prefix()}:future:{rid}"
 
 
 def _payload(rid: str) -> str:
-    return f"{PREFIX}:payload:{rid}"
+    return f"{prefix()}:payload:{rid}"
 
 
-def _holder(model_id: str) -> str:
-    return f"{PREFIX}:holder:{model_id}"
+def holder_key(model_id: str) -> str:
+    return f"{prefix()}:holder:{model_id}"
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,10 @@ def needs_worker(conn: Any, model_id: str) -> bool:
     """True when no worker holds ``model_id`` and none was asked lately: the caller asks one (once
     per ``WAKE_SECONDS``). The model is marked wanted meanwhile, so that a worker holding other
     models takes it too when it has room."""
-    if conn.exists(_holder(model_id)):
+    if conn.exists(holder_key(model_id)):
         return False
-    conn.sadd(WANTED, model_id)
-    return bool(conn.set(f"{PREFIX}:wake:{model_id}", 1, nx=True, ex=WAKE_SECONDS))
+    conn.sadd(f"{prefix()}:wanted", model_id)
+    return bool(conn.set(f"{prefix()}:wake:{model_id}", 1, nx=True, ex=WAKE_SECONDS))
 
 
 async def read(conn: Any, rid: str) -> Future | None:
@@ -108,45 +115,45 @@ async def read(conn: Any, rid: str) -> Future | None:
 async def wait(conn: Any, rid: str, seconds: float) -> None:
     """Up to ``seconds`` for the future to be done (returns at once when it is)."""
     if seconds > 0:
-        await conn.blpop([f"{PREFIX}:ready:{rid}"], timeout=seconds)
+        await conn.blpop([f"{prefix()}:ready:{rid}"], timeout=seconds)
 
 
 async def holder_alive(conn: Any, model_id: str, worker: str) -> bool:
-    held = await conn.get(_holder(model_id))
+    held = await conn.get(holder_key(model_id))
     return held is not None and held.decode() == worker
 
 
 async def forget(conn: Any, rid: str) -> None:
     """The answer was read: it is no longer kept."""
-    await conn.delete(_future(rid), _payload(rid), f"{PREFIX}:ready:{rid}")
+    await conn.delete(_future(rid), _payload(rid), f"{prefix()}:ready:{rid}")
 
 
 # The worker's side --------------------------------------------------------------------------------------
 def claim(conn: Any, model_id: str, worker: str) -> bool:
     """Hold ``model_id`` (a lease of ``LEASE_SECONDS``, renewed with ``renew``); False if another
     worker holds it."""
-    held = bool(conn.set(_holder(model_id), worker, nx=True, ex=LEASE_SECONDS))
+    held = bool(conn.set(holder_key(model_id), worker, nx=True, ex=LEASE_SECONDS))
     if held:
-        conn.srem(WANTED, model_id)
+        conn.srem(f"{prefix()}:wanted", model_id)
     return held
 
 
 def wanted(conn: Any) -> list[str]:
     """The models waiting for a worker, as ``needs_worker`` marked them."""
-    return sorted(m.decode() for m in conn.smembers(WANTED))
+    return sorted(m.decode() for m in conn.smembers(f"{prefix()}:wanted"))
 
 
 def renew(conn: Any, model_id: str, worker: str) -> bool:
     """Renew the lease; False when it was lost (expired and taken by another worker)."""
-    if conn.get(_holder(model_id)) != worker.encode():
+    if conn.get(holder_key(model_id)) != worker.encode():
         return False
-    conn.expire(_holder(model_id), LEASE_SECONDS)
+    conn.expire(holder_key(model_id), LEASE_SECONDS)
     return True
 
 
 def release(conn: Any, model_id: str, worker: str) -> None:
-    if conn.get(_holder(model_id)) == worker.encode():
-        conn.delete(_holder(model_id))
+    if conn.get(holder_key(model_id)) == worker.encode():
+        conn.delete(holder_key(model_id))
 
 
 def take(
@@ -157,7 +164,7 @@ def take(
     item = conn.blpop([_requests(m) for m in model_ids], timeout=block)
     if item is None:
         return None
-    model_id = item[0].decode()[len(f"{PREFIX}:model:") : -len(":requests")]
+    model_id = item[0].decode()[len(f"{prefix()}:model:") : -len(":requests")]
     envelope: dict[str, Any] = json.loads(item[1])
     conn.hset(_future(envelope["id"]), mapping={"status": "running", "worker": worker, "started": time.time()})
     return model_id, envelope, conn.get(_payload(envelope["id"]))
@@ -174,6 +181,6 @@ def finish(conn: Any, rid: str, *, content_type: str, body: bytes, failed: bool 
     pipe.hset(_future(rid), mapping={"status": status, "content_type": content_type, "body": body})
     pipe.expire(_future(rid), FUTURE_TTL)
     pipe.delete(_payload(rid))
-    pipe.rpush(f"{PREFIX}:ready:{rid}", 1)
-    pipe.expire(f"{PREFIX}:ready:{rid}", FUTURE_TTL)
+    pipe.rpush(f"{prefix()}:ready:{rid}", 1)
+    pipe.expire(f"{prefix()}:ready:{rid}", FUTURE_TTL)
     pipe.execute()

@@ -53,10 +53,11 @@ def _base_logprobs(models_dir: Path, ids: list[int]) -> list[float]:
     return picked.tolist()
 
 
-def test_the_sdk_trains_saves_and_loads_a_lora_model(tmp_path: Path, models_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["embedded", "production"])
+def test_the_sdk_trains_saves_and_loads_a_lora_model(kind: str, tmp_path: Path, models_dir: Path) -> None:
     from tinker import types
 
-    with live_stack("embedded", tmp_path, models_dir) as stack:
+    with live_stack(kind, tmp_path, models_dir) as stack:
         key = _key(stack, "e2e")
         service = tinker.ServiceClient(base_url=stack.url, api_key=key)
         training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()

@@ -99,7 +99,9 @@ class TinkerModelRequest(GuardedRequest):
         if kwargs or not (len(args) == 1 and isinstance(args[0], str) and 0 < len(args[0]) <= 128):
             return "its arguments are not one model id"
         with contextlib.suppress(Exception):
-            if _redis().exists(f"rloo:tinker:holder:{args[0]}"):
+            from service.tinker.bus import holder_key
+
+            if _redis().exists(holder_key(args[0])):
                 return ""
         return None
 

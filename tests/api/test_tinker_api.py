@@ -1,0 +1,129 @@
+"""The Tinker protocol's doors (``/api/v1``), without a worker: keys as the SDK sends them, models
+checked when a training model is created, forward_backward bodies checked before they are queued
+(malformed protobuf, a zstd bomb, an unknown loss, a missing input), and another project's
+models, futures and checkpoints as unknown as ones that never were. What a worker answers is
+``tests/e2e/test_tinker.py``'s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import zstandard
+
+from service.api.routes import tinker as routes
+from tests.helpers.api import make_key
+
+types = pytest.importorskip("tinker.types")
+
+
+def _headers(project: str = "alpha") -> dict[str, str]:
+    return {"X-API-Key": make_key(project)}
+
+
+def _session(client: Any, headers: dict[str, str]) -> str:
+    r = client.post(
+        "/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}, headers=headers
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["session_id"])
+
+
+def _model(client: Any, headers: dict[str, str], base: str = "tiny-policy", seq: int = 0) -> Any:
+    session_id = _session(client, headers)
+    body = {"session_id": session_id, "model_seq_id": seq, "base_model": base, "lora_config": {"rank": 4}}
+    return client.post("/api/v1/create_model", json=body, headers=headers)
+
+
+def _fwdbwd(model_id: str, loss_fn: str = "cross_entropy", inputs: dict[str, Any] | None = None) -> bytes:
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs=inputs if inputs is not None else {"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn), model_id=model_id, seq_id=1
+    )
+    return bytes(forward_backward_request_to_proto(request).SerializeToString())
+
+
+def _post_proto(client: Any, body: bytes, headers: dict[str, str], encoding: str | None = None) -> Any:
+    extra = {"Content-Type": "application/x-protobuf", **({"Content-Encoding": encoding} if encoding else {})}
+    return client.post("/api/v1/forward_backward", content=body, headers={**headers, **extra})
+
+
+def test_the_sdk_s_key_header_is_read_and_a_request_without_one_refused(client: Any) -> None:
+    assert client.get("/api/v1/healthz").json() == {"status": "ok"}  # the one open path
+    assert client.post("/api/v1/create_session", json={"tags": []}).status_code == 401
+    assert (
+        client.post("/api/v1/create_session", json={"tags": []}, headers={"X-API-Key": "tml-nope"}).status_code == 401
+    )
+    assert client.post("/api/v1/create_session", json={"tags": []}, headers=_headers()).status_code == 200
+
+
+def test_capabilities_list_the_models_a_training_model_can_start_from(client: Any) -> None:
+    names = {
+        m["model_name"]: m
+        for m in client.get("/api/v1/get_server_capabilities", headers=_headers()).json()["supported_models"]
+    }
+    assert names["tiny-policy"]["trainable"] is True and names["tiny-policy"]["max_context_length"] > 0
+    assert "tiny-reward" not in names  # a classifier: it does not write text
+
+
+def test_a_training_model_s_base_is_checked_when_it_is_created(client: Any) -> None:
+    headers = _headers()
+    r = _model(client, headers, base="tiny-reward")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_model", r.text
+    assert "sequence classifier" in r.json()["error"]["message"]
+    r = _model(client, headers, base="no-such-model")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "base_model", r.text
+    r = _model(client, headers)
+    assert r.status_code == 200 and r.json()["model_id"].endswith(":train:0"), r.text
+    info = client.post("/api/v1/get_info", json={"model_id": r.json()["model_id"]}, headers=headers).json()
+    assert info["lora_rank"] == 4 and info["model_data"]["model_name"] == "tiny-policy"
+
+
+def test_forward_backward_bodies_are_checked_before_they_are_queued(client: Any) -> None:
+    headers = _headers()
+    model_id = _model(client, headers).json()["model_id"]
+    ok = _post_proto(client, _fwdbwd(model_id), headers)
+    assert ok.status_code == 200 and ok.json()["request_id"].startswith("tkr-"), ok.text
+    compressed = _post_proto(client, zstandard.ZstdCompressor().compress(_fwdbwd(model_id)), headers, "zstd")
+    assert compressed.status_code == 200, compressed.text
+
+    garbage = _post_proto(client, b"\xff\x00 not protobuf" * 10, headers)
+    assert garbage.status_code == 400 and "ForwardBackwardRequest" in garbage.json()["error"]["message"]
+    bomb = zstandard.ZstdCompressor().compress(b"\x00" * (80 * 2**20))  # 80 MiB of zeros, ~2.5 KB sent
+    r = _post_proto(client, bomb, headers, "zstd")
+    assert r.status_code == 413, r.text
+    r = _post_proto(client, _fwdbwd(model_id, loss_fn="grpo"), headers)
+    assert r.status_code == 400 and "'grpo'" in r.json()["error"]["message"] and "ppo" in r.json()["error"]["message"]
+    r = _post_proto(client, _fwdbwd(model_id, loss_fn="ppo"), headers)  # no logprobs, no advantages
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("datum 0"), r.text
+    r = _post_proto(client, _fwdbwd(model_id, inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]}), headers)
+    assert r.status_code == 400 and "3 tokens" in r.json()["error"]["message"], r.text
+
+
+def test_another_project_s_models_futures_and_checkpoints_are_unknown(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(routes, "LONG_POLL_SECONDS", 0.05)
+    mine, theirs = _headers("alpha"), _headers("beta")
+    model_id = _model(client, mine).json()["model_id"]
+    rid = _post_proto(client, _fwdbwd(model_id), mine).json()["request_id"]
+
+    pending = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=mine)
+    assert pending.json() == {"type": "try_again", "request_id": rid, "queue_state": "active"}  # no worker here
+    r = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=theirs)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+    assert _post_proto(client, _fwdbwd(model_id), theirs).status_code == 404
+    r = client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {}}, headers=theirs)
+    assert r.status_code == 404
+    assert client.post("/api/v1/get_info", json={"model_id": model_id}, headers=theirs).status_code == 404
+    load = {"model_id": model_id, "path": f"tinker://{model_id}/weights/x", "optimizer": False}
+    assert client.post("/api/v1/load_weights", json=load, headers=theirs).status_code == 404
+    r = client.post("/api/v1/load_weights", json={**load, "path": "s3://bucket/x"}, headers=mine)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_path"
+    r = client.post("/api/v1/save_weights", json={"model_id": model_id, "path": "../../etc"}, headers=mine)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_path"
