@@ -63,6 +63,7 @@ class Future:
 
     project: int
     model: str
+    kind: str
     status: str
     worker: str
     content_type: str
@@ -87,6 +88,22 @@ def submit(
     return rid
 
 
+def open_future(conn: Any, *, project: int, kind: str) -> str:
+    """A future answered elsewhere than by a training model's worker (a sample, by an inference
+    worker through ``service.infra.inference_bus``); its id."""
+    rid = new_request_id()
+    conn.hset(_future(rid), mapping={"project": project, "model": "", "status": "pending", "kind": kind})
+    conn.expire(_future(rid), FUTURE_TTL)
+    return rid
+
+
+async def settle(conn: Any, rid: str, *, content_type: str, body: bytes, failed: bool = False) -> None:
+    """``finish`` from the API's side (an asyncio connection): a sample's answer, once it came."""
+    status = "failed" if failed else "done"
+    await conn.hset(_future(rid), mapping={"status": status, "content_type": content_type, "body": body})
+    await conn.expire(_future(rid), FUTURE_TTL)
+
+
 def needs_worker(conn: Any, model_id: str) -> bool:
     """True when no worker holds ``model_id`` and none was asked lately: the caller asks one (once
     per ``WAKE_SECONDS``). The model is marked wanted meanwhile, so that a worker holding other
@@ -105,6 +122,7 @@ async def read(conn: Any, rid: str) -> Future | None:
     return Future(
         project=int(got.get("project", b"0")),
         model=got.get("model", b"").decode(),
+        kind=got.get("kind", b"").decode(),
         status=got.get("status", b"").decode(),
         worker=got.get("worker", b"").decode(),
         content_type=got.get("content_type", b"").decode(),

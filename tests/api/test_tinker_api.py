@@ -127,3 +127,29 @@ def test_another_project_s_models_futures_and_checkpoints_are_unknown(
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_path"
     r = client.post("/api/v1/save_weights", json={"model_id": model_id, "path": "../../etc"}, headers=mine)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_path"
+
+
+def test_samples_are_checked_before_they_reach_an_inference_worker(client: Any) -> None:
+    mine, theirs = _headers("alpha"), _headers("beta")
+    model_id = _model(client, mine).json()["model_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+
+    def sample(headers: dict[str, str], **fields: Any) -> Any:
+        body = {"num_samples": 1, "prompt": prompt, "sampling_params": {"max_tokens": 4}, **fields}
+        return client.post("/api/v1/asample", json=body, headers=headers)
+
+    r = sample(mine, base_model="tiny-policy", prompt_logprobs=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    r = sample(mine, base_model="tiny-policy", prompt={"chunks": [{"type": "image", "tokens": []}]})
+    assert r.status_code == 400 and "encoded_text" in r.json()["error"]["message"]
+    r = sample(theirs, model_path=f"tinker://{model_id}/sampler_weights/x")
+    assert r.status_code == 404, r.text  # another project's weights: unknown
+    r = sample(mine, model_path=f"tinker://{model_id}/weights/x")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_path", r.text
+    r = sample(mine, sampling_session_id="sms-not-a-session")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    r = sample(mine, base_model="tiny-reward")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_model"
+    r = sample(mine, base_model="tiny-policy")
+    assert r.status_code == 503, r.text  # no inference worker in this test
+    assert client.get("/api/v1/samplers/sms-nothing", headers=mine).status_code == 404

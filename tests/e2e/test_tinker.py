@@ -1,8 +1,9 @@
 """The Tinker protocol driven by the unmodified ``tinker`` SDK against a live stack (the API, the
 embedded Redis, a training worker as processes), on the tiny policy: a LoRA training model learns a
 fixed batch (cross-entropy falls), its first answer's log-probs are the base model's own (LoRA
-starts at B = 0), a state saved and loaded into a new training model continues where it was, and
-another project's key finds nothing of it."""
+starts at B = 0), a state saved and loaded into a new training model continues where it was,
+``forward`` and ``forward_backward_custom`` agree with the built-in loss, and another project's key
+finds nothing of it."""
 
 from __future__ import annotations
 
@@ -82,6 +83,52 @@ def test_the_sdk_trains_saves_and_loads_a_lora_model(kind: str, tmp_path: Path, 
         current = training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
         assert resumed == pytest.approx(current, rel=1e-5)  # the same weights: the same loss
 
+        # forward (no gradient) and forward_backward_custom (the SDK's forward, then a linear
+        # cross_entropy with the custom loss's gradient as weights): the same loss, as the SDK sums it
+        plain = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        custom = training.forward_backward_custom(data, lambda _, lps: (-sum(lp.sum() for lp in lps), {})).result()
+        assert custom.metrics["loss:sum"] == pytest.approx(plain, rel=1e-5)
+        assert custom.metrics["surrogate_loss:sum"] == pytest.approx(plain, rel=1e-5)
+
         stranger = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "other"))
         with pytest.raises(Exception, match="404|not found|No checkpoint|No training model"):
             stranger.create_training_client_from_state(saved).result()
+
+
+def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, models_dir: Path) -> None:
+    """SamplingClient on the inference workers: tokens with their log-probs (the base model's own, as
+    a forward of prompt + sample computes them), the same seed the same tokens, and a training
+    model's sampler weights served as the training model computes (its forward's log-probs of
+    what was sampled), not as the base does."""
+    from tinker import types
+
+    with live_stack("embedded", tmp_path, models_dir) as stack:
+        stack.start("serve", "worker", "--serve")
+        service = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "e2e"))
+        data, sequences = _batch(models_dir)
+        prompt = types.ModelInput.from_ints(sequences[0][:2])
+        base = service.create_sampling_client(base_model="tiny-policy")
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])
+        first = base.sample(prompt, num_samples=2, sampling_params=params).result()
+        again = base.sample(prompt, num_samples=2, sampling_params=params).result()
+        assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+        one = first.sequences[0]
+        assert len(one.tokens) == 6 and one.stop_reason == "length"
+        whole = sequences[0][:2] + list(one.tokens)
+        assert one.logprobs == pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-4)
+
+        training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()
+        for _ in range(6):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        trained = training.save_weights_and_get_sampling_client().result()
+        greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        out = trained.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        whole = sequences[0][:2] + list(out.tokens)
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(whole[:-1]),
+            loss_fn_inputs={"target_tokens": whole[1:], "weights": [1.0] * (len(whole) - 1)},
+        )
+        held = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert out.logprobs == pytest.approx(held[1:], abs=1e-4)  # the trained weights are what is served
+        assert out.logprobs != pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-3)

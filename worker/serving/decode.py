@@ -45,6 +45,11 @@ class Row:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     adapter: str | None = None
+    stop_ids: frozenset[int] | None = None
+    """Token ids it ends at, the end token kept in ``tokens`` (a Tinker sample's); None: the model's
+    end-of-sequence and special tokens, left out of ``tokens`` (a served completion's)."""
+    logprobs: list[float] | None = None
+    """The model's log-probability of each token in ``tokens`` (temperature 1), where asked for."""
     tokens: list[int] = field(default_factory=list)
     sampled: int = 0
     """Tokens drawn, its end-of-sequence token included (the usage counts it)."""
@@ -89,12 +94,15 @@ class Batch:
             if new:
                 state = _merge(state, self._prefill(new))
             tokens = self._sample(state.logits, state.rows)
+            logprobs = _logprobs_of(state.logits, tokens, state.rows)
             deltas, keep = [], []
             stop_now = cancelled()
             for i, (row, token) in enumerate(zip(state.rows, tokens, strict=True)):
                 if row.request in stop_now:
                     row.finish_reason = "cancelled"
                     continue
+                if row.logprobs is not None:
+                    row.logprobs.append(logprobs[i])
                 delta = self._advance(row, token)
                 deltas.append(delta)
                 if delta.finish_reason is None:
@@ -163,9 +171,11 @@ class Batch:
     def _advance(self, row: Row, token: int) -> Delta:
         """``row`` takes ``token``: its new text, and whether (and why) it ended."""
         row.sampled += 1
-        if token in self.eos:
+        if row.stop_ids is None and token in self.eos:
             return self._end(row, "stop", self._decode(row))
         row.tokens.append(token)
+        if row.stop_ids is not None and token in row.stop_ids:
+            return self._end(row, "stop", self._decode(row))
         text = self._decode(row)
         for s in row.stop:
             at = text.find(s, max(0, len(row.text) - len(s)))
@@ -186,6 +196,14 @@ class Batch:
 
     def _decode(self, row: Row) -> str:
         return str(self.tokenizer.decode(row.tokens, skip_special_tokens=True))
+
+
+def _logprobs_of(logits: Tensor, tokens: list[int], rows: list[Row]) -> list[float]:
+    """The model's log-probability (temperature 1) of each row's token, for rows that record them."""
+    if all(r.logprobs is None for r in rows):
+        return [0.0] * len(rows)
+    chosen = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    return [float(v) for v in torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1).tolist()]
 
 
 def end_ids(eos: list[int], tokenizer: Any) -> set[int]:

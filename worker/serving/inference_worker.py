@@ -173,7 +173,7 @@ class Server:
         for envelope in inference_bus.take(self.conn, self.ns, self.worker, block=block, most=most):
             with self._lock:
                 self.held.add(envelope["id"])
-            if envelope.get("kind") in ("chat", "completion"):
+            if envelope.get("kind") in ("chat", "completion", "tokens"):
                 if Request.rows_of(envelope) > self.share:  # (the API refuses them: one from elsewhere)
                     message = f"A request may ask for at most {self.share} completions (n times the prompts)."
                     self._answer(envelope["id"], inference_bus.error_message(400, "too_many_completions", message, "n"))
@@ -254,6 +254,55 @@ class Server:
 
     def _rows(self, request: Request, loaded: Any, adapter: str | None) -> dict[str, Any] | None:
         """The request's rows (tokenized, checked against the context), or the error that answers it."""
+        if request.envelope["kind"] == "tokens":
+            return self._token_rows(request, loaded, adapter)
+        return self._text_rows(request, loaded, adapter)
+
+    def _token_rows(self, request: Request, loaded: Any, adapter: str | None) -> dict[str, Any] | None:
+        """A Tinker sample's rows: its prompt's token ids as given, ``n`` samples, each token's
+        log-probability recorded and its end token kept (``stop_ids``: the model's end tokens when the
+        request names none; ``[]``: none, to ``max_tokens``)."""
+        from worker.engine.rollout.base import _eos_ids
+        from worker.serving.decode import end_ids
+
+        env = request.envelope
+        if not isinstance(self.cache, ModelCache):  # vLLM: its stop tokens and log-probs are not wired yet
+            message = "Tinker sampling is served by the transformers inference workers (not vLLM's) for now."
+            return inference_bus.error_message(400, "unsupported", message, "model_path")
+        ids = [int(t) for t in env["prompt_ids"]]
+        context, asked = loaded.context, int(env["max_tokens"])
+        if context is not None and len(ids) + asked > context:
+            message = (
+                f"This model's maximum context length is {context} tokens: the prompt's {len(ids)} and "
+                f"max_tokens {asked} are past it. Shorten the prompt or lower max_tokens."
+            )
+            return inference_bus.error_message(400, "context_length_exceeded", message, "sampling_params")
+        stop_ids = env.get("stop_ids")
+        ends = frozenset(
+            end_ids(_eos_ids(loaded.model, loaded.tokenizer), loaded.tokenizer) if stop_ids is None else stop_ids
+        )
+        for j in range(int(env.get("n", 1))):
+            request.rows.append(
+                Row(
+                    request=request.id,
+                    index=j,
+                    prompt_ids=ids,
+                    max_tokens=asked,
+                    temperature=float(env.get("temperature", 1.0)),
+                    top_p=float(env.get("top_p", 1.0)),
+                    stop=tuple(env.get("stop") or ()),
+                    seed=seed_of(env.get("seed"), j),
+                    adapter=adapter,
+                    stop_ids=ends,
+                    logprobs=[],
+                )
+            )
+        request.prompt_tokens = len(ids)
+        request.open_rows = len(request.rows)
+        return None
+
+    def _text_rows(self, request: Request, loaded: Any, adapter: str | None) -> dict[str, Any] | None:
+        """A completion's rows: its prompts rendered and tokenized, checked against the context."""
         from worker.engine.data import prompt_text
 
         env, tok = request.envelope, loaded.tokenizer
@@ -393,7 +442,12 @@ class Server:
                 "completion_tokens": completion,
                 "total_tokens": request.prompt_tokens + completion,
             }
-            self._answer(request.id, {"t": "done", "usage": usage})
+            done: dict[str, Any] = {"t": "done", "usage": usage}
+            if request.envelope["kind"] == "tokens":  # a Tinker sample: its tokens, not its text
+                done["sequences"] = [
+                    {"tokens": r.tokens, "logprobs": r.logprobs, "stop_reason": r.finish_reason} for r in request.rows
+                ]
+            self._answer(request.id, done)
 
     def _answer(self, rid: str, last: dict[str, Any]) -> None:
         if last.get("t") == "error":  # (a model that would not load names its directory)

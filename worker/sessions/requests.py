@@ -17,7 +17,7 @@ from service.core.db import session_scope
 from service.core.errors import DomainError
 from service.core.settings import get_settings
 from service.core.tables import TinkerCheckpoint, TinkerModel, now
-from service.tinker import wire
+from service.tinker import sampling, wire
 from worker.engine.modeling import pick_device
 from worker.engine.tinker import losses
 from worker.engine.tinker.model import AdamStep, Datum, LoraSettings, TrainingModel
@@ -128,7 +128,10 @@ class Holder:
         ttl = envelope.get("ttl_seconds")
         self._record(kind, name, relative, size, envelope.get("user_metadata") or {}, ttl)
         path = f"tinker://{self.model_id}/{kind}/{name}"
-        return {"path": path, "type": "save_weights_for_sampler" if sampler else "save_weights"}
+        answer = {"path": path, "type": "save_weights_for_sampler" if sampler else "save_weights"}
+        if sampler and not envelope.get("name"):  # save_weights_and_get_sampling_client: a session on it
+            answer["sampling_session_id"] = sampling.session_id_of(path=path)
+        return answer
 
     def save_resume_state(self) -> None:
         """Before letting the model go: its state, unless nothing changed since the last one saved."""

@@ -10,7 +10,9 @@ rate limits are the rest of the API's (the SDK sends the key as ``X-API-Key``).
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -23,11 +25,11 @@ from service.api.responses import JSON
 from service.api.routing import StrictJSONRoute
 from service.api.schemas import tinker as schemas
 from service.core.crud import Caller
-from service.core.db import ends_session, session_scope, write_lock
-from service.core.errors import Invalid, NotFound, TooLarge
+from service.core.db import ends_session, run_db, session_scope, write_lock
+from service.core.errors import Invalid, NotFound, TooLarge, no_inference_worker
 from service.core.settings import Settings, get_settings
-from service.infra import task_queue
-from service.tinker import bus, loss_specs, sessions, wire
+from service.infra import inference_bus, task_queue
+from service.tinker import bus, loss_specs, sampling, sessions, wire
 
 log = logging.getLogger("rloo.api")
 router = APIRouter(prefix="/api/v1", route_class=StrictJSONRoute, tags=["tinker"], include_in_schema=False)
@@ -285,6 +287,93 @@ def load_weights(body: schemas.LoadWeights, project: ProjectDep, session: Sessio
     return _future(_queue(project.seq, target.id, "load_weights", fields), target.id)
 
 
+# Sampling -----------------------------------------------------------------------------------------------------
+@router.post("/create_sampling_session")
+@ends_session
+def create_sampling_session(
+    body: schemas.CreateSamplingSession, project: ProjectDep, session: SessionDep, settings: SettingsDep
+) -> JSON:
+    """A sampling session on a base model or a training model's sampler weights (checked now)."""
+    sessions.get_session(session, project=project.seq, session_id=body.session_id)
+    if not (body.model_path or body.base_model):
+        raise Invalid("Name what to sample: model_path (sampler weights) or base_model", param="base_model")
+    named = {"path": body.model_path} if body.model_path else {"base": body.base_model or ""}
+    sampling.servable(session, settings, project=project.seq, named=named)
+    sampling_id = sampling.session_id_of(path=body.model_path, base_model=body.base_model)
+    return JSON({"type": "create_sampling_session", "sampling_session_id": sampling_id})
+
+
+@router.get("/samplers/{sampler_id}")
+@ends_session
+def get_sampler(sampler_id: str, project: ProjectDep, session: SessionDep, settings: SettingsDep) -> JSON:
+    named = sampling.named_by(sampler_id)
+    _, base = sampling.servable(session, settings, project=project.seq, named=named)
+    return JSON({"sampler_id": sampler_id, "base_model": base, "model_path": named.get("path")})
+
+
+@router.post("/asample")
+async def asample(body: schemas.Sample, project: ProjectDep, session: SessionDep, settings: SettingsDep) -> JSON:
+    """A sample, queued for the inference workers as a request of kind ``tokens``; its answer comes
+    through ``retrieve_future``."""
+    _refuse_unserved(body)
+    named = sampling.named_by(body.sampling_session_id) if body.sampling_session_id else None
+    named = named or ({"path": body.model_path} if body.model_path else {"base": body.base_model or ""})
+    served, _ = await run_db(session, lambda: sampling.servable(session, settings, project=project.seq, named=named))
+    ns = inference_bus.namespace(inference_bus.serve_queue())
+    if not await anyio.to_thread.run_sync(inference_bus.live_workers, _redis(), ns):
+        raise no_inference_worker("sampling")
+    rid = await anyio.to_thread.run_sync(lambda: bus.open_future(_redis(), project=project.seq, kind="sample"))
+    if body.sampling_params.max_tokens is None:
+        body.sampling_params.max_tokens = schemas.DEFAULT_MAX_TOKENS
+    deadline = time.time() + settings.inference_timeout_seconds
+    key = project.key_id or project.id
+    envelope = sampling.envelope(body, rid=rid, project=project.id, key=key, served=served, deadline=deadline)
+    conn = bus_conn()
+    try:
+        await inference_bus.submit(conn, ns, envelope)
+    finally:
+        await conn.aclose()
+    return JSON({"request_id": rid, "sample_sequence_ids": sampling.sequence_ids(body.num_samples)})
+
+
+def _refuse_unserved(body: schemas.Sample) -> None:
+    unserved = {
+        "prompt_logprobs": bool(body.prompt_logprobs),
+        "topk_prompt_logprobs": body.topk_prompt_logprobs > 0,
+        "topk_sample_logprobs": body.topk_sample_logprobs > 0,
+        "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
+        "target_prompt_logprobs": body.target_prompt_logprobs is not None,
+        "sampling_params.top_k": body.sampling_params.top_k not in (-1, 0),
+    }
+    for name, asked in unserved.items():
+        if asked:
+            raise Invalid(f"{name} is not served here yet: leave it unset", param=name, code="unsupported")
+    if any(chunk.type != "encoded_text" for chunk in body.prompt.chunks):
+        raise Invalid("Images and audio are not served here: send encoded_text chunks", param="prompt")
+    if not body.prompt_tokens():
+        raise Invalid("The prompt has no tokens", param="prompt", code="empty_prompt")
+
+
+async def _sample_answer(conn: Any, rid: str, seconds: float) -> None:
+    """The inference worker's messages for sample ``rid``, up to ``seconds``: its last one settles
+    the future (the SDK's protobuf ``SampleResponse``, or the worker's error)."""
+    ns = inference_bus.namespace(inference_bus.serve_queue())
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        item = await conn.blpop([f"{ns}:reply:{rid}"], timeout=max(0.01, min(left, 5.0)))
+        if item is None:
+            continue
+        message = json.loads(item[1])
+        if message.get("t") == "done":
+            await bus.settle(conn, rid, content_type="application/x-protobuf", body=sampling.response_of(message))
+            return
+        if message.get("t") == "error":
+            category = "user" if int(message.get("status", 500)) < 500 else "server"
+            failure = json.dumps({"error": str(message.get("message")), "category": category}).encode()
+            await bus.settle(conn, rid, content_type="application/json", body=failure, failed=True)
+            return
+
+
 # Futures ------------------------------------------------------------------------------------------------------
 @router.post("/retrieve_future")
 async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> Response:
@@ -295,7 +384,10 @@ async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> 
     conn = bus_conn()
     try:
         future = await _read(conn, body.request_id, project)
-        if future.status in ("pending", "running"):
+        if future.kind == "sample" and future.status == "pending":
+            await _sample_answer(conn, body.request_id, LONG_POLL_SECONDS)
+            future = await _read(conn, body.request_id, project)
+        elif future.status in ("pending", "running"):
             await bus.wait(conn, body.request_id, LONG_POLL_SECONDS)
             future = await _read(conn, body.request_id, project)
         if future.status == "running" and not await bus.holder_alive(conn, future.model, future.worker):
@@ -303,7 +395,7 @@ async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> 
                 {"error": {"message": "The worker running this request is gone; send it again", "code": "worker_lost"}},
                 status_code=410,
             )
-        if future.status == "pending":  # its worker may have died before taking it, or refused the wake-up
+        if future.status == "pending" and future.kind != "sample":  # its worker may have died before taking it
             await anyio.to_thread.run_sync(_wake_if_unheld, future.model)
         if future.status in ("pending", "running"):
             return JSON({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})

@@ -91,3 +91,51 @@ class LoadWeights(_Body):
 class RetrieveFuture(_Body):
     request_id: str = Field(max_length=64)
     allow_metadata_only: bool = False
+
+
+class CreateSamplingSession(_Body):
+    session_id: str = Field(max_length=128)
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = Field(default=None, max_length=1024)
+    model_path: str | None = Field(default=None, max_length=600)
+
+
+class Chunk(_Body):
+    type: str = "encoded_text"
+    tokens: list[int] = Field(default_factory=list, max_length=1_048_576)
+
+
+class Prompt(_Body):
+    chunks: list[Chunk] = Field(max_length=4096)
+
+
+class SamplingParams(_Body):
+    """Tinker's ``SamplingParams``; ``max_tokens`` unset: ``DEFAULT_MAX_TOKENS``."""
+
+    max_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str | int] | None = Field(default=None, max_length=64)
+    temperature: float = Field(default=1.0, ge=0, le=100)
+    top_k: int = -1
+    top_p: float = Field(default=1.0, gt=0, le=1)
+
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class Sample(_Body):
+    num_samples: int = Field(default=1, ge=1, le=64)
+    prompt: Prompt
+    sampling_params: SamplingParams
+    base_model: str | None = Field(default=None, max_length=1024)
+    model_path: str | None = Field(default=None, max_length=600)
+    sampling_session_id: str | None = Field(default=None, max_length=2048)
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+
+    def prompt_tokens(self) -> list[int]:
+        return [t for chunk in self.prompt.chunks for t in chunk.tokens]
