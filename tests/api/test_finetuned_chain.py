@@ -111,3 +111,29 @@ def test_a_job_starts_from_the_full_model_then_each_adapter_after_it(tmp_path: P
     # A full model's checkpoint holds every weight before it: what came earlier changes nothing.
     only_a = weights((a,))
     assert all(torch.equal(weights((b, a))[k], only_a[k]) for k in only_a)
+
+
+def test_an_adapter_of_a_tied_output_layer_merges_into_that_layer_alone(tmp_path: Path, models_dir: Path) -> None:
+    """The tiny policy ties lm_head to the input embeddings; an adapter on lm_head, merged, must
+    change lm_head only, so the merged model (saved and loaded again, as an export is) answers
+    what the adapter served unmerged answers, with the input embeddings it had."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, _ = load_policy(models_dir)
+    assert base.get_output_embeddings().weight.data_ptr() == base.get_input_embeddings().weight.data_ptr()
+    embeddings = base.get_input_embeddings().weight.detach().clone()
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["lm_head", "q_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter", save_embedding_layers=False)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+
+    served, _ = load_policy(models_dir)
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(served, tmp_path / "adapter").eval()(input_ids=ids).logits
+    fresh, _ = load_policy(models_dir)
+    merged = start_from(fresh, (tmp_path / "adapter",), torch.device("cpu"))
+    assert torch.equal(merged.get_input_embeddings().weight, embeddings)
+    merged.save_pretrained(tmp_path / "merged")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-4)

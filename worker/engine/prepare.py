@@ -164,11 +164,38 @@ def start_from(base: Any, chain: tuple[Path, ...], device: torch.device) -> Any:
     for checkpoint in chain[full[-1] + 1 if full else 0 :]:
         from peft import PeftModel
 
+        untie_adapted_output(base, checkpoint)
         try:
             base = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
         except (OSError, ValueError) as exc:
             raise JobError("model_load_failed", f"could not apply the fine-tuned adapter: {exc}") from None
     return base
+
+
+def untie_adapted_output(model: Any, adapter: Path) -> None:
+    """Before an adapter that changes the output layer (``lm_head``) is merged into a model whose
+    output layer shares its weight with the input embeddings (``tie_word_embeddings``): the output
+    layer its own copy, and the config untied, so the merge changes the output layer alone, as the
+    adapter, served unmerged, does (merged into the shared weight, it would change the input
+    embeddings too, and every answer with them)."""
+    import json
+
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or inputs is None or output.weight.data_ptr() != inputs.weight.data_ptr():
+        return
+    name = next((n for n, module in model.named_modules() if module is output), "lm_head").rsplit(".", 1)[-1]
+    targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules") or []
+    if isinstance(targets, str):
+        import re
+
+        adapted = re.fullmatch(targets, name) is not None
+    else:
+        adapted = name in targets
+    if not adapted:
+        return
+    output.weight = torch.nn.Parameter(output.weight.detach().clone(), requires_grad=output.weight.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
 
 
 def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> RolloutBackend:
