@@ -22,6 +22,7 @@ from service.api.routes import (
     models,
     ops,
     tinker,
+    tinker_runs,
     webhooks,
     workers,
 )
@@ -66,6 +67,7 @@ def create_app() -> FastAPI:
     app.include_router(evaluations.router)
     app.include_router(workers.router)
     app.include_router(tinker.router)
+    app.include_router(tinker_runs.router)
     dashboard.install(app)
     app.include_router(ops.router(settings, prometheus))
     openapi.install(app)

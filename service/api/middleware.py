@@ -180,7 +180,8 @@ class AuthMiddleware:
         if root and path.startswith(root):  # behind a proxy prefix (uvicorn --root-path)
             path = path[len(root) :]
         tinker = path.startswith("/api/v1/")  # the Tinker protocol (service.api.routes.tinker)
-        if scope["type"] != "http" or not (path.startswith("/v1/") or (tinker and path not in OPEN_TINKER_PATHS)):
+        open_tinker = path in OPEN_TINKER_PATHS or path.startswith(OPEN_TINKER_PREFIXES)
+        if scope["type"] != "http" or not (path.startswith("/v1/") or (tinker and not open_tinker)):
             await self.app(scope, receive, send)
             return
         from anyio import to_thread
@@ -280,6 +281,8 @@ async def _refuse(send: Send, rule: str, retry: float, headers: list[tuple[bytes
 
 OPEN_TINKER_PATHS = ("/api/v1/healthz",)
 """The Tinker protocol's paths that answer without a key (every other /api/v1 path takes one)."""
+OPEN_TINKER_PREFIXES = ("/api/v1/downloads/",)
+"""... and where a checkpoint's download links lead (the link's random token is the credential)."""
 UPLOADS = ("/v1/files",)
 """Where bodies are uploads, bounded by RLOO_MAX_UPLOAD_BYTES and not by the byte rate."""
 UNDECLARED_BODY = 8 * 1024 * 1024

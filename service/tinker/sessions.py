@@ -3,7 +3,8 @@ the caller's project: another project's is as unknown as one that never was), de
 
 Names as the SDK makes them: a training model is ``<session>:train:<n>``; a checkpoint is
 ``tinker://<model>/weights/<name>`` (a state to resume: weights and optimizer) or
-``tinker://<model>/sampler_weights/<name>`` (weights an inference worker serves).
+``tinker://<model>/sampler_weights/<name>`` (weights an inference worker serves) or
+``tinker://<model>/external_weights/<name>`` (one Hugging Face model directory, LoRA merged, to download).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerSession, no
 from service.registry.inspection import check_policy, context_length, inspect_model
 from service.registry.model_root import list_models, resolve_model
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """A tinker path's segment -> the SDK's checkpoint_type."""
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_MODELS_A_SESSION = 64
@@ -43,8 +44,9 @@ def parse_path(path: str, param: str = "path") -> TinkerPath:
     parts = path[len("tinker://") :].split("/") if path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in KINDS or not NAME.match(parts[2]):
         raise Invalid(
-            f"'{path[:200]}' is not a checkpoint path: give tinker://<model id>/weights/<name> (a saved state) "
-            "or tinker://<model id>/sampler_weights/<name>, as save_state and save_weights_for_sampler answer",
+            f"'{path[:200]}' is not a checkpoint path: give tinker://<model id>/weights/<name> (a saved state), "
+            "tinker://<model id>/sampler_weights/<name> or tinker://<model id>/external_weights/<name>, as "
+            "save_state, save_weights_for_sampler and save_weights_external answer",
             param=param,
             code="invalid_path",
         )

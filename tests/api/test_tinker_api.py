@@ -153,3 +153,96 @@ def test_samples_are_checked_before_they_reach_an_inference_worker(client: Any) 
     r = sample(mine, base_model="tiny-policy")
     assert r.status_code == 503, r.text  # no inference worker in this test
     assert client.get("/api/v1/samplers/sms-nothing", headers=mine).status_code == 404
+
+
+def _checkpoint(model_id: str, kind: str, name: str, files: dict[str, bytes]) -> str:
+    """A checkpoint as a worker leaves one: its files under the artifacts root, then its row."""
+    from sqlalchemy import select
+
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.core.tables import TinkerCheckpoint, TinkerModel
+
+    relative = f"tinker/{model_id.replace(':', '.')}/{kind}/{name}"
+    for file, data in files.items():
+        (get_settings().artifacts_dir / relative / file).parent.mkdir(parents=True, exist_ok=True)
+        (get_settings().artifacts_dir / relative / file).write_bytes(data)
+    with session_scope() as session:
+        seq = session.scalar(select(TinkerModel.seq).where(TinkerModel.id == model_id))
+        session.add(TinkerCheckpoint(model_seq=seq, kind=kind, name=name, path=relative, size_bytes=7))
+        session.commit()
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+def test_the_rest_client_lists_describes_downloads_expires_and_deletes_checkpoints(client: Any) -> None:
+    from sqlalchemy import update
+
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.core.tables import TinkerCheckpoint, TinkerModel
+    from service.tinker.runs import sweep_expired
+
+    mine, theirs = _headers("alpha"), _headers("beta")
+    model_id = _model(client, mine).json()["model_id"]
+    sampler = _checkpoint(
+        model_id, "sampler_weights", "s1", {"adapter_model.safetensors": b"weights", "x/a.json": b"{}"}
+    )
+    state = _checkpoint(model_id, "weights", "w1", {"model.pt": b"state"})
+    base = f"/api/v1/training_runs/{model_id}"
+
+    runs = client.get("/api/v1/training_runs", headers=mine).json()
+    assert runs["cursor"] == {"offset": 0, "limit": 20, "total_count": 1}
+    run = runs["training_runs"][0]
+    assert (run["training_run_id"], run["lora_rank"], run["is_lora"]) == (model_id, 4, True)
+    assert run["last_sampler_checkpoint"]["tinker_path"] == sampler and run["last_checkpoint"]["tinker_path"] == state
+    assert client.get("/api/v1/training_runs", headers=theirs).json()["training_runs"] == []
+    for path in (base, f"{base}/checkpoints", f"{base}/checkpoints/weights/w1/external_weights_urls"):
+        assert client.get(path, headers=theirs).status_code == 404, path
+    assert client.delete(f"{base}/checkpoints/weights/w1", headers=theirs).status_code == 404
+    listed = client.get(f"{base}/checkpoints", headers=mine).json()["checkpoints"]
+    assert [c["checkpoint_id"] for c in listed] == ["sampler_weights/s1", "weights/w1"]
+    assert client.get("/api/v1/checkpoints?limit=1", headers=mine).json()["cursor"]["total_count"] == 2
+    info = client.post("/api/v1/weights_info", json={"tinker_path": state}, headers=mine).json()
+    assert (info["base_model"], info["lora_rank"], info["train_mlp"]) == ("tiny-policy", 4, True)
+
+    # Download links: every file, no key needed, nothing else reachable through them
+    links = client.get(f"{base}/checkpoints/sampler_weights/s1/external_weights_urls", headers=mine).json()["urls"]
+    assert sorted(links) == ["adapter_model.safetensors", "x/a.json"]
+    url = links["adapter_model.safetensors"].split("://", 1)[1].split("/", 1)[1]
+    assert client.get("/" + url).content == b"weights"
+    token = url.split("/")[3]
+    assert client.get(f"/api/v1/downloads/{token}/../weights/w1/model.pt").status_code == 404
+    assert client.get(f"/api/v1/downloads/{token}/x%2F..%2F..%2Fweights%2Fw1%2Fmodel.pt").status_code == 404
+    assert client.get("/api/v1/downloads/" + "A" * 32 + "/adapter_model.safetensors").status_code == 404
+
+    # Time to live: checked, set, and an expired checkpoint is gone from lists and from the disk
+    r = client.put(f"{base}/checkpoints/sampler_weights/s1/ttl", json={"ttl_seconds": 0}, headers=mine)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ttl_seconds"
+    assert client.put(f"{base}/checkpoints/sampler_weights/s1/ttl", json={"ttl_seconds": 60}, headers=mine).json() == {}
+    assert client.get(f"{base}/checkpoints", headers=mine).json()["checkpoints"][0]["expires_at"] is not None
+    directory = get_settings().artifacts_dir / f"tinker/{model_id.replace(':', '.')}/sampler_weights/s1"
+    with session_scope() as session:
+        session.execute(update(TinkerCheckpoint).where(TinkerCheckpoint.name == "s1").values(expires_at=1))
+        session.commit()
+        assert [c["checkpoint_id"] for c in client.get(f"{base}/checkpoints", headers=mine).json()["checkpoints"]] == [
+            "weights/w1"
+        ]
+        assert sweep_expired(session, get_settings().artifacts_dir) == 1 and not directory.exists()
+
+    # Delete: the state a model resumes from is refused; any other goes, files and all
+    with session_scope() as session:
+        resumes_from = f"tinker/{model_id.replace(':', '.')}/weights/w1"
+        session.execute(update(TinkerModel).where(TinkerModel.id == model_id).values(state_path=resumes_from))
+        session.commit()
+    r = client.delete(f"{base}/checkpoints/weights/w1", headers=mine)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "checkpoint_in_use", r.text
+    with session_scope() as session:
+        session.execute(update(TinkerModel).where(TinkerModel.id == model_id).values(state_path=None))
+        session.commit()
+    assert client.delete(f"{base}/checkpoints/weights/w1", headers=mine).status_code == 200
+    assert client.get(f"{base}/checkpoints", headers=mine).json()["checkpoints"] == []
+    assert not (directory.parent.parent / "weights" / "w1").exists()
+
+    sessions_list = client.get("/api/v1/sessions", headers=mine).json()["sessions"]
+    assert client.get(f"/api/v1/sessions/{sessions_list[0]}", headers=mine).json()["training_run_ids"] == [model_id]
+    assert client.get(f"/api/v1/sessions/{sessions_list[0]}", headers=theirs).status_code == 404

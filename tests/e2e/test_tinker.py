@@ -90,45 +90,57 @@ def test_the_sdk_trains_saves_and_loads_a_lora_model(kind: str, tmp_path: Path, 
         assert custom.metrics["loss:sum"] == pytest.approx(plain, rel=1e-5)
         assert custom.metrics["surrogate_loss:sum"] == pytest.approx(plain, rel=1e-5)
 
-        stranger = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "other"))
+        other = _key(stack, "other")
+        stranger = tinker.ServiceClient(base_url=stack.url, api_key=other)
         with pytest.raises(Exception, match="404|not found|No checkpoint|No training model"):
             stranger.create_training_client_from_state(saved).result()
-
-
-def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, models_dir: Path) -> None:
-    """SamplingClient on the inference workers: tokens with their log-probs (the base model's own, as
-    a forward of prompt + sample computes them), the same seed the same tokens, and a training
-    model's sampler weights served as the training model computes (its forward's log-probs of
-    what was sampled), not as the base does."""
-    from tinker import types
-
-    with live_stack("embedded", tmp_path, models_dir) as stack:
-        stack.start("serve", "worker", "--serve")
-        service = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "e2e"))
-        data, sequences = _batch(models_dir)
-        prompt = types.ModelInput.from_ints(sequences[0][:2])
-        base = service.create_sampling_client(base_model="tiny-policy")
-        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])
-        first = base.sample(prompt, num_samples=2, sampling_params=params).result()
-        again = base.sample(prompt, num_samples=2, sampling_params=params).result()
-        assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
-        one = first.sequences[0]
-        assert len(one.tokens) == 6 and one.stop_reason == "length"
-        whole = sequences[0][:2] + list(one.tokens)
-        assert one.logprobs == pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-4)
-
-        training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()
-        for _ in range(6):
-            training.forward_backward(data, "cross_entropy").result()
-            training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        trained = training.save_weights_and_get_sampling_client().result()
-        greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
-        out = trained.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
-        whole = sequences[0][:2] + list(out.tokens)
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(whole[:-1]),
-            loss_fn_inputs={"target_tokens": whole[1:], "weights": [1.0] * (len(whole) - 1)},
+        rest = tinker.RestClient(base_url=stack.url, api_key=key)
+        _the_rest_client_finds_downloads_and_deletes(
+            rest, tinker.RestClient(base_url=stack.url, api_key=other), training, saved, tmp_path
         )
-        held = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-        assert out.logprobs == pytest.approx(held[1:], abs=1e-4)  # the trained weights are what is served
-        assert out.logprobs != pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-3)
+
+
+def _the_rest_client_finds_downloads_and_deletes(
+    rest: Any, stranger: Any, training: Any, saved: str, tmp_path: Path
+) -> None:
+    """RestClient: the run and its checkpoint listed and described; the weights exported as one
+    Hugging Face directory (LoRA merged) and downloaded by its links (no key) compute what the
+    training model computes; a checkpoint deleted; nothing of it for another project."""
+    import urllib.request
+
+    import torch
+    from tinker import types
+    from transformers import AutoModelForCausalLM
+
+    model_id = training.model_id
+    run = rest.get_training_run(model_id).result()
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == saved and run.lora_rank == 8
+    assert model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    assert saved in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    assert rest.get_weights_info_by_tinker_path(saved).result().base_model == "tiny-policy"
+
+    exported = training.save_weights_external("merged").result().path
+    links = rest.get_external_weights_urls(exported).result().urls
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(links) and not any(
+        "adapter" in n for n in links
+    )
+    for name, url in links.items():  # the stack's own loopback URLs
+        (tmp_path / "download" / name).parent.mkdir(parents=True, exist_ok=True)
+        urllib.request.urlretrieve(url, tmp_path / "download" / name)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "download", dtype=torch.float32).eval()
+    ids = [5, 6, 7, 8, 9]
+    with torch.no_grad():
+        logits = merged(input_ids=torch.tensor([ids[:-1]])).logits
+    mine = torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 4},
+    )
+    served = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert mine.tolist() == pytest.approx(served, abs=1e-4)
+
+    assert stranger.list_training_runs().result().training_runs == []
+    with pytest.raises(Exception, match="404|not found|No training model"):
+        stranger.delete_checkpoint_from_tinker_path(saved).result()
+    rest.delete_checkpoint_from_tinker_path(saved).result()
+    assert saved not in [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints]

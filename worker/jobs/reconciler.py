@@ -93,6 +93,7 @@ def _reconcile_rounds(parent: int, me: WorkerInfo) -> None:
     from service.jobs import fleet
     from service.jobs.reconcile import queue_length, reconcile
     from service.jobs.webhooks import deliver_forever
+    from service.tinker.runs import sweep_expired as sweep_expired_checkpoints
 
     settings = get_settings()
     logging.basicConfig(format="[%(asctime)s: %(levelname)s/reconciler] %(message)s", level=logging.INFO)
@@ -123,6 +124,7 @@ def _reconcile_rounds(parent: int, me: WorkerInfo) -> None:
                     worker_stale_after=settings.worker_stale_after,
                 )
                 sweep_uploads(session, settings.artifacts_dir)
+                sweep_expired_checkpoints(session, settings.artifacts_dir)
         except Exception as exc:  # the database is away: try again next round
             if database_unreachable(exc):
                 blind_until = time.monotonic() + settings.stale_after

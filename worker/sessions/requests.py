@@ -89,6 +89,8 @@ class Holder:
             return _json({"metrics": metrics, "type": "optim_step"})
         if kind in ("save_weights", "save_weights_for_sampler"):
             return _json(self.save(envelope, sampler=kind == "save_weights_for_sampler"))
+        if kind == "save_weights_external":
+            return _json(self.save_external(envelope))
         if kind == "load_weights":
             self.model.load(get_settings().artifacts_dir / envelope["source"], optimizer=bool(envelope["optimizer"]))
             self._note(steps=self.model.steps)
@@ -132,6 +134,35 @@ class Holder:
         if sampler and not envelope.get("name"):  # save_weights_and_get_sampling_client: a session on it
             answer["sampling_session_id"] = sampling.session_id_of(path=path)
         return answer
+
+    def save_external(self, envelope: dict[str, Any]) -> dict[str, Any]:
+        """The weights as one Hugging Face model directory (a LoRA merged into its base, as a job's
+        merged export is made), with the tokenizer: what ``from_pretrained`` and ``vllm serve`` load."""
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from worker.serving.between_batches import export
+        from worker.serving.model_cache import Servable
+
+        settings = get_settings()
+        name = envelope["name"]
+        relative = checkpoint_dir(self.model_id, "external_weights", name)
+        target = settings.artifacts_dir / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".staging-") as staging:
+            weights = Path(staging) / "weights"
+            self.model.save(weights, optimizer=False, base_model=self.base_model)
+            (weights / "tinker_state.json").unlink(missing_ok=True)
+            shutil.rmtree(target, ignore_errors=True)
+            if self.model.lora.rank == 0:
+                weights.rename(target)
+            else:
+                export(Servable(settings.models_dir / self.base_model, (weights,)), target)
+        size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        self._record("external_weights", name, relative, size, {}, envelope.get("ttl_seconds"))
+        path = f"tinker://{self.model_id}/external_weights/{name}"
+        return {"path": path, "size_bytes": size, "type": "save_weights_external"}
 
     def save_resume_state(self) -> None:
         """Before letting the model go: its state, unless nothing changed since the last one saved."""

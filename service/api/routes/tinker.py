@@ -40,7 +40,7 @@ request time-out is 45 s)."""
 
 
 @lru_cache
-def _redis() -> Any:
+def redis_conn() -> Any:
     import redis
 
     return redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=10, socket_connect_timeout=5)
@@ -53,14 +53,14 @@ def _future(rid: str, model_id: str) -> JSON:
 def _queue(project: int, model_id: str, kind: str, fields: dict[str, Any], payload: bytes | None = None) -> str:
     """Queue a request of a training model (its worker asked for if none holds it); its id. On a
     thread, never on the event loop."""
-    conn = _redis()
+    conn = redis_conn()
     rid = bus.submit(conn, project=project, model_id=model_id, kind=kind, fields=fields, payload=payload)
     _wake_if_unheld(model_id)
     return rid
 
 
 def _wake_if_unheld(model_id: str) -> None:
-    if bus.needs_worker(_redis(), model_id):
+    if bus.needs_worker(redis_conn(), model_id):
         task_queue.wake_tinker_model(model_id)
 
 
@@ -249,6 +249,22 @@ def _save(body: schemas.SaveWeights, project: Caller, session: SessionDep, *, sa
     return _future(_queue(project.seq, body.model_id, kind, fields), body.model_id)
 
 
+@router.post("/save_weights_external")
+@ends_session
+def save_weights_external(body: schemas.SaveWeightsExternal, project: ProjectDep, session: SessionDep) -> JSON:
+    """The weights as one Hugging Face model directory (LoRA merged into its base), to download with
+    the RestClient's ``get_external_weights_urls``."""
+    if body.age_encryption_recipients:
+        raise Invalid(
+            "Encrypted exports are not served here: leave age_encryption_recipients out (the files are "
+            "downloaded over this server's own connection)",
+            param="age_encryption_recipients",
+        )
+    sessions.get_model(session, project=project.seq, model_id=body.model_id)
+    fields = {"name": sessions.checked_name(body.path, ""), "ttl_seconds": body.ttl_seconds, "seq_id": body.seq_id}
+    return _future(_queue(project.seq, body.model_id, "save_weights_external", fields), body.model_id)
+
+
 @router.post("/load_weights")
 @ends_session
 def load_weights(body: schemas.LoadWeights, project: ProjectDep, session: SessionDep, settings: SettingsDep) -> JSON:
@@ -320,9 +336,9 @@ async def asample(body: schemas.Sample, project: ProjectDep, session: SessionDep
     named = named or ({"path": body.model_path} if body.model_path else {"base": body.base_model or ""})
     served, _ = await run_db(session, lambda: sampling.servable(session, settings, project=project.seq, named=named))
     ns = inference_bus.namespace(inference_bus.serve_queue())
-    if not await anyio.to_thread.run_sync(inference_bus.live_workers, _redis(), ns):
+    if not await anyio.to_thread.run_sync(inference_bus.live_workers, redis_conn(), ns):
         raise no_inference_worker("sampling")
-    rid = await anyio.to_thread.run_sync(lambda: bus.open_future(_redis(), project=project.seq, kind="sample"))
+    rid = await anyio.to_thread.run_sync(lambda: bus.open_future(redis_conn(), project=project.seq, kind="sample"))
     if body.sampling_params.max_tokens is None:
         body.sampling_params.max_tokens = schemas.DEFAULT_MAX_TOKENS
     deadline = time.time() + settings.inference_timeout_seconds

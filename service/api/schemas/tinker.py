@@ -139,3 +139,19 @@ class Sample(_Body):
 
     def prompt_tokens(self) -> list[int]:
         return [t for chunk in self.prompt.chunks for t in chunk.tokens]
+
+
+class SaveWeightsExternal(_Body):
+    model_id: str = Field(max_length=160)
+    path: str = Field(max_length=200)
+    seq_id: int | None = None
+    ttl_seconds: int | None = Field(default=None, ge=3600, le=10 * 365 * 86400)
+    age_encryption_recipients: list[str] | None = None
+
+
+class TinkerPathRef(_Body):
+    tinker_path: str = Field(max_length=600)
+
+
+class CheckpointTtl(_Body):
+    ttl_seconds: int | None = None

@@ -1,0 +1,245 @@
+"""What the SDK's ``RestClient`` asks of training runs (Tinker's name for a training model) and their
+checkpoints: runs and checkpoints listed a page at a time, one run described, a checkpoint deleted,
+its time to live set, its files handed out as download links, expired checkpoints swept away.
+
+Everything is within the caller's project: another project's run or checkpoint is as unknown as one
+that never was. A download link is a random token kept in Redis for an hour (any API process
+answers it; nothing to sign, no secret to rotate), naming the checkpoint's files, which are read
+from the artifacts root and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.core.errors import Invalid, NotFound
+from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerSession, now
+from service.tinker import bus
+from service.tinker.sessions import TinkerPath, describe_checkpoint, find_checkpoint, get_model
+
+DOWNLOAD_SECONDS = 3600
+"""How long a download link answers."""
+MAX_TTL_SECONDS = 10 * 365 * 86400
+
+
+def _live(query: Any) -> Any:
+    return query.where((TinkerCheckpoint.expires_at.is_(None)) | (TinkerCheckpoint.expires_at > now()))
+
+
+def _iso(seconds: float | int | None) -> str | None:
+    from datetime import UTC, datetime
+
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC).isoformat()
+
+
+def _checkpoint(row: TinkerCheckpoint, model_id: str) -> dict[str, Any]:
+    described = describe_checkpoint(row, model_id)
+    described["time"], described["expires_at"] = _iso(row.created_at), _iso(row.expires_at)
+    return described
+
+
+# Runs -------------------------------------------------------------------------------------------------------
+def describe_run(session: Session, row: TinkerModel, owner: str) -> dict[str, Any]:
+    """The SDK's ``TrainingRun``: the model, its LoRA rank, its newest state and sampler weights."""
+    newest: dict[str, TinkerCheckpoint] = {}
+    for checkpoint in session.scalars(
+        _live(select(TinkerCheckpoint).where(TinkerCheckpoint.model_seq == row.seq)).order_by(
+            TinkerCheckpoint.created_at, TinkerCheckpoint.seq
+        )
+    ):
+        newest[checkpoint.kind] = checkpoint
+    return {
+        "training_run_id": row.id,
+        "base_model": row.base_model,
+        "model_owner": owner,
+        "is_lora": row.lora is not None,
+        "corrupted": False,
+        "lora_rank": (row.lora or {}).get("rank"),
+        "last_request_time": _iso(row.last_request_at or row.created_at),
+        "last_checkpoint": _checkpoint(newest["weights"], row.id) if "weights" in newest else None,
+        "last_sampler_checkpoint": (
+            _checkpoint(newest["sampler_weights"], row.id) if "sampler_weights" in newest else None
+        ),
+        "user_metadata": row.user_metadata or None,
+    }
+
+
+def list_runs(session: Session, *, project: int, owner: str, limit: int, offset: int) -> dict[str, Any]:
+    """The project's training runs, newest first, a page at a time (the SDK's ``TrainingRunsResponse``)."""
+    where = TinkerModel.project_seq == project
+    total = session.scalar(select(func.count()).select_from(TinkerModel).where(where)) or 0
+    rows = session.scalars(
+        select(TinkerModel).where(where).order_by(TinkerModel.seq.desc()).limit(limit).offset(offset)
+    ).all()
+    return {
+        "training_runs": [describe_run(session, row, owner) for row in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
+
+
+def get_run(session: Session, *, project: int, model_id: str, owner: str) -> dict[str, Any]:
+    return describe_run(session, get_model(session, project=project, model_id=model_id), owner)
+
+
+def weights_info(session: Session, *, project: int, path: TinkerPath) -> dict[str, Any]:
+    """The SDK's ``WeightsInfoResponse``: what a training client made from this checkpoint would be."""
+    find_checkpoint(session, project=project, path=path)
+    model = get_model(session, project=project, model_id=path.model_id, param="tinker_path")
+    lora = model.lora or {}
+    return {
+        "base_model": model.base_model,
+        "optimizer_config": model.optimizer or {"type": "adamw"},
+        "is_lora": model.lora is not None,
+        "lora_rank": lora.get("rank"),
+        "train_unembed": lora.get("train_unembed"),
+        "train_mlp": lora.get("train_mlp"),
+        "train_attn": lora.get("train_attn"),
+    }
+
+
+# Checkpoints ------------------------------------------------------------------------------------------------
+def list_checkpoints(session: Session, *, project: int, model_id: str) -> dict[str, Any]:
+    """One run's live checkpoints, oldest first (the SDK's ``CheckpointsListResponse``, unpaged)."""
+    model = get_model(session, project=project, model_id=model_id)
+    rows = session.scalars(
+        _live(select(TinkerCheckpoint).where(TinkerCheckpoint.model_seq == model.seq)).order_by(
+            TinkerCheckpoint.created_at, TinkerCheckpoint.seq
+        )
+    ).all()
+    return {"checkpoints": [_checkpoint(row, model.id) for row in rows], "cursor": None}
+
+
+def list_user_checkpoints(session: Session, *, project: int, limit: int, offset: int) -> dict[str, Any]:
+    """Every live checkpoint of the project, newest first, a page at a time."""
+    query = _live(
+        select(TinkerCheckpoint, TinkerModel.id)
+        .join(TinkerModel, TinkerModel.seq == TinkerCheckpoint.model_seq)
+        .where(TinkerModel.project_seq == project)
+    )
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.execute(
+        query.order_by(TinkerCheckpoint.created_at.desc(), TinkerCheckpoint.seq.desc()).limit(limit).offset(offset)
+    ).all()
+    return {
+        "checkpoints": [_checkpoint(row, model_id) for row, model_id in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
+
+
+def delete_checkpoint(session: Session, *, project: int, path: TinkerPath) -> str:
+    """The checkpoint's row deleted (the caller commits, then removes the directory answered,
+    relative to the artifacts root). The state a model resumes from is refused: the model would
+    start again from its base the next time a worker takes it."""
+    row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
+    model = get_model(session, project=project, model_id=path.model_id)
+    if model.state_path == row.path:
+        raise Invalid(
+            f"'{path}' is the state '{model.id}' resumes from when a worker takes it again: save another state "
+            "first, or leave it",
+            param="checkpoint_id",
+            code="checkpoint_in_use",
+        )
+    session.delete(row)
+    return row.path
+
+
+def set_ttl(session: Session, *, project: int, path: TinkerPath, ttl_seconds: int | None) -> None:
+    """The checkpoint expires ``ttl_seconds`` from now (None: never); the caller commits."""
+    if ttl_seconds is not None and not 0 < ttl_seconds <= MAX_TTL_SECONDS:
+        raise Invalid(
+            f"ttl_seconds must be between 1 and {MAX_TTL_SECONDS} (or null: never expires)",
+            param="ttl_seconds",
+        )
+    row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
+    row.expires_at = now() + ttl_seconds if ttl_seconds is not None else None
+
+
+def sweep_expired(session: Session, artifacts_dir: Path, *, limit: int = 200) -> int:
+    """Expired checkpoints' rows and files (a model's resume state never expires: it is not given a
+    time to live). The reconciler calls it every round; its count."""
+    rows = session.scalars(
+        select(TinkerCheckpoint).where(TinkerCheckpoint.expires_at <= now()).order_by(TinkerCheckpoint.seq).limit(limit)
+    ).all()
+    for row in rows:
+        session.delete(row)
+    session.commit()
+    for row in rows:
+        shutil.rmtree(artifacts_dir / row.path, ignore_errors=True)
+    return len(rows)
+
+
+# Downloads --------------------------------------------------------------------------------------------------
+def _download_key(token: str) -> str:
+    return f"{bus.prefix()}:download:{token}"
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The checkpoint's files, relative to its directory (links and anything outside left out)."""
+    root = directory.resolve()
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.resolve().is_relative_to(root)
+    )
+
+
+def download_links(
+    conn: Any, session: Session, *, project: int, path: TinkerPath, artifacts_dir: Path, base_url: str
+) -> dict[str, Any]:
+    """The SDK's ``ExternalWeightsUrlsResponse`` for any checkpoint: one link per file, answering
+    for an hour without a key (as a signed URL does)."""
+    row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
+    files = checkpoint_files(artifacts_dir / row.path)
+    if not files:
+        raise NotFound(f"'{path}' has no files left on the server.", param="checkpoint_id", code="checkpoint_not_found")
+    token = secrets.token_urlsafe(24)
+    conn.set(_download_key(token), json.dumps({"dir": row.path, "files": files}), ex=DOWNLOAD_SECONDS)
+    return {
+        "urls": {name: f"{base_url}/api/v1/downloads/{token}/{name}" for name in files},
+        "expires": _iso(time.time() + DOWNLOAD_SECONDS),
+    }
+
+
+def downloadable(conn: Any, token: str, name: str, artifacts_dir: Path) -> Path:
+    """The file a download link names, or NotFound (an unknown or expired token, a file it does not list)."""
+    raw = conn.get(_download_key(token)) if 16 <= len(token) <= 64 else None
+    granted = json.loads(raw) if raw else None
+    if granted is None or name not in granted["files"]:
+        raise NotFound("This download link is unknown or has expired: ask for new links.", param="url")
+    path: Path = (artifacts_dir / str(granted["dir"]) / name).resolve()
+    if not path.is_relative_to(artifacts_dir.resolve()) or not path.is_file():
+        raise NotFound("This checkpoint's file is gone from the server.", param="url")
+    return path
+
+
+def session_ids(session: Session, *, project: int, limit: int, offset: int) -> list[str]:
+    rows = session.scalars(
+        select(TinkerSession.id)
+        .where(TinkerSession.project_seq == project)
+        .order_by(TinkerSession.seq.desc())
+        .limit(limit)
+        .offset(offset)
+    ).all()
+    return list(rows)
+
+
+def describe_session(session: Session, *, project: int, session_id: str) -> dict[str, Any]:
+    """The SDK's ``GetSessionResponse``: its training runs (sampling sessions are not stored)."""
+    from service.tinker.sessions import get_session
+
+    row = get_session(session, project=project, session_id=session_id)
+    runs = session.scalars(select(TinkerModel.id).where(TinkerModel.session_seq == row.seq).order_by(TinkerModel.seq))
+    return {
+        "training_run_ids": list(runs),
+        "sampler_ids": [],
+        "user_metadata": row.user_metadata or None,
+        "display_name": row.display_name,
+    }
