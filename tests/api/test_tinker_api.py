@@ -246,3 +246,40 @@ def test_the_rest_client_lists_describes_downloads_expires_and_deletes_checkpoin
     sessions_list = client.get("/api/v1/sessions", headers=mine).json()["sessions"]
     assert client.get(f"/api/v1/sessions/{sessions_list[0]}", headers=mine).json()["training_run_ids"] == [model_id]
     assert client.get(f"/api/v1/sessions/{sessions_list[0]}", headers=theirs).status_code == 404
+
+
+def test_a_tinker_model_s_weights_are_models_of_its_project(client: Any) -> None:
+    """Sampler and external weights listed by /v1/models under their tinker:// path (a saved state
+    is not), retrieved, a new job's starting point (its base the training model's), deleted as a
+    model; another project's are unknown on every verb."""
+    from tests.helpers.api import upload_ok
+    from tests.helpers.data import job_body
+
+    mine, theirs = _headers("alpha"), _headers("beta")
+    auth, stranger = (
+        {"Authorization": "Bearer " + mine["X-API-Key"]},
+        {"Authorization": "Bearer " + theirs["X-API-Key"]},
+    )
+    model_id = _model(client, mine).json()["model_id"]
+    sampler = _checkpoint(model_id, "sampler_weights", "s1", {"adapter_config.json": b"{}"})
+    state = _checkpoint(model_id, "weights", "w1", {"adapter_config.json": b"{}"})
+    listed = [m["id"] for m in client.get("/v1/models", headers=auth).json()["data"]]
+    assert sampler in listed and state not in listed
+    assert sampler not in [m["id"] for m in client.get("/v1/models", headers=stranger).json()["data"]]
+    got = client.get(f"/v1/models/{sampler}", headers=auth)
+    assert got.status_code == 200 and got.json()["owned_by"] != "system", got.text
+    assert client.get(f"/v1/models/{sampler}", headers=stranger).status_code == 404
+    assert client.get(f"/v1/models/tinker://{model_id}/sampler_weights/none", headers=auth).status_code == 404
+
+    f = upload_ok(client, auth)
+    job = client.post("/v1/fine_tuning/jobs", headers=auth, json={**job_body(f["id"]), "model": sampler})
+    assert job.status_code == 200, job.text
+    assert job.json()["model"] == sampler and job.json()["fine_tuned_model"] is None
+    g = upload_ok(client, stranger)
+    r = client.post("/v1/fine_tuning/jobs", headers=stranger, json={**job_body(g["id"]), "model": sampler})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+    assert client.delete(f"/v1/models/{sampler}", headers=stranger).status_code == 404
+    deleted = client.delete(f"/v1/models/{sampler}", headers=auth)
+    assert deleted.json() == {"id": sampler, "object": "model", "deleted": True}
+    assert client.get(f"/v1/models/{sampler}", headers=auth).status_code == 404

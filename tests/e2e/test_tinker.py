@@ -144,3 +144,63 @@ def _the_rest_client_finds_downloads_and_deletes(
         stranger.delete_checkpoint_from_tinker_path(saved).result()
     rest.delete_checkpoint_from_tinker_path(saved).result()
     assert saved not in [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints]
+
+
+def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, models_dir: Path) -> None:
+    """SamplingClient on the inference workers: tokens with their log-probs (the base model's own, as
+    a forward of prompt + sample computes them), the same seed the same tokens, and a training
+    model's sampler weights served as the training model computes (its forward's log-probs of
+    what was sampled), not as the base does."""
+    from tinker import types
+
+    with live_stack("embedded", tmp_path, models_dir) as stack:
+        stack.start("serve", "worker", "--serve")
+        service = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "e2e"))
+        data, sequences = _batch(models_dir)
+        prompt = types.ModelInput.from_ints(sequences[0][:2])
+        base = service.create_sampling_client(base_model="tiny-policy").result()
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])
+        first = base.sample(prompt, num_samples=2, sampling_params=params).result()
+        again = base.sample(prompt, num_samples=2, sampling_params=params).result()
+        assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+        one = first.sequences[0]
+        assert len(one.tokens) == 6 and one.stop_reason == "length"
+        whole = sequences[0][:2] + list(one.tokens)
+        assert one.logprobs == pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-4)
+
+        training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()
+        for _ in range(6):
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        trained = training.save_weights_and_get_sampling_client().result()
+        greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        out = trained.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        whole = sequences[0][:2] + list(out.tokens)
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(whole[:-1]),
+            loss_fn_inputs={"target_tokens": whole[1:], "weights": [1.0] * (len(whole) - 1)},
+        )
+        held = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert out.logprobs == pytest.approx(held[1:], abs=1e-4)  # the trained weights are what is served
+        assert out.logprobs != pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-3)
+        _sampler_weights_answer_completions(stack, training, models_dir)
+
+
+def _sampler_weights_answer_completions(stack: LiveStack, training: Any, models_dir: Path) -> None:
+    """Sampler weights are a model of the project: listed, and /v1/completions (the openai SDK)
+    writes with them what the SamplingClient samples greedily from the same prompt."""
+    import openai
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    path = training.save_weights_for_sampler("final").result().path
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.key, max_retries=0)
+    assert path in [m.id for m in client.models.list().data]
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / "tiny-policy")
+    text = "the red apple"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sampler = training.create_sampling_client(path).result()
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    sampled = sampler.sample(types.ModelInput.from_ints(ids), 1, greedy).result().sequences[0].tokens
+    written = client.completions.create(model=path, prompt=text, max_tokens=8, temperature=0).choices[0].text
+    assert written.strip() and written == tokenizer.decode(sampled, skip_special_tokens=True)

@@ -6,12 +6,14 @@ it can be used for (our ``rloo`` key: ``uses``, ``architecture``, ``context_leng
 A fine-tuned model (``service.registry.finetuned``) is a succeeded job's; its checkpoints are models too
 (retrieve them by their ``fine_tuned_model_checkpoint`` id; the list shows the final ones).
 ``DELETE`` of a fine-tuned model takes it out of the list and out of reach of new jobs; its job,
-checkpoints and files stay.
+checkpoints and files stay. A Tinker training model's sampler and external weights are listed by
+their ``tinker://`` path; ``DELETE`` of one removes that checkpoint, files and all.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from typing import Any
 
 from fastapi import APIRouter
@@ -22,8 +24,8 @@ from service.api.errors import APIError
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
 from service.core.crud import Caller
-from service.core.db import ends_session
-from service.core.errors import model_not_found
+from service.core.db import ends_session, write_lock
+from service.core.errors import Invalid, model_not_found
 from service.core.tables import Evaluation, Job, now
 from service.infra.artifacts import open_store
 from service.jobs import evaluations
@@ -82,7 +84,10 @@ def list_all(session: SessionDep, project: ProjectDep, settings: SettingsDep) ->
         model_object(j.fine_tuned_model or "", j.finished_at or j.created_at, project.id)
         for j in _fine_tuned(session, project)
     ]
-    return page(tuned + _base_models(settings), has_more=False)
+    tinker = [
+        model_object(name, created, project.id) for name, created in finetuned.tinker_models(session, project.seq)
+    ]
+    return page(tuned + tinker + _base_models(settings), has_more=False)
 
 
 @router.get("/{model_id:path}", summary="Retrieve a model")
@@ -92,7 +97,7 @@ def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, mo
         source = finetuned.find(session=session, project_seq=project.seq, name=model_id)
         if source is None:  # (a fine-tuned model whose job did not succeed is none)
             raise model_not_found(model_id)
-        return JSON(model_object(model_id, source.job.finished_at or source.job.created_at, project.id))
+        return JSON(model_object(model_id, source.created_at, project.id))
     if model_id in list_models(settings.models_dir, limit=MAX_BASE_MODELS):
         return JSON(_base_model(settings, model_id))
     raise model_not_found(model_id)
@@ -101,6 +106,8 @@ def retrieve(session: SessionDep, project: ProjectDep, settings: SettingsDep, mo
 @router.delete("/{model_id:path}", summary="Delete a fine-tuned model")
 @ends_session
 def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, model_id: str) -> JSON:
+    if model_ids.is_tinker(model_id):
+        return _delete_tinker_weights(session, project, settings, model_id)
     job = session.scalar(
         select(Job).where(
             Job.project_seq == project.seq, Job.fine_tuned_model == model_id, Job.model_deleted_at.is_(None)
@@ -124,4 +131,19 @@ def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, mode
         export_dirs.remove_job_exports(open_store(settings), settings.artifacts_dir, job.id)
     except Exception:  # the store away: the model is deleted all the same; its copies stay behind
         log.exception("the merged models of %s were not removed", model_id)
+    return JSON({"id": model_id, "object": "model", "deleted": True})
+
+
+def _delete_tinker_weights(session: SessionDep, project: Caller, settings: SettingsDep, model_id: str) -> JSON:
+    """A Tinker checkpoint deleted as the SDK's RestClient deletes it: its row, then its files."""
+    from service.tinker import runs, sessions
+
+    try:
+        path = sessions.parse_path(model_id, "model")
+    except Invalid:
+        raise model_not_found(model_id) from None
+    with write_lock(session):
+        directory = runs.delete_checkpoint(session, project=project.seq, path=path)
+        session.commit()
+    shutil.rmtree(settings.artifacts_dir / directory, ignore_errors=True)
     return JSON({"id": model_id, "object": "model", "deleted": True})
