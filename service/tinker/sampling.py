@@ -97,6 +97,13 @@ def envelope(body: Any, *, rid: str, project: str, key: str, served: dict[str, A
         "seed": params.seed,
         "stop": strings,
         "stop_ids": stop_ids if stop_ids is not None or stop is None or strings else [],
+        "top_k": params.top_k if params.top_k > 0 else 0,
+        "scoring": {
+            "prompt": bool(body.prompt_logprobs),
+            "prompt_topk": body.topk_prompt_logprobs,
+            "last_n": body.prompt_logprobs_last_n,
+            "sample_topk": body.topk_sample_logprobs,
+        },
     }
 
 
@@ -112,7 +119,17 @@ def response_of(done: dict[str, Any]) -> bytes:
                 tokens=list(s["tokens"]),
                 logprobs=list(s["logprobs"]) if s.get("logprobs") is not None else None,
                 stop_reason="length" if s.get("stop_reason") == "length" else "stop",
+                topk_logprobs=_pairs(s.get("topk_logprobs")),
             )
             for s in done["sequences"]
-        ]
+        ],
+        prompt_logprobs=done.get("prompt_logprobs"),
+        topk_prompt_logprobs=_pairs(done.get("topk_prompt_logprobs")),
     )
+
+
+def _pairs(rows: list[Any] | None) -> list[list[tuple[int, float]] | None] | None:
+    """Top-k lists as JSON carried them ([[id, logprob], ...] a position) back to pairs."""
+    if rows is None:
+        return None
+    return [None if row is None else [(int(t), float(v)) for t, v in row] for row in rows]

@@ -138,8 +138,12 @@ def test_samples_are_checked_before_they_reach_an_inference_worker(client: Any) 
         body = {"num_samples": 1, "prompt": prompt, "sampling_params": {"max_tokens": 4}, **fields}
         return client.post("/api/v1/asample", json=body, headers=headers)
 
-    r = sample(mine, base_model="tiny-policy", prompt_logprobs=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    r = sample(mine, base_model="tiny-policy", prompt_alt_tokens_k=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_alt_tokens_k", r.text
+    r = sample(mine, base_model="tiny-policy", prompt_logprobs=True, prompt_logprobs_last_n=3)  # a 3-token prompt
+    assert r.status_code == 400 and "between 1 and" in r.json()["error"]["message"], r.text
+    r = sample(mine, base_model="tiny-policy", topk_prompt_logprobs=21)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "topk_prompt_logprobs", r.text
     r = sample(mine, base_model="tiny-policy", prompt={"chunks": [{"type": "image", "tokens": []}]})
     assert r.status_code == 400 and "encoded_text" in r.json()["error"]["message"]
     r = sample(theirs, model_path=f"tinker://{model_id}/sampler_weights/x")

@@ -167,6 +167,8 @@ def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, mo
         assert len(one.tokens) == 6 and one.stop_reason == "length"
         whole = sequences[0][:2] + list(one.tokens)
         assert one.logprobs == pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-4)
+        scored = base.compute_logprobs(types.ModelInput.from_ints(sequences[1])).result()
+        assert scored[0] is None and scored[1:] == pytest.approx(_base_logprobs(models_dir, sequences[1]), abs=1e-4)
 
         training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()
         for _ in range(6):

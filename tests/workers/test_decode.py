@@ -109,3 +109,41 @@ def test_a_row_ends_at_a_special_token_the_text_would_not_show(policy: tuple[Any
     (deltas,) = list(Batch(model, tok, [row], context=256).run())
     assert row.finish_reason == "stop" and row.text == "" and row.sampled == 1 and row.tokens == []
     assert deltas[0].finish_reason == "stop"
+
+
+def test_a_tinker_row_scores_its_prompt_and_its_tokens_top_k(policy: tuple[Any, Any]) -> None:
+    """Prompt log-probs (None at the first token, then each token given those before it, as one
+    forward of the prompt computes them), their top-k (best first, the best the argmax), only the
+    last n where asked, each sampled token's top-k, all in a batch whose other row asks nothing
+    and is left-padded differently; top_k=1 draws what greedy picks."""
+    from worker.serving.scoring import Scoring
+
+    model, tok = policy
+    ids = _ids(tok, PROMPTS[2])
+    scored = Row(
+        request="a", index=0, prompt_ids=ids, max_tokens=4, temperature=1.0, logprobs=[], top_k=1, seed=3,
+        scoring=Scoring(prompt=True, prompt_topk=3, sample_topk=2),
+    )  # fmt: skip
+    last = Row(request="b", index=0, prompt_ids=ids, max_tokens=2, logprobs=[], scoring=Scoring(prompt=True, last_n=2))
+    plain = _row(tok, 9, PROMPTS[1], 3)
+    for _ in Batch(model, tok, [plain, scored, last], context=256).run():
+        pass
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    expected = [logprobs[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    assert scored.prompt.logprobs is not None and scored.prompt.logprobs[0] is None
+    assert scored.prompt.logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert last.prompt.logprobs is not None and last.prompt.logprobs[:-2] == [None] * (len(ids) - 2)
+    assert last.prompt.logprobs[-2:] == pytest.approx(expected[-2:], abs=1e-5)
+    assert last.prompt.topk is None and plain.prompt.logprobs is None
+    topk = scored.prompt.topk
+    assert topk is not None and topk[0] is None and all(len(t or []) == 3 for t in topk[1:])
+    for p, best in enumerate(topk[1:], start=1):
+        assert [v for _, v in best] == sorted((v for _, v in best), reverse=True)
+        assert best[0][0] == int(logprobs[p - 1].argmax()) and best[0][1] == pytest.approx(
+            logprobs[p - 1].max().item(), abs=1e-5
+        )
+    assert scored.tokens == _alone(model, tok, PROMPTS[2], 4)  # top_k=1 at temperature 1: the greedy tokens
+    assert len(scored.topk_logprobs) == 4 and all(len(t or []) == 2 for t in scored.topk_logprobs)
+    assert [t[0][0] for t in scored.topk_logprobs if t] == scored.tokens
+    assert scored.logprobs == pytest.approx([t[0][1] for t in scored.topk_logprobs if t], abs=1e-6)

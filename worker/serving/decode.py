@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from worker.engine.rollout.base import _cache_arg, _eos_ids, _nucleus
+from worker.serving.scoring import PromptScores, Scoring, TopK, keep_top_k, prompt_scores, topk_lists
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch (``adapter_names``)."""
@@ -50,6 +51,12 @@ class Row:
     end-of-sequence and special tokens, left out of ``tokens`` (a served completion's)."""
     logprobs: list[float] | None = None
     """The model's log-probability of each token in ``tokens`` (temperature 1), where asked for."""
+    top_k: int = 0
+    """Draw from the k most likely tokens only (0: all)."""
+    scoring: Scoring = field(default_factory=Scoring)
+    """Log-probs asked for beyond ``logprobs`` (a Tinker sample's): filled in ``prompt`` and ``topk_logprobs``."""
+    prompt: PromptScores = field(default_factory=PromptScores)
+    topk_logprobs: list[TopK | None] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     sampled: int = 0
     """Tokens drawn, its end-of-sequence token included (the usage counts it)."""
@@ -94,7 +101,7 @@ class Batch:
             if new:
                 state = _merge(state, self._prefill(new))
             tokens = self._sample(state.logits, state.rows)
-            logprobs = _logprobs_of(state.logits, tokens, state.rows)
+            logprobs, topk = _logprobs_of(state.logits, tokens, state.rows)
             deltas, keep = [], []
             stop_now = cancelled()
             for i, (row, token) in enumerate(zip(state.rows, tokens, strict=True)):
@@ -103,6 +110,8 @@ class Batch:
                     continue
                 if row.logprobs is not None:
                     row.logprobs.append(logprobs[i])
+                if row.scoring.sample_topk > 0:
+                    row.topk_logprobs.append(topk[i])
                 delta = self._advance(row, token)
                 deltas.append(delta)
                 if delta.finish_reason is None:
@@ -125,8 +134,15 @@ class Batch:
         )
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache, rows)
-        return _State(list(rows), cache, mask, positions[:, -1:] + 1, logits)
+        if not any(r.scoring.wants_prompt for r in rows):
+            return _State(
+                list(rows), cache, mask, positions[:, -1:] + 1, self._forward(ids, mask, positions, cache, rows)
+            )
+        every = self._forward(ids, mask, positions, cache, rows, keep=0)  # every position's: the prompt is scored
+        for i, row in enumerate(rows):
+            if row.scoring.wants_prompt:
+                row.prompt = prompt_scores(every[i, width - len(row.prompt_ids) :], row.prompt_ids, row.scoring)
+        return _State(list(rows), cache, mask, positions[:, -1:] + 1, every[:, -1, :].float())
 
     @staticmethod
     def joinable(cache: Any) -> bool:
@@ -137,8 +153,9 @@ class Batch:
         return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     def _forward(
-        self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, rows: list[Row] | None = None
+        self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, rows: list[Row] | None = None, keep: int = 1
     ) -> Tensor:
+        """The next token's logits ``(N, V)``; with ``keep=0``, every position's ``(N, T, V)``."""
         extra: dict[str, Any] = {}
         if self.adapters:
             extra["adapter_names"] = [r.adapter or BASE_ADAPTER for r in (rows or self.rows)]
@@ -148,16 +165,16 @@ class Batch:
             position_ids=positions,
             **_cache_arg(self.model, cache),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
             **extra,
         )
-        return out.logits[:, -1, :].float()
+        return out.logits if keep == 0 else out.logits[:, -1, :].float()
 
     def _sample(self, logits: Tensor, rows: list[Row]) -> list[int]:
         """One token a row: the most likely at temperature 0, else drawn from the row's generator."""
         greedy = logits.argmax(dim=-1)
         temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=logits.device)
-        probs = torch.softmax(logits / temperature[:, None], dim=-1)
+        probs = keep_top_k(torch.softmax(logits / temperature[:, None], dim=-1), [r.top_k for r in rows])
         top_p = torch.tensor([r.top_p for r in rows], device=logits.device)
         if bool((top_p < 1).any()):
             probs = _nucleus(probs, top_p[:, None])  # each row its own top_p
@@ -198,12 +215,17 @@ class Batch:
         return str(self.tokenizer.decode(row.tokens, skip_special_tokens=True))
 
 
-def _logprobs_of(logits: Tensor, tokens: list[int], rows: list[Row]) -> list[float]:
-    """The model's log-probability (temperature 1) of each row's token, for rows that record them."""
+def _logprobs_of(logits: Tensor, tokens: list[int], rows: list[Row]) -> tuple[list[float], list[TopK | None]]:
+    """The model's log-probability (temperature 1) of each row's token, for rows that record them,
+    and the top-k at that step for rows that ask (``Scoring.sample_topk``)."""
     if all(r.logprobs is None for r in rows):
-        return [0.0] * len(rows)
+        return [0.0] * len(rows), [None] * len(rows)
+    every = torch.log_softmax(logits, dim=-1)
     chosen = torch.tensor(tokens, device=logits.device).unsqueeze(1)
-    return [float(v) for v in torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1).tolist()]
+    widest = max(r.scoring.sample_topk for r in rows)
+    ranked = topk_lists(every, widest) if widest > 0 else [None] * len(rows)
+    topk = [(best or [])[: r.scoring.sample_topk] or None for r, best in zip(rows, ranked, strict=True)]
+    return [float(v) for v in every.gather(1, chosen).squeeze(1).tolist()], topk
 
 
 def end_ids(eos: list[int], tokenizer: Any) -> set[int]:

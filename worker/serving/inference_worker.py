@@ -31,6 +31,7 @@ from worker.engine.errors import JobError
 from worker.serving.background import Background
 from worker.serving.decode import Row
 from worker.serving.model_cache import ModelCache, Servable
+from worker.serving.scoring import Scoring
 
 log = logging.getLogger("rloo.serve")
 
@@ -281,7 +282,15 @@ class Server:
         ends = frozenset(
             end_ids(_eos_ids(loaded.model, loaded.tokenizer), loaded.tokenizer) if stop_ids is None else stop_ids
         )
+        asks = env.get("scoring") or {}
         for j in range(int(env.get("n", 1))):
+            # The prompt is scored once, on the first sample's row (every sample shares it).
+            scoring = Scoring(
+                prompt=bool(asks.get("prompt")) and j == 0,
+                prompt_topk=int(asks.get("prompt_topk") or 0) if j == 0 else 0,
+                last_n=asks.get("last_n"),
+                sample_topk=int(asks.get("sample_topk") or 0),
+            )
             request.rows.append(
                 Row(
                     request=request.id,
@@ -290,11 +299,13 @@ class Server:
                     max_tokens=asked,
                     temperature=float(env.get("temperature", 1.0)),
                     top_p=float(env.get("top_p", 1.0)),
+                    top_k=int(env.get("top_k") or 0),
                     stop=tuple(env.get("stop") or ()),
                     seed=seed_of(env.get("seed"), j),
                     adapter=adapter,
                     stop_ids=ends,
                     logprobs=[],
+                    scoring=scoring,
                 )
             )
         request.prompt_tokens = len(ids)
@@ -444,9 +455,7 @@ class Server:
             }
             done: dict[str, Any] = {"t": "done", "usage": usage}
             if request.envelope["kind"] == "tokens":  # a Tinker sample: its tokens, not its text
-                done["sequences"] = [
-                    {"tokens": r.tokens, "logprobs": r.logprobs, "stop_reason": r.finish_reason} for r in request.rows
-                ]
+                done.update(_sample_answer(request.rows))
             self._answer(request.id, done)
 
     def _answer(self, rid: str, last: dict[str, Any]) -> None:
@@ -498,3 +507,23 @@ def main(worker: str) -> None:
 
     parent = os.getppid()  # its supervisor: in a container that is PID 1, so compare, never test for 1
     server.run(lambda: os.getppid() == parent, preload=preload_dirs(settings.inference_preload, settings.models_dir))
+
+
+def _sample_answer(rows: list[Row]) -> dict[str, Any]:
+    """A Tinker sample's last message: each sequence's tokens and log-probs (and top-k where asked),
+    the prompt's log-probs (and top-k) where asked."""
+    sequences = [
+        {
+            "tokens": r.tokens,
+            "logprobs": r.logprobs,
+            "stop_reason": r.finish_reason,
+            "topk_logprobs": r.topk_logprobs if r.scoring.sample_topk > 0 else None,
+        }
+        for r in rows
+    ]
+    first = rows[0].prompt if rows else None
+    return {
+        "sequences": sequences,
+        "prompt_logprobs": first.logprobs if first else None,
+        "topk_prompt_logprobs": first.topk if first else None,
+    }

@@ -354,20 +354,27 @@ async def asample(body: schemas.Sample, project: ProjectDep, session: SessionDep
 
 def _refuse_unserved(body: schemas.Sample) -> None:
     unserved = {
-        "prompt_logprobs": bool(body.prompt_logprobs),
-        "topk_prompt_logprobs": body.topk_prompt_logprobs > 0,
-        "topk_sample_logprobs": body.topk_sample_logprobs > 0,
         "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
         "target_prompt_logprobs": body.target_prompt_logprobs is not None,
-        "sampling_params.top_k": body.sampling_params.top_k not in (-1, 0),
     }
     for name, asked in unserved.items():
         if asked:
             raise Invalid(f"{name} is not served here yet: leave it unset", param=name, code="unsupported")
     if any(chunk.type != "encoded_text" for chunk in body.prompt.chunks):
         raise Invalid("Images and audio are not served here: send encoded_text chunks", param="prompt")
-    if not body.prompt_tokens():
+    count = len(body.prompt_tokens())
+    if not count:
         raise Invalid("The prompt has no tokens", param="prompt", code="empty_prompt")
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
+        raise Invalid(
+            "prompt_logprobs_last_n applies to prompt log-probs: set prompt_logprobs", param="prompt_logprobs_last_n"
+        )
+    if last_n is not None and not 1 <= last_n <= count - 1:
+        raise Invalid(
+            f"prompt_logprobs_last_n must be between 1 and the prompt's length less one ({count - 1})",
+            param="prompt_logprobs_last_n",
+        )
 
 
 async def _sample_answer(conn: Any, rid: str, seconds: float) -> None:

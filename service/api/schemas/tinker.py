@@ -116,11 +116,13 @@ class SamplingParams(_Body):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str | int] | None = Field(default=None, max_length=64)
     temperature: float = Field(default=1.0, ge=0, le=100)
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1, le=100_000)
     top_p: float = Field(default=1.0, gt=0, le=1)
 
 
 DEFAULT_MAX_TOKENS = 256
+MAX_TOPK = 20
+"""The most top-k log-probs a position may ask for (vLLM's default cap)."""
 
 
 class Sample(_Body):
@@ -132,8 +134,9 @@ class Sample(_Body):
     sampling_session_id: str | None = Field(default=None, max_length=2048)
     seq_id: int | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
+    prompt_logprobs_last_n: int | None = None
     prompt_alt_tokens_k: int = 0
     target_prompt_logprobs: dict[str, Any] | None = None
 
