@@ -171,6 +171,14 @@ class Settings(BaseSettings):
         description="A Tinker training model with no request for this long is saved and let go by its worker "
         "(its device goes back to the queue's jobs); its next request brings it back from that state.",
     )
+    tinker_lease_seconds: float = Field(
+        default=30.0,
+        ge=2,
+        le=600,
+        description="How long a Tinker training model stays its worker's without the worker renewing it (about "
+        "every second): a worker that dies loses its models this long after, and their requests fail with a "
+        "retryable error.",
+    )
     tinker_models_per_worker: int = Field(
         default=4,
         ge=1,

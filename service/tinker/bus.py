@@ -9,7 +9,10 @@ answers (futures), in Redis, under ``rloo:tinker:<queue>`` (``<p>`` below):
   Futures expire an hour after their last change.
 * ``<p>:ready:<id>``: one element pushed when the future is done, which a waiting
   ``retrieve_future`` pops (a long poll rather than a busy one).
-* ``<p>:holder:<model>``: the worker holding the model (a lease it renews while it runs);
+* ``<p>:holder:<model>``: the worker holding the model (a lease of ``RLOO_TINKER_LEASE_SECONDS`` it
+  renews while it runs); ``<p>:held:<model>``: when its holder last renewed it, kept until the holder
+  lets it go cleanly (its state saved): found by the next holder, it says the last one died, and
+  which queued requests were sent to the state it lost;
   ``<p>:wake:<model>``: set for a while after a worker was asked to take the model, so the API
   asks once; ``<p>:wanted``: the models with requests and no holder, which a worker holding
   others takes when it has room.
@@ -33,8 +36,19 @@ def prefix() -> str:
 
 
 FUTURE_TTL = 3600
-LEASE_SECONDS = 30
 WAKE_SECONDS = 20
+
+
+def lease_seconds() -> float:
+    from service.core.settings import get_settings
+
+    return float(get_settings().tinker_lease_seconds)
+
+
+def redis_time(conn: Any) -> float:
+    """Redis's clock: one clock for the API's and the workers' hosts."""
+    seconds, micros = conn.time()
+    return float(seconds) + float(micros) / 1e6
 
 
 def new_request_id() -> str:
@@ -76,7 +90,7 @@ def submit(
 ) -> str:
     """Queue a request of ``model_id`` and create its future; returns the request's id."""
     rid = new_request_id()
-    envelope = json.dumps({"id": rid, "kind": kind, **fields}, allow_nan=False)
+    envelope = json.dumps({"id": rid, "kind": kind, "sent": redis_time(conn), **fields}, allow_nan=False)
     pipe = conn.pipeline()
     pipe.hset(_future(rid), mapping={"project": project, "model": model_id, "status": "pending", "kind": kind})
     pipe.expire(_future(rid), FUTURE_TTL)
@@ -84,6 +98,8 @@ def submit(
         pipe.set(_payload(rid), payload, ex=FUTURE_TTL)
     pipe.rpush(_requests(model_id), envelope)
     pipe.expire(_requests(model_id), FUTURE_TTL)
+    pipe.rpush(_bell(model_id), 1)
+    pipe.expire(_bell(model_id), FUTURE_TTL)
     pipe.execute()
     return rid
 
@@ -147,13 +163,28 @@ async def forget(conn: Any, rid: str) -> None:
 
 
 # The worker's side --------------------------------------------------------------------------------------
-def claim(conn: Any, model_id: str, worker: str) -> bool:
-    """Hold ``model_id`` (a lease of ``LEASE_SECONDS``, renewed with ``renew``); False if another
-    worker holds it."""
-    held = bool(conn.set(holder_key(model_id), worker, nx=True, ex=LEASE_SECONDS))
-    if held:
-        conn.srem(f"{prefix()}:wanted", model_id)
-    return held
+def _held(model_id: str) -> str:
+    return f"{prefix()}:held:{model_id}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """``held``: the lease was taken. ``lost_before``: the last holder died (or lost its lease); the
+    requests sent before this time (Redis's clock) were sent to the state it lost."""
+
+    held: bool
+    lost_before: float | None = None
+
+
+def claim(conn: Any, model_id: str, worker: str) -> Claim:
+    """Hold ``model_id`` (a lease renewed with ``renew``); not held if another worker holds it."""
+    if not conn.set(holder_key(model_id), worker, nx=True, ex=max(1, round(lease_seconds()))):
+        return Claim(False)
+    conn.srem(f"{prefix()}:wanted", model_id)
+    last = conn.getset(_held(model_id), redis_time(conn))
+    conn.expire(_held(model_id), FUTURE_TTL)
+    # No one could know that the last holder was gone before its lease ran out.
+    return Claim(True, float(last) + lease_seconds() if last is not None else None)
 
 
 def wanted(conn: Any) -> list[str]:
@@ -165,37 +196,95 @@ def renew(conn: Any, model_id: str, worker: str) -> bool:
     """Renew the lease; False when it was lost (expired and taken by another worker)."""
     if conn.get(holder_key(model_id)) != worker.encode():
         return False
-    conn.expire(holder_key(model_id), LEASE_SECONDS)
+    conn.expire(holder_key(model_id), max(1, round(lease_seconds())))
+    conn.set(_held(model_id), redis_time(conn), ex=FUTURE_TTL)
     return True
 
 
-def release(conn: Any, model_id: str, worker: str) -> None:
+def release(conn: Any, model_id: str, worker: str, *, clean: bool) -> None:
+    """Let the model go; ``clean``: its state was saved, so the next holder has nothing to report lost."""
     if conn.get(holder_key(model_id)) == worker.encode():
+        if clean:
+            conn.delete(_held(model_id))
         conn.delete(holder_key(model_id))
+
+
+_TAKE = """
+for i, key in ipairs(KEYS) do
+  if i % 2 == 1 then
+    local moved = redis.call('LMOVE', key, KEYS[i + 1], 'LEFT', 'RIGHT')
+    if moved then return {key, moved} end
+  end
+end
+return false
+"""
+
+
+def _taking(model_id: str) -> str:
+    return f"{prefix()}:model:{model_id}:taking"
+
+
+def _bell(model_id: str) -> str:
+    return f"{prefix()}:bell:{model_id}"
 
 
 def take(
     conn: Any, model_ids: list[str], worker: str, *, block: float
 ) -> tuple[str, dict[str, Any], bytes | None] | None:
-    """The next request of any of ``model_ids`` (each model's in the order they came), its model and
-    its body, marked running by ``worker``; None after ``block`` seconds without one."""
-    item = conn.blpop([_requests(m) for m in model_ids], timeout=block)
-    if item is None:
-        return None
-    model_id = item[0].decode()[len(f"{prefix()}:model:") : -len(":requests")]
-    envelope: dict[str, Any] = json.loads(item[1])
-    conn.hset(_future(envelope["id"]), mapping={"status": "running", "worker": worker, "started": time.time()})
-    return model_id, envelope, conn.get(_payload(envelope["id"]))
+    """The next request of any of ``model_ids`` (each model's in the order they came; the first
+    model first), its model and its body, marked running by ``worker``; None after ``block``
+    seconds without one. A request is moved, not popped, to the model's ``taking`` list until it is
+    finished: one taken by a worker that died before finishing it is found there by the next holder
+    (``take_lost``). A worker waits on each model's bell, which ``submit`` rings."""
+    for attempt in range(2):
+        keys = [k for m in model_ids for k in (_requests(m), _taking(m))]
+        found = conn.eval(_TAKE, len(keys), *keys)
+        if found:
+            model_id = found[0].decode()[len(f"{prefix()}:model:") : -len(":requests")]
+            envelope: dict[str, Any] = json.loads(found[1])
+            envelope["_raw"] = found[1].decode()
+            started = {"status": "running", "worker": worker, "started": time.time()}
+            conn.hset(_future(envelope["id"]), mapping=started)
+            return model_id, envelope, conn.get(_payload(envelope["id"]))
+        if attempt == 0 and conn.blpop([_bell(m) for m in model_ids], timeout=block) is None:
+            return None
+    return None
+
+
+def take_lost(conn: Any, model_id: str, before: float | None) -> list[dict[str, Any]]:
+    """Requests of ``model_id`` meant for a state a dead worker lost, taken off its lists: those it
+    had taken and not finished, and (``before`` set) those queued that were sent before ``before``."""
+    lost = [json.loads(raw) for raw in conn.lrange(_taking(model_id), 0, -1)]
+    conn.delete(_taking(model_id))
+    while before is not None and (head := conn.lindex(_requests(model_id), 0)) is not None:
+        envelope: dict[str, Any] = json.loads(head)
+        if float(envelope.get("sent", 0)) >= before or conn.lpop(_requests(model_id)) != head:
+            break
+        lost.append(envelope)
+    return lost
 
 
 def pending(conn: Any, model_id: str) -> int:
     return int(conn.llen(_requests(model_id)))
 
 
-def finish(conn: Any, rid: str, *, content_type: str, body: bytes, failed: bool = False) -> None:
-    """Store the answer (a JSON or protobuf body) and wake whoever waits for it."""
+def finish(
+    conn: Any,
+    rid: str,
+    *,
+    content_type: str,
+    body: bytes,
+    failed: bool = False,
+    lost: bool = False,
+    taken: tuple[str, str] | None = None,
+) -> None:
+    """Store the answer (a JSON or protobuf body) and wake whoever waits for it. ``lost``: a request
+    sent to a state a dead worker lost, answered 410 (the SDK's retryable error). ``taken``: the
+    model and the envelope ``take`` moved to its ``taking`` list, removed from it."""
     pipe = conn.pipeline()
-    status = "failed" if failed else "done"
+    if taken is not None:
+        pipe.lrem(_taking(taken[0]), 1, taken[1])
+    status = "lost" if lost else "failed" if failed else "done"
     pipe.hset(_future(rid), mapping={"status": status, "content_type": content_type, "body": body})
     pipe.expire(_future(rid), FUTURE_TTL)
     pipe.delete(_payload(rid))

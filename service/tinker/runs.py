@@ -139,16 +139,20 @@ def delete_checkpoint(session: Session, *, project: int, path: TinkerPath) -> st
     relative to the artifacts root). The state a model resumes from is refused: the model would
     start again from its base the next time a worker takes it."""
     row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
+    _not_resumed_from(session, project, path, row, "delete")
+    session.delete(row)
+    return row.path
+
+
+def _not_resumed_from(session: Session, project: int, path: TinkerPath, row: TinkerCheckpoint, verb: str) -> None:
     model = get_model(session, project=project, model_id=path.model_id)
     if model.state_path == row.path:
         raise Invalid(
             f"'{path}' is the state '{model.id}' resumes from when a worker takes it again: save another state "
-            "first, or leave it",
+            f"first, or do not {verb} it",
             param="checkpoint_id",
             code="checkpoint_in_use",
         )
-    session.delete(row)
-    return row.path
 
 
 def set_ttl(session: Session, *, project: int, path: TinkerPath, ttl_seconds: int | None) -> None:
@@ -159,6 +163,8 @@ def set_ttl(session: Session, *, project: int, path: TinkerPath, ttl_seconds: in
             param="ttl_seconds",
         )
     row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
+    if ttl_seconds is not None:
+        _not_resumed_from(session, project, path, row, "expire")
     row.expires_at = now() + ttl_seconds if ttl_seconds is not None else None
 
 

@@ -142,6 +142,9 @@ def _the_rest_client_finds_downloads_and_deletes(
     assert stranger.list_training_runs().result().training_runs == []
     with pytest.raises(Exception, match="404|not found|No training model"):
         stranger.delete_checkpoint_from_tinker_path(saved).result()
+    with pytest.raises(tinker.BadRequestError, match="resumes from"):  # the newest state: where it comes back from
+        rest.delete_checkpoint_from_tinker_path(saved).result()
+    training.save_state("newer").result()
     rest.delete_checkpoint_from_tinker_path(saved).result()
     assert saved not in [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints]
 
@@ -206,3 +209,43 @@ def _sampler_weights_answer_completions(stack: LiveStack, training: Any, models_
     sampled = sampler.sample(types.ModelInput.from_ints(ids), 1, greedy).result().sequences[0].tokens
     written = client.completions.create(model=path, prompt=text, max_tokens=8, temperature=0).choices[0].text
     assert written.strip() and written == tokenizer.decode(sampled, skip_special_tokens=True)
+
+
+def test_a_worker_killed_mid_session_brings_the_model_back_from_its_saved_state(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    """SIGKILL the worker holding a training model two steps after its last save_state: the request
+    sent meanwhile fails with the SDK's retryable error (410), the model comes back on another
+    worker from that saved state (the same loss as then, not the two lost steps'), and trains on."""
+    import signal
+
+    from tinker import types
+
+    with live_stack("embedded", tmp_path, models_dir, env={"RLOO_TINKER_LEASE_SECONDS": "3"}) as stack:
+        service = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "e2e"))
+        training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()
+        data, _ = _batch(models_dir)
+        adam = types.AdamParams(learning_rate=2e-2)
+
+        def loss() -> float:
+            return float(training.forward(data, "cross_entropy").result().metrics["loss:sum"])
+
+        def step() -> None:
+            training.forward_backward(data, "cross_entropy").result()
+            training.optim_step(adam).result()
+
+        step(), step()
+        training.save_state("two").result()
+        saved = loss()
+        step(), step()
+        assert loss() < saved  # two steps the worker will take with it
+
+        stack.stop("worker", signal.SIGKILL)
+        stack.start("worker-2", "worker", "--loglevel", "INFO")
+        from tinker.lib.retryable_exception import RetryableException
+
+        with pytest.raises(RetryableException, match="Promise expired/broken"):  # how the SDK says 410
+            loss()  # sent before anyone could know: it was meant for the lost state
+        assert loss() == pytest.approx(saved, rel=1e-5)
+        step()
+        assert loss() < saved

@@ -9,7 +9,9 @@ with no request for ``RLOO_TINKER_IDLE_SECONDS`` has its state saved (weights, o
 recorded on its row, and is let go; the task ends with its last model, and the device goes back
 to the queue's jobs. A model's next request brings it back, here or on another worker, from that
 state. A worker that dies loses what was not saved: the running request's future answers 410
-(the SDK sends it again) and the model comes back from its last saved state.
+(the SDK's retryable error), and so do the requests sent to the model before its lease ran out
+(the next holder fails them when it takes the model); the model comes back from its last saved
+state, and requests sent after run on it.
 """
 
 from __future__ import annotations
@@ -59,17 +61,31 @@ class Models:
     def adopt(self, model_id: str) -> bool:
         """Take ``model_id``'s lease and build it; False if another worker holds it or it cannot be
         built (its waiting requests then say why)."""
-        if not bus.claim(self.conn, model_id, self.worker):
+        claim = bus.claim(self.conn, model_id, self.worker)
+        if not claim.held:
             return False
         try:
-            self.held[model_id] = Holder.start(model_id)
+            self.held[model_id] = holder = Holder.start(model_id)
         except Exception as exc:
             self._fail_waiting(model_id, Failure.of(exc))
-            bus.release(self.conn, model_id, self.worker)
+            bus.release(self.conn, model_id, self.worker, clean=False)
             return False
         self.used[model_id] = time.monotonic()
         log.info("holding tinker model %s (%d held)", model_id, len(self.held))
+        self._fail_lost(holder, claim.lost_before)
         return True
+
+    def _fail_lost(self, holder: Holder, before: float | None) -> None:
+        """The last worker holding the model died (``before`` set): the requests it had taken and
+        those sent to the state it lost (before anyone could know) fail with the SDK's retryable
+        error; later ones run on the state restored."""
+        lost = bus.take_lost(self.conn, holder.model_id, before)
+        if not lost:
+            return
+        body = Failure(holder.restored_from(), "server").body()
+        log.warning("tinker model %s: its last worker died; %d requests sent to it fail", holder.model_id, len(lost))
+        for envelope in lost:
+            bus.finish(self.conn, envelope["id"], content_type="application/json", body=body, failed=True, lost=True)
 
     def serve(self) -> None:
         """Requests of the held models, one at a time, until none is held."""
@@ -77,7 +93,8 @@ class Models:
             self._renew()
             for model_id in bus.wanted(self.conn)[: max(0, self.most - len(self.held))]:
                 self.adopt(model_id)
-            taken = bus.take(self.conn, list(self.held), self.worker, block=1.0) if self.held else None
+            order = sorted(self.used, key=self.used.__getitem__)  # the longest unserved first: turns
+            taken = bus.take(self.conn, order, self.worker, block=1.0) if self.held else None
             if taken is not None:
                 model_id, envelope, payload = taken
                 self._answer(self.held[model_id], envelope, payload)
@@ -97,13 +114,15 @@ class Models:
                 self._let_go(model_id, save=True)
 
     def _let_go(self, model_id: str, *, save: bool) -> None:
+        saved = False
         try:
             if save:
                 self.held[model_id].save_resume_state()
+                saved = True
         except Exception:
             log.error("tinker model %s: its state could not be saved\n%s", model_id, traceback.format_exc())
         finally:
-            bus.release(self.conn, model_id, self.worker)
+            bus.release(self.conn, model_id, self.worker, clean=saved)
             self._forget(model_id)
             log.info("let go of tinker model %s (%d held)", model_id, len(self.held))
 
@@ -116,7 +135,7 @@ class Models:
         self.used.pop(model_id, None)
 
     def _answer(self, holder: Holder, envelope: dict[str, Any], payload: bytes | None) -> None:
-        rid = envelope["id"]
+        rid, taken = envelope["id"], (holder.model_id, envelope.pop("_raw"))
         try:
             content_type, body = holder.run(envelope, payload)
         except Exception as exc:
@@ -125,11 +144,14 @@ class Models:
                 log.error(
                     "tinker model %s: %s failed\n%s", holder.model_id, envelope.get("kind"), traceback.format_exc()
                 )
-            bus.finish(self.conn, rid, content_type="application/json", body=failure.body(), failed=True)
+            bus.finish(self.conn, rid, content_type="application/json", body=failure.body(), failed=True, taken=taken)
             return
-        bus.finish(self.conn, rid, content_type=content_type, body=body)
+        bus.finish(self.conn, rid, content_type=content_type, body=body, taken=taken)
 
     def _fail_waiting(self, model_id: str, failure: Failure) -> None:
         log.error("tinker model %s could not be built: %s", model_id, failure.message)
         while (taken := bus.take(self.conn, [model_id], self.worker, block=0.01)) is not None:
-            bus.finish(self.conn, taken[1]["id"], content_type="application/json", body=failure.body(), failed=True)
+            raw = (model_id, taken[1].pop("_raw"))
+            bus.finish(
+                self.conn, taken[1]["id"], content_type="application/json", body=failure.body(), failed=True, taken=raw
+            )

@@ -56,7 +56,10 @@ class Holder:
     def __init__(self, row: TinkerModel, model: TrainingModel) -> None:
         self.model_id, self.row_seq, self.base_model = row.id, row.seq, row.base_model
         self.model = model
-        self.saved_steps = row.state_steps if row.state_path else -1
+        self.saved_steps = row.state_steps if row.state_path else 0
+        self.state_path = row.state_path
+        self.unsaved = False
+        """Weights changed (a step, a load) since the state it resumes from was saved."""
 
     @classmethod
     def start(cls, model_id: str) -> Holder:
@@ -77,6 +80,14 @@ class Holder:
             model.load(settings.artifacts_dir / row.state_path, optimizer=True)
         return cls(row, model)
 
+    def restored_from(self) -> str:
+        """What a request sent to a lost worker is told: where the model is back at."""
+        where = f"its last saved state (step {self.saved_steps})" if self.state_path else "its base (nothing was saved)"
+        return (
+            f"The worker holding {self.model_id} stopped before this request ran; the model is back at {where}. "
+            "Send the request again."
+        )
+
     def run(self, envelope: dict[str, Any], payload: bytes | None) -> tuple[str, bytes]:
         kind = envelope["kind"]
         if kind == "create_model":
@@ -85,6 +96,7 @@ class Holder:
             return PROTOBUF, self.forward_backward(payload or b"", envelope.get("encoding"))
         if kind == "optim_step":
             metrics = self.model.optim_step(AdamStep(**envelope["adam_params"]))
+            self.unsaved = True
             self._note(steps=self.model.steps)
             return _json({"metrics": metrics, "type": "optim_step"})
         if kind in ("save_weights", "save_weights_for_sampler"):
@@ -93,6 +105,7 @@ class Holder:
             return _json(self.save_external(envelope))
         if kind == "load_weights":
             self.model.load(get_settings().artifacts_dir / envelope["source"], optimizer=bool(envelope["optimizer"]))
+            self.unsaved = True
             self._note(steps=self.model.steps)
             return _json({"path": envelope["path"], "model_id": self.model_id, "type": "load_weights"})
         raise DomainError(f"'{kind}' is not a request of a training model", code="invalid_request")
@@ -129,6 +142,8 @@ class Holder:
         )
         ttl = envelope.get("ttl_seconds")
         self._record(kind, name, relative, size, envelope.get("user_metadata") or {}, ttl)
+        if not sampler and not ttl:  # the newest state: where the model resumes if this worker dies
+            self._resumes_from(relative)
         path = f"tinker://{self.model_id}/{kind}/{name}"
         answer = {"path": path, "type": "save_weights_for_sampler" if sampler else "save_weights"}
         if sampler and not envelope.get("name"):  # save_weights_and_get_sampling_client: a session on it
@@ -166,13 +181,16 @@ class Holder:
 
     def save_resume_state(self) -> None:
         """Before letting the model go: its state, unless nothing changed since the last one saved."""
-        if self.model.steps == self.saved_steps and not self.model.pending:
+        if not self.unsaved and not self.model.pending:
             return
         relative = checkpoint_dir(self.model_id, "weights", RESUME_NAME)
         size = self.model.save(get_settings().artifacts_dir / relative, optimizer=True, base_model=self.base_model)
         self._record("weights", RESUME_NAME, relative, size, {}, None)
+        self._resumes_from(relative)
+
+    def _resumes_from(self, relative: str) -> None:
         self._note(steps=self.model.steps, state_path=relative)
-        self.saved_steps = self.model.steps
+        self.saved_steps, self.state_path, self.unsaved = self.model.steps, relative, False
 
     def _record(
         self, kind: str, name: str, relative: str, size: int, metadata: dict[str, Any], ttl: int | None

@@ -402,8 +402,9 @@ async def _sample_answer(conn: Any, rid: str, seconds: float) -> None:
 async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> Response:
     """A future's answer once it is done (JSON, or protobuf as the SDK asks for a forward_backward's);
     until then ``try_again`` after up to ``LONG_POLL_SECONDS``. Another project's future is a 404,
-    as one that never was. A future whose worker died while running it is a 410, which the SDK
-    answers by sending its request again (to the model as its newest saved state left it)."""
+    as one that never was. A future whose worker died while running it, or that was sent to the
+    state a dead worker lost, is a 410: the SDK raises its retryable error, and the request sent
+    again runs on the model as its newest saved state left it."""
     conn = bus_conn()
     try:
         future = await _read(conn, body.request_id, project)
@@ -414,10 +415,11 @@ async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> 
             await bus.wait(conn, body.request_id, LONG_POLL_SECONDS)
             future = await _read(conn, body.request_id, project)
         if future.status == "running" and not await bus.holder_alive(conn, future.model, future.worker):
-            return JSON(
-                {"error": {"message": "The worker running this request is gone; send it again", "code": "worker_lost"}},
-                status_code=410,
+            return _lost(
+                "The worker running this request is gone; the model is back at its last saved state. Send it again."
             )
+        if future.status == "lost":  # sent to the state a dead worker lost
+            return _lost(json.loads(future.body)["error"])
         if future.status == "pending" and future.kind != "sample":  # its worker may have died before taking it
             await anyio.to_thread.run_sync(_wake_if_unheld, future.model)
         if future.status in ("pending", "running"):
@@ -425,6 +427,11 @@ async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> 
         return Response(future.body, media_type=future.content_type)
     finally:
         await conn.aclose()
+
+
+def _lost(message: str) -> JSON:
+    """410: the SDK's retryable error (its future raises RetryableException)."""
+    return JSON({"error": {"message": message, "code": "worker_lost"}}, status_code=410)
 
 
 async def _read(conn: Any, rid: str, project: Caller) -> bus.Future:
