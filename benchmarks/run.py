@@ -22,6 +22,9 @@
    scored beside the reference forward or before it (``benchmarks.score_beside``).
 12. ``availability``: another project's latency (a list, a 4-token chat, a dry run) while a hostile
    project attacks each shared part, against idle (``benchmarks.availability``).
+13. ``tinker``: a forward_backward + optim_step round trip through the tinker SDK against the same
+   work in process, and samples/s through its SamplingClient against the worker's own batch
+   (``benchmarks.tinker``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -72,6 +75,7 @@ SUBPROCESS_SECTIONS = {
     "train_vs_engine": "benchmarks.train_vs_engine",
     "score_beside": "benchmarks.score_beside",
     "availability": "benchmarks.availability",
+    "tinker": "benchmarks.tinker",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -236,6 +240,7 @@ def main() -> None:
         "train_vs_engine",
         "score_beside",
         "availability",
+        "tinker",
     ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
