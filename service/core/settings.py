@@ -179,6 +179,12 @@ class Settings(BaseSettings):
         "every second): a worker that dies loses its models this long after, and their requests fail with a "
         "retryable error.",
     )
+    tinker_turn_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long a worker may hold Tinker training models while a fine-tuning job waits in its queues: "
+        "then it saves them and lets them go, the job runs, and the models come back after it.",
+    )
     tinker_models_per_worker: int = Field(
         default=4,
         ge=1,

@@ -98,6 +98,25 @@ def enqueue_job(job: Job) -> bool:
         return False
 
 
+def jobs_waiting(conn: Any, queues: list[str], *, look: int = 100) -> bool:
+    """Whether a job's task waits in any of ``queues`` (Celery's Redis transport keeps a queue as a
+    list of JSON messages, the task's name in their headers; the first ``look`` of each are read)."""
+    import json
+
+    for queue in queues:
+        for raw in conn.lrange(queue, 0, look - 1):
+            try:
+                if json.loads(raw).get("headers", {}).get("task") == RUN_JOB_TASK:
+                    return True
+            except (ValueError, AttributeError):
+                continue
+    return False
+
+
+WORKER_QUEUES_VARIABLE = "RLOO_WORKER_QUEUES"
+"""Where a training worker leaves the queues it consumes, comma-separated, for its pool's processes."""
+
+
 def grader_queue() -> str:
     """Dry runs of graders go to their own queue, so they never wait behind a training job
     (``rloo worker --queue <queue>-graders``; ``rloo up`` starts one)."""

@@ -35,7 +35,7 @@ def run(
     settings = get_settings()
     embedded_redis.ensure(settings)
     from service.graders.sandbox import status
-    from service.infra.task_queue import grader_queue
+    from service.infra.task_queue import WORKER_QUEUES_VARIABLE, grader_queue
     from worker.celery_app import app as celery_app
 
     say(f"python graders: {status(settings)}")
@@ -45,6 +45,7 @@ def run(
     if training:  # the training workers watch the training jobs
         me = reconciler.registration(node, gpus, accelerator)
         queues = me.queues
+        os.environ[WORKER_QUEUES_VARIABLE] = ",".join(queues)  # (a Tinker holder yields to jobs waiting there)
         say(f"devices: {me.devices} x {me.accelerator}; queues: {','.join(queues)}")
         reconciler.start(metrics_port, me)
     else:

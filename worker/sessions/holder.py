@@ -22,6 +22,7 @@ import traceback
 from typing import Any
 
 from service.core.settings import get_settings
+from service.infra import task_queue
 from service.infra.task_queue import HOLD_TINKER_MODEL_TASK
 from service.tinker import bus
 from worker.celery_app import app
@@ -43,11 +44,47 @@ def hold_tinker_model(model_id: str) -> str:
     models = Models(conn, process_name(), most=settings.tinker_models_per_worker, idle=settings.tinker_idle_seconds)
     if not models.adopt(model_id):
         return "held elsewhere"
+    turn = Turn(conn, settings.tinker_turn_seconds)
     try:
-        models.serve()
+        models.serve(until=turn.over)
     finally:
-        models.let_go_of_all(save=True)  # stopped (or failed): what it had learned is kept
+        waiting = models.let_go_of_all(save=True)  # stopped (or failed): what it had learned is kept
+    if turn.ended:  # a job's turn: the models with requests come back after it, from the queue
+        for waiting_model in waiting:
+            task_queue.wake_tinker_model(waiting_model)
+        return "yielded to a waiting job"
     return "released"
+
+
+class Turn:
+    """A holder's turn on its worker: over once it has held for ``seconds`` while a fine-tuning job
+    waits in the worker's queues (checked every ``CHECK_SECONDS``), so that sessions never starve
+    queued jobs; the job's task is ahead of the models' next wake in the queue, and the reverse holds
+    as well (a job never starves a session: the session's wake waits behind it, not behind all)."""
+
+    CHECK_SECONDS = 10.0
+
+    def __init__(self, conn: Any, seconds: float) -> None:
+        import os
+
+        self.conn, self.seconds, self.ended = conn, seconds, False
+        self.queues = [q for q in os.environ.get(task_queue.WORKER_QUEUES_VARIABLE, "").split(",") if q] or [
+            get_settings().queue
+        ]
+        self.started = self.checked = time.monotonic()
+
+    def over(self) -> bool:
+        now = time.monotonic()
+        if now - self.started < self.seconds or now - self.checked < self.CHECK_SECONDS:
+            return False
+        self.checked = now
+        try:
+            self.ended = task_queue.jobs_waiting(self.conn, self.queues)
+        except Exception as exc:  # the broker away: serve on
+            log.warning("could not look for waiting jobs: %s", exc)
+        if self.ended:
+            log.info("a fine-tuning job waits: letting the tinker models go for its turn")
+        return self.ended
 
 
 class Models:
@@ -87,9 +124,9 @@ class Models:
         for envelope in lost:
             bus.finish(self.conn, envelope["id"], content_type="application/json", body=body, failed=True, lost=True)
 
-    def serve(self) -> None:
-        """Requests of the held models, one at a time, until none is held."""
-        while self.held:
+    def serve(self, until: Any = lambda: False) -> None:
+        """Requests of the held models, one at a time, until none is held or ``until()``."""
+        while self.held and not until():
             self._renew()
             for model_id in bus.wanted(self.conn)[: max(0, self.most - len(self.held))]:
                 self.adopt(model_id)
@@ -126,9 +163,12 @@ class Models:
             self._forget(model_id)
             log.info("let go of tinker model %s (%d held)", model_id, len(self.held))
 
-    def let_go_of_all(self, *, save: bool) -> None:
+    def let_go_of_all(self, *, save: bool) -> list[str]:
+        """Every model let go; those with requests waiting."""
+        waiting = [m for m in self.held if bus.pending(self.conn, m)]
         for model_id in list(self.held):
             self._let_go(model_id, save=save)
+        return waiting
 
     def _forget(self, model_id: str) -> None:
         self.held.pop(model_id, None)
