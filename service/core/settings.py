@@ -175,9 +175,9 @@ class Settings(BaseSettings):
         default=30.0,
         ge=2,
         le=600,
-        description="How long a Tinker training model stays its worker's without the worker renewing it (about "
-        "every second): a worker that dies loses its models this long after, and their requests fail with a "
-        "retryable error.",
+        description="How long a Tinker training model stays its worker's without the worker renewing it (a thread "
+        "renews it every third of this, through long requests too): a worker that dies loses its models this "
+        "long after, and the requests meant for their lost state fail with a retryable error.",
     )
     tinker_turn_seconds: float = Field(
         default=600.0,

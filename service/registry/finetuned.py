@@ -53,13 +53,19 @@ def find(*, session: Session, project_seq: int, name: str, include_deleted: bool
     chain: list[str] = []
     first: tuple[Checkpoint, Job] | None = None
     while is_fine_tuned(name) and len(chain) < MAX_CHAIN:
+        if is_tinker(name):  # the job started from a Tinker checkpoint: its weights end the walk
+            started = _tinker_source(session, project_seq, name)
+            if started is None:
+                return None
+            chain[0:0] = started.chain
+            break
         pair = _named_checkpoint(session, project_seq, name) or _final_checkpoint(session, project_seq, name)
         if pair is None or (first is None and pair[1].model_deleted_at is not None and not include_deleted):
             return None
         first = first or pair
         chain.insert(0, pair[0].path)
         name = pair[1].model  # the model its job started from: a base model ends the walk
-    if first is None or is_fine_tuned(name):
+    if first is None or (is_fine_tuned(name) and not is_tinker(name)):
         return None
     job = first[1]
     return Source(

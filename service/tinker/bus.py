@@ -4,8 +4,12 @@ answers (futures), in Redis, under ``rloo:tinker:<queue>`` (``<p>`` below):
 * ``<p>:model:<model>:requests``: the model's requests in the order they came (a list of JSON
   envelopes ``{id, kind, ...}``); a request's body, when it has one (a forward_backward's
   protobuf), waits beside it under ``<p>:payload:<id>``.
+* ``<p>:model:<model>:taking``: the requests a worker took and has not finished (moved there from
+  the queue, atomically), which the next holder fails as lost should that worker die;
+  ``<p>:bell:<model>``: rung once a request, what a worker with nothing to do waits on.
 * ``<p>:future:<id>``: the future (a hash): its project, model, status (``pending``, ``running``,
-  ``done``, ``failed``), the worker running it, and once done its answer's content type and body.
+  ``done``, ``failed``, ``lost``: meant for a state a dead worker lost, answered 410), the worker
+  running it, and once done its answer's content type and body.
   Futures expire an hour after their last change.
 * ``<p>:ready:<id>``: one element pushed when the future is done, which a waiting
   ``retrieve_future`` pops (a long poll rather than a busy one).
@@ -192,13 +196,30 @@ def wanted(conn: Any) -> list[str]:
     return sorted(m.decode() for m in conn.smembers(f"{prefix()}:wanted"))
 
 
-def renew(conn: Any, model_id: str, worker: str) -> bool:
-    """Renew the lease; False when it was lost (expired and taken by another worker)."""
-    if conn.get(holder_key(model_id)) != worker.encode():
-        return False
-    conn.expire(holder_key(model_id), max(1, round(lease_seconds())))
-    conn.set(_held(model_id), redis_time(conn), ex=FUTURE_TTL)
-    return True
+_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif not holder and redis.call('GET', KEYS[2]) == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else
+  return 0
+end
+local t = redis.call('TIME')
+local now = tostring(t[1] + t[2] / 1e6)
+redis.call('SET', KEYS[2], now, 'EX', ARGV[4])
+return now
+"""
+
+
+def renew(conn: Any, model_id: str, worker: str, last: str | None) -> str | None:
+    """Renew the lease (atomically: a Lua script); ``last``: what the previous renewal answered.
+    A lease that lapsed while no one else took it (the ``held`` mark is still this holder's last)
+    is taken back. Returns the mark to pass next time; None when the lease was lost to another."""
+    ms = max(1000, round(1000 * lease_seconds()))
+    keys = [holder_key(model_id), _held(model_id)]
+    answer = conn.eval(_RENEW, 2, *keys, worker, ms, last or "", FUTURE_TTL)
+    return answer.decode() if isinstance(answer, bytes) else None
 
 
 def release(conn: Any, model_id: str, worker: str, *, clean: bool) -> None:

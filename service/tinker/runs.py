@@ -16,12 +16,13 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.core.errors import Invalid, NotFound
-from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerSession, now
+from service.core.tables import Job, TinkerCheckpoint, TinkerModel, TinkerSession, now
 from service.tinker import bus
 from service.tinker.sessions import TinkerPath, describe_checkpoint, find_checkpoint, get_model
 
@@ -145,6 +146,16 @@ def delete_checkpoint(session: Session, *, project: int, path: TinkerPath) -> st
 
 
 def _not_resumed_from(session: Session, project: int, path: TinkerPath, row: TinkerCheckpoint, verb: str) -> None:
+    """Refused: the state a model resumes from, and weights a fine-tuning job started from (its
+    model, and every job after it, is made of them)."""
+    started = session.scalar(select(Job.id).where(Job.project_seq == project, Job.model == str(path)).limit(1))
+    if started is not None:
+        raise Invalid(
+            f"'{path}' is what the fine-tuning job {started} started from: its model is made of these weights, "
+            f"so they cannot be {'deleted' if verb == 'delete' else 'given a time to live'}",
+            param="checkpoint_id",
+            code="checkpoint_in_use",
+        )
     model = get_model(session, project=project, model_id=path.model_id)
     if model.state_path == row.path:
         raise Invalid(
@@ -169,10 +180,14 @@ def set_ttl(session: Session, *, project: int, path: TinkerPath, ttl_seconds: in
 
 
 def sweep_expired(session: Session, artifacts_dir: Path, *, limit: int = 200) -> int:
-    """Expired checkpoints' rows and files (a model's resume state never expires: it is not given a
-    time to live). The reconciler calls it every round; its count."""
+    """Expired checkpoints' rows and files, but the state a model resumes from (a later save_state
+    may have given it a time to live). The reconciler calls it every round; its count."""
+    resumed = select(TinkerModel.state_path).where(TinkerModel.state_path.is_not(None))
     rows = session.scalars(
-        select(TinkerCheckpoint).where(TinkerCheckpoint.expires_at <= now()).order_by(TinkerCheckpoint.seq).limit(limit)
+        select(TinkerCheckpoint)
+        .where(TinkerCheckpoint.expires_at <= now(), TinkerCheckpoint.path.not_in(resumed))
+        .order_by(TinkerCheckpoint.seq)
+        .limit(limit)
     ).all()
     for row in rows:
         session.delete(row)
@@ -209,7 +224,7 @@ def download_links(
     token = secrets.token_urlsafe(24)
     conn.set(_download_key(token), json.dumps({"dir": row.path, "files": files}), ex=DOWNLOAD_SECONDS)
     return {
-        "urls": {name: f"{base_url}/api/v1/downloads/{token}/{name}" for name in files},
+        "urls": {name: f"{base_url}/api/v1/downloads/{token}/{quote(name)}" for name in files},
         "expires": _iso(time.time() + DOWNLOAD_SECONDS),
     }
 

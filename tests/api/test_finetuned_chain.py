@@ -141,3 +141,10 @@ def test_an_adapter_of_a_tied_output_layer_merges_into_that_layer_alone(tmp_path
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(again(input_ids=ids).logits, expected, atol=1e-4)
+    # ... and that merged model, a full checkpoint in a chain (a Tinker export served, a job started
+    # from it), loaded into the tied base, keeps its own head and the base's embeddings
+    tied, _ = load_policy(models_dir)
+    chained = start_from(tied, (tmp_path / "merged",), torch.device("cpu")).eval()
+    assert torch.equal(chained.get_input_embeddings().weight, embeddings)
+    with torch.no_grad():
+        assert torch.allclose(chained(input_ids=ids).logits, expected, atol=1e-4)

@@ -283,7 +283,29 @@ def test_a_tinker_model_s_weights_are_models_of_its_project(client: Any) -> None
     r = client.post("/v1/fine_tuning/jobs", headers=stranger, json={**job_body(g["id"]), "model": sampler})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
 
-    assert client.delete(f"/v1/models/{sampler}", headers=stranger).status_code == 404
-    deleted = client.delete(f"/v1/models/{sampler}", headers=auth)
-    assert deleted.json() == {"id": sampler, "object": "model", "deleted": True}
-    assert client.get(f"/v1/models/{sampler}", headers=auth).status_code == 404
+    # The job's model, once it succeeded, is its checkpoint on the Tinker weights it started from
+    from service.core.db import session_scope
+    from service.core.tables import Checkpoint, Job
+    from service.registry import finetuned
+
+    ft = "ft:tiny-policy:alpha::" + job.json()["id"]
+    with session_scope() as session:
+        row = session.query(Job).filter(Job.id == job.json()["id"]).one()
+        row.status, row.fine_tuned_model = "succeeded", ft
+        session.add(
+            Checkpoint(
+                job_seq=row.seq, step_number=1, path=f"{row.id}/1", fine_tuned_model_checkpoint=ft + ":ckpt-step-1"
+            )
+        )
+        session.commit()
+        source = finetuned.find(session=session, project_seq=row.project_seq, name=ft)
+        assert source is not None and source.base_model == "tiny-policy"
+        assert source.chain == (f"tinker/{model_id.replace(':', '.')}/sampler_weights/s1", f"{row.id}/1")
+    r = client.delete(f"/v1/models/{sampler}", headers=auth)  # what the job's model is made of
+    assert r.status_code == 400 and r.json()["error"]["code"] == "checkpoint_in_use", r.text
+
+    other = _checkpoint(model_id, "sampler_weights", "s2", {"adapter_config.json": b"{}"})
+    assert client.delete(f"/v1/models/{other}", headers=stranger).status_code == 404
+    deleted = client.delete(f"/v1/models/{other}", headers=auth)
+    assert deleted.json() == {"id": other, "object": "model", "deleted": True}
+    assert client.get(f"/v1/models/{other}", headers=auth).status_code == 404

@@ -216,13 +216,15 @@ def test_a_worker_killed_mid_session_brings_the_model_back_from_its_saved_state(
 ) -> None:
     """SIGKILL the worker holding a training model two steps after its last save_state: the request
     sent meanwhile fails with the SDK's retryable error (410), the model comes back on another
-    worker from that saved state (the same loss as then, not the two lost steps'), and trains on."""
+    worker from that saved state (the same loss as then, not the two lost steps'), and trains on;
+    that worker, told to stop, saves the model and stops at once."""
     import signal
 
     from tinker import types
 
     with live_stack("embedded", tmp_path, models_dir, env={"RLOO_TINKER_LEASE_SECONDS": "3"}) as stack:
-        service = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "e2e"))
+        key = _key(stack, "e2e")
+        service = tinker.ServiceClient(base_url=stack.url, api_key=key)
         training = service.create_lora_training_client(base_model="tiny-policy", rank=8, seed=0).result()
         data, _ = _batch(models_dir)
         adam = types.AdamParams(learning_rate=2e-2)
@@ -249,3 +251,11 @@ def test_a_worker_killed_mid_session_brings_the_model_back_from_its_saved_state(
         assert loss() == pytest.approx(saved, rel=1e-5)
         step()
         assert loss() < saved
+
+        # SIGTERM to the worker's main process alone (docker stop): the holder saves and lets go now,
+        # not once its model idles (RLOO_TINKER_IDLE_SECONDS, 120 s here)
+        worker = stack.procs.pop("worker-2")
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=45)
+        last = tinker.RestClient(base_url=stack.url, api_key=key).get_training_run(training.model_id).result()
+        assert last.last_checkpoint is not None and last.last_checkpoint.tinker_path.endswith("/weights/resume")

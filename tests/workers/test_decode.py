@@ -128,9 +128,15 @@ def test_a_tinker_row_scores_its_prompt_and_its_tokens_top_k(policy: tuple[Any, 
     plain = _row(tok, 9, PROMPTS[1], 3)
     for _ in Batch(model, tok, [plain, scored, last], context=256).run():
         pass
+    alone = Row(request="c", index=0, prompt_ids=ids, max_tokens=1, logprobs=[], scoring=Scoring(prompt=True, last_n=2))
+    longer = _row(tok, 8, PROMPTS[0] + " " + PROMPTS[2], 2)  # wider than the scored row: only 3 positions kept
+    for _ in Batch(model, tok, [longer, alone], context=256).run():
+        pass
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
     expected = [logprobs[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    assert alone.prompt.logprobs is not None and alone.prompt.logprobs[:-2] == [None] * (len(ids) - 2)
+    assert alone.prompt.logprobs[-2:] == pytest.approx(expected[-2:], abs=1e-5)
     assert scored.prompt.logprobs is not None and scored.prompt.logprobs[0] is None
     assert scored.prompt.logprobs[1:] == pytest.approx(expected, abs=1e-5)
     assert last.prompt.logprobs is not None and last.prompt.logprobs[:-2] == [None] * (len(ids) - 2)

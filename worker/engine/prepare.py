@@ -30,7 +30,7 @@ from worker.engine.modeling import (
     without_dropout,
 )
 from worker.engine.recorders import Recorder
-from worker.engine.resume import check_resumable, load_full_weights, restore
+from worker.engine.resume import check_resumable, load_full_weights, restore, untie_output
 from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels
 from worker.engine.rollout.backends import make_backend
 from worker.engine.rollout.base import RolloutBackend, Sampling
@@ -191,11 +191,8 @@ def untie_adapted_output(model: Any, adapter: Path) -> None:
         adapted = re.fullmatch(targets, name) is not None
     else:
         adapted = name in targets
-    if not adapted:
-        return
-    output.weight = torch.nn.Parameter(output.weight.detach().clone(), requires_grad=output.weight.requires_grad)
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        config.tie_word_embeddings = False
+    if adapted:
+        untie_output(model)
 
 
 def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> RolloutBackend:

@@ -168,12 +168,37 @@ def load_full_weights(model: Any, path: Path, device: torch.device, *, code: str
     state: dict[str, Tensor] = {}
     for f in files:
         state.update(load_file(f, device=str(device)))
+    if _saved_untied(path):  # an output head of its own (a merged lm_head adapter): not the embeddings'
+        untie_output(model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # save_pretrained leaves out an output head tied to the input embeddings; nothing else may be missing.
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     missing = [m for m in missing if not (tied and m.endswith("lm_head.weight"))]
     if missing or unexpected:
         raise JobError(code, f"{path} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def _saved_untied(path: Path) -> bool:
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return config.get("tie_word_embeddings", text.get("tie_word_embeddings")) is False
+
+
+def untie_output(model: Any) -> bool:
+    """Give an output layer that shares its weight with the input embeddings a copy of its own (and
+    untie the config, so it is saved and loaded on its own). False when it shares nothing."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or inputs is None or output.weight.data_ptr() != inputs.weight.data_ptr():
+        return False
+    output.weight = torch.nn.Parameter(output.weight.detach().clone(), requires_grad=output.weight.requires_grad)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    return True
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

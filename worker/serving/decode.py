@@ -27,7 +27,15 @@ import torch
 from torch import Tensor
 
 from worker.engine.rollout.base import _cache_arg, _eos_ids, _nucleus
-from worker.serving.scoring import PromptScores, Scoring, TopK, keep_top_k, prompt_scores, topk_lists
+from worker.serving.scoring import (
+    PromptScores,
+    Scoring,
+    TopK,
+    keep_top_k,
+    prompt_scores,
+    scored_positions,
+    topk_lists,
+)
 
 BASE_ADAPTER = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch (``adapter_names``)."""
@@ -138,10 +146,13 @@ class Batch:
             return _State(
                 list(rows), cache, mask, positions[:, -1:] + 1, self._forward(ids, mask, positions, cache, rows)
             )
-        every = self._forward(ids, mask, positions, cache, rows, keep=0)  # every position's: the prompt is scored
+        # The last positions' logits, as many as the scored prompts need (left-padded: they line up)
+        keep = max(2, *(scored_positions(r.prompt_ids, r.scoring) for r in rows))
+        every = self._forward(ids, mask, positions, cache, rows, keep=keep)
         for i, row in enumerate(rows):
             if row.scoring.wants_prompt:
-                row.prompt = prompt_scores(every[i, width - len(row.prompt_ids) :], row.prompt_ids, row.scoring)
+                window = min(keep, len(row.prompt_ids))
+                row.prompt = prompt_scores(every[i, keep - window :], row.prompt_ids, row.scoring)
         return _State(list(rows), cache, mask, positions[:, -1:] + 1, every[:, -1, :].float())
 
     @staticmethod
@@ -155,7 +166,7 @@ class Batch:
     def _forward(
         self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, rows: list[Row] | None = None, keep: int = 1
     ) -> Tensor:
-        """The next token's logits ``(N, V)``; with ``keep=0``, every position's ``(N, T, V)``."""
+        """The next token's logits ``(N, V)``; with ``keep`` > 1, the last ``keep`` positions' ``(N, keep, V)``."""
         extra: dict[str, Any] = {}
         if self.adapters:
             extra["adapter_names"] = [r.adapter or BASE_ADAPTER for r in (rows or self.rows)]
@@ -168,7 +179,7 @@ class Batch:
             logits_to_keep=keep,
             **extra,
         )
-        return out.logits if keep == 0 else out.logits[:, -1, :].float()
+        return out.logits if keep > 1 else out.logits[:, -1, :].float()
 
     def _sample(self, logits: Tensor, rows: list[Row]) -> list[int]:
         """One token a row: the most likely at temperature 0, else drawn from the row's generator."""

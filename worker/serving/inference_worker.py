@@ -271,6 +271,10 @@ class Server:
             message = "Tinker sampling is served by the transformers inference workers (not vLLM's) for now."
             return inference_bus.error_message(400, "unsupported", message, "model_path")
         ids = [int(t) for t in env["prompt_ids"]]
+        vocab = int(getattr(loaded.model.config.get_text_config(), "vocab_size", 0) or 0)
+        if vocab and any(not 0 <= t < vocab for t in ids):  # (on a GPU, a device-side assert for every row)
+            message = f"The prompt holds a token id outside this model's vocabulary (0 to {vocab - 1})."
+            return inference_bus.error_message(400, "invalid_token", message, "prompt")
         context, asked = loaded.context, int(env["max_tokens"])
         if context is not None and len(ids) + asked > context:
             message = (

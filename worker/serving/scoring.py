@@ -35,11 +35,23 @@ class PromptScores:
     topk: list[TopK | None] | None = None
 
 
+def _first_scored(count: int, scoring: Scoring) -> int:
+    return max(1, count - scoring.last_n) if scoring.last_n is not None else 1
+
+
+def scored_positions(prompt_ids: list[int], scoring: Scoring) -> int:
+    """How many of the prompt's last positions' logits scoring needs (1: none but the next token's)."""
+    if not scoring.wants_prompt:
+        return 1
+    return len(prompt_ids) - _first_scored(len(prompt_ids), scoring) + 1
+
+
 def prompt_scores(logits: Tensor, prompt_ids: list[int], scoring: Scoring) -> PromptScores:
-    """``logits``: ``(T, V)`` over the row's prompt (its own positions, padding cut off)."""
+    """``logits``: ``(W, V)`` over the prompt's last W positions (W at least ``scored_positions``)."""
     count = len(prompt_ids)
-    first = max(1, count - scoring.last_n) if scoring.last_n is not None else 1
-    logprobs = torch.log_softmax(logits[first - 1 : count - 1].float(), dim=-1)  # position p scored from p - 1
+    first = _first_scored(count, scoring)
+    offset = count - logits.shape[0]  # the prompt position of logits[0]
+    logprobs = torch.log_softmax(logits[first - 1 - offset : count - 1 - offset].float(), dim=-1)  # p from p - 1
     skipped: list[None] = [None] * first
     scores = PromptScores()
     if scoring.prompt:

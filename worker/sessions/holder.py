@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any
 
+from celery.signals import worker_shutting_down
+
 from service.core.settings import get_settings
 from service.infra import task_queue
 from service.infra.task_queue import HOLD_TINKER_MODEL_TASK
@@ -46,7 +48,7 @@ def hold_tinker_model(model_id: str) -> str:
         return "held elsewhere"
     turn = Turn(conn, settings.tinker_turn_seconds)
     try:
-        models.serve(until=turn.over)
+        models.serve(until=lambda: _worker_stopping(conn) or turn.over())
     finally:
         waiting = models.let_go_of_all(save=True)  # stopped (or failed): what it had learned is kept
     if turn.ended:  # a job's turn: the models with requests come back after it, from the queue
@@ -54,6 +56,89 @@ def hold_tinker_model(model_id: str) -> str:
             task_queue.wake_tinker_model(waiting_model)
         return "yielded to a waiting job"
     return "released"
+
+
+class Leases:
+    """The leases of the models a holder holds, renewed by a thread of their own every third of a
+    lease, so that a long request, a model's load or a save never lets one lapse."""
+
+    def __init__(self, worker: str) -> None:
+        import threading
+
+        import redis
+
+        self.worker = worker
+        self.conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=10, socket_connect_timeout=5)
+        self.marks: dict[str, str | None] = {}
+        self.gone: set[str] = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._renew_forever, name="tinker-leases", daemon=True).start()
+
+    def add(self, model_id: str) -> None:
+        with self.lock:
+            self.marks[model_id] = None
+            self.gone.discard(model_id)
+        self._renew_once()
+
+    def drop(self, model_id: str) -> None:
+        with self.lock:
+            self.marks.pop(model_id, None)
+
+    def lost(self) -> list[str]:
+        with self.lock:
+            gone, self.gone = sorted(self.gone), set()
+        return gone
+
+    def _renew_once(self) -> None:
+        with self.lock:
+            marks = dict(self.marks)
+        for model_id, last in marks.items():
+            try:
+                mark = bus.renew(self.conn, model_id, self.worker, last)
+            except Exception as exc:  # Redis away a moment: the next round tries again
+                log.warning("tinker model %s: lease not renewed: %s", model_id, exc)
+                continue
+            with self.lock:
+                if model_id not in self.marks:
+                    continue
+                if mark is None:
+                    self.marks.pop(model_id, None)
+                    self.gone.add(model_id)
+                else:
+                    self.marks[model_id] = mark
+
+    def _renew_forever(self) -> None:
+        while True:
+            time.sleep(bus.lease_seconds() / 3)
+            self._renew_once()
+
+
+def _stopping_key(worker_pid: int) -> str:
+    import socket
+
+    return f"{bus.prefix()}:stopping:{socket.gethostname()}:{worker_pid}"
+
+
+@worker_shutting_down.connect
+def _say_the_worker_stops(**_: object) -> None:
+    """The worker's main process is told to stop (SIGTERM to it alone: ``docker stop``, systemd): a
+    warm shutdown waits for the running task, and a holder would serve on until its models idle. The
+    mark tells its pool process to save its models and let them go now."""
+    import os
+
+    import redis
+
+    try:
+        conn = redis.Redis.from_url(get_settings().redis_client_url, socket_timeout=5, socket_connect_timeout=5)
+        conn.set(_stopping_key(os.getpid()), 1, ex=3600)
+    except Exception as exc:  # the holder then ends with its models' idle time, as before
+        log.warning("could not tell the tinker holder to stop: %s", exc)
+
+
+def _worker_stopping(conn: Any) -> bool:
+    import os
+
+    return bool(conn.exists(_stopping_key(os.getppid())))
 
 
 class Turn:
@@ -94,6 +179,7 @@ class Models:
         self.conn, self.worker, self.most, self.idle = conn, worker, most, idle
         self.held: dict[str, Holder] = {}
         self.used: dict[str, float] = {}
+        self.leases = Leases(worker)
 
     def adopt(self, model_id: str) -> bool:
         """Take ``model_id``'s lease and build it; False if another worker holds it or it cannot be
@@ -101,10 +187,12 @@ class Models:
         claim = bus.claim(self.conn, model_id, self.worker)
         if not claim.held:
             return False
+        self.leases.add(model_id)  # renewed from now on, through a long load or request too
         try:
             self.held[model_id] = holder = Holder.start(model_id)
         except Exception as exc:
             self._fail_waiting(model_id, Failure.of(exc))
+            self.leases.drop(model_id)
             bus.release(self.conn, model_id, self.worker, clean=False)
             return False
         self.used[model_id] = time.monotonic()
@@ -139,9 +227,9 @@ class Models:
             self._let_go_of_idle()
 
     def _renew(self) -> None:
-        for model_id in list(self.held):
-            if not bus.renew(self.conn, model_id, self.worker):
-                log.warning("tinker model %s: lease lost; letting it go unsaved", model_id)
+        for model_id in self.leases.lost():
+            if model_id in self.held:
+                log.warning("tinker model %s: lease lost to another worker; letting it go unsaved", model_id)
                 self._forget(model_id)
 
     def _let_go_of_idle(self) -> None:
@@ -171,6 +259,7 @@ class Models:
         return waiting
 
     def _forget(self, model_id: str) -> None:
+        self.leases.drop(model_id)
         self.held.pop(model_id, None)
         self.used.pop(model_id, None)
 
