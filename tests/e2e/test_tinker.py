@@ -94,6 +94,11 @@ def test_the_sdk_trains_saves_and_loads_a_lora_model(kind: str, tmp_path: Path, 
         stranger = tinker.ServiceClient(base_url=stack.url, api_key=other)
         with pytest.raises(Exception, match="404|not found|No checkpoint|No training model"):
             stranger.create_training_client_from_state(saved).result()
+        listed = stack.cli("tinker", "runs", "--base-url", f"{stack.url}/v1", "--api-key", key).stdout
+        assert training.model_id in listed and saved in listed, listed  # rloo tinker runs: its newest state
+        args = ("--base-url", f"{stack.url}/v1", "--api-key", stack.key)  # an ordinary key of the same project
+        listed = stack.cli("tinker", "checkpoints", training.model_id, *args).stdout
+        assert saved in listed and "training" in listed, listed
         rest = tinker.RestClient(base_url=stack.url, api_key=key)
         _the_rest_client_finds_downloads_and_deletes(
             rest, tinker.RestClient(base_url=stack.url, api_key=other), training, saved, tmp_path
