@@ -226,3 +226,79 @@ def trl_config(
 
 def first_last(rewards: list[float], n: int = 5) -> tuple[float, float]:
     return round(sum(rewards[:n]) / n, 3), round(sum(rewards[-n:]) / n, 3)
+
+
+@contextlib.contextmanager
+def local_stack(
+    home: Path,
+    models: Path,
+    parts: list[list[str]],
+    *,
+    env: dict[str, str] | None = None,
+    key_flags: tuple[str, ...] = (),
+) -> Iterator[tuple[str, str]]:
+    """The service as processes on the embedded defaults under ``home`` (the API, then ``parts``:
+    each a ``rloo`` command line, e.g. ``["worker", "--serve"]``), no rate limit, a key of project
+    ``bench`` (``key_flags``: e.g. ``--tinker``); yields the API's URL once ``/readyz`` answers, and
+    its key. Stopped as ``rloo up`` stops its children (each process group), the embedded Redis after.
+    Their output goes to ``home/stack.log``."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    values = {**os.environ, "RLOO_HOME": str(home / "var"), "RLOO_MODELS_DIR": str(models), "RLOO_RATE_LIMIT": "0"}
+    values.update(env or {})
+    values.pop("DATABASE_URL", None)
+    values.pop("REDIS_URL", None)
+
+    def cli(*args: str) -> str:
+        run = [sys.executable, "-m", "worker.cli", *args]
+        return subprocess.run(run, env=values, cwd=root, capture_output=True, text=True, check=True).stdout
+
+    cli("db", "upgrade")
+    key = cli("keys", "create", "--project", "bench", *key_flags).strip().splitlines()[-1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    logs = open(home / "stack.log", "ab")  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", *args],
+            env=values,
+            cwd=root,
+            stdout=logs,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for args in (["api", "--port", str(port)], *parts)
+    ]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _ready(url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the stack did not start: {(home / 'stack.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url, key
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=60)
+        from service.core.settings import Settings
+        from service.infra import embedded_redis
+
+        embedded_redis.stop_daemon(Settings(home=home / "var"))
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -13,9 +13,7 @@ JSON object.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,21 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import CONFIGS, build
+from benchmarks.common import CONFIGS, build, local_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64
 CONCURRENT = 8
 ROUNDS = 5
 MESSAGES = [{"role": "user", "content": "tell me about the cat and the dog"}]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stream(client: Any, model: str, seed: int) -> tuple[float, int, float]:
@@ -170,33 +160,9 @@ def main() -> dict[str, Any]:
     models = home / "models"
     for config in CONFIGS:
         build(models, config)
-    env = {
-        **os.environ,
-        "RLOO_HOME": str(home / "var"),
-        "RLOO_MODELS_DIR": str(models),
-        "RLOO_RATE_LIMIT": "0",
-        "RLOO_INFERENCE_MAX_CONCURRENT": "64",
-    }
-    env.pop("DATABASE_URL", None)
-    env.pop("REDIS_URL", None)
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, check=True
-        )
-
-    cli("db", "upgrade")
-    key = cli("keys", "create", "--project", "bench").stdout.strip().splitlines()[-1]
-    port = _free_port()
-    logs = open(home / "stack.log", "ab")  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT
-        )
-        for args in (["api", "--port", str(port)], ["worker", "--serve"])
-    ]
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    parts = [["worker", "--serve"]]
+    with local_stack(home, models, parts, env={"RLOO_INFERENCE_MAX_CONCURRENT": "64"}) as (url, key):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -218,15 +184,6 @@ def main() -> dict[str, Any]:
                 "generate": _direct(models / config),
             }
         return out
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
-        from service.core.settings import Settings
-        from service.infra import embedded_redis
-
-        embedded_redis.stop_daemon(Settings(home=home / "var"))
 
 
 if __name__ == "__main__":

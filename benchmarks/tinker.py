@@ -14,16 +14,14 @@ steps; p50 and p99 of the wall time of each (the SDK's: from the call to both re
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import CONFIGS, build
+from benchmarks.common import CONFIGS, build, local_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 30
@@ -128,56 +126,6 @@ def _in_process(models: Path, config: str) -> dict[str, Any]:
     }
 
 
-def _stack(home: Path, models: Path) -> tuple[list[subprocess.Popen[bytes]], str, str, dict[str, str]]:
-    env = {
-        **os.environ,
-        "RLOO_HOME": str(home / "var"),
-        "RLOO_MODELS_DIR": str(models),
-        "RLOO_RATE_LIMIT": "0",
-    }
-    env.pop("DATABASE_URL", None)
-    env.pop("REDIS_URL", None)
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "worker.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, check=True
-        )
-
-    cli("db", "upgrade")
-    key = cli("keys", "create", "--project", "bench", "--tinker").stdout.strip().splitlines()[-1]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    logs = open(home / "stack.log", "ab")  # noqa: SIM115
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", *args],
-            env=env,
-            cwd=ROOT,
-            stdout=logs,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # stopped as rloo up stops its children: the whole group
-        )
-        for args in (["api", "--port", str(port)], ["worker"], ["worker", "--serve"])
-    ]
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the stack did not start: {(home / 'stack.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    return procs, url, key, env
-
-
 def main() -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="rloo-bench-tinker-"))
     models = home / "models"
@@ -189,8 +137,7 @@ def main() -> dict[str, Any]:
 
     torch.set_num_threads(THREADS)
     direct = {config: _in_process(models, config) for config in CONFIGS}  # before the stack starts
-    procs, url, key, _ = _stack(home, models)
-    try:
+    with local_stack(home, models, [["worker"], ["worker", "--serve"]], key_flags=("--tinker",)) as (url, key):
         chosen = re.findall(r"torch threads: (\d+)", (home / "stack.log").read_text())
         out: dict[str, Any] = {
             "settings": f"a step: {BATCH} datums x {LENGTH} tokens, cross_entropy, LoRA rank {RANK}, AdamW, "
@@ -208,17 +155,6 @@ def main() -> dict[str, Any]:
                 "protocol_overhead_ms_p50": round(sdk["step"]["p50_ms"] - direct[config]["step"]["p50_ms"], 1),
             }
         return out
-    finally:
-        import signal
-
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            proc.wait(timeout=60)
-        from service.core.settings import Settings
-        from service.infra import embedded_redis
-
-        embedded_redis.stop_daemon(Settings(home=home / "var"))
 
 
 if __name__ == "__main__":
