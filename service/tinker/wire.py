@@ -2,11 +2,8 @@
 with a ``WireError`` saying where and what to change, when it is not what the SDK sends), and the two
 results the SDK reads as protobuf encoded (``ForwardBackwardOutput``, ``SampleResponse``).
 
-The messages are those of the SDK's ``tinker_public.proto`` (package ``tinker_public``, proto3), built
-here field by field in a private descriptor pool: the server never imports the SDK, and a process that
-holds both (the tests) never sees the two registrations of the same file clash. Only what the server
-reads or writes is built; a field the SDK sends that is not (``SamplingParams``, which travels as JSON)
-would be kept as an unknown field and ignored.
+The messages are those of the SDK's ``tinker_public.proto``, built field by field in a descriptor pool
+of our own (``service.tinker.proto_schema``).
 
 A body arrives raw or zstd-compressed (``Content-Encoding: zstd``, what the SDK sends when its config
 says ``proto_compress_fwdbwd``). Everything in it is a stranger's: the decompressed size is capped
@@ -21,15 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import zstandard
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
-PACKAGE = "tinker_public"
-FILE_NAME = "tinker_public.proto"
+from service.tinker.proto_schema import PACKAGE, enum_names, message_class
 
 ZSTD_MAX_WINDOW = 8 << 20
 """The largest zstd window a body may ask for: 8 MiB, what RFC 9659 allows the ``zstd`` HTTP content
@@ -58,219 +53,11 @@ class WireError(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
-# The messages ------------------------------------------------------------------------------------
-_F = descriptor_pb2.FieldDescriptorProto
-_BYTES, _STRING, _BOOL = _F.TYPE_BYTES, _F.TYPE_STRING, _F.TYPE_BOOL
-_DOUBLE, _INT32, _INT64, _UINT32 = _F.TYPE_DOUBLE, _F.TYPE_INT32, _F.TYPE_INT64, _F.TYPE_UINT32
-_MESSAGE, _ENUM = _F.TYPE_MESSAGE, _F.TYPE_ENUM
-
-
-class _Field(NamedTuple):
-    name: str
-    number: int
-    type: int
-    type_name: str | None = None  # a message or enum of the package, "Datum.LossFnInputsEntry" for a nested one
-    repeated: bool = False
-    oneof: str | None = None  # a real oneof's name
-    optional: bool = False  # proto3 ``optional``: a synthetic oneof ``_<name>`` of its own
-
-
-def _message(
-    name: str, *fields: _Field, oneofs: Sequence[str] = (), nested: Sequence[descriptor_pb2.DescriptorProto] = ()
-) -> descriptor_pb2.DescriptorProto:
-    """A message's descriptor; real oneofs are declared first and the synthetic ones of proto3
-    ``optional`` fields after them, in field order, as protoc lays them out."""
-    message = descriptor_pb2.DescriptorProto(name=name)
-    declared = [*oneofs, *(f"_{field.name}" for field in fields if field.optional)]
-    for oneof in declared:
-        message.oneof_decl.add(name=oneof)
-    for field in fields:
-        label = _F.LABEL_REPEATED if field.repeated else _F.LABEL_OPTIONAL
-        proto = message.field.add(name=field.name, number=field.number, type=field.type, label=label)
-        if field.type_name is not None:
-            proto.type_name = f".{PACKAGE}.{field.type_name}"
-        if field.oneof is not None:
-            proto.oneof_index = declared.index(field.oneof)
-        if field.optional:
-            proto.oneof_index = declared.index(f"_{field.name}")
-            proto.proto3_optional = True
-    message.nested_type.extend(nested)
-    return message
-
-
-def _map_entry(name: str, value: _Field) -> descriptor_pb2.DescriptorProto:
-    """The nested ``<Name>Entry`` message protoc writes for a ``map<string, value>`` field."""
-    entry = _message(name, _Field("key", 1, _STRING), value._replace(name="value", number=2))
-    entry.options.map_entry = True
-    return entry
-
-
-def _enum(name: str, *values: str) -> descriptor_pb2.EnumDescriptorProto:
-    enum = descriptor_pb2.EnumDescriptorProto(name=name)
-    for number, value in enumerate(values):
-        enum.value.add(name=value, number=number)
-    return enum
-
-
-def _file() -> descriptor_pb2.FileDescriptorProto:
-    """The part of ``tinker_public.proto`` the server reads and writes, field for field as the SDK's."""
-    proto = descriptor_pb2.FileDescriptorProto(name=FILE_NAME, package=PACKAGE, syntax="proto3")
-    proto.enum_type.extend(
-        [
-            _enum("StopReason", "STOP_REASON_STOP", "STOP_REASON_LENGTH"),
-            _enum("DType", "DTYPE_UNSPECIFIED", "DTYPE_FLOAT32", "DTYPE_INT64", "DTYPE_INT32", "DTYPE_BFLOAT16"),
-        ]
-    )
-    tensor_field = _Field("value", 2, _MESSAGE, "Tensor")
-    proto.message_type.extend(
-        [
-            # A tensor: dense bytes or sparse CSR, in a dtype, of a shape.
-            _message(
-                "SparseCsr",
-                _Field("values", 1, _BYTES),
-                _Field("crow_indices", 2, _BYTES),
-                _Field("col_indices", 3, _BYTES),
-            ),
-            _message(
-                "Tensor",
-                _Field("dense", 1, _BYTES, oneof="encoding"),
-                _Field("sparse_csr", 2, _MESSAGE, "SparseCsr", oneof="encoding"),
-                _Field("dtype", 3, _ENUM, "DType"),
-                _Field("shape", 4, _INT64, repeated=True),
-                oneofs=["encoding"],
-            ),
-            # The model's input: chunks, of which only encoded text is served.
-            _message(
-                "Chunk",
-                _Field("encoded_text", 1, _MESSAGE, "EncodedTextChunk", oneof="chunk"),
-                _Field("image", 2, _MESSAGE, "ImageChunk", oneof="chunk"),
-                _Field("dmel", 3, _MESSAGE, "DmelChunk", oneof="chunk"),
-                oneofs=["chunk"],
-            ),
-            _message("EncodedTextChunk", _Field("tokens", 1, _BYTES)),
-            _message(
-                "ImageChunk",
-                _Field("data", 1, _BYTES),
-                _Field("format", 2, _STRING),
-                _Field("expected_tokens", 3, _INT32, optional=True),
-                _Field("override_dimensions", 4, _MESSAGE, "ImageDimensions", optional=True),
-            ),
-            _message("ImageDimensions", _Field("width", 1, _UINT32), _Field("height", 2, _UINT32)),
-            _message("DmelChunk", _Field("dmel", 1, _BYTES)),
-            # A datum, and the provenance the SDK may attach to it (read past, never used).
-            _message(
-                "Datum",
-                _Field("model_input", 1, _MESSAGE, "Chunk", repeated=True),
-                _Field("loss_fn_inputs", 2, _MESSAGE, "Datum.LossFnInputsEntry", repeated=True),
-                _Field("model_input_spans", 3, _MESSAGE, "ProvenanceSpan", repeated=True),
-                _Field("loss_fn_input_spans", 4, _MESSAGE, "ProvenanceSpan", repeated=True),
-                nested=[_map_entry("LossFnInputsEntry", tensor_field)],
-            ),
-            _message(
-                "ProvenanceSpan",
-                _Field("prompt_tokens", 1, _MESSAGE, "PromptProvenanceSpan", oneof="span"),
-                _Field("sampled_tokens", 2, _MESSAGE, "SampledProvenanceSpan", oneof="span"),
-                oneofs=["span"],
-            ),
-            *(
-                _message(
-                    name, _Field("sequence_id", 1, _STRING), _Field("offset", 2, _INT64), _Field("length", 3, _INT64)
-                )
-                for name in ("PromptProvenanceSpan", "SampledProvenanceSpan")
-            ),
-            # The request.
-            _message(
-                "LossConfigValue",
-                _Field("number", 1, _DOUBLE, oneof="value"),
-                _Field("text", 2, _STRING, oneof="value"),
-                oneofs=["value"],
-            ),
-            _message(
-                "ForwardBackwardRequest",
-                _Field("model_id", 1, _STRING),
-                _Field("seq_id", 2, _INT32),
-                _Field("data", 3, _MESSAGE, "Datum", repeated=True),
-                _Field("loss_fn", 4, _STRING),
-                _Field("loss_fn_config", 5, _MESSAGE, "ForwardBackwardRequest.LossFnConfigEntry", repeated=True),
-                _Field("forward_only", 6, _BOOL),
-                _Field("loss_fn_config_v2", 7, _MESSAGE, "ForwardBackwardRequest.LossFnConfigV2Entry", repeated=True),
-                nested=[
-                    _map_entry("LossFnConfigEntry", _Field("value", 2, _DOUBLE)),
-                    _map_entry("LossFnConfigV2Entry", _Field("value", 2, _MESSAGE, "LossConfigValue")),
-                ],
-            ),
-            # Its result: per field, every datum's values in one buffer, cut at byte offsets.
-            _message(
-                "BatchedTensor",
-                _Field("data", 1, _BYTES),
-                _Field("offsets", 2, _BYTES),
-                _Field("dtype", 3, _ENUM, "DType"),
-                _Field("trailing_shape", 4, _INT64, repeated=True),
-            ),
-            _message(
-                "ArrayRecord",
-                _Field("type_tag", 1, _STRING),
-                _Field("fields", 2, _MESSAGE, "ArrayRecord.FieldsEntry", repeated=True),
-                _Field("num_datums", 3, _INT64),
-                nested=[_map_entry("FieldsEntry", _Field("value", 2, _MESSAGE, "BatchedTensor"))],
-            ),
-            _message(
-                "ForwardBackwardOutput",
-                _Field("loss_fn_output_type", 1, _STRING),
-                _Field("loss_fn_outputs", 2, _MESSAGE, "ArrayRecord", repeated=True),
-                _Field("metrics", 3, _MESSAGE, "ForwardBackwardOutput.MetricsEntry", repeated=True),
-                nested=[_map_entry("MetricsEntry", _Field("value", 2, _DOUBLE))],
-            ),
-            # A sample's result.
-            _message(
-                "TopkLogprobs",
-                _Field("token_ids", 1, _BYTES),
-                _Field("logprobs", 2, _BYTES),
-                _Field("k", 3, _UINT32),
-                _Field("length", 4, _UINT32),
-            ),
-            _message(
-                "SampledSequence",
-                _Field("stop_reason", 1, _ENUM, "StopReason"),
-                _Field("tokens", 2, _BYTES),
-                _Field("logprobs", 3, _BYTES, optional=True),
-                _Field("topk_sampled_logprobs", 4, _MESSAGE, "TopkLogprobs", optional=True),
-            ),
-            _message(
-                "PromptAltTokens", _Field("tokens", 1, _MESSAGE, "Tensor"), _Field("logprobs", 2, _MESSAGE, "Tensor")
-            ),
-            _message(
-                "SampleResponse",
-                _Field("sequences", 1, _MESSAGE, "SampledSequence", repeated=True),
-                _Field("prompt_logprobs", 2, _BYTES, optional=True),
-                _Field("topk_prompt_logprobs", 3, _MESSAGE, "TopkLogprobs", optional=True),
-                _Field("prompt_cache_hit_tokens", 4, _INT32),
-                _Field("target_prompt_logprobs", 5, _MESSAGE, "Tensor", optional=True),
-                _Field("prompt_alt_tokens", 6, _MESSAGE, "PromptAltTokens", optional=True),
-            ),
-        ]
-    )
-    return proto
-
-
-FILE_DESCRIPTOR = _file()
-_POOL = descriptor_pool.DescriptorPool()
-_POOL.Add(FILE_DESCRIPTOR)
-
-
-def message_class(name: str) -> Any:
-    """The class of the package's message ``name`` (``"Tensor"``, ``"Datum.LossFnInputsEntry"``), from
-    this module's own pool."""
-    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{PACKAGE}.{name}"))
-
-
 _ForwardBackwardRequest = message_class("ForwardBackwardRequest")
 _ForwardBackwardOutput = message_class("ForwardBackwardOutput")
 _SampleResponse = message_class("SampleResponse")
 _TopkLogprobs = message_class("TopkLogprobs")
-_DTYPE_NAMES: dict[int, str] = {
-    value.number: value.name for value in _POOL.FindEnumTypeByName(f"{PACKAGE}.DType").values
-}
+_DTYPE_NAMES: dict[int, str] = enum_names("DType")
 _DTYPE_FLOAT32, _DTYPE_INT64 = 1, 2
 _WIRE_DTYPES: dict[int, np.dtype[Any]] = {_DTYPE_FLOAT32: np.dtype("<f4"), _DTYPE_INT64: np.dtype("<i8")}
 _NATIVE_DTYPES: dict[int, np.dtype[Any]] = {_DTYPE_FLOAT32: np.dtype(np.float32), _DTYPE_INT64: np.dtype(np.int64)}

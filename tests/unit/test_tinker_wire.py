@@ -22,7 +22,7 @@ from tinker.proto import tinker_public_pb2 as sdk_pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
-from service.tinker import wire
+from service.tinker import proto_schema, wire
 from service.tinker.wire import (
     ForwardBackwardCall,
     SampledSequence,
@@ -86,7 +86,7 @@ def _sdk_file() -> descriptor_pb2.FileDescriptorProto:
 
 
 def test_every_message_we_build_is_the_sdks_field_for_field() -> None:
-    ours, theirs = wire.FILE_DESCRIPTOR, _sdk_file()
+    ours, theirs = proto_schema.FILE_DESCRIPTOR, _sdk_file()
     assert (ours.name, ours.package, ours.syntax) == (theirs.name, theirs.package, theirs.syntax)
     sdk_messages = {message.name: message for message in theirs.message_type}
     assert len(ours.message_type) >= 20
