@@ -80,12 +80,17 @@ LISTED_KINDS = ("sampler_weights", "external_weights")
 """The Tinker checkpoints ``/v1/models`` lists (a saved state resolves too, but is for training on)."""
 
 
+def live_tinker_checkpoints() -> Any:
+    """The clause that keeps a Tinker checkpoint whose time to live has not run out."""
+    return TinkerCheckpoint.expires_at.is_(None) | (TinkerCheckpoint.expires_at > now())
+
+
 def _tinker_rows(session: Session, project_seq: int) -> Any:
     return (
         select(TinkerCheckpoint, TinkerModel)
         .join(TinkerModel, TinkerModel.seq == TinkerCheckpoint.model_seq)
         .where(TinkerModel.project_seq == project_seq)
-        .where(TinkerCheckpoint.expires_at.is_(None) | (TinkerCheckpoint.expires_at > now()))
+        .where(live_tinker_checkpoints())
     )
 
 

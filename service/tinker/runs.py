@@ -21,8 +21,10 @@ from urllib.parse import quote
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.core.db import write_lock
 from service.core.errors import Invalid, NotFound
 from service.core.tables import Job, TinkerCheckpoint, TinkerModel, TinkerSession, now
+from service.registry.finetuned import live_tinker_checkpoints
 from service.tinker import bus
 from service.tinker.sessions import TinkerPath, describe_checkpoint, find_checkpoint, get_model
 
@@ -32,7 +34,7 @@ MAX_TTL_SECONDS = 10 * 365 * 86400
 
 
 def _live(query: Any) -> Any:
-    return query.where((TinkerCheckpoint.expires_at.is_(None)) | (TinkerCheckpoint.expires_at > now()))
+    return query.where(live_tinker_checkpoints())
 
 
 def _iso(seconds: float | int | None) -> str | None:
@@ -135,14 +137,16 @@ def list_user_checkpoints(session: Session, *, project: int, limit: int, offset:
     }
 
 
-def delete_checkpoint(session: Session, *, project: int, path: TinkerPath) -> str:
-    """The checkpoint's row deleted (the caller commits, then removes the directory answered,
-    relative to the artifacts root). The state a model resumes from is refused: the model would
-    start again from its base the next time a worker takes it."""
-    row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
-    _not_resumed_from(session, project, path, row, "delete")
-    session.delete(row)
-    return row.path
+def delete_checkpoint(session: Session, *, project: int, path: TinkerPath, artifacts_dir: Path) -> None:
+    """The checkpoint's row deleted and committed, then its files. Refused: the state a model
+    resumes from (it would start again from its base the next time a worker takes it), and weights
+    a job started from."""
+    with write_lock(session):
+        row = find_checkpoint(session, project=project, path=path, param="checkpoint_id")
+        _not_resumed_from(session, project, path, row, "delete")
+        session.delete(row)
+        session.commit()
+    shutil.rmtree(artifacts_dir / row.path, ignore_errors=True)
 
 
 def _not_resumed_from(session: Session, project: int, path: TinkerPath, row: TinkerCheckpoint, verb: str) -> None:

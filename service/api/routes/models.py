@@ -13,7 +13,6 @@ their ``tinker://`` path; ``DELETE`` of one removes that checkpoint, files and a
 from __future__ import annotations
 
 import logging
-import shutil
 from typing import Any
 
 from fastapi import APIRouter
@@ -24,7 +23,7 @@ from service.api.errors import APIError
 from service.api.responses import JSON, page
 from service.api.routing import StrictJSONRoute
 from service.core.crud import Caller
-from service.core.db import ends_session, write_lock
+from service.core.db import ends_session
 from service.core.errors import Invalid, model_not_found
 from service.core.tables import Evaluation, Job, now
 from service.infra.artifacts import open_store
@@ -142,8 +141,5 @@ def _delete_tinker_weights(session: SessionDep, project: Caller, settings: Setti
         path = sessions.parse_path(model_id, "model")
     except Invalid:
         raise model_not_found(model_id) from None
-    with write_lock(session):
-        directory = runs.delete_checkpoint(session, project=project.seq, path=path)
-        session.commit()
-    shutil.rmtree(settings.artifacts_dir / directory, ignore_errors=True)
+    runs.delete_checkpoint(session, project=project.seq, path=path, artifacts_dir=settings.artifacts_dir)
     return JSON({"id": model_id, "object": "model", "deleted": True})

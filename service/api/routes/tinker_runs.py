@@ -4,7 +4,6 @@ given a time to live, downloaded file by file), sessions, a checkpoint's weights
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -68,10 +67,9 @@ def list_user_checkpoints(project: ProjectDep, session: SessionDep, limit: int =
 def delete_checkpoint(
     model_id: str, kind: str, name: str, project: ProjectDep, session: SessionDep, settings: SettingsDep
 ) -> JSON:
-    with write_lock(session):
-        directory = runs.delete_checkpoint(session, project=project.seq, path=_path(model_id, kind, name))
-        session.commit()
-    shutil.rmtree(settings.artifacts_dir / directory, ignore_errors=True)
+    runs.delete_checkpoint(
+        session, project=project.seq, path=_path(model_id, kind, name), artifacts_dir=settings.artifacts_dir
+    )
     return JSON({})
 
 
