@@ -15,7 +15,7 @@ config (no hub) and saved in bf16 under a models root, trains RLOO for a few ste
 Each run reports, from its recorded step metrics (medians over the steps after the first, which
 warms up): generated tokens/s (completion tokens / generate time), the split of a step (generate,
 score, reference, update, step), model FLOPs utilisation (the step's FLOPs as
-``service.jobs.memory_plan.plan`` counts them, over the step's time and the devices' bf16 dense peak:
+``service.registry.memory_plan.plan`` counts them, over the step's time and the devices' bf16 dense peak:
 ``PEAK_TFLOPS``), the peak of ``torch.cuda.max_memory_allocated`` (read in each training process
 as it exits: ``benchmarks/gpu_check_hook``), and the memory plan's estimate for the same job against
 it. A markdown table on stdout; it and the JSON into ``--out`` (a ``.json`` path, the ``.md``
@@ -197,8 +197,8 @@ def fit_accumulation(model: Path, settings: dict[str, Any], device_bytes: int, r
     """The fewest micro-batches (a power of two dividing ``batch_size``) whose one-device plan, half
     again, fits 90% of a device of ``device_bytes`` beside ``reserved`` bytes; the most there are
     when none fits."""
-    from service.jobs import memory_plan
     from service.jobs.hyperparameters import ReinforcementHyperparameters
+    from service.registry import memory_plan
 
     shape = memory_plan.model_shape(model)
     accumulation = 1
@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from service.jobs import memory_plan
     from service.jobs.hyperparameters import ReinforcementHyperparameters
+    from service.registry import memory_plan
     from worker.engine.rollout.backends import vllm_installed
 
     cpu = args.cpu_smoke

@@ -1,7 +1,7 @@
 """How good the memory plan is (``python -m benchmarks.memory_plan``; ``make bench``'s
 ``memory_plan``): each case trains 2 RLOO steps on the CPU in a process of its own, and its peak
 resident memory above what the process held before the model loaded is set beside
-``service.jobs.memory_plan``'s estimate for the same job (fp32, one device).
+``service.registry.memory_plan``'s estimate for the same job (fp32, one device).
 
 Prompts are longer than ``max_prompt_length`` (they keep their last tokens), so every sequence is
 as long as the plan assumes; completions that end early use less than the plan's worst case.
@@ -48,8 +48,8 @@ def _case(models: str, model: str, case: str) -> None:
 
     from benchmarks.common import PLACEHOLDER_GRADER
     from service.graders import parse_grader
-    from service.jobs import memory_plan
     from service.jobs.hyperparameters import ReinforcementHyperparameters
+    from service.registry import memory_plan
     from worker.engine.config import TrainConfig
     from worker.engine.methods.rloo import train
     from worker.engine.recorders import QuietRecorder

@@ -22,11 +22,11 @@ from service.core.errors import LimitReached, bad_request, model_not_found
 from service.core.settings import Settings
 from service.core.tables import File, Job
 from service.infra import task_queue
-from service.jobs import idempotency, lifecycle, memory_plan, spec
+from service.jobs import idempotency, lifecycle, spec
 from service.jobs.hyperparameters import AnyResolved
 from service.jobs.lifecycle import JobStatus
 from service.jobs.spec import JobCreate, Resources
-from service.registry import finetuned, model_ids
+from service.registry import finetuned, memory_plan, model_ids
 
 ROUTE = "jobs"
 """The idempotency keys' scope."""
@@ -233,7 +233,7 @@ def plan_of(settings: Settings, base_model: str, hp: Any, body: JobCreate) -> di
 
 def check_memory(settings: Settings, base_model: str, hp: Any, body: JobCreate) -> None:
     """A job whose memory plan fits no accelerator kind the operator declared (RLOO_ACCELERATORS) is
-    a 400 now, not a failure hours later (``service.jobs.memory_plan``). A model whose shape its files do
+    a 400 now, not a failure hours later (``service.registry.memory_plan``). A model whose shape its files do
     not say (a hub id) is not checked."""
     if not settings.accelerators:
         return

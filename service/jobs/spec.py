@@ -15,7 +15,6 @@ from service.core.errors import bad_request
 from service.core.settings import Settings
 from service.core.validation import Strict
 from service.files.datasets import first_line_not
-from service.jobs import memory_plan
 from service.jobs.hyperparameters import (
     HYPERPARAMETERS,
     AnyResolved,
@@ -26,7 +25,7 @@ from service.jobs.hyperparameters import (
     SupervisedHyperparameters,
     least_rloo_k,
 )
-from service.registry import inspection, model_ids
+from service.registry import inspection, memory_plan, model_ids
 from service.registry.model_root import resolve_model
 
 

@@ -1,4 +1,4 @@
-"""A job's memory plan (``service.jobs.memory_plan``): the model's shape read from its files as torch counts
+"""A job's memory plan (``service.registry.memory_plan``): the model's shape read from its files as torch counts
 it, each part worked by hand on the tiny policy, ``POST /v1/fine_tuning/jobs/estimate``, and the
 refusal at creation of a job that fits none of the accelerators the operator declared."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.jobs import memory_plan
 from service.jobs.hyperparameters import ReinforcementHyperparameters
+from service.registry import memory_plan
 from tests.helpers.api import assert_error, upload_ok
 from tests.helpers.data import job_body
 

@@ -152,7 +152,7 @@ def report(http: httpx.Client, job: dict[str, Any], series: list[dict[str, Any]]
 
 def parameters(model: str) -> str:
     """A model's size for people (``0.2M-parameter``), from its weight files' headers."""
-    from service.jobs.memory_plan import UnknownShape, model_shape
+    from service.registry.memory_plan import UnknownShape, model_shape
 
     try:
         return f"{model_shape(get_settings().models_dir / model).parameters / 1e6:.1f}M-parameter"

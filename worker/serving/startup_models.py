@@ -59,7 +59,7 @@ def weight_bytes(path: Path) -> int:
 def served_bytes(path: Path, element_size: int) -> int:
     """The bytes its weights take once loaded at ``element_size`` bytes a parameter (its parameter
     count from the safetensors headers; else its weight files' size)."""
-    from service.jobs.memory_plan import UnknownShape, model_shape
+    from service.registry.memory_plan import UnknownShape, model_shape
 
     try:
         return model_shape(path).parameters * element_size

@@ -25,10 +25,10 @@ from service.core.db import ends_session, run_db, write_lock
 from service.core.errors import bad_request, not_found
 from service.core.tables import Checkpoint, Job, JobEvent
 from service.infra.artifacts import S3Store, open_store
-from service.jobs import creation, idempotency, lifecycle, memory_plan, spec
+from service.jobs import creation, idempotency, lifecycle, spec
 from service.jobs.lifecycle import JobStatus
 from service.jobs.spec import JobCreate
-from service.registry import exports
+from service.registry import exports, memory_plan
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", route_class=StrictJSONRoute, tags=["fine-tuning"])
 
@@ -85,7 +85,7 @@ def method_answer(method: dict[str, Any]) -> dict[str, Any]:
 @ends_session
 def estimate_job(session: SessionDep, project: ProjectDep, settings: SettingsDep, body: JobCreate) -> JSON:
     """The same body as a job's creation, checked the same way (no file is read): what the job would
-    hold a device (``service.jobs.memory_plan``), nothing created."""
+    hold a device (``service.registry.memory_plan``), nothing created."""
     _, hp = spec.check_spec(body, settings=settings)
     base_model = creation.base_model_of(session, project, settings, body)
     try:
