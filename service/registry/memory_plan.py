@@ -230,6 +230,25 @@ def what_to_change(hp: Any, parts: dict[str, int]) -> str:
     return "; ".join(advice)
 
 
+def training_model_state(shape: Shape, lora_rank: int, device: str = "cuda") -> dict[str, Any]:
+    """What a Tinker training model holds on its device between requests, in bytes: its fp32 weights,
+    the gradients ``forward_backward`` accumulates and AdamW's two moments, of every weight
+    (``lora_rank`` 0) or of a LoRA of that rank on every linear layer and the output head (an upper
+    bound: ``train_mlp``/``train_attn``/``train_unembed`` may adapt fewer), and the runtime's buffers.
+    A request's activations come on top of it, in proportion to its tokens."""
+    if lora_rank > 0:
+        trainable = sum(lora_rank * (i + o) for _, i, o in shape.linear) + lora_rank * (shape.hidden + shape.vocab)
+    else:
+        trainable = shape.parameters
+    parts = {
+        "weights": 4 * shape.parameters,
+        "gradients": 4 * trainable,
+        "optimizer": 8 * trainable,
+        "runtime": RUNTIME.get(device, RUNTIME["cuda"]),
+    }
+    return {"trainable_parameters": trainable, "bytes": parts, "bytes_per_device": sum(parts.values())}
+
+
 def for_job(
     models_dir: Path,
     base_model: str,

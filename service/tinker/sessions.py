@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from service.core.errors import Invalid, NotFound
 from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerSession, now
+from service.registry import memory_plan
 from service.registry.inspection import check_policy, context_length, inspect_model
 from service.registry.model_root import list_models, resolve_model
 
@@ -115,12 +116,15 @@ def create_model(
     optimizer: dict[str, Any],
     user_metadata: dict[str, Any],
     models_dir: Path,
+    accelerators: dict[str, float],
 ) -> TinkerModel:
     """A training model of the session on ``base_model`` (a causal LM with a tokenizer under the
-    models root); a model id the session used already is a 409."""
+    models root) whose state fits a declared accelerator (``check_memory``); a model id the session
+    used already is a 400."""
     owner = get_session(session, project=project, session_id=session_id)
     path = resolve_model(models_dir, base_model, hub_offline=True, param="base_model")
     check_policy(path, base_model, "base_model")
+    check_memory(path, base_model, int((lora or {}).get("rank") or 0), accelerators)
     model_id = f"{session_id}:train:{model_seq_id}"
     if session.scalar(select(TinkerModel.seq).where(TinkerModel.id == model_id)) is not None:
         # A 400, not a 409: the SDK retries a 409 as a transient conflict.
@@ -144,6 +148,31 @@ def create_model(
     session.add(row)
     session.flush()
     return row
+
+
+def check_memory(path: Path, base_model: str, lora_rank: int, accelerators: dict[str, float]) -> None:
+    """A training model whose state (``memory_plan.training_model_state``) fits no accelerator kind
+    the operator declared (``RLOO_ACCELERATORS``) is a 400 at creation, not a failed first request. No
+    kind declared, or a model whose files do not say its shape: not checked, as for jobs."""
+    if not accelerators:
+        return
+    try:
+        state = memory_plan.training_model_state(memory_plan.model_shape(path), lora_rank)
+    except memory_plan.UnknownShape:
+        return
+    need = state["bytes_per_device"]
+    if any(memory_plan.fits(need, accelerators).values()):
+        return
+    kind, gib = max(accelerators.items(), key=lambda kv: kv[1])
+    trains = f"with LoRA rank {lora_rank}" if lora_rank else "training every weight"
+    change = "a LoRA (rank 8 to 64) instead of every weight" if lora_rank == 0 else "a smaller base model"
+    raise Invalid(
+        f"A training model of '{base_model}' {trains} holds about {need / 2**30:.1f} GiB (weights, gradients "
+        f"and AdamW's moments) before any batch; the largest accelerator here is {kind} with {gib:g} GiB, "
+        f"{memory_plan.HEADROOM:.0%} of it usable. Ask for {change}.",
+        param="lora_config",
+        code="insufficient_memory",
+    )
 
 
 def get_model(session: Session, *, project: int, model_id: str, param: str = "model_id") -> TinkerModel:

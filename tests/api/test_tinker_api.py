@@ -84,6 +84,35 @@ def test_a_training_model_s_base_is_checked_when_it_is_created(client: Any) -> N
     assert info["lora_rank"] == 4 and info["model_data"]["model_name"] == "tiny-policy"
 
 
+def test_a_training_model_whose_state_fits_no_declared_accelerator_is_refused_at_creation(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.core.settings import Settings, get_settings
+    from service.registry import memory_plan
+
+    shape = memory_plan.model_shape(Settings().models_dir / "tiny-policy")
+    full = memory_plan.training_model_state(shape, 0)
+    lora = memory_plan.training_model_state(shape, 4)
+    assert full["trainable_parameters"] == shape.parameters > lora["trainable_parameters"] > 0
+    assert full["bytes"]["weights"] == lora["bytes"]["weights"] == 4 * shape.parameters
+    assert full["bytes"]["optimizer"] == 8 * shape.parameters  # AdamW's two fp32 moments
+    # Room for the LoRA model's state and not the full one's: LoRA is created, full is refused.
+    room = (lora["bytes_per_device"] + full["bytes_per_device"]) / 2 / memory_plan.HEADROOM / 2**30
+    monkeypatch.setenv("RLOO_ACCELERATORS", f'{{"small": {room}}}')
+    get_settings.cache_clear()
+    headers = _headers()
+    assert _model(client, headers).status_code == 200
+    session_id = _session(client, headers)
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-policy", "lora_config": {"rank": 0}}
+    r = client.post("/api/v1/create_model", json=body, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "insufficient_memory", r.text
+    message = r.json()["error"]["message"]
+    assert "training every weight" in message and "small" in message and "a LoRA" in message
+    monkeypatch.delenv("RLOO_ACCELERATORS")
+    get_settings.cache_clear()
+    assert client.post("/api/v1/create_model", json=body, headers=headers).status_code == 200  # none declared
+
+
 def test_forward_backward_bodies_are_checked_before_they_are_queued(client: Any) -> None:
     headers = _headers()
     model_id = _model(client, headers).json()["model_id"]

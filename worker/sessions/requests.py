@@ -21,10 +21,16 @@ from service.tinker import sampling, wire
 from worker.engine.modeling import pick_device
 from worker.engine.tinker import losses
 from worker.engine.tinker.model import AdamStep, Datum, LoraSettings, TrainingModel
+from worker.jobs.failures import classify
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
 RESUME_NAME = "resume"
+OUT_OF_MEMORY = (
+    "This batch did not fit the device. The gradients accumulated since the last optim_step were "
+    "dropped (a backward cut short may have added part of its own): send the batch again in smaller "
+    "pieces, which add up until optim_step"
+)
 """The state a worker saves when it lets a model go (``tinker://<model>/weights/resume``)."""
 
 
@@ -39,10 +45,17 @@ class Failure:
     def of(cls, exc: BaseException) -> Failure:
         if isinstance(exc, (DomainError, wire.WireError, losses.LossInputError)):
             return cls(str(getattr(exc, "message", None) or exc), "user")
+        if out_of_memory(exc):
+            return cls(f"{OUT_OF_MEMORY} ({type(exc).__name__})", "user")
         return cls(f"the server failed this request ({type(exc).__name__}); it was logged", "server")
 
     def body(self) -> bytes:
         return json.dumps({"error": self.message, "category": self.category}).encode()
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """The device (or the host) had no room for what the request asked (``worker.jobs.failures``)."""
+    return isinstance(exc, Exception) and classify(exc)[0] == "out_of_memory"
 
 
 def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
@@ -124,7 +137,14 @@ class Holder:
             )
             for d in call.data
         ]
-        result = self.model.forward_backward(data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
+        try:
+            result = self.model.forward_backward(
+                data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only
+            )
+        except Exception as exc:
+            if not call.forward_only and out_of_memory(exc):
+                self.model.drop_gradients()  # a backward cut short may have added part of its gradients
+            raise
         outputs = [{k: v.detach().cpu().numpy() for k, v in out.items()} for out in result.outputs]
         return wire.encode_forward_backward_output(outputs, result.metrics)
 

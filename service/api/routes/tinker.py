@@ -157,6 +157,7 @@ def create_model(body: schemas.CreateModel, project: ProjectDep, session: Sessio
             optimizer={"type": "adamw"},
             user_metadata=body.user_metadata or {},
             models_dir=settings.models_dir,
+            accelerators=settings.accelerators,
         )
         session.commit()
     return _future(_queue(project.seq, row.id, "create_model", {}), row.id)
@@ -295,6 +296,7 @@ def load_weights(body: schemas.LoadWeights, project: ProjectDep, session: Sessio
                 optimizer=source.optimizer,
                 user_metadata=body.user_metadata or {},
                 models_dir=settings.models_dir,
+                accelerators=settings.accelerators,
             )
             session.commit()
     else:

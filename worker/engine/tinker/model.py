@@ -158,6 +158,11 @@ class TrainingModel:
                 result = losses.compute(loss_fn, self.logprobs(data), inputs, config)
         return result
 
+    def drop_gradients(self) -> None:
+        """Forget the gradients accumulated since the last ``optim_step``."""
+        self.model.zero_grad(set_to_none=True)
+        self.pending = 0
+
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """One AdamW step with the gradients accumulated so far (decoupled weight decay; the
         global gradient norm clipped to ``grad_clip_norm`` when it is positive), then zeroed."""
