@@ -367,3 +367,23 @@ class TinkerCheckpoint(Base):
     expires_at: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (UniqueConstraint("model_seq", "kind", "name", name="uq_tinker_checkpoints_name"),)
+
+
+class TinkerStep(Base):
+    """One ``optim_step`` of a training model, with what its ``forward_backward`` calls since the step
+    before added up: the loss (the sum of their ``loss:sum``), what it was counted over (the weights'
+    sum for ``cross_entropy``; for the RL losses, the tokens with an advantage) and AdamW's metrics.
+    A model loaded back to step n (``load_state``, a worker's death) rewrites its steps after n."""
+
+    __tablename__ = "tinker_steps"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    model_seq: Mapped[int] = mapped_column(ForeignKey("tinker_models.seq", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    counted: Mapped[float] = mapped_column(Float)
+    datums: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(Integer)
+    loss_fn: Mapped[str] = mapped_column(String(32))
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from service.core.db import write_lock
 from service.core.errors import Invalid, NotFound
-from service.core.tables import Job, TinkerCheckpoint, TinkerModel, TinkerSession, now
+from service.core.tables import Job, TinkerCheckpoint, TinkerModel, TinkerSession, TinkerStep, now
 from service.registry.finetuned import live_tinker_checkpoints
 from service.tinker import bus
 from service.tinker.sessions import TinkerPath, describe_checkpoint, find_checkpoint, get_model
@@ -90,6 +90,39 @@ def list_runs(session: Session, *, project: int, owner: str, limit: int, offset:
 
 def get_run(session: Session, *, project: int, model_id: str, owner: str) -> dict[str, Any]:
     return describe_run(session, get_model(session, project=project, model_id=model_id), owner)
+
+
+def list_steps(session: Session, *, project: int, model_id: str, after: int, limit: int) -> dict[str, Any]:
+    """A run's steps after step ``after``, oldest first (beyond the SDK: the dashboard's loss curve,
+    ``rloo tinker steps``): each one's loss summed over its ``forward_backward`` calls, what it was
+    counted over, their mean (``mean_loss``; the mean NLL a token for ``cross_entropy``) and AdamW's
+    metrics."""
+    model = get_model(session, project=project, model_id=model_id)
+    rows = session.scalars(
+        select(TinkerStep)
+        .where(TinkerStep.model_seq == model.seq, TinkerStep.step > after)
+        .order_by(TinkerStep.step)
+        .limit(limit + 1)
+    ).all()
+    return {
+        "object": "list",
+        "model_id": model.id,
+        "data": [
+            {
+                "step": row.step,
+                "loss_fn": row.loss_fn,
+                "loss": row.loss,
+                "counted": row.counted,
+                "mean_loss": row.loss / row.counted if row.counted else None,
+                "datums": row.datums,
+                "tokens": row.tokens,
+                "metrics": row.metrics,
+                "created_at": row.created_at,
+            }
+            for row in rows[:limit]
+        ],
+        "has_more": len(rows) > limit,
+    }
 
 
 def weights_info(session: Session, *, project: int, path: TinkerPath) -> dict[str, Any]:

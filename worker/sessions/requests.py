@@ -16,7 +16,7 @@ import torch
 from service.core.db import session_scope
 from service.core.errors import DomainError
 from service.core.settings import get_settings
-from service.core.tables import TinkerCheckpoint, TinkerModel, now
+from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerStep, now
 from service.tinker import sampling, wire
 from worker.engine.modeling import pick_device
 from worker.engine.tinker import losses
@@ -63,6 +63,43 @@ def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
     return f"tinker/{model_id.replace(':', '.')}/{kind}/{name}"
 
 
+@dataclass
+class StepTally:
+    """What the ``forward_backward`` calls since the last ``optim_step`` added up, for that step's row
+    (``tinker_steps``): the loss, what it was counted over (the weights' sum for ``cross_entropy``,
+    else the tokens with an advantage), datums and input tokens, and the loss (the last one's)."""
+
+    loss: float = 0.0
+    counted: float = 0.0
+    datums: int = 0
+    tokens: int = 0
+    loss_fn: str = ""
+
+    def add(self, loss_fn: str, data: list[Datum], metrics: dict[str, float]) -> None:
+        self.loss += float(metrics.get("loss:sum", 0.0))
+        weights = "weights" if loss_fn == "cross_entropy" else "advantages"
+        self.counted += sum(
+            float(d.inputs[weights].sum()) if weights == "weights" else float((d.inputs[weights] != 0).sum())
+            for d in data
+            if weights in d.inputs
+        )
+        self.datums += len(data)
+        self.tokens += sum(len(d.tokens) for d in data)
+        self.loss_fn = loss_fn
+
+    def row(self, model_seq: int, step: int, metrics: dict[str, float]) -> TinkerStep:
+        return TinkerStep(
+            model_seq=model_seq,
+            step=step,
+            loss=self.loss,
+            counted=self.counted,
+            datums=self.datums,
+            tokens=self.tokens,
+            loss_fn=self.loss_fn or "none",
+            metrics={k: float(v) for k, v in metrics.items()},
+        )
+
+
 class Holder:
     """One training model in this worker's memory, and the requests it runs."""
 
@@ -73,6 +110,7 @@ class Holder:
         self.state_path = row.state_path
         self.unsaved = False
         """Weights changed (a step, a load) since the state it resumes from was saved."""
+        self.tally = StepTally()
 
     @classmethod
     def start(cls, model_id: str) -> Holder:
@@ -110,7 +148,8 @@ class Holder:
         if kind == "optim_step":
             metrics = self.model.optim_step(AdamStep(**envelope["adam_params"]))
             self.unsaved = True
-            self._note(steps=self.model.steps)
+            tally, self.tally = self.tally, StepTally()
+            self._note(steps=self.model.steps, step=tally.row(self.row_seq, self.model.steps, metrics))
             return _json({"metrics": metrics, "type": "optim_step"})
         if kind in ("save_weights", "save_weights_for_sampler"):
             return _json(self.save(envelope, sampler=kind == "save_weights_for_sampler"))
@@ -118,7 +157,7 @@ class Holder:
             return _json(self.save_external(envelope))
         if kind == "load_weights":
             self.model.load(get_settings().artifacts_dir / envelope["source"], optimizer=bool(envelope["optimizer"]))
-            self.unsaved = True
+            self.unsaved, self.tally = True, StepTally()
             self._note(steps=self.model.steps)
             return _json({"path": envelope["path"], "model_id": self.model_id, "type": "load_weights"})
         raise DomainError(f"'{kind}' is not a request of a training model", code="invalid_request")
@@ -144,7 +183,10 @@ class Holder:
         except Exception as exc:
             if not call.forward_only and out_of_memory(exc):
                 self.model.drop_gradients()  # a backward cut short may have added part of its gradients
+                self.tally = StepTally()
             raise
+        if not call.forward_only:
+            self.tally.add(call.loss_fn, data, result.metrics)
         outputs = [{k: v.detach().cpu().numpy() for k, v in out.items()} for out in result.outputs]
         return wire.encode_forward_backward_output(outputs, result.metrics)
 
@@ -233,8 +275,12 @@ class Holder:
             row.expires_at = now() + int(ttl) if ttl else None
             session.commit()
 
-    def _note(self, *, steps: int, state_path: str | None = None) -> None:
+    def _note(self, *, steps: int, state_path: str | None = None, step: TinkerStep | None = None) -> None:
+        """The model's row: its steps, when it was last used, its newest state; and a step's row,
+        after those of a step it was loaded back before (they belonged to a history it left)."""
         import time
+
+        from sqlalchemy import delete
 
         with session_scope() as session:
             row = session.get(TinkerModel, self.row_seq)
@@ -243,6 +289,11 @@ class Holder:
             row.steps, row.last_request_at = steps, time.time()
             if state_path is not None:
                 row.state_path, row.state_steps = state_path, steps
+            if step is not None:
+                session.execute(
+                    delete(TinkerStep).where(TinkerStep.model_seq == self.row_seq, TinkerStep.step >= step.step)
+                )
+                session.add(step)
             session.commit()
 
 

@@ -1,6 +1,6 @@
 // The dashboard: the service's own API, read with the key typed once (kept in this tab's
 // sessionStorage, sent as a Bearer header, never in a URL). Pages by the URL's hash:
-// #/jobs, #/jobs/<id>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
+// #/jobs, #/jobs/<id>, #/tinker, #/tinker/<run>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
 // API's event streams, read with fetch (EventSource cannot send a header), resumed after the last id
 // when a connection drops.
 "use strict";
@@ -54,9 +54,9 @@ function el(tag, attrs = {}, ...children) {
 const key = () => sessionStorage.getItem("rloo-key");
 const headers = extra => ({ Authorization: "Bearer " + key(), ...extra });
 
-async function api(path, options = {}) {
+async function api(path, options = {}, base = API) {
   const json = options.body !== undefined && !(options.body instanceof FormData);
-  const r = await fetch(API + path, {
+  const r = await fetch(base + path, {
     ...options,
     headers: headers(json ? { "Content-Type": "application/json" } : {}),
     body: json ? JSON.stringify(options.body) : options.body,
@@ -363,6 +363,86 @@ async function download(jobId, ckpt) {
   setTimeout(() => URL.revokeObjectURL(url), 10000);
 }
 
+// Tinker runs --------------------------------------------------------------------------------------
+// The project's Tinker training models ("training runs", GET /api/v1/training_runs) and, for each, its
+// steps (GET /api/v1/training_runs/{id}/steps): the loss its forward_backward calls added up, drawn
+// per step, and AdamW's metrics. A run's page follows new steps while it is open.
+const TINKER = "/api/v1";
+const TINKER_CHARTS = [
+  { metric: "mean_loss", y: "loss (mean over what it counts)",
+    note: "The summed loss of the step's forward_backward calls over what it counted: the weights' sum for cross_entropy (so the mean NLL a trained token), the tokens with an advantage for the RL losses." },
+  { metric: "loss", y: "loss (sum)", note: "Tinker's loss:sum, added up over the step's forward_backward calls." },
+  { metric: "grad_norm", y: "gradient norm", note: "Before clipping (grad_clip_norm), as optim_step reports it." },
+  { metric: "learning_rate", y: "learning rate", note: "As the client's AdamParams set it." },
+];
+const stepValue = (row, metric) => (metric in row ? row[metric] : row.metrics[metric]);
+
+async function tinkerRunsPage(signal) {
+  const root = el("section", {}, el("h1", { text: "Tinker runs" }),
+    el("p", { class: "note", text: "Training models of the Tinker protocol (TINKER_BASE_URL at this server; docs/tinker.md), newest first." }));
+  main().replaceChildren(root);
+  const table = el("table", { id: "tinker-runs" });
+  root.append(table);
+  const draw = async () => {
+    const runs = (await api("/training_runs?limit=50", {}, TINKER)).training_runs;
+    const rows = await Promise.all(runs.map(async run => {
+      const steps = (await api(`/training_runs/${encodeURIComponent(run.training_run_id)}/steps?limit=10000`, {}, TINKER)).data;
+      const losses = steps.map(s => s.mean_loss);
+      const last = steps.length ? steps[steps.length - 1] : null;
+      return el("tr", {},
+        el("td", {}, el("a", { href: `#/tinker/${encodeURIComponent(run.training_run_id)}`, text: run.training_run_id })),
+        el("td", { text: run.base_model }),
+        el("td", { text: run.is_lora ? `LoRA ${run.lora_rank}` : "every weight" }),
+        el("td", { text: last ? last.step : 0 }),
+        el("td", { text: last && last.mean_loss !== null ? `${last.mean_loss.toFixed(3)} (${last.loss_fn})` : "" }),
+        el("td", { class: "spark", text: sparkline(losses) }),
+        el("td", { text: run.last_request_time ? new Date(run.last_request_time).toLocaleString() : "" }));
+    }));
+    table.replaceChildren(
+      el("tr", {}, ...["run", "base model", "trains", "step", "last loss", "curve", "last request"].map(h => el("th", { text: h }))),
+      ...rows, ...(runs.length ? [] : [el("tr", {}, el("td", { text: "no Tinker training model in this project" }))]));
+  };
+  await draw();
+  const timer = setInterval(() => draw().catch(e => showError(root, e)), 5000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+}
+
+async function tinkerRunPage(runId, signal) {
+  const path = `/training_runs/${encodeURIComponent(runId)}`;
+  const run = await api(path, {}, TINKER);
+  const root = el("section", {}, el("h1", { text: run.training_run_id }),
+    el("p", { text: `${run.base_model} · ${run.is_lora ? `LoRA rank ${run.lora_rank}` : "every weight"} · steps as optim_step applied them` }));
+  main().replaceChildren(root);
+  const node = el("div", { class: "charts", style: "--columns: 2" });
+  const charts = TINKER_CHARTS.map(chart => {
+    const canvas = el("canvas", { "data-metric": chart.metric });
+    node.append(el("div", { class: "chart" }, el("h3", { text: chart.metric }), canvas, el("p", { class: "note", text: chart.note })));
+    return { ...chart, canvas };
+  });
+  const checkpoints = el("table", { id: "tinker-checkpoints" });
+  root.append(node, el("h2", { text: "Checkpoints" }), checkpoints);
+  let steps = [];
+  const refresh = async () => {
+    const after = steps.length ? steps[steps.length - 1].step : -1;
+    const fresh = (await api(`${path}/steps?after=${after}&limit=10000`, {}, TINKER)).data;
+    const rewound = fresh.length && steps.length && fresh[0].step <= after;
+    steps = rewound ? (await api(`${path}/steps?limit=10000`, {}, TINKER)).data : steps.concat(fresh);
+    for (const c of charts) {
+      const points = steps.map(s => [s.step, stepValue(s, c.metric)]);
+      plot(c.canvas, points, { x: "step", y: c.y, name: c.metric, empty: "no step yet: optim_step records one" });
+    }
+    const saved = (await api(`${path}/checkpoints`, {}, TINKER)).checkpoints;
+    checkpoints.replaceChildren(
+      el("tr", {}, ...["tinker path", "kind", "bytes", "created"].map(h => el("th", { text: h }))),
+      ...saved.map(c => el("tr", {}, el("td", { text: c.tinker_path }), el("td", { text: c.checkpoint_type }),
+        el("td", { text: c.size_bytes ?? "" }), el("td", { text: c.time ? new Date(c.time).toLocaleString() : "" }))),
+      ...(saved.length ? [] : [el("tr", {}, el("td", { text: "none saved" }))]));
+  };
+  await refresh();
+  const timer = setInterval(() => refresh().catch(() => {}), 3000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+}
+
 // Files --------------------------------------------------------------------------------------------
 async function filesPage() {
   const files = (await api("/files")).data;
@@ -438,6 +518,8 @@ async function route() {
     else if (section === "files") await filesPage();
     else if (section === "graders") gradersPage();
     else if (section === "fleet") await fleetPage(page.signal);
+    else if (section === "tinker" && id) await tinkerRunPage(decodeURIComponent(id), page.signal);
+    else if (section === "tinker") await tinkerRunsPage(page.signal);
     else await jobsPage(page.signal);
   } catch (e) {
     showError(main(), e);

@@ -42,6 +42,20 @@ def get_training_run(model_id: str, project: ProjectDep, session: SessionDep) ->
     return JSON(runs.get_run(session, project=project.seq, model_id=model_id, owner=project.id))
 
 
+@router.get("/training_runs/{model_id}/steps")
+@ends_session
+def list_steps(
+    model_id: str,
+    project: ProjectDep,
+    session: SessionDep,
+    after: int = Query(default=-1, ge=-1),
+    limit: int = Query(default=1000, ge=1, le=10_000),
+) -> JSON:
+    """Beyond the SDK: a run's steps after ``after``, with the loss its ``forward_backward`` calls
+    added up and AdamW's metrics (the dashboard's curve)."""
+    return JSON(runs.list_steps(session, project=project.seq, model_id=model_id, after=after, limit=limit))
+
+
 @router.post("/weights_info")
 @ends_session
 def weights_info(body: schemas.TinkerPathRef, project: ProjectDep, session: SessionDep) -> JSON:
