@@ -117,11 +117,20 @@ def open_future(conn: Any, *, project: int, kind: str) -> str:
     return rid
 
 
-async def settle(conn: Any, rid: str, *, content_type: str, body: bytes, failed: bool = False) -> None:
-    """``finish`` from the API's side (an asyncio connection): a sample's answer, once it came."""
+_SETTLE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'pending' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'content_type', ARGV[2], 'body', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
+async def settle(conn: Any, rid: str, *, content_type: str, body: bytes, failed: bool = False) -> bool:
+    """``finish`` from the API's side (an asyncio connection): a sample's answer once it came, or its
+    cancellation. The first to settle a pending future wins (atomically: a Lua script); False when
+    it was settled already."""
     status = "failed" if failed else "done"
-    await conn.hset(_future(rid), mapping={"status": status, "content_type": content_type, "body": body})
-    await conn.expire(_future(rid), FUTURE_TTL)
+    return bool(await conn.eval(_SETTLE, 1, _future(rid), status, content_type, body, FUTURE_TTL))
 
 
 def needs_worker(conn: Any, model_id: str) -> bool:

@@ -96,7 +96,7 @@ def client_config() -> JSON:
 
 @router.post("/client/dynamic_config")
 def client_dynamic_config() -> JSON:
-    return JSON({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
+    return JSON({"refresh_interval_sec": 300, "sample_cancel_enabled": True, "sample_cancel_max_batch_size": 64})
 
 
 @router.post("/telemetry")
@@ -334,6 +334,7 @@ async def asample(body: schemas.Sample, project: ProjectDep, session: SessionDep
     """A sample, queued for the inference workers as a request of kind ``tokens``; its answer comes
     through ``retrieve_future``."""
     _refuse_unserved(body)
+    _refuse_past_a_share(body, settings)
     named = sampling.named_by(body.sampling_session_id) if body.sampling_session_id else None
     named = named or ({"path": body.model_path} if body.model_path else {"base": body.base_model or ""})
     served, _ = await run_db(session, lambda: sampling.servable(session, settings, project=project.seq, named=named))
@@ -376,6 +377,19 @@ def _refuse_unserved(body: schemas.Sample) -> None:
         raise Invalid(
             f"prompt_logprobs_last_n must be between 1 and the prompt's length less one ({count - 1})",
             param="prompt_logprobs_last_n",
+        )
+
+
+def _refuse_past_a_share(body: schemas.Sample, settings: Settings) -> None:
+    """A sample's rows are a project's share of an inference worker's batch at most, as a chat
+    completion's are: said at the door, not by the worker after a queue."""
+    most = inference_bus.rows_a_project(settings.inference_max_batch)
+    if body.num_samples > most:
+        raise Invalid(
+            f"num_samples is at most {most} here, three quarters of what an inference worker decodes at once "
+            f"(RLOO_INFERENCE_MAX_BATCH, {settings.inference_max_batch}): send several requests of fewer samples",
+            param="num_samples",
+            code="too_many_completions",
         )
 
 
@@ -429,6 +443,30 @@ async def retrieve_future(body: schemas.RetrieveFuture, project: ProjectDep) -> 
         return Response(future.body, media_type=future.content_type)
     finally:
         await conn.aclose()
+
+
+@router.post("/cancel_future")
+async def cancel_future(body: schemas.CancelFuture, project: ProjectDep) -> JSON:
+    """A sample the client gave up on (the SDK sends this when a sampling future times out or is
+    cancelled, as ``sample_cancel_enabled`` tells it): unless it is answered already, it fails as
+    cancelled and the inference workers drop its rows at their next token, or never take it. A
+    training model's requests are not cancelled: each one changes the model, in the order sent."""
+    conn = bus_conn()
+    try:
+        future = await _read(conn, body.request_id, project)
+        if future.kind != "sample":
+            raise Invalid(
+                "Only a sample can be cancelled: a training model's requests each change the model, in "
+                "the order they were sent",
+                param="request_id",
+                code="not_cancellable",
+            )
+        failure = json.dumps({"error": "The client cancelled this sample.", "category": "user"}).encode()
+        if await bus.settle(conn, body.request_id, content_type="application/json", body=failure, failed=True):
+            await inference_bus.cancel(conn, inference_bus.namespace(inference_bus.serve_queue()), body.request_id)
+    finally:
+        await conn.aclose()
+    return JSON({"type": "cancel_future", "request_id": body.request_id})
 
 
 def _lost(message: str) -> JSON:

@@ -93,6 +93,10 @@ class RetrieveFuture(_Body):
     allow_metadata_only: bool = False
 
 
+class CancelFuture(_Body):
+    request_id: str = Field(max_length=64)
+
+
 class CreateSamplingSession(_Body):
     session_id: str = Field(max_length=128)
     sampling_session_seq_id: int = Field(ge=0)
