@@ -146,6 +146,11 @@ def test_another_project_s_models_futures_and_checkpoints_are_unknown(
     assert pending.json() == {"type": "try_again", "request_id": rid, "queue_state": "active"}  # no worker here
     r = client.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=theirs)
     assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
+    assert client.post("/api/v1/cancel_future", json={"request_id": rid}, headers=theirs).status_code == 404
+    r = client.post("/api/v1/cancel_future", json={"request_id": rid}, headers=mine)  # a training request
+    assert r.status_code == 400 and r.json()["error"]["code"] == "not_cancellable", r.text
+    config = client.post("/api/v1/client/dynamic_config", json={}, headers=mine).json()
+    assert config["sample_cancel_enabled"] is True  # the SDK cancels the samples it abandons
     assert _post_proto(client, _fwdbwd(model_id), theirs).status_code == 404
     r = client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {}}, headers=theirs)
     assert r.status_code == 404
@@ -171,6 +176,9 @@ def test_samples_are_checked_before_they_reach_an_inference_worker(client: Any) 
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_alt_tokens_k", r.text
     r = sample(mine, base_model="tiny-policy", prompt_logprobs=True, prompt_logprobs_last_n=3)  # a 3-token prompt
     assert r.status_code == 400 and "between 1 and" in r.json()["error"]["message"], r.text
+    r = sample(mine, base_model="tiny-policy", num_samples=25)  # RLOO_INFERENCE_MAX_BATCH 32: 24 a request
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_completions", r.text
+    assert "at most 24" in r.json()["error"]["message"]
     r = sample(mine, base_model="tiny-policy", topk_prompt_logprobs=21)
     assert r.status_code == 400 and r.json()["error"]["param"] == "topk_prompt_logprobs", r.text
     r = sample(mine, base_model="tiny-policy", prompt={"chunks": [{"type": "image", "tokens": []}]})

@@ -75,6 +75,7 @@ def test_the_sdk_trains_saves_and_loads_a_lora_model(kind: str, tmp_path: Path, 
             losses.append(out.metrics["loss:sum"])
             training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
         assert losses[-1] < 0.7 * losses[0], losses
+        _each_step_is_recorded_and_drawn(stack, key, training.model_id, losses, data, browser=kind == "embedded")
 
         saved = training.save_state("after-8").result().path
         assert saved == f"tinker://{training.model_id}/weights/after-8"
@@ -103,6 +104,44 @@ def test_the_sdk_trains_saves_and_loads_a_lora_model(kind: str, tmp_path: Path, 
         _the_rest_client_finds_downloads_and_deletes(
             rest, tinker.RestClient(base_url=stack.url, api_key=other), training, saved, tmp_path
         )
+
+
+def _each_step_is_recorded_and_drawn(
+    stack: LiveStack, key: str, model_id: str, losses: list[float], data: list[Any], *, browser: bool
+) -> None:
+    """Each optim_step's row (GET /api/v1/training_runs/{id}/steps): the loss:sum its forward_backward
+    answered, its mean over the weights (the mean NLL a token), AdamW's metrics; and the dashboard's
+    run page draws those means, one point a step, with no console error."""
+    import httpx
+
+    from tests.helpers.browser import CHROMIUM, open_page
+
+    api = httpx.Client(base_url=f"{stack.url}/api/v1", headers={"X-API-Key": key}, timeout=30)
+    steps = api.get(f"/training_runs/{model_id}/steps").json()["data"]
+    counted = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    assert [s["loss"] for s in steps] == pytest.approx(losses, rel=1e-6)
+    assert [s["mean_loss"] for s in steps] == pytest.approx([x / counted for x in losses], rel=1e-6)
+    assert all(s["loss_fn"] == "cross_entropy" and s["metrics"]["learning_rate"] == 0.02 for s in steps)
+    assert all(s["metrics"]["grad_norm"] > 0 and s["datums"] == len(data) for s in steps)
+    assert api.get(f"/training_runs/{model_id}/steps", params={"after": 6}).json()["data"][0]["step"] == 7
+    if not browser or CHROMIUM is None:
+        return
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        page, problems = open_page(pw)
+        page.goto(stack.url + "/dashboard/#/tinker")
+        page.fill("#key", key)  # a --tinker key is a key of its project like any other
+        page.click("#login button[type=submit]")
+        page.click(f"#tinker-runs a >> text={model_id}")
+        page.wait_for_selector("canvas[data-metric=mean_loss][data-points='8']")
+        drawn = page.eval_on_selector("canvas[data-metric=mean_loss]", "c => c.points")
+        assert [x for x, _ in drawn] == [s["step"] for s in steps]
+        assert [y for _, y in drawn] == pytest.approx([s["mean_loss"] for s in steps])
+        assert page.get_attribute("canvas[data-metric=grad_norm]", "data-points") == "8"
+        page.context.browser.close()
+        assert problems == [], problems
 
 
 def _the_rest_client_finds_downloads_and_deletes(
@@ -163,7 +202,8 @@ def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, mo
 
     with live_stack("embedded", tmp_path, models_dir) as stack:
         stack.start("serve", "worker", "--serve")
-        service = tinker.ServiceClient(base_url=stack.url, api_key=_key(stack, "e2e"))
+        key = _key(stack, "e2e")
+        service = tinker.ServiceClient(base_url=stack.url, api_key=key)
         data, sequences = _batch(models_dir)
         prompt = types.ModelInput.from_ints(sequences[0][:2])
         base = service.create_sampling_client(base_model="tiny-policy").result()
@@ -194,6 +234,48 @@ def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, mo
         assert out.logprobs == pytest.approx(held[1:], abs=1e-4)  # the trained weights are what is served
         assert out.logprobs != pytest.approx(_base_logprobs(models_dir, whole)[1:], abs=1e-3)
         _sampler_weights_answer_completions(stack, training, models_dir)
+        _abandoned_samples_are_cancelled(stack, key, base, sequences[0][:2], tmp_path)
+
+
+def _abandoned_samples_are_cancelled(stack: LiveStack, key: str, base: Any, prompt: list[int], tmp_path: Path) -> None:
+    """cancel_future: a sample cancelled before it is answered fails as the user's (and the inference
+    worker drops its rows); the SDK sends it on its own when a sampling future is abandoned, as the
+    server's dynamic config enables."""
+    import time
+
+    import httpx
+    import redis
+    from tinker import types
+
+    from service.core.settings import Settings
+
+    api = httpx.Client(base_url=f"{stack.url}/api/v1", headers={"X-API-Key": key}, timeout=60)
+    long = {"max_tokens": 200, "stop": [], "temperature": 1.0}
+    body = {
+        "base_model": "tiny-policy",
+        "num_samples": 64,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+    }
+    rid = api.post("/asample", json={**body, "sampling_params": long}).json()["request_id"]
+    assert api.post("/cancel_future", json={"request_id": rid}).status_code == 200
+    answer = api.post("/retrieve_future", json={"request_id": rid}).json()
+    assert answer == {"error": "The client cancelled this sample.", "category": "user"}
+
+    conn = redis.Redis.from_url(stack.env.get("REDIS_URL") or Settings(home=tmp_path / "var").redis_client_url)
+
+    def futures(field: str, value: bytes) -> int:
+        return sum(value in (conn.hget(k, field) or b"") for k in conn.scan_iter("rloo:tinker:*:future:*"))
+
+    def wait(what: str, until: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not until():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    future = base.sample(types.ModelInput.from_ints(prompt), 16, types.SamplingParams(**long))
+    wait("the SDK never sent the sample", lambda: futures("status", b"pending") > 0)  # sent, not answered
+    future.future().cancel()  # the SDK's polling task is cancelled: it sends cancel_future itself
+    wait("the SDK sent no cancel_future for an abandoned sample", lambda: futures("body", b"cancelled this") == 2)
 
 
 def _sampler_weights_answer_completions(stack: LiveStack, training: Any, models_dir: Path) -> None:
