@@ -8,7 +8,7 @@ PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: install system-packages demo up test test-fast bench bench-learning gpu-check lint clean
+.PHONY: install system-packages demo up test test-fast bench bench-learning gpu-check tinker-venv tinker-examples lint clean
 
 install: $(STAMP) system-packages
 
@@ -65,6 +65,22 @@ bench-learning: $(BENCH_STAMP)
 # checkout, or VENV=.venv-gpu beside a CPU one). Without a GPU it says so and exits 0; CI never runs it.
 gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# tinker-cookbook's own loops against a running stack (`make up` first): its venv beside ours, since
+# tinker-cookbook 0.5.8 pins an older transformers; then sl_loop and math_rl (examples/tinker/run.py).
+TINKER_VENV ?= .venv-tinker
+TINKER_STAMP := $(TINKER_VENV)/.installed
+
+$(TINKER_STAMP): $(CONSTRAINTS)
+	test -x $(TINKER_VENV)/bin/python || $(PYTHON) -m venv $(TINKER_VENV)
+	$(TINKER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TINKER_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) tinker==0.38.0 'tinker-cookbook[math-rl]==0.5.8'
+	touch $(TINKER_STAMP)
+
+tinker-venv: $(TINKER_STAMP)
+
+tinker-examples: install $(TINKER_STAMP)
+	$(BIN)/python examples/tinker/run.py
 
 lint: install
 	$(BIN)/ruff check service worker tests benchmarks migrations examples
