@@ -253,10 +253,12 @@ def _abandoned_samples_are_cancelled(stack: LiveStack, key: str, base: Any, prom
     long = {"max_tokens": 200, "stop": [], "temperature": 1.0}
     body = {
         "base_model": "tiny-policy",
-        "num_samples": 64,
+        "num_samples": 16,
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
     }
-    rid = api.post("/asample", json={**body, "sampling_params": long}).json()["request_id"]
+    r = api.post("/asample", json={**body, "sampling_params": long})
+    assert r.status_code == 200, r.text
+    rid = r.json()["request_id"]
     assert api.post("/cancel_future", json={"request_id": rid}).status_code == 200
     answer = api.post("/retrieve_future", json={"request_id": rid}).json()
     assert answer == {"error": "The client cancelled this sample.", "category": "user"}
