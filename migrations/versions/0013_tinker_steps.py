@@ -22,7 +22,7 @@ def upgrade() -> None:
         sa.Column('seq', Seq, primary_key=True, autoincrement=True),
         sa.Column('model_seq', Seq, sa.ForeignKey('tinker_models.seq', ondelete='CASCADE'), nullable=False, index=True),
         sa.Column('step', sa.Integer(), nullable=False),
-        sa.Column('loss', sa.Float(), nullable=False),
+        sa.Column('loss', sa.Float(), nullable=True),
         sa.Column('counted', sa.Float(), nullable=False),
         sa.Column('datums', sa.Integer(), nullable=False),
         sa.Column('tokens', sa.Integer(), nullable=False),

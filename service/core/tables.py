@@ -380,7 +380,8 @@ class TinkerStep(Base):
     seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
     model_seq: Mapped[int] = mapped_column(ForeignKey("tinker_models.seq", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
-    loss: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    """Null where it diverged (NaN or infinite: SQLite keeps no NaN)."""
     counted: Mapped[float] = mapped_column(Float)
     datums: Mapped[int] = mapped_column(Integer)
     tokens: Mapped[int] = mapped_column(Integer)

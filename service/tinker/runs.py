@@ -11,6 +11,7 @@ from the artifacts root and nowhere else.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import shutil
 import time
@@ -92,6 +93,11 @@ def get_run(session: Session, *, project: int, model_id: str, owner: str) -> dic
     return describe_run(session, get_model(session, project=project, model_id=model_id), owner)
 
 
+def _finite(value: float | None) -> float | None:
+    """A loss as JSON can say it: a diverged one (NaN, infinite) is null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def list_steps(session: Session, *, project: int, model_id: str, after: int, limit: int) -> dict[str, Any]:
     """A run's steps after step ``after``, oldest first (beyond the SDK: the dashboard's loss curve,
     ``rloo tinker steps``): each one's loss summed over its ``forward_backward`` calls, what it was
@@ -111,9 +117,9 @@ def list_steps(session: Session, *, project: int, model_id: str, after: int, lim
             {
                 "step": row.step,
                 "loss_fn": row.loss_fn,
-                "loss": row.loss,
+                "loss": _finite(row.loss),
                 "counted": row.counted,
-                "mean_loss": row.loss / row.counted if row.counted else None,
+                "mean_loss": _finite(row.loss / row.counted) if row.loss is not None and row.counted > 0 else None,
                 "datums": row.datums,
                 "tokens": row.tokens,
                 "metrics": row.metrics,

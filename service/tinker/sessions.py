@@ -124,7 +124,8 @@ def create_model(
     owner = get_session(session, project=project, session_id=session_id)
     path = resolve_model(models_dir, base_model, hub_offline=True, param="base_model")
     check_policy(path, base_model, "base_model")
-    check_memory(path, base_model, int((lora or {}).get("rank") or 0), accelerators)
+    if isinstance(path, Path):  # (hub_offline: always a directory)
+        check_memory(path, base_model, int((lora or {}).get("rank") or 0), accelerators)
     model_id = f"{session_id}:train:{model_seq_id}"
     if session.scalar(select(TinkerModel.seq).where(TinkerModel.id == model_id)) is not None:
         # A 400, not a 409: the SDK retries a 409 as a transient conflict.

@@ -346,3 +346,28 @@ def test_a_tinker_model_s_weights_are_models_of_its_project(client: Any) -> None
     deleted = client.delete(f"/v1/models/{other}", headers=auth)
     assert deleted.json() == {"id": other, "object": "model", "deleted": True}
     assert client.get(f"/v1/models/{other}", headers=auth).status_code == 404
+
+
+def test_a_run_s_steps_are_served_in_order_a_page_at_a_time_and_a_diverged_loss_as_null(client: Any) -> None:
+    from sqlalchemy import select
+
+    from service.core.db import session_scope
+    from service.core.tables import TinkerModel, TinkerStep
+
+    mine, theirs = _headers("alpha"), _headers("beta")
+    model_id = _model(client, mine).json()["model_id"]
+    with session_scope() as session:
+        seq = session.scalar(select(TinkerModel.seq).where(TinkerModel.id == model_id))
+        for step, loss in ((2, 6.0), (1, 8.0), (3, float("nan"))):
+            metrics = {"grad_norm": None if step == 3 else 1.5, "learning_rate": 0.01}
+            row = {"step": step, "loss": loss, "counted": 4.0, "datums": 2, "tokens": 9, "metrics": metrics}
+            session.add(TinkerStep(model_seq=seq, loss_fn="cross_entropy", **row))
+        session.commit()
+    url = f"/api/v1/training_runs/{model_id}/steps"
+    page = client.get(url, params={"limit": 2}, headers=mine).json()
+    assert [s["step"] for s in page["data"]] == [1, 2] and page["has_more"] is True
+    assert [s["mean_loss"] for s in page["data"]] == [2.0, 1.5]
+    rest = client.get(url, params={"after": 2}, headers=mine).json()
+    assert rest["has_more"] is False and rest["data"][0]["loss"] is None and rest["data"][0]["mean_loss"] is None
+    assert rest["data"][0]["metrics"]["grad_norm"] is None
+    assert client.get(url, headers=theirs).status_code == 404  # another project's run

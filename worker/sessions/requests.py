@@ -7,6 +7,7 @@ forward_backward's output); each failure says whose it is (``user``: the request
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -91,12 +92,12 @@ class StepTally:
         return TinkerStep(
             model_seq=model_seq,
             step=step,
-            loss=self.loss,
+            loss=self.loss if math.isfinite(self.loss) else None,
             counted=self.counted,
             datums=self.datums,
             tokens=self.tokens,
             loss_fn=self.loss_fn or "none",
-            metrics={k: float(v) for k, v in metrics.items()},
+            metrics={k: float(v) if math.isfinite(v) else None for k, v in metrics.items()},  # JSON: no NaN
         )
 
 
