@@ -39,8 +39,11 @@ def tinker_key() -> str:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        check=True,
     )
+    if made.returncode != 0:
+        raise SystemExit(
+            f"{made.stderr.strip()}\nStart the stack first (make up), or set TINKER_API_KEY to a --tinker key of it."
+        )
     return made.stdout.strip().splitlines()[-1]
 
 
