@@ -99,8 +99,8 @@ def _finite(value: float | None) -> float | None:
 
 
 def list_steps(session: Session, *, project: int, model_id: str, after: int, limit: int) -> dict[str, Any]:
-    """A run's steps after step ``after``, oldest first (beyond the SDK: the dashboard's loss curve,
-    ``rloo tinker steps``): each one's loss summed over its ``forward_backward`` calls, what it was
+    """A run's steps after step ``after``, oldest first (beyond the SDK: the dashboard's loss curve):
+    each one's loss summed over its ``forward_backward`` calls, what it was
     counted over, their mean (``mean_loss``; the mean NLL a token for ``cross_entropy``) and AdamW's
     metrics."""
     model = get_model(session, project=project, model_id=model_id)
@@ -118,7 +118,7 @@ def list_steps(session: Session, *, project: int, model_id: str, after: int, lim
                 "step": row.step,
                 "loss_fn": row.loss_fn,
                 "loss": _finite(row.loss),
-                "counted": row.counted,
+                "counted": _finite(row.counted),
                 "mean_loss": _finite(row.loss / row.counted) if row.loss is not None and row.counted > 0 else None,
                 "datums": row.datums,
                 "tokens": row.tokens,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from service.core.errors import DomainError
 from worker.engine.tinker.model import Datum, LoraSettings, TrainingModel
 from worker.sessions.requests import Failure, Holder
 
@@ -50,12 +51,14 @@ def test_an_out_of_memory_batch_fails_as_the_user_s_and_drops_the_accumulated_gr
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(model, "logprobs", half_then_out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError) as caught:
+    with pytest.raises(DomainError) as caught:
         holder.forward_backward(_payload(6), None)
     assert model.pending == 0 and all(p.grad is None for p in model.model.parameters())
     failure = Failure.of(caught.value)
     assert failure.category == "user" and "smaller pieces" in failure.message and "dropped" in failure.message
 
-    # A host allocator's refusal reads the same; any other error stays the server's.
-    assert Failure.of(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried")).category == "user"
+    # Out of memory elsewhere (a host allocator's refusal too) is the user's, without that advice;
+    # any other error stays the server's.
+    other = Failure.of(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert other.category == "user" and "smaller pieces" not in other.message
     assert Failure.of(RuntimeError("something else")).category == "server"

@@ -27,12 +27,12 @@ from worker.jobs.failures import classify
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
 RESUME_NAME = "resume"
+"""The state a worker saves when it lets a model go (``tinker://<model>/weights/resume``)."""
 OUT_OF_MEMORY = (
     "This batch did not fit the device. The gradients accumulated since the last optim_step were "
     "dropped (a backward cut short may have added part of its own): send the batch again in smaller "
     "pieces, which add up until optim_step"
 )
-"""The state a worker saves when it lets a model go (``tinker://<model>/weights/resume``)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Failure:
         if isinstance(exc, (DomainError, wire.WireError, losses.LossInputError)):
             return cls(str(getattr(exc, "message", None) or exc), "user")
         if out_of_memory(exc):
-            return cls(f"{OUT_OF_MEMORY} ({type(exc).__name__})", "user")
+            return cls(f"The device ran out of memory for this request ({type(exc).__name__}).", "user")
         return cls(f"the server failed this request ({type(exc).__name__}); it was logged", "server")
 
     def body(self) -> bytes:
@@ -68,7 +68,9 @@ def checkpoint_dir(model_id: str, kind: str, name: str) -> str:
 class StepTally:
     """What the ``forward_backward`` calls since the last ``optim_step`` added up, for that step's row
     (``tinker_steps``): the loss, what it was counted over (the weights' sum for ``cross_entropy``,
-    else the tokens with an advantage), datums and input tokens, and the loss (the last one's)."""
+    else the tokens with an advantage), datums and input tokens, and the loss function ("mixed" where
+    the calls used several). Weights below zero (``forward_backward_custom`` sends gradients as
+    weights) count nothing: such a step has no mean loss."""
 
     loss: float = 0.0
     counted: float = 0.0
@@ -84,16 +86,18 @@ class StepTally:
             for d in data
             if weights in d.inputs
         )
+        if weights == "weights" and any(bool((d.inputs["weights"] < 0).any()) for d in data if "weights" in d.inputs):
+            self.counted = -math.inf  # a surrogate's gradients, not weights: no count
         self.datums += len(data)
         self.tokens += sum(len(d.tokens) for d in data)
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn if self.loss_fn in ("", loss_fn) else "mixed"
 
     def row(self, model_seq: int, step: int, metrics: dict[str, float]) -> TinkerStep:
         return TinkerStep(
             model_seq=model_seq,
             step=step,
-            loss=self.loss if math.isfinite(self.loss) else None,
-            counted=self.counted,
+            loss=self.loss if math.isfinite(self.loss) and self.datums else None,
+            counted=self.counted if math.isfinite(self.counted) and self.loss_fn != "mixed" else 0.0,
             datums=self.datums,
             tokens=self.tokens,
             loss_fn=self.loss_fn or "none",
@@ -147,9 +151,9 @@ class Holder:
         if kind == "forward_backward":
             return PROTOBUF, self.forward_backward(payload or b"", envelope.get("encoding"))
         if kind == "optim_step":
+            tally, self.tally = self.tally, StepTally()  # a step refused (a gradient not finite) drops it too
             metrics = self.model.optim_step(AdamStep(**envelope["adam_params"]))
             self.unsaved = True
-            tally, self.tally = self.tally, StepTally()
             self._note(steps=self.model.steps, step=tally.row(self.row_seq, self.model.steps, metrics))
             return _json({"metrics": metrics, "type": "optim_step"})
         if kind in ("save_weights", "save_weights_for_sampler"):
@@ -185,6 +189,7 @@ class Holder:
             if not call.forward_only and out_of_memory(exc):
                 self.model.drop_gradients()  # a backward cut short may have added part of its gradients
                 self.tally = StepTally()
+                raise DomainError(f"{OUT_OF_MEMORY} ({type(exc).__name__})", code="out_of_memory") from exc
             raise
         if not call.forward_only:
             self.tally.add(call.loss_fn, data, result.metrics)

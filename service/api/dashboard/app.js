@@ -423,10 +423,8 @@ async function tinkerRunPage(runId, signal) {
   root.append(node, el("h2", { text: "Checkpoints" }), checkpoints);
   let steps = [];
   const refresh = async () => {
-    const after = steps.length ? steps[steps.length - 1].step : -1;
-    const fresh = (await api(`${path}/steps?after=${after}&limit=10000`, {}, TINKER)).data;
-    const rewound = fresh.length && steps.length && fresh[0].step <= after;
-    steps = rewound ? (await api(`${path}/steps?limit=10000`, {}, TINKER)).data : steps.concat(fresh);
+    // All of them each time: a model loaded back rewrites the steps after its own.
+    steps = (await api(`${path}/steps?limit=10000`, {}, TINKER)).data;
     for (const c of charts) {
       const points = steps.map(s => [s.step, stepValue(s, c.metric)]);
       plot(c.canvas, points, { x: "step", y: c.y, name: c.metric, empty: "no step yet: optim_step records one" });
