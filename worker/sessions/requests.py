@@ -80,14 +80,7 @@ class StepTally:
 
     def add(self, loss_fn: str, data: list[Datum], metrics: dict[str, float]) -> None:
         self.loss += float(metrics.get("loss:sum", 0.0))
-        weights = "weights" if loss_fn == "cross_entropy" else "advantages"
-        self.counted += sum(
-            float(d.inputs[weights].sum()) if weights == "weights" else float((d.inputs[weights] != 0).sum())
-            for d in data
-            if weights in d.inputs
-        )
-        if weights == "weights" and any(bool((d.inputs["weights"] < 0).any()) for d in data if "weights" in d.inputs):
-            self.counted = -math.inf  # a surrogate's gradients, not weights: no count
+        self.counted += _counted(loss_fn, data)
         self.datums += len(data)
         self.tokens += sum(len(d.tokens) for d in data)
         self.loss_fn = loss_fn if self.loss_fn in ("", loss_fn) else "mixed"
@@ -103,6 +96,18 @@ class StepTally:
             loss_fn=self.loss_fn or "none",
             metrics={k: float(v) if math.isfinite(v) else None for k, v in metrics.items()},  # JSON: no NaN
         )
+
+
+def _counted(loss_fn: str, data: list[Datum]) -> float:
+    """What a call's loss is counted over: the weights' sum for ``cross_entropy`` (minus infinity
+    where a weight is below zero: a surrogate's gradients, not weights), else the tokens with an
+    advantage."""
+    if loss_fn != "cross_entropy":
+        return sum(float((d.inputs["advantages"] != 0).sum()) for d in data if "advantages" in d.inputs)
+    weights = [d.inputs["weights"] for d in data if "weights" in d.inputs]
+    if any(bool((w < 0).any()) for w in weights):
+        return -math.inf
+    return sum(float(w.sum()) for w in weights)
 
 
 class Holder:
