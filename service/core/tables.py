@@ -378,7 +378,7 @@ class TinkerStep(Base):
     __tablename__ = "tinker_steps"
 
     seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
-    model_seq: Mapped[int] = mapped_column(ForeignKey("tinker_models.seq", ondelete="CASCADE"), index=True)
+    model_seq: Mapped[int] = mapped_column(ForeignKey("tinker_models.seq", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
     loss: Mapped[float | None] = mapped_column(Float)
     """Null where it diverged (NaN or infinite: SQLite keeps no NaN)."""
@@ -388,3 +388,5 @@ class TinkerStep(Base):
     loss_fn: Mapped[str] = mapped_column(String(32))
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+    __table_args__ = (Index("uq_tinker_steps_step", "model_seq", "step", unique=True),)
