@@ -51,8 +51,49 @@ def _checkpoint(row: TinkerCheckpoint, model_id: str) -> dict[str, Any]:
 
 
 # Runs -------------------------------------------------------------------------------------------------------
-def describe_run(session: Session, row: TinkerModel, owner: str) -> dict[str, Any]:
-    """The SDK's ``TrainingRun``: the model, its LoRA rank, its newest state and sampler weights."""
+CURVE_POINTS = 40
+"""The points of a run's ``loss_curve`` (the dashboard's list of runs draws it)."""
+
+
+def loss_summaries(session: Session, models: list[TinkerModel]) -> dict[int, dict[str, Any]]:
+    """Beyond the SDK, for the dashboard's list of runs in one query however long the runs: each
+    model's steps in at most ``CURVE_POINTS`` equal spans of its steps, each span's loss over what
+    it counted (``loss_curve``), and its last step (``last_step``, ``last_mean_loss``, ``loss_fn``)."""
+    if not models:
+        return {}
+    seqs = [m.seq for m in models]
+    span = (TinkerStep.step * CURVE_POINTS) // (TinkerModel.steps + 1)
+    counted = TinkerStep.loss.is_not(None) & (TinkerStep.counted > 0)
+    buckets = session.execute(
+        select(TinkerStep.model_seq, span, func.sum(TinkerStep.loss), func.sum(TinkerStep.counted))
+        .join(TinkerModel, TinkerModel.seq == TinkerStep.model_seq)
+        .where(TinkerStep.model_seq.in_(seqs), counted)
+        .group_by(TinkerStep.model_seq, span)
+        .order_by(TinkerStep.model_seq, span)
+    ).all()
+    newest = (
+        select(TinkerStep.model_seq, func.max(TinkerStep.step).label("step"))
+        .where(TinkerStep.model_seq.in_(seqs))
+        .group_by(TinkerStep.model_seq)
+        .subquery()
+    )
+    last = (TinkerStep.model_seq == newest.c.model_seq) & (TinkerStep.step == newest.c.step)
+    lasts = session.scalars(select(TinkerStep).join(newest, last)).all()
+    summaries: dict[int, dict[str, Any]] = {
+        m.seq: {"last_step": None, "last_mean_loss": None, "loss_fn": None, "loss_curve": []} for m in models
+    }
+    for model_seq, _span, loss, total in buckets:
+        summaries[model_seq]["loss_curve"].append(_finite(float(loss or 0.0) / float(total)))  # counted: not null
+    for step in lasts:
+        summaries[step.model_seq].update(last_step=step.step, last_mean_loss=_mean_loss(step), loss_fn=step.loss_fn)
+    return summaries
+
+
+def describe_run(
+    session: Session, row: TinkerModel, owner: str, summary: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The SDK's ``TrainingRun``: the model, its LoRA rank, its newest state and sampler weights;
+    and, beyond it (the SDK keeps fields it does not know), ``loss_summary`` (``loss_summaries``)."""
     newest: dict[str, TinkerCheckpoint] = {}
     for checkpoint in session.scalars(
         _live(select(TinkerCheckpoint).where(TinkerCheckpoint.model_seq == row.seq)).order_by(
@@ -73,6 +114,7 @@ def describe_run(session: Session, row: TinkerModel, owner: str) -> dict[str, An
             _checkpoint(newest["sampler_weights"], row.id) if "sampler_weights" in newest else None
         ),
         "user_metadata": row.user_metadata or None,
+        "loss_summary": summary if summary is not None else loss_summaries(session, [row])[row.seq],
     }
 
 
@@ -83,8 +125,9 @@ def list_runs(session: Session, *, project: int, owner: str, limit: int, offset:
     rows = session.scalars(
         select(TinkerModel).where(where).order_by(TinkerModel.seq.desc()).limit(limit).offset(offset)
     ).all()
+    summaries = loss_summaries(session, list(rows))
     return {
-        "training_runs": [describe_run(session, row, owner) for row in rows],
+        "training_runs": [describe_run(session, row, owner, summaries[row.seq]) for row in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
     }
 
@@ -96,6 +139,11 @@ def get_run(session: Session, *, project: int, model_id: str, owner: str) -> dic
 def _finite(value: float | None) -> float | None:
     """A loss as JSON can say it: a diverged one (NaN, infinite) is null."""
     return value if value is not None and math.isfinite(value) else None
+
+
+def _mean_loss(row: TinkerStep) -> float | None:
+    """A step's loss over what it counted (the mean NLL a token for ``cross_entropy``)."""
+    return _finite(row.loss / row.counted) if row.loss is not None and row.counted > 0 else None
 
 
 def list_steps(session: Session, *, project: int, model_id: str, after: int, limit: int) -> dict[str, Any]:
@@ -119,7 +167,7 @@ def list_steps(session: Session, *, project: int, model_id: str, after: int, lim
                 "loss_fn": row.loss_fn,
                 "loss": _finite(row.loss),
                 "counted": _finite(row.counted),
-                "mean_loss": _finite(row.loss / row.counted) if row.loss is not None and row.counted > 0 else None,
+                "mean_loss": _mean_loss(row),
                 "datums": row.datums,
                 "tokens": row.tokens,
                 "metrics": row.metrics,

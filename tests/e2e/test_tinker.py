@@ -134,6 +134,10 @@ def _each_step_is_recorded_and_drawn(
         page.goto(stack.url + "/dashboard/#/tinker")
         page.fill("#key", key)  # a --tinker key is a key of its project like any other
         page.click("#login button[type=submit]")
+        cells = page.locator("#tinker-runs tr", has=page.locator(f"a >> text={model_id}")).locator("td")
+        cells.first.wait_for()
+        assert cells.nth(3).inner_text() == "8"  # the list's last step and loss, from its loss_summary
+        assert cells.nth(4).inner_text() == f"{steps[-1]['mean_loss']:.3f} (cross_entropy)"
         page.click(f"#tinker-runs a >> text={model_id}")
         page.wait_for_selector("canvas[data-metric=mean_loss][data-points='8']")
         drawn = page.eval_on_selector("canvas[data-metric=mean_loss]", "c => c.points")

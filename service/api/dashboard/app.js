@@ -364,9 +364,10 @@ async function download(jobId, ckpt) {
 }
 
 // Tinker runs --------------------------------------------------------------------------------------
-// The project's Tinker training models ("training runs", GET /api/v1/training_runs) and, for each, its
-// steps (GET /api/v1/training_runs/{id}/steps): the loss its forward_backward calls added up, drawn
-// per step, and AdamW's metrics. A run's page follows new steps while it is open.
+// The project's Tinker training models ("training runs", GET /api/v1/training_runs, each with its
+// loss_summary: the last step and a curve of at most 40 points, in the one request) and, on a run's
+// page, its steps (GET /api/v1/training_runs/{id}/steps): the loss its forward_backward calls added
+// up, drawn per step, and AdamW's metrics. A run's page follows new steps while it is open.
 const TINKER = "/api/v1";
 const TINKER_CHARTS = [
   { metric: "mean_loss", y: "loss (mean over what it counts)",
@@ -385,19 +386,17 @@ async function tinkerRunsPage(signal) {
   root.append(table);
   const draw = async () => {
     const runs = (await api("/training_runs?limit=50", {}, TINKER)).training_runs;
-    const rows = await Promise.all(runs.map(async run => {
-      const steps = (await api(`/training_runs/${encodeURIComponent(run.training_run_id)}/steps?limit=10000`, {}, TINKER)).data;
-      const losses = steps.map(s => s.mean_loss);
-      const last = steps.length ? steps[steps.length - 1] : null;
+    const rows = runs.map(run => {
+      const summary = run.loss_summary;
       return el("tr", {},
         el("td", {}, el("a", { href: `#/tinker/${encodeURIComponent(run.training_run_id)}`, text: run.training_run_id })),
         el("td", { text: run.base_model }),
         el("td", { text: run.is_lora ? `LoRA ${run.lora_rank}` : "every weight" }),
-        el("td", { text: last ? last.step : 0 }),
-        el("td", { text: last && last.mean_loss !== null ? `${last.mean_loss.toFixed(3)} (${last.loss_fn})` : "" }),
-        el("td", { class: "spark", text: sparkline(losses) }),
+        el("td", { text: summary.last_step ?? 0 }),
+        el("td", { text: summary.last_mean_loss !== null ? `${summary.last_mean_loss.toFixed(3)} (${summary.loss_fn})` : "" }),
+        el("td", { class: "spark", text: sparkline(summary.loss_curve) }),
         el("td", { text: run.last_request_time ? new Date(run.last_request_time).toLocaleString() : "" }));
-    }));
+    });
     table.replaceChildren(
       el("tr", {}, ...["run", "base model", "trains", "step", "last loss", "curve", "last request"].map(h => el("th", { text: h }))),
       ...rows, ...(runs.length ? [] : [el("tr", {}, el("td", { text: "no Tinker training model in this project" }))]));
