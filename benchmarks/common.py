@@ -249,7 +249,8 @@ def local_stack(
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    values = {**os.environ, "RLOO_HOME": str(home / "var"), "RLOO_MODELS_DIR": str(models), "RLOO_RATE_LIMIT": "0"}
+    values = {**os.environ, "RLOO_HOME": str(home / "var"), "RLOO_MODELS_DIR": str(models)}
+    values.update(RLOO_RATE_LIMIT="0", RLOO_RATE_LIMIT_TINKER="0")
     values.update(env or {})
     values.pop("DATABASE_URL", None)
     values.pop("REDIS_URL", None)

@@ -84,13 +84,15 @@ def _add_middleware(app: FastAPI, settings: Settings) -> prometheus_module.Metri
         BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024
     )
     # Added after, so it runs before the body limit (outermost). It also holds the per-key rate limits
-    # (RLOO_RATE_LIMIT, RLOO_RATE_LIMIT_BURST; RLOO_RATE_LIMIT_BODY_BYTES, _BURST), counted in this
-    # process's memory.
+    # (RLOO_RATE_LIMIT, RLOO_RATE_LIMIT_BURST; the Tinker protocol's RLOO_RATE_LIMIT_TINKER, _BURST;
+    # RLOO_RATE_LIMIT_BODY_BYTES, _BURST), counted in this process's memory.
     app.add_middleware(
         AuthMiddleware,
         cache_seconds=settings.auth_cache_seconds,
         rate_limit=settings.rate_limit,
         rate_limit_burst=settings.rate_limit_burst,
+        tinker_rate_limit=settings.rate_limit_tinker,
+        tinker_rate_limit_burst=settings.rate_limit_tinker_burst,
         body_bytes_rate=settings.rate_limit_body_bytes,
         body_bytes_burst=settings.rate_limit_body_bytes_burst,
     )

@@ -143,8 +143,9 @@ def _duration(seconds: float) -> str:
 class AuthMiddleware:
     """Checks the bearer key of every /v1 request before its body is read, so that a caller without
     a valid key learns only that (401), never how its body would have been parsed; then counts the
-    request against the key's rate limit (``RateLimiter``; 429 past it). Outside /v1 (``/healthz``,
-    ``/readyz``, ``/metrics``, ``/docs``) nothing is checked or counted."""
+    request against the key's rate limit (``RateLimiter``; 429 past it): the Tinker protocol's
+    (``/api/v1/``) against a limit of its own, its loops being many small requests. Outside them
+    (``/healthz``, ``/readyz``, ``/metrics``, ``/docs``) nothing is checked or counted."""
 
     CACHE_LIMIT = 10_000
     CHECK_THREADS = 8
@@ -158,6 +159,8 @@ class AuthMiddleware:
         cache_seconds: float = 0.0,
         rate_limit: float = 0.0,
         rate_limit_burst: int = 1,
+        tinker_rate_limit: float = 0.0,
+        tinker_rate_limit_burst: int = 1,
         body_bytes_rate: float = 0.0,
         body_bytes_burst: int = 1,
     ) -> None:
@@ -166,9 +169,10 @@ class AuthMiddleware:
         # query for its key. Only valid keys are kept, for ``cache_seconds`` (RLOO_AUTH_CACHE_SECONDS).
         self.cache_seconds = cache_seconds
         self.cache: dict[str, tuple[float, Any]] = {}
-        # RLOO_RATE_LIMIT / RLOO_RATE_LIMIT_BURST; 0 = no limit (and no x-ratelimit headers).
+        # RLOO_RATE_LIMIT / RLOO_RATE_LIMIT_BURST, and RLOO_RATE_LIMIT_TINKER / _BURST for the Tinker
+        # protocol; 0 = no limit (and no x-ratelimit headers).
         self.limiter = RateLimiter(rate_limit, rate_limit_burst) if rate_limit > 0 else None
-        self.limit_header = str(rate_limit_burst).encode()
+        self.tinker_limiter = RateLimiter(tinker_rate_limit, tinker_rate_limit_burst) if tinker_rate_limit > 0 else None
         # RLOO_RATE_LIMIT_BODY_BYTES / _BURST: request-body bytes a second per key (uploads aside,
         # which /v1/files bounds itself); a body with no declared length counts as the JSON limit.
         self.bytes_limiter = RateLimiter(body_bytes_rate, body_bytes_burst) if body_bytes_rate > 0 else None
@@ -196,7 +200,7 @@ class AuthMiddleware:
         digest = hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
         cached = self.cache.get(digest)
         if cached is not None and cached[0] > time.monotonic():
-            await self.admit(cached[1], scope, receive, send)
+            await self.admit(cached[1], scope, receive, send, tinker=tinker)
             return
 
         def check() -> Any:  # (engines hide statement parameters: the key's digest never reaches a log)
@@ -217,7 +221,7 @@ class AuthMiddleware:
             if len(self.cache) >= self.CACHE_LIMIT:
                 self.cache.clear()
             self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
-        await self.admit(caller, scope, receive, send)
+        await self.admit(caller, scope, receive, send, tinker=tinker)
 
     def _body_bytes(self, key: str, scope: Scope) -> float | None:
         """Seconds until the key's body bytes allow this request's body (None: they allow it now)."""
@@ -238,22 +242,26 @@ class AuthMiddleware:
         rate, burst = self.bytes_limiter.rate, self.bytes_limiter.burst
         return f"{rate / 2**20:g} MiB of request bodies a second, bursts of {burst / 2**20:g} MiB"
 
-    async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send) -> None:
-        """Run the request as ``caller`` if its key has a request left and room for its body's bytes,
-        with the x-ratelimit headers on the answer; else a 429 that says when to retry (the openai SDK
-        waits that long itself)."""
+    async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send, *, tinker: bool = False) -> None:
+        """Run the request as ``caller`` if its key has a request left (of the Tinker protocol's own
+        limit, for a ``tinker`` request) and room for its body's bytes, with the x-ratelimit headers on
+        the answer; else a 429 that says when to retry (the openai SDK waits that long itself; the
+        Tinker SDK backs off)."""
         scope.setdefault("state", {})["caller"] = caller
         key = caller.key_id or caller.id  # by the key's id (two keys of one project count apart)
         limit_headers: list[tuple[bytes, bytes]] = []
-        if self.limiter is not None:
-            allowed, remaining, retry, reset = self.limiter.take(key)
+        limiter = self.tinker_limiter if tinker else self.limiter
+        if limiter is not None:
+            allowed, remaining, retry, reset = limiter.take(key)
             limit_headers = [
-                (b"x-ratelimit-limit-requests", self.limit_header),
+                (b"x-ratelimit-limit-requests", str(limiter.burst).encode()),
                 (b"x-ratelimit-remaining-requests", str(remaining).encode()),
                 (b"x-ratelimit-reset-requests", _duration(reset).encode()),
             ]
             if not allowed:
-                rule = f"{self.limiter.rate:g} requests a second, bursts of {self.limiter.burst}"
+                rule = f"{limiter.rate:g} requests a second, bursts of {limiter.burst}"
+                if tinker:
+                    rule += " of the Tinker protocol"
                 await _refuse(send, rule, retry, limit_headers)
                 return
         if (retry_bytes := self._body_bytes(key, scope)) is not None:
