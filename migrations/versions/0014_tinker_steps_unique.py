@@ -17,8 +17,9 @@ def upgrade() -> None:
     # A model loaded back deletes its steps from n before it writes step n (in one transaction), so
     # no database holds two rows of one step; should one have (a bug), the newest is kept.
     op.execute(
-        'DELETE FROM tinker_steps WHERE seq NOT IN '
-        '(SELECT MAX(seq) FROM tinker_steps GROUP BY model_seq, step)'
+        'DELETE FROM tinker_steps WHERE EXISTS (SELECT 1 FROM tinker_steps AS newer '
+        'WHERE newer.model_seq = tinker_steps.model_seq AND newer.step = tinker_steps.step '
+        'AND newer.seq > tinker_steps.seq)'
     )
     op.drop_index('ix_tinker_steps_model_seq', table_name='tinker_steps')
     op.create_index('uq_tinker_steps_step', 'tinker_steps', ['model_seq', 'step'], unique=True)

@@ -143,9 +143,10 @@ def _duration(seconds: float) -> str:
 class AuthMiddleware:
     """Checks the bearer key of every /v1 request before its body is read, so that a caller without
     a valid key learns only that (401), never how its body would have been parsed; then counts the
-    request against the key's rate limit (``RateLimiter``; 429 past it): the Tinker protocol's
-    (``/api/v1/``) against a limit of its own, its loops being many small requests. Outside them
-    (``/healthz``, ``/readyz``, ``/metrics``, ``/docs``) nothing is checked or counted."""
+    request against the key's rate limit (``RateLimiter``; 429 past it); the Tinker protocol
+    (``/api/v1/``) takes keys too, and its loops' requests (``TINKER_LOOP_PATHS``) count against a
+    limit of their own. Elsewhere (``/healthz``, ``/readyz``, ``/metrics``, ``/docs``, the open Tinker
+    paths) nothing is checked or counted."""
 
     CACHE_LIMIT = 10_000
     CHECK_THREADS = 8
@@ -200,7 +201,7 @@ class AuthMiddleware:
         digest = hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
         cached = self.cache.get(digest)
         if cached is not None and cached[0] > time.monotonic():
-            await self.admit(cached[1], scope, receive, send, tinker=tinker)
+            await self.admit(cached[1], scope, receive, send, tinker=path in TINKER_LOOP_PATHS)
             return
 
         def check() -> Any:  # (engines hide statement parameters: the key's digest never reaches a log)
@@ -221,7 +222,7 @@ class AuthMiddleware:
             if len(self.cache) >= self.CACHE_LIMIT:
                 self.cache.clear()
             self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
-        await self.admit(caller, scope, receive, send, tinker=tinker)
+        await self.admit(caller, scope, receive, send, tinker=path in TINKER_LOOP_PATHS)
 
     def _body_bytes(self, key: str, scope: Scope) -> float | None:
         """Seconds until the key's body bytes allow this request's body (None: they allow it now)."""
@@ -243,8 +244,8 @@ class AuthMiddleware:
         return f"{rate / 2**20:g} MiB of request bodies a second, bursts of {burst / 2**20:g} MiB"
 
     async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send, *, tinker: bool = False) -> None:
-        """Run the request as ``caller`` if its key has a request left (of the Tinker protocol's own
-        limit, for a ``tinker`` request) and room for its body's bytes, with the x-ratelimit headers on
+        """Run the request as ``caller`` if its key has a request left (of the Tinker loops' own limit,
+        for a ``tinker`` request) and room for its body's bytes, with the x-ratelimit headers on
         the answer; else a 429 that says when to retry (the openai SDK waits that long itself; the
         Tinker SDK backs off)."""
         scope.setdefault("state", {})["caller"] = caller
@@ -261,7 +262,7 @@ class AuthMiddleware:
             if not allowed:
                 rule = f"{limiter.rate:g} requests a second, bursts of {limiter.burst}"
                 if tinker:
-                    rule += " of the Tinker protocol"
+                    rule += " of a Tinker loop's requests"
                 await _refuse(send, rule, retry, limit_headers)
                 return
         if (retry_bytes := self._body_bytes(key, scope)) is not None:
@@ -291,6 +292,22 @@ OPEN_TINKER_PATHS = ("/api/v1/healthz",)
 """The Tinker protocol's paths that answer without a key (every other /api/v1 path takes one)."""
 OPEN_TINKER_PREFIXES = ("/api/v1/downloads/",)
 """... and where a checkpoint's download links lead (the link's random token is the credential)."""
+TINKER_LOOP_PATHS = frozenset(
+    f"/api/v1/{name}"
+    for name in (
+        "asample",
+        "retrieve_future",
+        "cancel_future",
+        "forward_backward",
+        "optim_step",
+        "session_heartbeat",
+        "telemetry",
+        "client/dynamic_config",
+    )
+)
+"""The Tinker protocol's requests a loop sends many of (a sample and its polls, a step's calls, the
+SDK's beats): counted against RLOO_RATE_LIMIT_TINKER. Its other requests (sessions, models, saves,
+loads, checkpoints) are few and count against RLOO_RATE_LIMIT, as the rest of the API's do."""
 UPLOADS = ("/v1/files",)
 """Where bodies are uploads, bounded by RLOO_MAX_UPLOAD_BYTES and not by the byte rate."""
 UNDECLARED_BODY = 8 * 1024 * 1024

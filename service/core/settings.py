@@ -231,19 +231,21 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(
         default=100, ge=1, description="Requests a key may send at once before the sustained rate applies."
     )
-    # The Tinker protocol (/api/v1/) is chatty by design: each sample is a request and at least one
-    # retrieve_future poll, so one RL step of tinker-cookbook's math_rl defaults (100 problems x 4
-    # samples) is 800+ requests at once, and a step every few seconds on a GPU. At the rate above a
-    # step waits 40 s on 429s (the SDK backs off a second each). Samples are bounded where they cost:
-    # the inference workers take projects' requests in turn, a request at most a share of a batch.
+    # A Tinker loop is chatty by design: each sample is a request and at least one retrieve_future
+    # poll, so one RL step of tinker-cookbook's math_rl defaults (100 problems x 4 samples) is 800+
+    # requests at once, and a step every few seconds on a GPU. At the rate above a step waits 40 s
+    # on 429s (the SDK backs off a second each). Samples are bounded where they cost: the inference
+    # workers take projects' requests in turn, a request at most a share of a batch. Only a loop's
+    # requests (middleware.TINKER_LOOP_PATHS) count here; the protocol's others count above.
     rate_limit_tinker: float = Field(
         default=200.0,
         ge=0,
-        description="Sustained Tinker-protocol (/api/v1/) requests a second per API key in each API process, "
-        "counted apart from RLOO_RATE_LIMIT; 0 turns the limit off.",
+        description="Sustained requests a second per API key in each API process of a Tinker loop (samples, "
+        "their polls, forward_backward, optim_step, heartbeats), counted apart from RLOO_RATE_LIMIT; 0 turns "
+        "this limit off.",
     )
     rate_limit_tinker_burst: int = Field(
-        default=1000, ge=1, description="Tinker-protocol requests a key may send at once before its sustained rate."
+        default=1000, ge=1, description="Tinker loop requests a key may send at once before their sustained rate."
     )
     rate_limit_body_bytes: float = Field(
         default=16 * 2**20,

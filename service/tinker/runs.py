@@ -51,29 +51,33 @@ def _checkpoint(row: TinkerCheckpoint, model_id: str) -> dict[str, Any]:
 
 
 # Runs -------------------------------------------------------------------------------------------------------
-CURVE_POINTS = 40
-"""The points of a run's ``loss_curve`` (the dashboard's list of runs draws it)."""
+CURVE_POINTS = 30
+"""The points of a run's ``loss_curve`` (the dashboard's list of runs draws it, 30 bars)."""
 
 
 def loss_summaries(session: Session, models: list[TinkerModel]) -> dict[int, dict[str, Any]]:
-    """Beyond the SDK, for the dashboard's list of runs in one query however long the runs: each
-    model's steps in at most ``CURVE_POINTS`` equal spans of its steps, each span's loss over what
-    it counted (``loss_curve``), and its last step (``last_step``, ``last_mean_loss``, ``loss_fn``)."""
+    """Beyond the SDK, for the dashboard's list of runs in two queries however many and long the
+    runs: each model's steps up to the one its weights are at (a model loaded back keeps its later
+    rows until its next step rewrites them) in at most ``CURVE_POINTS`` equal spans, each span's loss
+    over what it counted (``loss_curve``), and its last such step (``last_step``, ``last_mean_loss``,
+    ``loss_fn``)."""
     if not models:
         return {}
     seqs = [m.seq for m in models]
     span = (TinkerStep.step * CURVE_POINTS) // (TinkerModel.steps + 1)
+    held = TinkerStep.model_seq.in_(seqs) & (TinkerStep.step <= TinkerModel.steps)
     counted = TinkerStep.loss.is_not(None) & (TinkerStep.counted > 0)
     buckets = session.execute(
         select(TinkerStep.model_seq, span, func.sum(TinkerStep.loss), func.sum(TinkerStep.counted))
         .join(TinkerModel, TinkerModel.seq == TinkerStep.model_seq)
-        .where(TinkerStep.model_seq.in_(seqs), counted)
+        .where(held, counted)
         .group_by(TinkerStep.model_seq, span)
         .order_by(TinkerStep.model_seq, span)
     ).all()
     newest = (
         select(TinkerStep.model_seq, func.max(TinkerStep.step).label("step"))
-        .where(TinkerStep.model_seq.in_(seqs))
+        .join(TinkerModel, TinkerModel.seq == TinkerStep.model_seq)
+        .where(held)
         .group_by(TinkerStep.model_seq)
         .subquery()
     )
@@ -93,7 +97,7 @@ def describe_run(
     session: Session, row: TinkerModel, owner: str, summary: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The SDK's ``TrainingRun``: the model, its LoRA rank, its newest state and sampler weights;
-    and, beyond it (the SDK keeps fields it does not know), ``loss_summary`` (``loss_summaries``)."""
+    and, beyond it (the SDK ignores fields it does not know), ``loss_summary`` (``loss_summaries``)."""
     newest: dict[str, TinkerCheckpoint] = {}
     for checkpoint in session.scalars(
         _live(select(TinkerCheckpoint).where(TinkerCheckpoint.model_seq == row.seq)).order_by(

@@ -373,33 +373,34 @@ def test_a_run_s_steps_are_served_in_order_a_page_at_a_time_and_a_diverged_loss_
     assert client.get(url, headers=theirs).status_code == 404  # another project's run
 
 
-def test_the_list_of_runs_summarises_each_run_s_loss_in_one_curve_of_at_most_40_points(client: Any) -> None:
+def test_the_list_of_runs_summarises_each_run_s_loss_in_one_curve_of_at_most_30_points(client: Any) -> None:
     from sqlalchemy import select
 
     from service.core.db import session_scope
     from service.core.tables import TinkerModel, TinkerStep
-    from service.tinker.runs import CURVE_POINTS
 
     mine = _headers("alpha")
-    long_id, idle_id = (_model(client, mine).json()["model_id"] for _ in range(2))
+    long_id, back_id, idle_id = (_model(client, mine).json()["model_id"] for _ in range(3))
     with session_scope() as session:
-        long = session.scalar(select(TinkerModel).where(TinkerModel.id == long_id))
-        assert long is not None
-        long.steps = 100
-        for step in range(1, 101):
-            loss = None if step == 50 else float(step)  # a diverged step adds nothing to its span
-            row = {"step": step, "loss": loss, "counted": 2.0, "datums": 1, "tokens": 3, "metrics": {}}
-            session.add(TinkerStep(model_seq=long.seq, loss_fn="ppo", **row))
+        long, back = (session.scalar(select(TinkerModel).where(TinkerModel.id == i)) for i in (long_id, back_id))
+        assert long is not None and back is not None
+        long.steps, back.steps = 89, 3  # back: loaded back to step 3, its steps 4-6 not yet rewritten
+        for model, last in ((long, 89), (back, 6)):
+            for step in range(1, last + 1):
+                loss = None if step == 50 else float(step)  # a diverged step adds nothing to its span
+                row = {"step": step, "loss": loss, "counted": 2.0, "datums": 1, "tokens": 3, "metrics": {}}
+                session.add(TinkerStep(model_seq=model.seq, loss_fn="ppo", **row))
         session.commit()
     runs = {r["training_run_id"]: r for r in client.get("/api/v1/training_runs", headers=mine).json()["training_runs"]}
     summary = runs[long_id]["loss_summary"]
-    assert (summary["last_step"], summary["last_mean_loss"], summary["loss_fn"]) == (100, 50.0, "ppo")
-    spans: dict[int, list[int]] = {}
-    for step in range(1, 101):
-        if step != 50:
-            spans.setdefault(step * CURVE_POINTS // 101, []).append(step)
-    assert summary["loss_curve"] == pytest.approx([sum(s) / len(s) / 2 for _, s in sorted(spans.items())])
-    assert len(summary["loss_curve"]) == CURVE_POINTS
+    assert (summary["last_step"], summary["last_mean_loss"], summary["loss_fn"]) == (89, 44.5, "ppo")
+    curve = summary["loss_curve"]  # steps 1-89 in 30 spans of 3 (step * 30 // 90): 1-2, 3-5, 6-8, ...
+    assert len(curve) == 30
+    assert curve[:3] == pytest.approx([1.5 / 2, 4 / 2, 7 / 2])  # each span's loss sum over its count
+    assert curve[16] == pytest.approx(97 / 4)  # steps 48-50, 50 diverged: (48 + 49) / (2 + 2)
+    assert curve[-1] == pytest.approx(264 / 6)  # steps 87-89
+    loaded_back = runs[back_id]["loss_summary"]
+    assert loaded_back["last_step"] == 3 and loaded_back["loss_curve"] == pytest.approx([0.5, 1.0, 1.5])
     empty = {"last_step": None, "last_mean_loss": None, "loss_fn": None, "loss_curve": []}
     assert runs[idle_id]["loss_summary"] == empty
     one = client.get(f"/api/v1/training_runs/{long_id}", headers=mine).json()

@@ -247,27 +247,35 @@ def test_gcra_takes_a_cost_in_units() -> None:
     assert bytes_.take("k", now=2.0, cost=3000)[0]  # 2 s later: 2,000 more
 
 
-def test_the_tinker_protocol_counts_against_a_limit_of_its_own(monkeypatch, env) -> None:
-    """A Tinker loop's many small requests (a sample and its polls) neither spend the key's
-    /v1 requests nor are held to them, and its own limit answers a 429 the Tinker SDK backs off."""
+def test_a_tinker_loop_s_requests_count_against_a_limit_of_their_own(monkeypatch, env) -> None:
+    """A Tinker loop's many small requests (a sample and its polls, a step's calls, the SDK's beats)
+    neither spend the key's other requests nor are held to their limit, and their own limit answers
+    a 429 the Tinker SDK backs off; the protocol's other requests (runs, sessions, saves) count
+    against the general limit, as the rest of the API's do."""
     from service.api import middleware
 
     now = [time.monotonic()]
     monkeypatch.setattr(middleware, "clock", lambda: now[0])
     auth = _auth("alpha")
     limits = {"RLOO_RATE_LIMIT": "0.5", "RLOO_RATE_LIMIT_BURST": "2"}
+
+    def heartbeat(client: Any) -> Any:  # an unknown session: a 404, counted all the same
+        return client.post("/api/v1/session_heartbeat", headers=auth, json={"session_id": "nope"})
+
     with _client(monkeypatch, **limits, RLOO_RATE_LIMIT_TINKER="0.5", RLOO_RATE_LIMIT_TINKER_BURST="5") as client:
-        tinker = [client.get("/api/v1/training_runs", headers=auth) for _ in range(5)]
-        assert [r.status_code for r in tinker] == [200] * 5, tinker[-1].text
-        assert [r.headers["x-ratelimit-remaining-requests"] for r in tinker] == ["4", "3", "2", "1", "0"]
-        assert tinker[0].headers["x-ratelimit-limit-requests"] == "5"
-        refused = client.get("/api/v1/training_runs", headers=auth)
+        loop = [heartbeat(client) for _ in range(5)]
+        assert [r.status_code for r in loop] == [404] * 5, loop[-1].text
+        assert [r.headers["x-ratelimit-remaining-requests"] for r in loop] == ["4", "3", "2", "1", "0"]
+        assert loop[0].headers["x-ratelimit-limit-requests"] == "5"
+        refused = heartbeat(client)
         assert_rate_limited(refused)
-        assert "of the Tinker protocol" in refused.json()["error"]["message"]
-        openai_api = [client.get("/v1/files", headers=auth) for _ in range(2)]  # untouched by the loop
-        assert [r.status_code for r in openai_api] == [200, 200]
+        assert "of a Tinker loop's requests" in refused.json()["error"]["message"]
+        others = [client.get("/v1/files", headers=auth), client.get("/api/v1/training_runs", headers=auth)]
+        assert [r.status_code for r in others] == [200, 200]  # untouched by the loop's
+        assert others[1].headers["x-ratelimit-limit-requests"] == "2"  # the general limit's
+        assert_rate_limited(client.get("/api/v1/training_runs", headers=auth))
         assert_rate_limited(client.get("/v1/files", headers=auth))
     with _client(monkeypatch, **limits, RLOO_RATE_LIMIT_TINKER="0") as client:
-        answers = [client.get("/api/v1/training_runs", headers=auth) for _ in range(8)]
-        assert [r.status_code for r in answers] == [200] * 8
+        answers = [heartbeat(client) for _ in range(8)]
+        assert [r.status_code for r in answers] == [404] * 8
         assert not any(h in answers[0].headers for h in LIMIT_HEADERS)

@@ -365,7 +365,7 @@ async function download(jobId, ckpt) {
 
 // Tinker runs --------------------------------------------------------------------------------------
 // The project's Tinker training models ("training runs", GET /api/v1/training_runs, each with its
-// loss_summary: the last step and a curve of at most 40 points, in the one request) and, on a run's
+// loss_summary: the last step and a curve of at most 30 points, in the one request) and, on a run's
 // page, its steps (GET /api/v1/training_runs/{id}/steps): the loss its forward_backward calls added
 // up, drawn per step, and AdamW's metrics. A run's page follows new steps while it is open.
 const TINKER = "/api/v1";
