@@ -53,9 +53,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RENDERER = "rloo/role_tokens"
 RUNS = ROOT / "var" / "tinker"
-PASSES = 16
-"""Passes over the 10,201 problems in sl_loop's dataset: more rows than its 700 steps of 128 read
-(sl_loop's learning rate falls linearly over the whole dataset, to 45% of its start at step 700)."""
 
 DEFAULTS: dict[str, dict[str, str]] = {
     "sl_loop": {
@@ -76,7 +73,7 @@ DEFAULTS: dict[str, dict[str, str]] = {
         "lora_rank": "0",
         "group_size": "8",
         "groups_per_batch": "32",
-        "learning_rate": "1e-4",
+        "learning_rate": "1e-5",  # from sl_loop's state, 1e-4 and above wreck it in a step (docs/tinker.md)
         "max_tokens": "5",
         "max_steps": "100",  # the arithmetic environment's own 100 batches
         "eval_every": "0",
@@ -145,18 +142,20 @@ def register(model_name: str) -> None:
     model_info.get_recommended_renderer_name = ours_first  # sl_loop asks it, with no override
 
 
-def conversations(passes: int, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
-    """Every ``x + y`` of the cookbook's arithmetic environment (``0 <= x, y <= 100``, 10,201
-    problems) as a chat in the shape of its prompt: the environment's few-shot turn ("What is 4 +
-    5?" / "9"), then "What is x + y?" and the sum. ``passes`` times, each pass shuffled on its own
-    (``sl_loop`` reads its dataset once)."""
+def conversations(count: int, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
+    """``count`` chats from the sums of the cookbook's arithmetic environment (``0 <= x, y <= 100``,
+    10,201 problems), in the shape of its prompt: the environment's few-shot turn ("What is 4 + 5?"
+    / "9"), then "What is x + y?" and the sum. Pass after pass over every sum, each pass shuffled on
+    its own, cut at ``count`` (``sl_loop`` reads its dataset once)."""
     import random
 
     fewshot = [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"}]
-    rows = []
-    for n in range(passes):
+    rows: list[dict[str, list[dict[str, str]]]] = []
+    n = 0
+    while len(rows) < count:
         pairs = [(x, y) for x in range(101) for y in range(101)]
         random.Random(seed + n).shuffle(pairs)
+        n += 1
         rows += [
             {
                 "messages": [
@@ -167,12 +166,13 @@ def conversations(passes: int, seed: int = 0) -> list[dict[str, list[dict[str, s
             }
             for x, y in pairs
         ]
-    return rows
+    return rows[:count]
 
 
-def serve_arithmetic(passes: int) -> None:
-    """``sl_loop``'s ``load_dataset("HuggingFaceH4/no_robots")`` answers ``conversations(passes)``
-    (a ``messages`` column, as no_robots has)."""
+def serve_arithmetic(count: int) -> None:
+    """``sl_loop``'s ``load_dataset("HuggingFaceH4/no_robots")`` answers ``conversations(count)``
+    (a ``messages`` column, as no_robots has). ``sl_loop``'s learning rate falls linearly over its
+    whole dataset: ``count`` of ``max_steps * batch_size`` rows ends it at zero on the last step."""
     import datasets
 
     load = datasets.load_dataset
@@ -180,7 +180,7 @@ def serve_arithmetic(passes: int) -> None:
     def offline(name: str, *args: Any, **kwargs: Any) -> Any:
         if name != "HuggingFaceH4/no_robots":
             return load(name, *args, **kwargs)
-        return datasets.DatasetDict({"train": datasets.Dataset.from_list(conversations(passes))})
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(conversations(count))})
 
     datasets.load_dataset = offline
 
@@ -213,13 +213,14 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in DEFAULTS:
         raise SystemExit(f"usage: cookbook.py {{{' | '.join(DEFAULTS)}}} [key=value ...]")
     recipe, args = argv[0], arguments(argv[0], argv[1:])
-    register(dict(arg.split("=", 1) for arg in args)["model_name"])
+    values = dict(arg.split("=", 1) for arg in args)
+    register(values["model_name"])
     import chz
 
     if recipe == "sl_loop":
         from tinker_cookbook.recipes import sl_loop
 
-        serve_arithmetic(PASSES)
+        serve_arithmetic(int(values["max_steps"]) * int(values["batch_size"]))
         chz.nested_entrypoint(sl_loop.main, argv=args)
     else:
         from tinker_cookbook.recipes.math_rl import train

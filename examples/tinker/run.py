@@ -27,7 +27,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RUNS = ROOT / "var" / "tinker"
-COOKBOOK_PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
+COOKBOOK_PYTHON = Path(os.environ.get("TINKER_COOKBOOK_PYTHON", ROOT / ".venv-tinker" / "bin" / "python"))
+"""The cookbook's venv (``make tinker-venv``), or ``TINKER_COOKBOOK_PYTHON``: a python that has
+``tinker==0.38.0`` and ``tinker-cookbook==0.5.8``."""
 BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", default=os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8000"))
     args = parser.parse_args(argv)
     if not COOKBOOK_PYTHON.exists():
-        raise SystemExit("the cookbook's venv is missing: make tinker-venv")
+        raise SystemExit(f"{COOKBOOK_PYTHON} is missing: make tinker-venv, or set TINKER_COOKBOOK_PYTHON")
     subprocess.run([sys.executable, str(HERE / "build.py")], cwd=ROOT, check=True)
     env = {**os.environ, "TINKER_BASE_URL": args.base_url, "TINKER_API_KEY": tinker_key()}
     for recipe in ("sl_loop", "math_rl"):
