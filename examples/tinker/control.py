@@ -1,13 +1,13 @@
 """The control for ``math_rl``'s figures: the same learning with no service in the way. Plain torch in
 this process, run in the project's venv:
 
-    python examples/tinker/control.py [--format arithmetic|addition] [--rl-lr 1e-5] [--seed 0]
+    python examples/tinker/control.py [--format arithmetic|addition] [--rl-lr 1e-5] [--steps 100] [--seed 0]
 
 1. Supervised start. ``--format arithmetic`` (the default) trains ``build.py``'s architecture as
    ``cookbook.py sl_loop`` does: 700 steps of 128 chats of every sum of the cookbook's arithmetic
-   environment, lr 1e-3 falling linearly to 0, AdamW (0.9, 0.95). ``--format addition`` instead
-   loads ``examples/addition``'s supervised start, ``addition-sft`` (``examples/addition/build.py``
-   builds it), whose prompt is ``"23+45="``.
+   environment, lr 1e-3 falling linearly (1e-3/700 at the last step), AdamW (0.9, 0.95).
+   ``--format addition`` instead loads ``examples/addition``'s supervised start, ``addition-sft``
+   (``examples/addition/build.py`` builds it), whose prompt is ``"23+45="``.
 2. RL as ``math_rl`` does it: 100 steps, 32 problems of ``x, y`` drawn from step-seeded generators,
    8 samples each at temperature 1, 5 new tokens at most, reward 1 for the exact sum, the group's
    mean as the baseline, the summed log-probability loss, a fresh AdamW (0.9, 0.95, eps 1e-8, no

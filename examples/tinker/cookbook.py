@@ -172,7 +172,8 @@ def conversations(count: int, seed: int = 0) -> list[dict[str, list[dict[str, st
 def serve_arithmetic(count: int) -> None:
     """``sl_loop``'s ``load_dataset("HuggingFaceH4/no_robots")`` answers ``conversations(count)``
     (a ``messages`` column, as no_robots has). ``sl_loop``'s learning rate falls linearly over its
-    whole dataset: ``count`` of ``max_steps * batch_size`` rows ends it at zero on the last step."""
+    whole dataset: ``count`` of ``max_steps * batch_size`` rows runs it down to lr/max_steps on the
+    last step."""
     import datasets
 
     load = datasets.load_dataset
