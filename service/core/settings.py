@@ -95,6 +95,12 @@ class Settings(BaseSettings):
         default_factory=list,
         description="URL prefixes http graders may POST to (JSON list); none by default, so http graders are off.",
     )
+    tool_urls: list[str] = Field(
+        default_factory=list,
+        description="URL prefixes a reinforcement job's http tools may be called at (JSON list); none by default, "
+        "so http tools are off. A prefix's host name may resolve only to public addresses; name a private "
+        "endpoint by its literal address (http://10.0.0.5:8080/tools/).",
+    )
     log_format: Literal["text", "json"] = Field(
         default="text", description="text, or json: one JSON object a line, with the job id of each line about a job."
     )

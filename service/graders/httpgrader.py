@@ -34,7 +34,7 @@ def grade_http(grader: HttpGrader, samples: Sequence[Sample], items: Sequence[Ma
         body = {
             "samples": [
                 {
-                    "sample": {"output_text": samples[i].output_text, "output_json": samples[i].output_json},
+                    "sample": samples[i].fields(),
                     "item": dict(items[i]),
                 }
                 for i in chunk

@@ -259,7 +259,7 @@ def _python(grader: PythonGrader, batch: Batch) -> list[float]:
     try:
         outcomes = run_python_grader(
             grader.source,
-            [{"output_text": s.output_text, "output_json": s.output_json} for s in batch.samples],
+            [s.fields() for s in batch.samples],
             [dict(item) for item in batch.items],
             limits,
         )

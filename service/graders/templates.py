@@ -34,7 +34,7 @@ class TemplateKeyError(KeyError):
 
 _TEMPLATE_OPEN = "{{"
 _TEMPLATE_CLOSE = "}}"
-_SAMPLE_FIELDS = ("output_text", "output_json")
+_SAMPLE_FIELDS = ("output_text", "output_json", "output_tools", "messages", "rollout_id")
 
 
 def _template_refs(template: str) -> list[tuple[int, int, str]]:
@@ -77,8 +77,9 @@ def _check_path(path: str) -> list[str]:
     if root == "sample":
         if len(parts) < 2 or parts[1] not in _SAMPLE_FIELDS:
             raise ValueError(
-                f"'{{{{ {path} }}}}' is not a sample field; use sample.output_text or "
-                "sample.output_json (optionally followed by .key)"
+                f"'{{{{ {path} }}}}' is not a sample field; use sample.output_text, "
+                "sample.output_json (optionally followed by .key), or for a rollout that called tools "
+                "sample.output_tools, sample.messages or sample.rollout_id"
             )
         if parts[1] == "output_text" and len(parts) > 2:
             raise ValueError(
@@ -156,6 +157,11 @@ def _resolve(path: str, *, sample: Sample, item: Mapping[str, object]) -> object
         return _lookup(item, parts, path=path)
     if parts[1] == "output_text":
         return sample.output_text
+    if parts[1] in ("output_tools", "messages", "rollout_id"):
+        value = getattr(sample, parts[1])
+        if value is None:
+            raise TemplateKeyError(f"template references {{{{ {path} }}}}, but the rollout called no tools", path=path)
+        return _lookup(value, [f"sample.{parts[1]}", *parts[2:]], path=path)
     parsed = sample.output_json
     if parsed is None:
         raise TemplateKeyError(

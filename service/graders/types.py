@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from service.core.errors import Invalid
 from service.graders.formula import Expr
@@ -60,9 +60,22 @@ def describe(value: object) -> str:
 
 @dataclass
 class Sample:
-    """One completion to grade, as templates see it (``{{ sample.output_text }}``)."""
+    """One completion to grade, as templates see it (``{{ sample.output_text }}``). A rollout that
+    called tools also has ``output_tools`` (each call: ``name``, ``arguments``, ``output``, ``error``),
+    ``messages`` (the whole conversation) and ``rollout_id`` (what its http tools were told)."""
 
     output_text: str
+    output_tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    rollout_id: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The sample as a python grader and an http grader receive it."""
+        out: dict[str, Any] = {"output_text": self.output_text, "output_json": self.output_json}
+        for key in ("output_tools", "messages", "rollout_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     @cached_property
     def output_json(self) -> object | None:

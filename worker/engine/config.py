@@ -8,6 +8,7 @@ from typing import Any
 
 from service.graders import Grader
 from service.jobs.hyperparameters import AnyResolved
+from service.tools import Toolset
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,8 @@ class OperatorOptions:
     """``RLOO_ROLLOUT_BACKEND``: ``auto``, ``transformers`` or ``vllm``."""
     embedding_model: str | None = None
     """``RLOO_EMBEDDING_MODEL``: the embedding model of ``text_similarity``'s cosine (None: ours)."""
+    tool_urls: tuple[str, ...] = ()
+    """``RLOO_TOOL_URLS``: the URL prefixes http tools may be called at, as they are now."""
     vllm_options: dict[str, Any] = field(default_factory=dict)
     """What the vLLM backend is built with beyond its defaults (``RLOO_VLLM_GPU_MEMORY_UTILIZATION``:
     ``gpu_memory_utilization``, the share of a GPU it may take)."""
@@ -28,6 +31,7 @@ class OperatorOptions:
         return cls(
             rollout_backend=settings.rollout_backend,
             embedding_model=settings.embedding_model,
+            tool_urls=tuple(settings.tool_urls),
             vllm_options={"gpu_memory_utilization": settings.vllm_gpu_memory_utilization},
         )
 
@@ -73,6 +77,9 @@ class TrainConfig:
     started_from: str | None = None
     """What the job named to start from, when it is not ``model`` itself (a fine-tuned model's or
     checkpoint's id, whose base is ``model``): the run's events name it."""
+    tools: Toolset | None = None
+    """A reinforcement run's tools and multi-turn limits (``service.tools.parse_tools``): its
+    rollouts call them (``worker.engine.rollout.agent``); None: one completion a prompt."""
     init_from: tuple[Path, ...] = ()
     """The checkpoint directories of a fine-tuned model to start from instead of ``model``'s
     weights, applied in order (``service.registry.finetuned.Source.chain``): a full model's weights loaded,

@@ -4,6 +4,7 @@ job's events (docs/algorithm.md lists them)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class Timings:
     reference: float
     update: float
     step: float
+    tools: float = 0.0
+    """Of ``generate``'s rollouts, the time waiting on tool calls (a run with tools)."""
 
 
 def step_metrics(
@@ -101,6 +104,26 @@ def step_metrics(
     for old, new in DEPRECATED_ALIASES.items():
         metrics[old] = metrics[new]
     return metrics
+
+
+def tool_metrics(trajectories: Sequence[Any], timings: Timings) -> dict[str, float | int]:
+    """A run with tools: per rollout, the turns, tool calls and trajectory tokens (means); the
+    step's failed calls by kind (errors, time-outs, malformed calls: a name not offered, arguments
+    that do not fit, unreadable JSON), the share of calls that were well formed, and the seconds
+    spent waiting on tools."""
+    n = max(len(trajectories), 1)
+    calls = sum(t.calls for t in trajectories)
+    malformed = sum(t.malformed for t in trajectories)
+    return {
+        "tool_turns_mean": sum(t.turns for t in trajectories) / n,
+        "tool_calls_mean": calls / n,
+        "tool_errors": sum(t.errors for t in trajectories),
+        "tool_timeouts": sum(t.timeouts for t in trajectories),
+        "tool_malformed": malformed,
+        "tool_well_formed_frac": (calls - malformed) / calls if calls else float("nan"),
+        "trajectory_length_mean": sum(len(t.ids) for t in trajectories) / n,
+        "time_tools": timings.tools,
+    }
 
 
 def grader_metrics(graded: GradeResult) -> dict[str, float | int]:

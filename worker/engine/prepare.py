@@ -32,6 +32,7 @@ from worker.engine.modeling import (
 from worker.engine.recorders import Recorder
 from worker.engine.resume import check_resumable, load_full_weights, restore, untie_output
 from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels
+from worker.engine.rollout.agent import Agent
 from worker.engine.rollout.backends import make_backend
 from worker.engine.rollout.base import RolloutBackend, Sampling
 from worker.engine.state import Run
@@ -73,6 +74,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     )
     scheduler = make_scheduler(optimizer, hp.lr_scheduler, hp.warmup_ratio, total_steps)
     backend = _backend(cfg, model, tokenizer, device) if cfg.method == "reinforcement" else None
+    agent = _agent(cfg, items + valid_items, model, tokenizer) if backend is not None and cfg.tools else None
     run = Run(
         cfg=cfg,
         device=device,
@@ -88,6 +90,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         backend=backend,
+        agent=agent,
         ranks=ranks,
     )
     n_params = sum(p.numel() for p in model.parameters())
@@ -219,6 +222,25 @@ def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device)
         )
     except ImportError as exc:
         raise JobError("rollout_backend_failed", f"the rollout backend could not be loaded: {exc}") from None
+
+
+def _agent(cfg: TrainConfig, items: list[dict[str, Any]], model: Any, tokenizer: Any) -> Agent:
+    """A run's tools ready to call; every line offers only tools the job declares."""
+    from service.tools import ToolRunner
+
+    toolset = cfg.tools
+    assert toolset is not None
+    for n, item in enumerate(items, 1):
+        unknown = toolset.unknown(item.get("tools"))
+        if unknown:
+            raise JobError(
+                "unknown_tool",
+                f"a line's tools name {', '.join(unknown)}, which the job does not declare (line {n} of the "
+                f"training file, then the validation file); declare each in method.reinforcement.tools",
+            )
+    context = getattr(model.config, "max_position_embeddings", None) or 1_048_576
+    runner = ToolRunner(toolset, allowed_urls=cfg.operator.tool_urls)
+    return Agent.of(toolset, runner, tokenizer, context=context, job_id=cfg.job_name)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_ratio: float, total_steps: int) -> Any:

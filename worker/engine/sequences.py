@@ -61,10 +61,10 @@ def chat_example(tokenizer: Any, line: dict[str, Any], *, max_length: int) -> Ex
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
             header = render(tokenizer, messages[:i], tools=tools, generation=True) if i else _bare_header(tokenizer)
-            _extend(tokenizer, ids, learn, _delta(header, done), learned=False)
+            _extend(tokenizer, ids, learn, template_delta(header, done), learned=False)
             done = header
         full = render(tokenizer, messages[: i + 1], tools=tools, generation=False)
-        text = _delta(full, done)
+        text = template_delta(full, done)
         if m["role"] == "assistant" and not getattr(tokenizer, "chat_template", None):
             text += tokenizer.eos_token or ""  # without a template nothing ends the turn
         _extend(tokenizer, ids, learn, text, learned=m["role"] == "assistant" and m.get("weight", 1) == 1)
@@ -76,7 +76,7 @@ def _bare_header(tokenizer: Any) -> str:
     return render(tokenizer, [], generation=True) if getattr(tokenizer, "chat_template", None) else "assistant:"
 
 
-def _delta(full: str, done: str) -> str:
+def template_delta(full: str, done: str) -> str:
     """What ``full`` adds to ``done``: templates write a conversation's prefix as that prefix. One
     that does not (it moves the system prompt into the last user turn, say) cannot say which tokens
     are whose: the job fails saying so, rather than learning the conversation twice."""
@@ -104,7 +104,7 @@ def preference_texts(tokenizer: Any, line: dict[str, Any]) -> tuple[str, str, st
 
     def output(key: str) -> str:
         full = render(tokenizer, messages + line[key], tools=tools, generation=False)
-        text = _delta(full, prompt)
+        text = template_delta(full, prompt)
         return text if getattr(tokenizer, "chat_template", None) else " " + text.lstrip() + (tokenizer.eos_token or "")
 
     return prompt, output("preferred_output"), output("non_preferred_output")

@@ -17,6 +17,7 @@ from worker.engine.config import TrainConfig
 from worker.engine.distributed.ranks import SINGLE, Ranks
 from worker.engine.modeling import Reference
 from worker.engine.rewards.scoring import RewardModels
+from worker.engine.rollout.agent import Agent
 from worker.engine.rollout.base import RolloutBackend
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     backend: RolloutBackend | None = None
     """Who samples completions (reinforcement only)."""
+    agent: Agent | None = None
+    """How rollouts call tools, for a run with tools (``worker.engine.rollout.agent``)."""
     ranks: Ranks = SINGLE
     """The job's processes, when it runs on several (``worker.engine.distributed.ranks``)."""
     start: int = 0

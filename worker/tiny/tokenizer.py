@@ -25,11 +25,27 @@ ROLE_TOKENS = (SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
 
 CHAT_TEMPLATE = (
+    # Tools (OpenAI's function tools) are named in a system turn of their own; a call is written as
+    # Hermes and Qwen write one, <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and a tool's
+    # result comes back in a user turn as <tool_response>...</tool_response> (docs/tools.md).
+    "{% if tools %}{{ '<|system|>tools:' }}"
+    "{% for tool in tools %}{{ ' ' + (tool.function.name if tool.function is defined else tool.name) }}{% endfor %}"
+    "{{ eos_token }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('Unknown role: ' + message['role']) }}"
     "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' + eos_token }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|assistant|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}{% set f = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' }}"
+    "{{ f.arguments if f.arguments is string else (f.arguments | tojson) }}{{ '}</tool_call>' }}"
+    "{% endfor %}{{ eos_token }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

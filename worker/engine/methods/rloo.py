@@ -40,12 +40,13 @@ from worker.engine.distributed.ranks import whole_tensor
 from worker.engine.errors import JobError
 from worker.engine.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
 from worker.engine.methods import policy_gradient
-from worker.engine.metrics import Timings, UpdateStats, grader_metrics, step_metrics
+from worker.engine.metrics import Timings, UpdateStats, grader_metrics, step_metrics, tool_metrics
 from worker.engine.overlap import Started
 from worker.engine.prepare import prepare
 from worker.engine.recorders import Recorder
 from worker.engine.resume import preserved_rng
 from worker.engine.rewards.scoring import SampledTokens, score_batch, scored_elsewhere
+from worker.engine.rollout.agent import Trajectory, run_agent, transcript
 from worker.engine.rollout.base import Rollout, completion_logprobs
 from worker.engine.samples import is_sample_step, sample_groups
 from worker.engine.state import Run, RunCounters
@@ -87,11 +88,14 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         batch = [run.items[i] for i in indices]
         prompts = [prompt_text(item, run.tokenizer) for item in batch]
         with run.autocast, backend.sampling():
-            ro = backend.generate(prompts[mine], k=k, generator_seed=cfg.seed * 1_000_003 + step, first=mine.start)
+            seed = cfg.seed * 1_000_003 + step
+            ro, trajectories, t_tools = _rollouts(
+                run, batch[mine], prompts[mine], seed=seed, first=mine.start, step=step
+            )
         # Every rank's completions as wide as the widest, so all ranks run the same forwards.
         ro = ro.widened(int(ranks.max(torch.tensor(ro.completion_ids.shape[1]))), run.tokenizer.pad_token_id)
-        mask = ro.completion_mask.to(torch.float32)
-        t_generate = time.perf_counter() - t_step
+        mask = ro.sampled_mask.to(torch.float32)  # what the policy wrote: not a tool's result
+        t_generate = time.perf_counter() - t_step - t_tools
 
         # 2. Score: the grader gives r[b, i]; NaN where a completion could not be scored -----------
         # Each rank scores its own completions. A grader that waits on other processes scores on a
@@ -99,7 +103,9 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         # The sampled tokens are read here, before the reference forward is queued on the device: read
         # on the thread, they would wait for it.
         sampled = sampled_tokens(run, ro)
-        scoring = Started(functools.partial(_score, run, step, prompts[mine], batch[mine], ro, sampled), beside=overlap)
+        scoring = Started(
+            functools.partial(_score, run, step, prompts[mine], batch[mine], ro, sampled, trajectories), beside=overlap
+        )
 
         # 3. Reference log-probs, in micro-batches of whole groups ------------------------------------
         t0 = time.perf_counter()
@@ -132,7 +138,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         mask_all, truncated_all = ranks.whole(mask), ranks.whole(ro.truncated)
         counters.trained_tokens += int(mask_all.sum().item()) + int(ranks.sum(ro.prompt_mask.sum()).item())
         # A step takes as long as its slowest rank.
-        seconds = [t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step]
+        seconds = [t_generate, t_score, t_ref, t_update, time.perf_counter() - t_step, t_tools]
         timings = Timings(*ranks.max(torch.tensor(seconds, dtype=torch.float64)).tolist())
         metrics = step_metrics(
             step=step,
@@ -147,8 +153,11 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         )
         _report_grader_errors(graded, step, counters, recorder)
         metrics.update(grader_metrics(graded))
+        if trajectories is not None:
+            metrics.update(tool_metrics([t for share in ranks.whole_objects(trajectories) for t in share], timings))
         if is_sample_step(step, run.total_steps, hp.sample_interval):
-            texts = [text for share in ranks.whole_objects(ro.texts) for text in share]
+            shown = ro.texts if trajectories is None else [transcript(t) for t in trajectories]
+            texts = [text for share in ranks.whole_objects(shown) for text in share]
             recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
         if is_eval_step(run, step):
             with run.autocast:
@@ -168,11 +177,32 @@ def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
 HEADLINE = "train_reward_mean"
 
 
+def _rollouts(
+    run: Run, batch: list[dict[str, Any]], prompts: list[str], *, seed: int, first: int, step: int, k: int | None = None
+) -> tuple[Rollout, list[Trajectory] | None, float]:
+    """``k`` (``rloo_k``) rollouts of each prompt drawn from ``seed`` (``generate``'s): single
+    completions, or for a run with tools its trajectories (``worker.engine.rollout.agent``); and the
+    seconds spent waiting on tools."""
+    k = run.rl.rloo_k if k is None else k
+    if run.agent is None:
+        return run.sampler.generate(prompts, k=k, generator_seed=seed, first=first), None, 0.0
+    out = run_agent(
+        run.agent, run.sampler, run.tokenizer, batch, prompts, k=k, generator_seed=seed, first=first, step=step
+    )
+    return out.rollout, out.trajectories, out.tool_seconds
+
+
 def _score(
-    run: Run, step: int, prompts: list[str], batch: list[dict[str, Any]], ro: Rollout, sampled: SampledTokens | None
+    run: Run,
+    step: int,
+    prompts: list[str],
+    batch: list[dict[str, Any]],
+    ro: Rollout,
+    sampled: SampledTokens | None,
+    trajectories: list[Trajectory] | None = None,
 ) -> graders.GradeResult:
     """The grader's scores of the step's completions (each prompt and item repeated k times)."""
-    k = run.rl.rloo_k
+    k = ro.group
     try:
         return score_batch(
             run.scorer,
@@ -181,6 +211,7 @@ def _score(
             items=[item for item in batch for _ in range(k)],
             reward_models=run.reward_models,
             sampled=sampled,
+            samples=None if trajectories is None else [t.sample() for t in trajectories],
         )
     except graders.GraderUnavailable as exc:
         raise JobError("grader_unavailable", f"step {step}: {exc}") from None
@@ -446,17 +477,10 @@ def evaluate(run: Run) -> float:
     rewards: list[float] = []
     with preserved_rng(run.device), run.sampler.sampling():
         for i in range(0, len(batch), 64):
-            ro = run.sampler.generate(
-                prompts[i : i + 64], k=1, generator_seed=run.cfg.seed + 7919, first=mine.start + i
-            )
-            graded = score_batch(
-                run.scorer,
-                prompts=prompts[i : i + 64],
-                texts=ro.texts,
-                items=batch[i : i + 64],
-                reward_models=run.reward_models,
-                sampled=sampled_tokens(run, ro),
-            )
+            chunk, texts = batch[i : i + 64], prompts[i : i + 64]
+            seed = run.cfg.seed + 7919  # the same at every pass
+            ro, trajectories, _ = _rollouts(run, chunk, texts, seed=seed, first=mine.start + i, step=0, k=1)
+            graded = _score(run, 0, texts, chunk, ro, sampled_tokens(run, ro), trajectories)
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
     scored = [r for share in run.ranks.whole_objects(rewards) for r in share]
     return sum(scored) / len(scored) if scored else float("nan")

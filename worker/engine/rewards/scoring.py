@@ -397,9 +397,11 @@ def score_batch(
     items: list[dict[str, Any]],
     reward_models: RewardModels | None,
     sampled: SampledTokens | None = None,
+    samples: list[graders.Sample] | None = None,
 ) -> graders.GradeResult:
     """Rewards ``(N,)`` (NaN where a completion could not be scored) and per-grader details.
-    ``sampled``: the completions' tokens as the policy sampled them."""
-    samples = [graders.Sample(output_text=t) for t in texts]
+    ``sampled``: the completions' tokens as the policy sampled them; ``samples``: the completions as
+    graders see them, where they carry more than ``texts`` (a rollout's tool calls)."""
+    samples = samples if samples is not None else [graders.Sample(output_text=t) for t in texts]
     scorers = None if reward_models is None else model_scorers(reward_models, prompts, sampled)
     return graders.grade_batch(grader, samples, items, scorers=scorers)

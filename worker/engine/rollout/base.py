@@ -38,6 +38,15 @@ class Rollout:
     """(N,) decoded completions, special tokens dropped."""
     group: int = 1
     """Rows per prompt: rows ``g * group .. (g + 1) * group - 1`` share one prompt (``k``)."""
+    generated: Tensor | None = None
+    """(N, T) 1 on the tokens the policy sampled, where not every completion token was (a
+    multi-turn rollout's tool results and template scaffolding are context, not sampled); None: all
+    of ``completion_mask``."""
+
+    @property
+    def sampled_mask(self) -> Tensor:
+        """(N, T) 1 on the sampled tokens: what the loss, the KL and the token counts read."""
+        return self.completion_mask if self.generated is None else self.generated
 
     @property
     def input_ids(self) -> Tensor:
@@ -64,7 +73,8 @@ class Rollout:
             return self
         ids = torch.nn.functional.pad(self.completion_ids, (0, extra), value=pad_id)
         mask = torch.nn.functional.pad(self.completion_mask, (0, extra), value=0)
-        return Rollout(self.prompt_ids, self.prompt_mask, ids, mask, self.truncated, self.texts, self.group)
+        generated = None if self.generated is None else torch.nn.functional.pad(self.generated, (0, extra), value=0)
+        return Rollout(self.prompt_ids, self.prompt_mask, ids, mask, self.truncated, self.texts, self.group, generated)
 
     def rows(self, rows: slice) -> Rollout:
         """The completions ``rows`` (a micro-batch); whole groups keep their grouping."""
@@ -78,6 +88,7 @@ class Rollout:
             self.truncated[rows],
             self.texts[rows],
             self.group if whole_groups else 1,
+            None if self.generated is None else self.generated[rows],
         )
 
 
@@ -115,6 +126,11 @@ class RolloutBackend(Protocol):
         (a job's ranks each take a share of the batch: ``first`` is the share's place in it)."""
         ...
 
+    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+        """One completion of each prompt given as token ids (a multi-turn rollout's context, never
+        re-tokenized), prompt ``b``'s drawn from ``group_seed(generator_seed, rows[b])`` alone."""
+        ...
+
     def sync(self) -> None:
         """The policy's weights changed (an optimizer step): sample from the new ones from now on."""
 
@@ -133,6 +149,15 @@ def group_seed(generator_seed: int, prompt: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def row_uniforms(generator_seed: int, rows: list[int], steps: int) -> Tensor:
+    """``(steps, len(rows))`` uniforms: column ``b`` from ``group_seed(generator_seed, rows[b])``'s
+    generator (``group_uniforms`` with k = 1, for rows that are not consecutive)."""
+    columns = [
+        torch.rand(steps, 1, generator=torch.Generator().manual_seed(group_seed(generator_seed, r))) for r in rows
+    ]
+    return torch.cat(columns, dim=1) if columns else torch.zeros(steps, 0)
 
 
 def group_uniforms(generator_seed: int, first: int, prompts: int, k: int, steps: int) -> Tensor:

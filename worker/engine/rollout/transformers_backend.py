@@ -18,6 +18,7 @@ from worker.engine.rollout.base import (
     completion_mask_from,
     cut_at_stop,
     group_uniforms,
+    row_uniforms,
     sample,
 )
 
@@ -44,11 +45,8 @@ class TransformersBackend:
 
         return current().generating(self.model)
 
-    @torch.no_grad()
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
-        tok = self.tokenizer
-        device = next(self.model.parameters()).device
-        enc = tok(
+        enc = self.tokenizer(
             prompts,
             return_tensors="pt",
             padding=True,
@@ -56,13 +54,27 @@ class TransformersBackend:
             max_length=self.max_prompt_length,
             add_special_tokens=False,
         )
-        unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        prompt_ids = unique_ids.repeat_interleave(k, dim=0)
-        prompt_mask = unique_mask.repeat_interleave(k, dim=0)
         # Every uniform a prompt's k rows will draw, from that prompt's own generator: a run (and a
         # resumed run) is reproducible, and a prompt's completions are the same however the batch
         # is split between ranks.
-        uniforms = group_uniforms(generator_seed, first, len(prompts), k, self.max_new_tokens).to(device)
+        uniforms = group_uniforms(generator_seed, first, len(prompts), k, self.max_new_tokens)
+        return self._generate(enc["input_ids"], enc["attention_mask"], k, uniforms)
+
+    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+        """One completion of each prompt given as token ids (a multi-turn rollout's context, which
+        is never re-tokenized): prompt ``b``'s drawn from ``group_seed(generator_seed, rows[b])``."""
+        enc = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")
+        uniforms = row_uniforms(generator_seed, rows, self.max_new_tokens)
+        return self._generate(enc["input_ids"], enc["attention_mask"], 1, uniforms)
+
+    @torch.no_grad()
+    def _generate(self, ids: Tensor, attention: Tensor, k: int, uniforms: Tensor) -> Rollout:
+        tok = self.tokenizer
+        device = next(self.model.parameters()).device
+        unique_ids, unique_mask = ids.to(device), attention.to(device)
+        prompt_ids = unique_ids.repeat_interleave(k, dim=0)
+        prompt_mask = unique_mask.repeat_interleave(k, dim=0)
+        uniforms = uniforms.to(device)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -135,15 +135,24 @@ class VLLMBackend:
             reset()  # cached prefixes were computed with the old weights
 
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
-        from vllm import SamplingParams
-
-        if self.stale or self.asleep:  # called outside ``sampling`` (one process only)
-            self._wake()
         tok = self.tokenizer
         encoded = [
             tok(p, add_special_tokens=False, truncation=True, max_length=self.max_prompt_length)["input_ids"]
             for p in prompts
         ]
+        return self._generate(encoded, k, [group_seed(generator_seed, first + i) for i in range(len(encoded))])
+
+    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+        """One completion of each prompt given as token ids (a multi-turn rollout's context),
+        prompt ``b``'s seeded by ``group_seed(generator_seed, rows[b])``."""
+        return self._generate([list(p) for p in prompt_ids], 1, [group_seed(generator_seed, r) for r in rows])
+
+    def _generate(self, encoded: list[list[int]], k: int, seeds: list[int]) -> Rollout:
+        from vllm import SamplingParams
+
+        if self.stale or self.asleep:  # called outside ``sampling`` (one process only)
+            self._wake()
+        tok = self.tokenizer
         params = [
             SamplingParams(
                 n=k,
@@ -152,10 +161,10 @@ class VLLMBackend:
                 max_tokens=self.max_new_tokens,
                 stop=self.stop or None,
                 stop_token_ids=self.eos_ids,
-                seed=group_seed(generator_seed, first + i) % 2**31,
+                seed=seeds[i] % 2**31,
                 skip_special_tokens=True,
             )
-            for i in range(len(prompts))
+            for i in range(len(encoded))
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
         rows: list[list[int]] = []
