@@ -74,7 +74,7 @@ def agent_of(tokenizer: Any, tools: list[Any] | None = None, context: int = 4096
 
 
 def call(expression: str) -> str:
-    return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
 def calculator_script(context: str) -> str:
