@@ -153,6 +153,7 @@ ENGINE_NEVER_IMPORTS = ("celery", "kombu", "redis", "sqlalchemy", "alembic", "fa
 ENGINE_MAY_IMPORT = {
     "service.core.settings",  # the operator's settings (models root, precision, remote reward queue)
     "service.graders",  # scoring a batch
+    "service.tools",  # a rollout's tool calls: read, checked and run
     "service.jobs.hyperparameters",  # the hyperparameters a job's spec holds
     "service.infra.artifacts",  # checkpoints on disk or S3
     "service.files.upload_sweep",  # paths confined to their roots
@@ -236,12 +237,13 @@ def test_the_service_never_imports_the_worker() -> None:
 
 # service/'s folders are its layers: core (settings, the database, logs, identity, errors) stands on
 # nothing else of the service; infra (storage, queues, the Redis bus, egress) on core alone; the domain
-# (jobs, registry, files, graders) on both; and only the app imports the HTTP layer.
+# (jobs, registry, files, graders, tools) on both; and only the app imports the HTTP layer.
 SERVICE_LAYERS = {
     "service.core": ("service.core",),
     "service.infra": ("service.core", "service.infra"),
     "service.files": ("service.core", "service.infra", "service.files"),
     "service.graders": ("service.core", "service.infra", "service.graders"),
+    "service.tools": ("service.core", "service.infra", "service.tools"),
     "service.registry": ("service.core", "service.infra", "service.files", "service.registry"),
     "service.jobs": (
         "service.core",
@@ -249,6 +251,7 @@ SERVICE_LAYERS = {
         "service.files",
         "service.graders",
         "service.registry",
+        "service.tools",
         "service.jobs",
     ),
     "service.tinker": ("service.core", "service.infra", "service.registry", "service.tinker"),

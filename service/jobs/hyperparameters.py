@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from service.core.validation import Strict
+from service.tools.spec import MultiTurn
 
 Auto = Literal["auto"]
 
@@ -317,6 +318,12 @@ AnyResolved = ResolvedReinforcementHyperparameters | ResolvedSupervisedHyperpara
 class RLConfig(Strict):
     grader: dict[str, Any] = Field(description="The reward spec: a grader (see docs/api.md).")
     hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
+    tools: list[Any] | None = Field(
+        None,
+        max_length=32,
+        description="Function tools the model may call during its rollouts, each with where it runs (docs/tools.md).",
+    )
+    multi_turn: MultiTurn | None = Field(None, description="The limits of a rollout that calls tools.")
 
 
 class SupervisedConfig(Strict):

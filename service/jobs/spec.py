@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from service import graders
+from service import graders, tools
 from service.core.errors import bad_request
 from service.core.settings import Settings
 from service.core.validation import Strict
@@ -21,6 +21,7 @@ from service.jobs.hyperparameters import (
     Method,
     ReinforcementHyperparameters,
     ResolvedReinforcementHyperparameters,
+    RLConfig,
     SupervisedConfig,
     SupervisedHyperparameters,
     least_rloo_k,
@@ -208,6 +209,7 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
         raise bad_request("eval_interval needs a validation_file to score.", f"{hp_param}.eval_interval")
     if isinstance(hp, ResolvedReinforcementHyperparameters):
         _check_reinforcement(hp, hp_param)
+        job_tools(body, settings=settings, hp=hp)
     if isinstance(policy, Path):
         check_lora_targets(hp, policy, hp_param)
     if body.resources is not None:
@@ -224,6 +226,26 @@ def check_spec(body: JobCreate, *, settings: Settings) -> tuple[graders.Grader |
             f"{hp_param}.gradient_accumulation_steps",
         )
     return grader, hp
+
+
+def job_tools(body: JobCreate, *, settings: Settings, hp: ResolvedReinforcementHyperparameters) -> tools.Toolset | None:
+    """A reinforcement job's tools and multi-turn limits, parsed (``service.tools.parse_tools``), and
+    a trajectory budget that holds a turn: ``Invalid`` naming the field otherwise."""
+    method = body.method_
+    config = method.config
+    if not isinstance(config, RLConfig):
+        return None
+    prefix = f"method.{method.type}"
+    toolset = tools.parse_tools(config.tools, config.multi_turn, param=prefix, allowed_urls=settings.tool_urls)
+    budget = toolset.limits.max_trajectory_tokens if toolset is not None else None
+    if budget is not None and budget <= hp.max_new_tokens:
+        raise bad_request(
+            f"max_trajectory_tokens ({budget}) cannot hold one turn: a prompt and max_new_tokens "
+            f"({hp.max_new_tokens}) new tokens. Give it more than {hp.max_new_tokens} (a tool-using rollout's "
+            "prompt, turns and tool results all count), or lower max_new_tokens.",
+            f"{prefix}.multi_turn.max_trajectory_tokens",
+        )
+    return toolset
 
 
 def check_resources(resources: Resources, hp: AnyResolved, kind: str, settings: Settings) -> None:
@@ -264,6 +286,14 @@ def check_context(body: JobCreate, model: Path | str) -> None:
     method = body.method_
     hp = method.config.hyperparameters
     param = f"method.{method.type}.hyperparameters"
+    config = method.config
+    budget = config.multi_turn.max_trajectory_tokens if isinstance(config, RLConfig) and config.multi_turn else None
+    if budget is not None and budget > context:
+        raise bad_request(
+            f"max_trajectory_tokens ({budget}) exceeds the model's context of {context} tokens "
+            f"(max_position_embeddings); give at most {context}, or leave it out (the context).",
+            f"method.{method.type}.multi_turn.max_trajectory_tokens",
+        )
     if isinstance(hp, ReinforcementHyperparameters) and hp.max_new_tokens >= context:
         raise bad_request(
             f"max_new_tokens ({hp.max_new_tokens}) plus the prompt exceeds the model's context of {context} tokens "

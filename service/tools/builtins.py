@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation, localcontext
+from decimal import ROUND_FLOOR, Decimal, InvalidOperation, localcontext
 from typing import Any
 
 from service.tools.errors import ToolFailed
@@ -27,14 +27,15 @@ _BINARY: dict[type, Callable[[Decimal, Decimal], Decimal]] = {
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
+    ast.FloorDiv: lambda a, b: _floor(a / b),
+    ast.Mod: lambda a, b: a - b * _floor(a / b),  # Python's: the sign of the divisor
     ast.Pow: operator.pow,
 }
 
 
 def calculator(arguments: dict[str, Any]) -> str:
-    """``expression`` evaluated exactly (decimal arithmetic, 64 significant digits): integers stay
+    """``expression`` evaluated exactly (decimal arithmetic, 64 significant digits, ``//`` and ``%``
+    floored as Python's): integers stay
     integers (``12345+678`` is ``13023``), a quotient is written without trailing zeros. Names,
     calls and anything but numbers and the operators above are refused, and so are results (or
     powers) past 64 digits."""
@@ -73,6 +74,10 @@ def _evaluate(node: ast.AST) -> Decimal:
             raise ToolFailed(f"the result is longer than {_MAX_DIGITS} digits")
         return value
     raise ToolFailed("only numbers, + - * / // % ** and parentheses are allowed")
+
+
+def _floor(value: Decimal) -> Decimal:
+    return value.to_integral_value(rounding=ROUND_FLOOR)
 
 
 def _written(value: Decimal) -> str:

@@ -72,16 +72,24 @@ def _parse_llama3(text: str) -> Turn:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return Turn(text, [])
-    parts = [p.strip() for p in body.split(";")] if _has_separator(body) else [body]
-    return Turn("", [_from_json(p, arguments_key="parameters") for p in parts if p])
+    return Turn("", [_from_json(part, arguments_key="parameters") for part in _json_objects(body)])
 
 
-def _has_separator(body: str) -> bool:
-    try:
-        json.loads(body)
-        return False
-    except ValueError:
-        return ";" in body
+def _json_objects(body: str) -> list[str]:
+    """``body`` split into its JSON objects (separated by ``;`` or white space); what cannot be read
+    as one is the last part, whole, so that its call says why."""
+    decoder, parts, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            _, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            parts.append(body[pos:])
+            break
+        parts.append(body[pos:end])
+        pos = end
+        while pos < len(body) and body[pos] in "; \t\r\n":
+            pos += 1
+    return parts
 
 
 def _from_json(body: str, *, arguments_key: str) -> Call:

@@ -145,7 +145,17 @@ def spec_config(
         operator=OperatorOptions.from_settings(settings),
         method=body.method_.family,
         gpus=body.resources.gpus if body.resources is not None else 1,
+        tools=_tools(body, hp, settings),
     )
+
+
+def _tools(body: Any, hp: AnyResolved, settings: Any) -> Any:
+    """The spec's tools (checked by ``_validate`` already), for a reinforcement run."""
+    from service.jobs.hyperparameters import ResolvedReinforcementHyperparameters
+
+    if not isinstance(hp, ResolvedReinforcementHyperparameters):
+        return None
+    return spec.job_tools(body, settings=settings, hp=hp)
 
 
 def run_spec(

@@ -51,6 +51,7 @@ def train_config(job: Job, settings: Any) -> TrainConfig:
         operator=OperatorOptions.from_settings(settings),
         method=method_family(job.method["type"]),
         init_from=init_from,
+        tools=_stored_tools(job, settings),
         started_from=job.model if init_from else None,
         integrations=list(job.integrations or []),
         gpus=int((job.resources or {}).get("gpus") or 1),
@@ -77,6 +78,21 @@ def _upgraded(stored: dict[str, Any]) -> dict[str, Any]:
     """Hyperparameters stored by an earlier release, as this one reads them: ``eval_interval: 0``
     (its default, no validation passes) is ``auto`` now, whose minimum is 1 as OpenAI's."""
     return {**stored, "eval_interval": "auto"} if stored.get("eval_interval") == 0 else stored
+
+
+def _stored_tools(job: Job, settings: Any) -> Any:
+    """The job's tools and limits, parsed again in this process (the operator's RLOO_TOOL_URLS as
+    they are now: an http tool whose prefix was removed since fails the job, saying so)."""
+    from service import tools
+
+    kind = job.method["type"]
+    config = job.method.get(kind) or {}
+    try:
+        return tools.parse_tools(
+            config.get("tools"), config.get("multi_turn"), param=f"method.{kind}", allowed_urls=settings.tool_urls
+        )
+    except tools.ToolSpecError as exc:
+        raise JobError("invalid_tools", f"{exc.param}: {exc.message}") from None
 
 
 def _stored_spec(job: Job, settings: Any) -> tuple[Any, Any]:

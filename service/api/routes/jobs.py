@@ -12,7 +12,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import String, cast, select
 
-from service import graders
+from service import graders, tools
 from service.api import streams
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.errors import APIError
@@ -76,6 +76,10 @@ def method_answer(method: dict[str, Any]) -> dict[str, Any]:
     types cannot hold (``reward_model``, ``http``, ``label_model`` outside a ``multi``, a ``multi``
     of several graders) sits under our ``rloo`` key, ``type`` still ``reinforcement``: the SDK's
     strict parsing of the job holds, and nothing is lost (``job.method.rloo``)."""
+    kind = method.get("type")
+    config = method.get(kind) if isinstance(kind, str) else None
+    if isinstance(config, dict) and config.get("tools"):  # an http tool's secret is never answered
+        method = {**method, kind: {**config, "tools": tools.redacted(config["tools"])}}
     if method.get("type") == "reinforcement" and not graders.openai_typed(method["reinforcement"].get("grader")):
         return {"type": "reinforcement", "rloo": method["reinforcement"]}
     return method
