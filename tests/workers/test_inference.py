@@ -516,3 +516,33 @@ def test_a_project_holds_three_quarters_of_a_batch_and_another_joins_at_the_next
     assert [r.id for r in server._joiners(base.base_key, type("L", (), {"adapters": {}})())] == ["b2"]
     # c (no rows decoding) does not fit the 3 rows left: it keeps its place, none after it passes.
     assert [r.id for r in server.pending] == ["a3", "c"]
+
+
+def test_a_conversation_with_tool_calls_and_results_renders_as_the_template_writes_it(
+    served: dict[str, str], sdk: openai.OpenAI, models_dir: Path
+) -> None:
+    """OpenAI's tool-call format in a chat request (tools offered, an assistant's ``tool_calls``, a
+    ``tool`` message) reaches the model as its template writes that conversation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'},
+    }
+    messages: list[Any] = [
+        {"role": "user", "content": "6*7="},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    chat = sdk.chat.completions.create(
+        model="tiny-policy", messages=messages, tools=tools, max_completion_tokens=8, temperature=0
+    )
+    model = AutoModelForCausalLM.from_pretrained(models_dir / "tiny-policy").eval()
+    tok = AutoTokenizer.from_pretrained(models_dir / "tiny-policy")
+    template = [{**m, "content": m["content"] or ""} for m in messages]
+    rendered = tok.apply_chat_template(template, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "<tool_call>" in rendered and "<tool_response>42</tool_response>" in rendered
+    assert chat.choices[0].message.content == _generate(model, tok, rendered, 8)
+    assert chat.choices[0].message.tool_calls is None  # the tiny policy answers text

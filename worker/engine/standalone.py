@@ -216,7 +216,7 @@ def evaluate_spec(
     import dataclasses
     import tempfile
 
-    from worker.engine.methods.rloo import evaluate
+    from worker.engine.methods.rloo import validation_pass
     from worker.engine.prepare import prepare
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -240,7 +240,7 @@ def evaluate_spec(
         try:
             run = prepare(cfg, QuietRecorder())
             with run.autocast:
-                score = evaluate(run)
+                score, tool_figures = validation_pass(run)
         except JobError as exc:
             raise SpecError(f"{exc.code}: {exc.message}") from None
     return {
@@ -249,6 +249,7 @@ def evaluate_spec(
         "valid_reward_mean": score,
         "samples": min(cfg.hyperparameters.eval_samples, len(run.valid_items)),
         "seed": cfg.seed,
+        **tool_figures,
     }
 
 

@@ -53,6 +53,9 @@ class Request:
     rows: list[Row] = field(default_factory=list)
     prompt_tokens: int = 0
     open_rows: int = 0
+    tool_format: str | None = None
+    """How the model writes a tool call (``service.tools.calls``), for a chat request that offered
+    tools: the API reads its answer's calls in it."""
 
     @property
     def id(self) -> str:
@@ -367,6 +370,10 @@ class Server:
                 )
         request.prompt_tokens = sum(len(p) for p in prompts)
         request.open_rows = len(request.rows)
+        if env["kind"] == "chat" and env.get("tools"):
+            from service.tools import template_format
+
+            request.tool_format = template_format(getattr(tok, "chat_template", None))
         return None
 
     def _decode(self, loaded: Any, requests: list[Request]) -> None:
@@ -426,9 +433,11 @@ class Server:
         return None
 
     def _start(self, requests: list[Request], running: dict[str, Request]) -> None:
-        inference_bus.push(
-            self.conn, self.ns, [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests]
-        )
+        starts = [(r.id, {"t": "start", "prompt_tokens": r.prompt_tokens}) for r in requests]
+        for (_, start), r in zip(starts, requests, strict=True):
+            if r.tool_format is not None:
+                start["tool_format"] = r.tool_format
+        inference_bus.push(self.conn, self.ns, starts)
         for request in requests:
             running[request.id] = request
             self.active_rows += request.row_count

@@ -23,6 +23,7 @@ import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from service import tools
 from service.api.deps import ProjectDep, SessionDep, SettingsDep
 from service.api.errors import APIError, error_body, status_of
 from service.api.responses import JSON
@@ -94,15 +95,71 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """A chat completion. When the request offered ``tools``, the worker says how the model writes a
+    call (``tool_format``, from its chat template: ``service.tools.calls``) and an answer that calls
+    tools is OpenAI's: ``tool_calls`` (arguments as a JSON string), ``content`` the text before them
+    (null when none), ``finish_reason: tool_calls``. Streamed, text that may begin a call is held
+    back until it is known, and the calls come in one chunk at the end. A call that cannot be read
+    (bad JSON, no name) leaves the whole answer as text, as the model wrote it."""
+
     prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    tool_format: str | None = None
 
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
+        calls = self._calls(text)
+        if calls is not None:
+            message["content"], message["tool_calls"] = calls[0] or None, calls[1]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
 
     def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+    def _calls(self, text: str) -> tuple[str, list[dict[str, Any]]] | None:
+        if self.tool_format is None:
+            return None
+        turn = tools.parse(text, self.tool_format)
+        if not turn.calls or any(c.error is not None for c in turn.calls):
+            return None
+        return turn.content, [
+            {
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+            }
+            for c in turn.calls
+        ]
+
+    def held(self, text: str) -> int:
+        """How much of ``text`` (a choice's answer so far) may be streamed now: all of it, unless the
+        request offered tools and a call may be starting."""
+        if self.tool_format is None:
+            return len(text)
+        if self.tool_format == "llama3":
+            start = text.lstrip()
+            if not start or start.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(start):
+                return 0
+            return len(text)
+        at = text.find("<tool_call>")
+        if at >= 0:
+            return at
+        for cut in range(min(len(text), len("<tool_call>") - 1), 0, -1):  # a tag cut between two deltas
+            if "<tool_call>".startswith(text[-cut:]):
+                return len(text) - cut
+        return len(text)
+
+    def ended(self, index: int, text: str, sent: int, first: bool, reason: str | None) -> list[dict[str, Any]]:
+        """The last chunks of a streamed choice whose whole answer is ``text`` (``sent`` characters of
+        it streamed): its calls, or the text held back."""
+        calls = self._calls(text)
+        if calls is None:
+            return [self.delta(index, text[sent:], first, reason)]
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls[1])]
+        reason = "tool_calls" if reason == "stop" else reason
+        return [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}]
 
 
 class TextShape(Shape):
@@ -152,6 +209,8 @@ async def _complete(
         if first["t"] == "error":
             answered = True
             raise _error(first)
+        if isinstance(shape, ChatShape):
+            shape.tool_format = first.get("tool_format")  # set when the request offered tools
         if body.stream:
             handed = True  # the stream lets it go when it ends
             return EventStreamResponse(
@@ -253,8 +312,32 @@ async def _collect(shape: Shape, messages: AsyncIterator[dict[str, Any]], settin
             return shape.whole(texts, reasons, message["usage"])
 
 
+def _stream_choices(
+    shape: Shape, message: dict[str, Any], texts: dict[int, str], sent: dict[int, int], started: set[int]
+) -> list[dict[str, Any]]:
+    """A worker's delta or end of one choice as the chunks' choices to send now: the text, or with
+    tools offered what of it cannot be the start of a call (``ChatShape.held``), then the calls."""
+    index, reason = message["i"], message.get("finish_reason")
+    texts[index] = texts.get(index, "") + message.get("text", "")
+    first = index not in started
+    if isinstance(shape, ChatShape) and shape.tool_format is not None:
+        if message["t"] == "end":
+            out = shape.ended(index, texts[index], sent.get(index, 0), first, reason)
+        else:
+            done, upto = sent.get(index, 0), max(shape.held(texts[index]), sent.get(index, 0))
+            out = [shape.delta(index, texts[index][done:upto], first, None)] if upto > done or first else []
+            sent[index] = upto
+    else:
+        out = [shape.delta(index, message.get("text", ""), first, reason)]
+    if out:
+        started.add(index)
+    return out
+
+
 async def _stream(shape: Shape, messages: AsyncIterator[dict[str, Any]], settings: Settings) -> AsyncIterator[bytes]:
     started: set[int] = set()
+    texts: dict[int, str] = {}
+    sent: dict[int, int] = {}
     while True:
         try:
             message = await _next(messages, settings)
@@ -263,11 +346,8 @@ async def _stream(shape: Shape, messages: AsyncIterator[dict[str, Any]], setting
             return
         kind = message["t"]
         if kind in ("delta", "end"):
-            index = message["i"]
-            text = message.get("text", "")
-            reason = message.get("finish_reason")
-            yield _event(shape.chunk([shape.delta(index, text, index not in started, reason)]))
-            started.add(index)
+            for choice in _stream_choices(shape, message, texts, sent, started):
+                yield _event(shape.chunk([choice]))
         elif kind == "error":
             yield _event(error_body(int(message["status"]), message["message"], message.get("param"), message["code"]))
             return

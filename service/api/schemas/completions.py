@@ -202,7 +202,7 @@ class ChatCompletionCreate(Sampling):
             **super().wire(),
             "kind": "chat",
             "messages": [m.for_template() for m in self.messages],
-            "tools": self.tools,
+            "tools": self.tools if self.tool_choice != "none" else None,  # none: the model is not offered them
         }
 
 

@@ -240,3 +240,26 @@ def test_a_turn_without_a_call_is_the_answer(tokenizer: Any) -> None:
     )
     assert [t.turns for t in out.trajectories] == [1, 1, 1] and out.rollout.texts == ["42"] * 3
     assert torch.equal(out.rollout.generated, out.rollout.completion_mask)
+
+
+def test_train_with_tools(tmp_path: Path, models_dir: Path) -> None:
+    """A whole RLOO run whose rollouts may call tools, on the real policy: its steps report the tool
+    metrics and the time tools took, its samples show each turn, and the same seed gives the same
+    run."""
+    from tests.helpers.training import ListRecorder, config
+    from worker.engine.methods.rloo import train
+
+    toolset = parse_tools([CALC], {"max_turns": 2}, param="method.reinforcement", allowed_urls=[])
+    runs = []
+    for i in range(2):
+        rec = ListRecorder()
+        cfg = config(tmp_path / str(i), models_dir, cfg={"tools": toolset}, max_steps=2, sample_interval=1)
+        assert train(cfg, rec).steps == 2
+        runs.append(rec)
+    steps = runs[0].steps
+    for key in ("tool_turns_mean", "tool_calls_mean", "tool_errors", "tool_malformed", "trajectory_length_mean"):
+        assert key in steps[-1], key
+    assert 1 <= steps[-1]["tool_turns_mean"] <= 2 and steps[-1]["time_tools"] >= 0
+    assert [m["train_reward_mean"] for m in steps] == [m["train_reward_mean"] for m in runs[1].steps]
+    assert [m["trajectory_length_mean"] for m in steps] == [m["trajectory_length_mean"] for m in runs[1].steps]
+    assert runs[0].samples_by_step[1][0]["completions"][0]["text"].startswith("[assistant] ")

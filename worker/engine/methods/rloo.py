@@ -86,7 +86,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         # 1. Rollout: k completions for each of this rank's prompts, prompt-major ------------------
         indices = batch_indices(n_items=len(run.items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
         batch = [run.items[i] for i in indices]
-        prompts = [prompt_text(item, run.tokenizer) for item in batch]
+        prompts = [_prompt(run, item) for item in batch]
         with run.autocast, backend.sampling():
             seed = cfg.seed * 1_000_003 + step
             ro, trajectories, t_tools = _rollouts(
@@ -161,7 +161,9 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
         if is_eval_step(run, step):
             with run.autocast:
-                metrics["valid_reward_mean"] = counters.valid_reward_mean = evaluate(run)
+                score, tool_figures = validation_pass(run)
+                metrics["valid_reward_mean"] = counters.valid_reward_mean = score
+                metrics.update(tool_figures)
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
@@ -175,6 +177,11 @@ def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
 
 
 HEADLINE = "train_reward_mean"
+
+
+def _prompt(run: Run, item: dict[str, Any]) -> str:
+    """The text the policy continues: the line's prompt, with the tools it offers in a run with tools."""
+    return prompt_text(item, run.tokenizer) if run.agent is None else run.agent.prompt(item, run.tokenizer)
 
 
 def _rollouts(
@@ -462,9 +469,17 @@ def _report_grader_errors(graded: graders.GradeResult, step: int, counters: RunC
             )
 
 
-@torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean reward of one sample on each of the first ``eval_samples`` validation prompts.
+    """Mean reward of one sample on each of the first ``eval_samples`` validation prompts
+    (``validation_pass``)."""
+    return validation_pass(run)[0]
+
+
+@torch.no_grad()
+def validation_pass(run: Run) -> tuple[float, dict[str, float]]:
+    """Mean reward of one sample on each of the first ``eval_samples`` validation prompts, and for a
+    run with tools, the pass's tool calls per rollout (``valid_tool_calls_mean``) and share of
+    well-formed calls (``valid_tool_well_formed_frac``).
 
     Each prompt is sampled from its own seed, the same at every pass, so passes differ only by the
     model, and the training run's random state is left as it was. Ranks each take a share of the
@@ -473,8 +488,9 @@ def evaluate(run: Run) -> float:
     valid = run.valid_items[: run.hp.eval_samples]
     mine = run.ranks.share(len(valid))
     batch = valid[mine]
-    prompts = [prompt_text(item, run.tokenizer) for item in batch]
+    prompts = [_prompt(run, item) for item in batch]
     rewards: list[float] = []
+    calls = [0, 0]  # calls, malformed ones
     with preserved_rng(run.device), run.sampler.sampling():
         for i in range(0, len(batch), 64):
             chunk, texts = batch[i : i + 64], prompts[i : i + 64]
@@ -482,5 +498,16 @@ def evaluate(run: Run) -> float:
             ro, trajectories, _ = _rollouts(run, chunk, texts, seed=seed, first=mine.start + i, step=0, k=1)
             graded = _score(run, 0, texts, chunk, ro, sampled_tokens(run, ro), trajectories)
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
+            for t in trajectories or ():
+                calls[0] += t.calls
+                calls[1] += t.malformed
     scored = [r for share in run.ranks.whole_objects(rewards) for r in share]
-    return sum(scored) / len(scored) if scored else float("nan")
+    mean = sum(scored) / len(scored) if scored else float("nan")
+    if run.agent is None:
+        return mean, {}
+    made, malformed = (sum(c) for c in zip(*run.ranks.whole_objects(calls), strict=True))
+    prompts_seen = len(valid)
+    return mean, {
+        "valid_tool_calls_mean": made / max(prompts_seen, 1),
+        "valid_tool_well_formed_frac": (made - malformed) / made if made else float("nan"),
+    }

@@ -108,6 +108,12 @@ class Agent:
         budget = min(context, limits.max_trajectory_tokens or context)
         return cls(toolset, runner, call_format, _after_turn(tokenizer), budget, job_id)
 
+    def prompt(self, item: dict[str, Any], tokenizer: Any) -> str:
+        """The text a trajectory starts from: the line's messages with the tools it offers, rendered
+        by the template, the assistant's header at the end."""
+        tools = [t.openai() for t in self.toolset.offered(item.get("tools"))] or None
+        return render(tokenizer, _messages(item), tools=tools, generation=True)
+
 
 def run_agent(
     agent: Agent,
