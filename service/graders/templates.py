@@ -158,7 +158,9 @@ def _resolve(path: str, *, sample: Sample, item: Mapping[str, object]) -> object
     if parts[1] == "output_text":
         return sample.output_text
     if parts[1] in ("output_tools", "messages", "rollout_id"):
-        value = getattr(sample, parts[1])
+        value = {"output_tools": sample.output_tools, "messages": sample.messages, "rollout_id": sample.rollout_id}[
+            parts[1]
+        ]
         if value is None:
             raise TemplateKeyError(f"template references {{{{ {path} }}}}, but the rollout called no tools", path=path)
         return _lookup(value, [f"sample.{parts[1]}", *parts[2:]], path=path)

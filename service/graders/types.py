@@ -72,9 +72,8 @@ class Sample:
     def fields(self) -> dict[str, Any]:
         """The sample as a python grader and an http grader receive it."""
         out: dict[str, Any] = {"output_text": self.output_text, "output_json": self.output_json}
-        for key in ("output_tools", "messages", "rollout_id"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+        extra = {"output_tools": self.output_tools, "messages": self.messages, "rollout_id": self.rollout_id}
+        out.update({key: value for key, value in extra.items() if value is not None})
         return out
 
     @cached_property

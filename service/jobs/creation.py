@@ -23,10 +23,11 @@ from service.core.settings import Settings
 from service.core.tables import File, Job
 from service.infra import task_queue
 from service.jobs import idempotency, lifecycle, spec
-from service.jobs.hyperparameters import AnyResolved
+from service.jobs.hyperparameters import AnyResolved, RLConfig
 from service.jobs.lifecycle import JobStatus
 from service.jobs.spec import JobCreate, Resources
 from service.registry import finetuned, memory_plan, model_ids
+from service.tools import MultiTurn
 
 ROUTE = "jobs"
 """The idempotency keys' scope."""
@@ -120,6 +121,10 @@ def _job_row(
     config: dict[str, Any] = {"hyperparameters": stored_hp}
     if grader is not None:
         config = {"grader": graders.grader_to_dict(grader), **config}
+    rl = body.method_.config
+    if isinstance(rl, RLConfig) and rl.tools:  # as given (a worker parses them again), limits resolved
+        config["tools"] = rl.tools
+        config["multi_turn"] = (rl.multi_turn or MultiTurn()).model_dump()
     resources = body.resources.model_dump() if body.resources else None
     return Job(
         project_seq=project.seq,

@@ -264,3 +264,24 @@ def test_calls_run_concurrently(server) -> None:
     runner.close()
     assert [o.content for o in outs] == ["ok"] * 8
     assert elapsed < 8 * 0.5 / 2  # eight half-second calls at once, not one after another
+
+
+def test_graders_read_a_trajectory() -> None:
+    """``sample.output_tools`` and ``sample.messages`` in a grader's templates; a rollout without
+    tools has none (that sample scores NaN, as a missing key does)."""
+    from service.graders import Sample, grade_batch, parse_grader
+
+    grader = parse_grader(
+        {
+            "type": "string_check",
+            "name": "used",
+            "input": "{{ sample.output_tools.0.output }}",
+            "reference": "{{ item.answer }}",
+            "operation": "eq",
+        }
+    )
+    tools = [{"name": "calculator", "arguments": {"expression": "6*7"}, "output": "42", "error": None}]
+    samples = [Sample("42", output_tools=tools, messages=[], rollout_id="r"), Sample("42")]
+    result = grade_batch(grader, samples, [{"answer": "42"}, {"answer": "42"}])
+    assert result.rewards[0] == 1.0 and result.rewards[1] != result.rewards[1]  # NaN
+    assert samples[0].fields()["rollout_id"] == "r" and "output_tools" not in samples[1].fields()
