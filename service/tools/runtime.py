@@ -7,7 +7,9 @@ An **http** tool is sent ``POST <url>`` with the JSON body ``{"name", "arguments
 has one), ``X-Rloo-Job-Id`` and ``X-Rloo-Rollout-Id``, through ``service.infra.outbound``: one
 deadline for the whole attempt (``timeout_seconds``), no redirect followed, an answer read up to 1 MiB,
 a host name connected only at public addresses (``service.tools.spec.address_rule``). It answers 200
-with JSON: ``{"content": "..."}`` is the text the model reads, any other JSON is read as it is.
+with JSON: ``{"content": "..."}`` is the text the model reads, ``{"error": "..."}`` an error the tool
+reports (read by the model as ``{"error": "..."}`` and counted, as a built-in's), any other JSON is
+read as it is.
 Anything else (a status, a time-out, a body that is not JSON or too long) is an error the model
 reads as ``{"error": "..."}``, and the metrics count.
 """
@@ -162,6 +164,8 @@ def _answer(status: int, data: bytes) -> str:
         raise ToolFailed(f"the tool's answer is not JSON: {text!r}") from None
     if isinstance(answer, dict) and isinstance(answer.get("content"), str):
         return str(answer["content"])
+    if isinstance(answer, dict) and set(answer) == {"error"} and isinstance(answer["error"], str):
+        raise ToolFailed(answer["error"])  # the tool's own error: read and counted as a built-in's is
     return json.dumps(answer, ensure_ascii=False)
 
 

@@ -84,3 +84,11 @@ def test_http_tools_are_off_until_the_operator_admits_their_urls(client, auth) -
         param=f"{P}.tools.0.runtime.url",
     )
     assert "RLOO_TOOL_URLS" in err["message"]
+
+
+def test_an_evaluation_of_a_job_with_tools_says_where_its_multi_turn_passes_are(client, auth) -> None:
+    f = upload_ok(client, auth, TRAIN_JSONL)["id"]
+    job = create_job(client, auth, with_tools(f, [CALC]))
+    resp = client.post(f"/v1/fine_tuning/jobs/{job['id']}/evaluations", headers=auth, json={"file": f})
+    err = assert_error(resp, 400, param="job_id", code="unsupported_for_tools")
+    assert "rloo score" in err["message"] and "valid_reward_mean" in err["message"]

@@ -36,7 +36,16 @@ class UpdateStats:
 
 
 TIMING_METRICS = frozenset(
-    {"time_generate", "time_score", "time_reference", "time_update", "time_step", "completions_per_s", "tokens_per_s"}
+    {
+        "time_generate",
+        "time_score",
+        "time_reference",
+        "time_update",
+        "time_step",
+        "time_tools",
+        "completions_per_s",
+        "tokens_per_s",
+    }
 )
 """The metrics that measure the machine, not the run: two runs of one seed differ only in these."""
 

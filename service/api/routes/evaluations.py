@@ -68,6 +68,14 @@ def create_evaluation(
             "invalid_file_format",
         )
     kind = job.method.get("type", "supervised")
+    if (job.method.get(kind) or {}).get("tools"):
+        raise bad_request(
+            f"Job {job.id} trained with tools, and evaluations on the inference workers sample one turn without "
+            "them. Its validation passes are multi-turn with its tools (valid_reward_mean, every eval_interval "
+            "steps), and so is `rloo score SPEC --checkpoint DIR` (docs/tools.md).",
+            "job_id",
+            "unsupported_for_tools",
+        )
     spec = body.grader if body.grader is not None else (job.method.get(kind) or {}).get("grader")
     if spec is None:
         raise bad_request(f"Job {job.id} trained with no grader ({kind}); give one as 'grader'.", "grader")
