@@ -5,6 +5,7 @@ not allow."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -119,10 +120,14 @@ class Server:
                     self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                try:
+                with contextlib.suppress(OSError):  # a client that stopped reading (a 10 MB answer)
                     self.wfile.write(data)
-                except OSError:
-                    pass
+
+            def do_GET(self) -> None:  # noqa: N802 - recorded too: nothing may fetch from here
+                outer.seen.append(({"GET": self.path}, {}))
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -285,3 +290,30 @@ def test_graders_read_a_trajectory() -> None:
     result = grade_batch(grader, samples, [{"answer": "42"}, {"answer": "42"}])
     assert result.rewards[0] == 1.0 and result.rewards[1] != result.rewards[1]  # NaN
     assert samples[0].fields()["rollout_id"] == "r" and "output_tools" not in samples[1].fields()
+
+
+def test_regular_expressions_and_remote_refs_never_run_or_fetch(server) -> None:
+    """A schema's ``pattern`` would run a user's regular expression on the model's text with nothing
+    to stop it: refused, naming where it is. A ``$ref`` to a URL is never fetched: the call fails
+    as an error the model reads."""
+    nested = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"type": "string", "pattern": "(a+)+$"}}},
+    }
+    assert refused([{**CALC, "parameters": nested}]).param == f"{P}.tools.0.parameters.properties.a.items.pattern"
+    named = {"type": "object", "properties": {"pattern": {"type": "string"}}}  # a property so named is fine
+    assert parse_tools([{**CALC, "parameters": named}], None, param=P, allowed_urls=[]) is not None
+    srv = server(answer({"type": "string"}))
+    remote = {"type": "object", "properties": {"key": {"$ref": srv.prefix + "schema.json"}}}
+    assert refused([{**CALC, "parameters": remote}]).param == f"{P}.tools.0.parameters.properties.key.$ref"
+    local = {"type": "object", "properties": {"k": {"$ref": "#/$defs/s"}}, "$defs": {"s": {"type": "string"}}}
+    assert parse_tools([{**CALC, "parameters": local}], None, param=P, allowed_urls=[]) is not None
+    # A remote $ref that reached a worker anyway (a spec stored before this check) is never fetched.
+    from service.tools.calls import Call
+    from service.tools.spec import MultiTurn, Runtime, Tool, Toolset
+
+    toolset = Toolset({"calculator": Tool("calculator", "", remote, Runtime("builtin"))}, MultiTurn())
+    runner = ToolRunner(toolset, allowed_urls=[])
+    out = runner.run_one(list(toolset.tools.values()), Call("calculator", {"key": "1+1"}), Where("j", "r", 1, "c"))
+    runner.close()
+    assert out.kind == "error" and srv.seen == []

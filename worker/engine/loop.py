@@ -86,7 +86,9 @@ def end_of_step(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder
 
 
 def finish(run: Run, stop: Stop, recorder: Recorder, *, headline: str) -> TrainResult:
-    """The final checkpoint of a run that reached its end, and what it did."""
+    """The final checkpoint of a run that reached its end, and what it did; its tool runner let go."""
+    if run.agent is not None:
+        run.agent.runner.close()
     checkpoint = stop.checkpoint
     if stop.stopped is None:
         if stop.step > run.start:
