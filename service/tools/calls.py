@@ -95,7 +95,7 @@ def _json_objects(body: str) -> list[str]:
 def _from_json(body: str, *, arguments_key: str) -> Call:
     try:
         data = json.loads(body)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return Call("", error=f"the call is not JSON ({exc.msg} at character {exc.pos})", raw=body)
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return Call("", error='a call is a JSON object with a "name" and its "arguments"', raw=body)

@@ -154,7 +154,7 @@ def _checked(offered: Sequence[Tool], call: Call) -> Tool:
 def _refuse(uri: str) -> Any:
     from referencing.exceptions import NoSuchResource
 
-    raise NoSuchResource(ref=uri)
+    raise NoSuchResource(ref=uri)  # type: ignore[call-arg]
 
 
 def _registry() -> Any:

@@ -102,7 +102,8 @@ class Toolset:
 
 def _line_tool_name(tool: Any) -> str:
     if isinstance(tool, Mapping):
-        inner = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+        function = tool.get("function")
+        inner = function if isinstance(function, Mapping) else tool
         return str(inner.get("name", ""))
     return ""
 
@@ -158,7 +159,8 @@ def _tool(spec: Any, *, param: str, allowed_urls: Sequence[str]) -> Tool:
     if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
         raise ToolSpecError("name must be 1 to 64 letters, digits, '_' or '-'", param=f"{param}.name")
     runtime = _runtime(body.get("runtime"), name, param=f"{param}.runtime", allowed_urls=allowed_urls)
-    default_parameters, default_description = ({}, "")
+    default_parameters: dict[str, Any] = {}
+    default_description = ""
     if runtime.type == "builtin":
         _, default_parameters, default_description = BUILTINS[name]
     description = body.get("description", default_description)

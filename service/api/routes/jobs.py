@@ -76,8 +76,8 @@ def method_answer(method: dict[str, Any]) -> dict[str, Any]:
     types cannot hold (``reward_model``, ``http``, ``label_model`` outside a ``multi``, a ``multi``
     of several graders) sits under our ``rloo`` key, ``type`` still ``reinforcement``: the SDK's
     strict parsing of the job holds, and nothing is lost (``job.method.rloo``)."""
-    kind = method.get("type")
-    config = method.get(kind) if isinstance(kind, str) else None
+    kind = str(method.get("type"))
+    config = method.get(kind)
     if isinstance(config, dict) and config.get("tools"):  # an http tool's secret is never answered
         method = {**method, kind: {**config, "tools": tools.redacted(config["tools"])}}
     if method.get("type") == "reinforcement" and not graders.openai_typed(method["reinforcement"].get("grader")):

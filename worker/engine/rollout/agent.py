@@ -102,7 +102,7 @@ class Agent:
         cls, toolset: tooling.Toolset, runner: tooling.ToolRunner, tokenizer: Any, *, context: int, job_id: str
     ) -> Agent:
         limits = toolset.limits
-        call_format = limits.call_format
+        call_format: str = limits.call_format
         if call_format == "auto":
             call_format = tooling.template_format(getattr(tokenizer, "chat_template", None))
         budget = min(context, limits.max_trajectory_tokens or context)
