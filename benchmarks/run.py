@@ -25,6 +25,8 @@
 13. ``tinker``: a forward_backward + optim_step round trip through the tinker SDK against the same
    work in process, and samples/s through its SamplingClient against the worker's own batch
    (``benchmarks.tinker``).
+14. ``tools``: where a multi-turn step's time goes (generation, tools, scoring, update) on the tiny and
+   small configs, rollouts calling the built-in calculator (``benchmarks.tools``).
 
 The comparison with TRL is ``benchmarks.anchor`` (``make bench`` runs it after this).
 ``python -m benchmarks.run engine service`` runs a subset.
@@ -76,6 +78,7 @@ SUBPROCESS_SECTIONS = {
     "score_beside": "benchmarks.score_beside",
     "availability": "benchmarks.availability",
     "tinker": "benchmarks.tinker",
+    "tools": "benchmarks.tools",
 }
 """Sections that run as a module of their own, printing one JSON object."""
 
@@ -241,6 +244,7 @@ def main() -> None:
         "score_beside",
         "availability",
         "tinker",
+        "tools",
     ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),

@@ -93,6 +93,11 @@ def prompts_of(tokenizer: Any, items: list[dict[str, Any]], tools: Any = None) -
     return [prompt_text(item, tokenizer) for item in items]
 
 
+def one_prompt(tokenizer: Any, agent: Agent, sampler: Any, k: int = 1) -> Any:
+    """``run_agent`` on the first item alone, ``k`` rollouts."""
+    return run_agent(agent, sampler, tokenizer, ITEMS[:1], prompts_of(tokenizer, ITEMS[:1]), k=k, generator_seed=0)
+
+
 def test_a_tool_call_then_the_answer(tokenizer: Any) -> None:
     agent = agent_of(tokenizer)
     sampler = ScriptedSampler(tokenizer, calculator_script)
@@ -188,56 +193,24 @@ def test_malformed_calls_are_answered_and_counted(tokenizer: Any) -> None:
 
 def test_limits_end_a_trajectory_as_truncated(tokenizer: Any) -> None:
     always = ScriptedSampler(tokenizer, lambda _: call("1+1"))
-    out = run_agent(
-        agent_of(tokenizer, max_turns=3),
-        always,
-        tokenizer,
-        ITEMS[:1],
-        prompts_of(tokenizer, ITEMS[:1]),
-        k=1,
-        generator_seed=0,
-    )
+    out = one_prompt(tokenizer, agent_of(tokenizer, max_turns=3), always, k=1)
     row = out.trajectories[0]
     assert (row.turns, row.calls, row.truncated, bool(out.rollout.truncated[0])) == (3, 2, True, True)
 
-    out = run_agent(
-        agent_of(tokenizer, max_tool_calls=1),
-        always,
-        tokenizer,
-        ITEMS[:1],
-        prompts_of(tokenizer, ITEMS[:1]),
-        k=1,
-        generator_seed=0,
-    )
+    out = one_prompt(tokenizer, agent_of(tokenizer, max_tool_calls=1), always, k=1)
     assert (out.trajectories[0].calls, out.trajectories[0].turns, out.trajectories[0].truncated) == (1, 2, True)
 
     # A budget that holds the prompt and one turn but not the tool's result.
     prompt = len(tokenizer(prompts_of(tokenizer, ITEMS[:1])[0], add_special_tokens=False)["input_ids"])
     turn = len(tokenizer(call("1+1"), add_special_tokens=False)["input_ids"]) + 1
-    out = run_agent(
-        agent_of(tokenizer, max_trajectory_tokens=prompt + turn + 3),
-        always,
-        tokenizer,
-        ITEMS[:1],
-        prompts_of(tokenizer, ITEMS[:1]),
-        k=1,
-        generator_seed=0,
-    )
+    out = one_prompt(tokenizer, agent_of(tokenizer, max_trajectory_tokens=prompt + turn + 3), always, k=1)
     row = out.trajectories[0]
     assert row.truncated and row.turns == 1 and row.length() <= prompt + turn + 3
     assert int(out.rollout.completion_mask.sum()) == turn  # nothing past the budget
 
 
 def test_a_turn_without_a_call_is_the_answer(tokenizer: Any) -> None:
-    out = run_agent(
-        agent_of(tokenizer),
-        ScriptedSampler(tokenizer, lambda _: "42"),
-        tokenizer,
-        ITEMS[:1],
-        prompts_of(tokenizer, ITEMS[:1]),
-        k=3,
-        generator_seed=0,
-    )
+    out = one_prompt(tokenizer, agent_of(tokenizer), ScriptedSampler(tokenizer, lambda _: "42"), k=3)
     assert [t.turns for t in out.trajectories] == [1, 1, 1] and out.rollout.texts == ["42"] * 3
     assert torch.equal(out.rollout.generated, out.rollout.completion_mask)
 
