@@ -237,6 +237,12 @@ def job_tools(body: JobCreate, *, settings: Settings, hp: ResolvedReinforcementH
         return None
     prefix = f"method.{method.type}"
     toolset = tools.parse_tools(config.tools, config.multi_turn, param=prefix, allowed_urls=settings.tool_urls)
+    if toolset is not None and hp.stop:
+        raise bad_request(
+            "stop strings end a turn without its end-of-turn token, which a rollout that calls tools needs to "
+            "go on (and would cut a call short). Remove stop, or the tools.",
+            f"{prefix}.hyperparameters.stop",
+        )
     budget = toolset.limits.max_trajectory_tokens if toolset is not None else None
     if budget is not None and budget <= hp.max_new_tokens:
         raise bad_request(

@@ -69,10 +69,21 @@ def _parse_hermes(text: str) -> Turn:
 
 
 def _parse_llama3(text: str) -> Turn:
+    tagged = text.strip().startswith("<|python_tag|>")
     body = text.strip().removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
-        return Turn(text, [])
+    if not body.startswith("{") or (not tagged and not _names_a_tool(body)):
+        return Turn(text, [])  # a JSON answer that names no tool is an answer
     return Turn("", [_from_json(part, arguments_key="parameters") for part in _json_objects(body)])
+
+
+def _names_a_tool(body: str) -> bool:
+    """Whether ``body`` (JSON, or the start of some) reads as a call: a ``"name"`` key in its first
+    object, or JSON that does not parse (a call gone wrong, answered as malformed)."""
+    try:
+        first, _ = json.JSONDecoder().raw_decode(body)
+    except (ValueError, RecursionError):
+        return True
+    return isinstance(first, dict) and "name" in first
 
 
 def _json_objects(body: str) -> list[str]:
@@ -82,7 +93,7 @@ def _json_objects(body: str) -> list[str]:
     while pos < len(body):
         try:
             _, end = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             parts.append(body[pos:])
             break
         parts.append(body[pos:end])
@@ -97,13 +108,15 @@ def _from_json(body: str, *, arguments_key: str) -> Call:
         data = json.loads(body)
     except json.JSONDecodeError as exc:
         return Call("", error=f"the call is not JSON ({exc.msg} at character {exc.pos})", raw=body)
+    except RecursionError:
+        return Call("", error="the call's JSON nests too deep", raw=body[:200])
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return Call("", error='a call is a JSON object with a "name" and its "arguments"', raw=body)
     arguments = data.get(arguments_key, data.get("arguments", data.get("parameters", {})))
     if isinstance(arguments, str):  # OpenAI's form: the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return Call(data["name"], error="the call's arguments are a string that is not JSON", raw=body)
     if not isinstance(arguments, dict):
         return Call(data["name"], error="the call's arguments must be a JSON object", raw=body)

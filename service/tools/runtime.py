@@ -80,7 +80,8 @@ class ToolRunner:
             content = self._call(tool, call.arguments, where)
             return Outcome(_cut(content, self.toolset.limits.max_tool_output_bytes), None, time.monotonic() - start)
         except ToolFailed as exc:
-            return Outcome(json.dumps({"error": exc.message}), exc.kind, time.monotonic() - start)
+            limit = self.toolset.limits.max_tool_output_bytes
+            return Outcome(json.dumps({"error": _cut(exc.message, limit)}), exc.kind, time.monotonic() - start)
         except Exception as exc:  # a tool must never end a rollout: the model reads what broke
             return Outcome(
                 json.dumps({"error": f"the tool failed ({type(exc).__name__})"}), "error", time.monotonic() - start

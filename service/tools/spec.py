@@ -191,6 +191,8 @@ def check_schema(parameters: Any, *, param: str) -> None:
         raise ToolSpecError(
             f"parameters is not a JSON Schema: {exc.message}", param=f"{param}.{where}".rstrip(".")
         ) from None
+    except RecursionError:
+        raise ToolSpecError("parameters nests too deep to check", param=param) from None
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -217,11 +219,17 @@ _REGEX = (
 _REMOTE = "a $ref may only point within the schema ('#/$defs/...'): nothing is fetched from elsewhere."
 
 
-def _unsafe_keyword(schema: Any, where: str) -> tuple[str, str] | None:
+MAX_SCHEMA_DEPTH = 32
+
+
+def _unsafe_keyword(schema: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
     """Where (a dotted path) and why a schema, or any schema within it, uses a keyword the worker
-    will not run: ``pattern``, ``patternProperties``, a ``$ref`` (or ``$dynamicRef``) outside it."""
+    will not run: ``pattern``, ``patternProperties``, a ``$ref`` (or ``$dynamicRef``) outside it;
+    or nests schemas deeper than 32 (a validator walks them by recursion)."""
     if not isinstance(schema, Mapping):
         return None
+    if depth > MAX_SCHEMA_DEPTH:
+        return where, f"schemas nest at most {MAX_SCHEMA_DEPTH} deep"
     for keyword in ("pattern", "patternProperties"):
         if keyword in schema:
             return f"{where}.{keyword}", _REGEX
@@ -236,7 +244,7 @@ def _unsafe_keyword(schema: Any, where: str) -> tuple[str, str] | None:
         if isinstance(schema.get(keyword), list):
             inner += [(s, f"{where}.{keyword}.{i}") for i, s in enumerate(schema[keyword])]
     inner += [(schema[k], f"{where}.{k}") for k in _SCHEMAS if k in schema]
-    return next((found for s, path in inner if (found := _unsafe_keyword(s, path)) is not None), None)
+    return next((found for s, path in inner if (found := _unsafe_keyword(s, path, depth + 1)) is not None), None)
 
 
 def _runtime(spec: Any, name: str, *, param: str, allowed_urls: Sequence[str]) -> Runtime:
@@ -332,9 +340,19 @@ def redacted(tools: Sequence[Any] | None) -> list[Any] | None:
     """The job's tools as answered: each secret replaced by ``"***"``."""
     if tools is None:
         return None
-    out = []
-    for tool in tools:
-        if isinstance(tool, Mapping) and isinstance(tool.get("runtime"), Mapping) and "secret" in tool["runtime"]:
-            tool = {**tool, "runtime": {**tool["runtime"], "secret": "***"}}
-        out.append(tool)
+    return [_redacted_tool(tool) for tool in tools]
+
+
+def _redacted_tool(tool: Any) -> Any:
+    """A tool with its runtime's secret hidden, where the runtime sits at the top or inside
+    ``function`` (the Chat Completions form)."""
+    if not isinstance(tool, Mapping):
+        return tool
+    out = dict(tool)
+    runtime = out.get("runtime")
+    if isinstance(runtime, Mapping) and "secret" in runtime:
+        out["runtime"] = {**runtime, "secret": "***"}
+    function = out.get("function")
+    if isinstance(function, Mapping):
+        out["function"] = _redacted_tool(function)
     return out

@@ -41,7 +41,13 @@ def test_a_job_with_tools_is_stored_and_its_secret_never_answered(client, auth, 
         "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"k": {"type": "string"}}}},
         "runtime": {"type": "http", "url": tool_urls + "lookup", "secret": "s3cret", "timeout_seconds": 3},
     }
-    job = create_job(client, auth, with_tools(f, [CALC, lookup], {"max_turns": 3, "max_trajectory_tokens": 200}))
+    nested = {  # the Chat Completions form, its runtime inside function
+        "type": "function",
+        "function": {"name": "other", "runtime": {"type": "http", "url": tool_urls + "o", "secret": "s3cret"}},
+    }
+    job = create_job(
+        client, auth, with_tools(f, [CALC, lookup, nested], {"max_turns": 3, "max_trajectory_tokens": 200})
+    )
     config = job["method"].get("reinforcement") or job["method"]["rloo"]
     assert config["tools"][1]["runtime"]["secret"] == "***" and config["multi_turn"]["max_turns"] == 3
     again = client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=auth).json()
@@ -54,7 +60,10 @@ def test_what_cannot_be_used_is_a_400_naming_it(client, auth, tool_urls) -> None
     f = upload_ok(client, auth, TRAIN_JSONL)["id"]
     before = client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"]
     bad_schema = {**CALC, "parameters": {"type": "object", "properties": {"x": {"type": 5}}}}
-    cases: list[tuple[dict[str, Any], str]] = [
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(300):
+        deep = {"type": "object", "not": deep}
+    cases: list[tuple[dict[str, Any], str | None]] = [
         (with_tools(f, [bad_schema]), f"{P}.tools.0.parameters.properties.x.type"),
         (with_tools(f, [CALC, CALC]), f"{P}.tools.1.name"),
         (
@@ -68,9 +77,12 @@ def test_what_cannot_be_used_is_a_400_naming_it(client, auth, tool_urls) -> None
         (with_tools(f, [CALC], {"max_trajectory_tokens": 100_000}), f"{P}.multi_turn.max_trajectory_tokens"),
         (with_tools(f, [CALC], {"max_turns": 0}), f"{P}.multi_turn.max_turns"),
         (with_tools(f, None, {"max_turns": 2}), f"{P}.multi_turn"),
+        (with_tools(f, [CALC], stop=["</tool_call>"]), f"{P}.hyperparameters.stop"),
+        (with_tools(f, [{**CALC, "parameters": deep}]), None),  # a 400, never a 500 (a validator's recursion)
     ]
     for body, param in cases:
-        err = assert_error(client.post("/v1/fine_tuning/jobs", headers=auth, json=body), 400, param=param)
+        resp = client.post("/v1/fine_tuning/jobs", headers=auth, json=body)
+        err = assert_error(resp, 400) if param is None else assert_error(resp, 400, param=param)
         assert err["message"], err
     assert client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"] == before  # nothing stored
 

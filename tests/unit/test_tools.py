@@ -75,6 +75,19 @@ def test_calls_round_trip_in_each_format(fmt: str) -> None:
     assert [(c.name, c.arguments, c.error) for c in turn.calls] == [(n, a, None) for n, a in calls]
 
 
+def test_hostile_model_text_is_read_never_raised() -> None:
+    """JSON nested past the interpreter's recursion in a call is a malformed call; a Llama-format
+    answer that is JSON naming no tool is an answer."""
+    deep = "[" * 100_000 + "]" * 100_000
+    for fmt, text in (
+        ("hermes", f"<tool_call>{deep}</tool_call>"),
+        ("llama3", '{"name": "f", "parameters": ' + deep + "}"),
+    ):
+        turn = parse(text, fmt)
+        assert turn.calls and turn.calls[0].error is not None
+    assert parse('{"answer": 42}', "llama3").calls == []
+
+
 def test_malformed_calls_say_why() -> None:
     turn = parse('Let me see. <tool_call>{"name": "x", "arguments": "{bad"}</tool_call><tool_call>{"a": 1}', "hermes")
     assert turn.content == "Let me see."

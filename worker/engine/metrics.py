@@ -115,22 +115,22 @@ def step_metrics(
     return metrics
 
 
-def tool_metrics(trajectories: Sequence[Any], timings: Timings) -> dict[str, float | int]:
+def tool_metrics(counts: Sequence[tuple[int, ...]], ranks: Any, timings: Timings) -> dict[str, float | int]:
     """A run with tools: per rollout, the turns, tool calls and trajectory tokens (means); the
     step's failed calls by kind (errors, time-outs, malformed calls: a name not offered, arguments
     that do not fit, unreadable JSON), the share of calls that were well formed, and the seconds
-    spent waiting on tools."""
-    n = max(len(trajectories), 1)
-    calls = sum(t.calls for t in trajectories)
-    malformed = sum(t.malformed for t in trajectories)
+    spent waiting on tools. ``counts`` are this rank's trajectories' (``Trajectory.counts``)."""
+    whole = [c for share in ranks.whole_objects(list(counts)) for c in share]
+    n = max(len(whole), 1)
+    turns, calls, errors, timeouts, malformed, tokens = (sum(column) for column in zip(*whole, strict=True))
     return {
-        "tool_turns_mean": sum(t.turns for t in trajectories) / n,
+        "tool_turns_mean": turns / n,
         "tool_calls_mean": calls / n,
-        "tool_errors": sum(t.errors for t in trajectories),
-        "tool_timeouts": sum(t.timeouts for t in trajectories),
+        "tool_errors": errors,
+        "tool_timeouts": timeouts,
         "tool_malformed": malformed,
         "tool_well_formed_frac": (calls - malformed) / calls if calls else float("nan"),
-        "trajectory_length_mean": sum(len(t.ids) for t in trajectories) / n,
+        "trajectory_length_mean": tokens / n,
         "time_tools": timings.tools,
     }
 

@@ -32,7 +32,7 @@ from worker.engine.modeling import (
 from worker.engine.recorders import Recorder
 from worker.engine.resume import check_resumable, load_full_weights, restore, untie_output
 from worker.engine.rewards.scoring import EMBEDDING_PACKAGE, RewardModels
-from worker.engine.rollout.agent import Agent
+from worker.engine.rollout.agent import Agent, trajectory_budget
 from worker.engine.rollout.backends import make_backend
 from worker.engine.rollout.base import RolloutBackend, Sampling
 from worker.engine.state import Run
@@ -74,7 +74,7 @@ def prepare(cfg: TrainConfig, recorder: Recorder) -> Run:
     )
     scheduler = make_scheduler(optimizer, hp.lr_scheduler, hp.warmup_ratio, total_steps)
     backend = _backend(cfg, model, tokenizer, device) if cfg.method == "reinforcement" else None
-    agent = _agent(cfg, items + valid_items, model, tokenizer) if backend is not None and cfg.tools else None
+    agent = _agent(cfg, items, valid_items, model, tokenizer) if backend is not None and cfg.tools else None
     run = Run(
         cfg=cfg,
         device=device,
@@ -210,6 +210,7 @@ def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device)
         top_p=hp.top_p,
         max_prompt_length=max(prompt_room, 1),
         stop=tuple(hp.stop or ()),
+        max_context=trajectory_budget(cfg.tools, context) if cfg.tools else None,
     )
     try:
         return make_backend(
@@ -224,23 +225,26 @@ def _backend(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device)
         raise JobError("rollout_backend_failed", f"the rollout backend could not be loaded: {exc}") from None
 
 
-def _agent(cfg: TrainConfig, items: list[dict[str, Any]], model: Any, tokenizer: Any) -> Agent:
+def _agent(
+    cfg: TrainConfig, items: list[dict[str, Any]], valid_items: list[dict[str, Any]], model: Any, tokenizer: Any
+) -> Agent:
     """A run's tools ready to call; every line offers only tools the job declares."""
     from service.tools import ToolRunner
 
     toolset = cfg.tools
     assert toolset is not None
-    for n, item in enumerate(items, 1):
-        unknown = toolset.unknown(item.get("tools"))
-        if unknown:
-            raise JobError(
-                "unknown_tool",
-                f"a line's tools name {', '.join(unknown)}, which the job does not declare (line {n} of the "
-                f"training file, then the validation file); declare each in method.reinforcement.tools",
-            )
-    context = getattr(model.config, "max_position_embeddings", None) or 1_048_576
+    for which, lines in (("training", items), ("validation", valid_items)):
+        for n, item in enumerate(lines, 1):
+            unknown = toolset.unknown(item.get("tools"))
+            if unknown:
+                raise JobError(
+                    "unknown_tool",
+                    f"line {n} of the {which} file offers {', '.join(unknown)}, which the job does not declare; "
+                    "declare each in method.reinforcement.tools, or take it off the line",
+                )
+    context = getattr(model.config, "max_position_embeddings", None)
     runner = ToolRunner(toolset, allowed_urls=cfg.operator.tool_urls)
-    return Agent.of(toolset, runner, tokenizer, context=context, job_id=cfg.job_name)
+    return Agent.of(toolset, runner, tokenizer, budget=trajectory_budget(toolset, context), job_id=cfg.job_name)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_ratio: float, total_steps: int) -> Any:

@@ -240,7 +240,7 @@ def evaluate_spec(
         try:
             run = prepare(cfg, QuietRecorder())
             with run.autocast:
-                score, tool_figures = validation_pass(run)
+                score, tool_figures = validation_pass(run, label="score")
         except JobError as exc:
             raise SpecError(f"{exc.code}: {exc.message}") from None
     return {

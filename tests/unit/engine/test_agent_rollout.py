@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from service.tools import MultiTurn, ToolRunner, parse_tools
-from worker.engine.rollout.agent import Agent, run_agent, transcript
+from worker.engine.rollout.agent import Agent, run_agent, trajectory_budget, transcript
 from worker.engine.rollout.base import Rollout, completion_logprobs
 
 CALC = {"type": "function", "name": "calculator", "runtime": {"type": "builtin"}}
@@ -32,12 +32,16 @@ class ScriptedSampler:
     def __init__(self, tokenizer: Any, script: Script) -> None:
         self.tok, self.script = tokenizer, script
         self.contexts: list[str] = []
+        self.limits: list[int | None] = []
 
     def generate(self, prompts: list[str], *, k: int, generator_seed: int, first: int = 0) -> Rollout:
         ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts for _ in range(k)]
         return self._answer(ids, k)
 
-    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+    def generate_ids(
+        self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int], max_new_tokens: int | None = None
+    ) -> Rollout:
+        self.limits.append(max_new_tokens)
         return self._answer(prompt_ids, 1)
 
     def _answer(self, contexts: list[list[int]], k: int) -> Rollout:
@@ -70,7 +74,13 @@ def tokenizer(models_dir: Path) -> Any:
 def agent_of(tokenizer: Any, tools: list[Any] | None = None, context: int = 4096, **limits: Any) -> Agent:
     toolset = parse_tools(tools or [CALC], MultiTurn(**limits), param="method.reinforcement", allowed_urls=[])
     assert toolset is not None
-    return Agent.of(toolset, ToolRunner(toolset, allowed_urls=[]), tokenizer, context=context, job_id="ftjob-t")
+    return Agent.of(
+        toolset,
+        ToolRunner(toolset, allowed_urls=[]),
+        tokenizer,
+        budget=trajectory_budget(toolset, context),
+        job_id="ftjob-t",
+    )
 
 
 def call(expression: str) -> str:
@@ -101,7 +111,9 @@ def one_prompt(tokenizer: Any, agent: Agent, sampler: Any, k: int = 1) -> Any:
 def test_a_tool_call_then_the_answer(tokenizer: Any) -> None:
     agent = agent_of(tokenizer)
     sampler = ScriptedSampler(tokenizer, calculator_script)
-    out = run_agent(agent, sampler, tokenizer, ITEMS, prompts_of(tokenizer, ITEMS), k=2, generator_seed=1, step=3)
+    out = run_agent(
+        agent, sampler, tokenizer, ITEMS, prompts_of(tokenizer, ITEMS), k=2, generator_seed=1, label="step-3"
+    )
     ro, rows = out.rollout, out.trajectories
     assert ro.texts == ["13023", "13023", "42", "42"]  # the graded text is the last turn's
     first = rows[0]
@@ -110,6 +122,9 @@ def test_a_tool_call_then_the_answer(tokenizer: Any) -> None:
         {"name": "calculator", "arguments": {"expression": "12345+678"}, "output": "13023", "error": None}
     ]
     assert first.rollout_id == "ftjob-t:step-3:rollout-0" and rows[3].rollout_id.endswith("rollout-3")
+    # The second turn may not take a context past the budget (4096 here): its longest context's room.
+    second = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in sampler.contexts[4:]]
+    assert sampler.limits == [4096 - max(second)]
     # The sampled tokens are the two turns (their end-of-turn tokens included); everything between
     # them is the tool's result as the template writes it, context only.
     ids, gen = ro.completion_ids[0], ro.generated[0].bool()

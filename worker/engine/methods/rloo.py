@@ -72,7 +72,6 @@ def train(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
 def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     run = prepare(cfg, recorder)
     hp, counters, ranks = run.rl, run.counters, run.ranks
-    backend = run.sampler
     k, batch_size = hp.rloo_k, hp.batch_size
     # This rank's prompts of every step (all of them for one process): whole prompts, so a prompt's
     # k completions stay together and leave-one-out needs no communication.
@@ -87,10 +86,10 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         indices = batch_indices(n_items=len(run.items), batch_size=batch_size, step=step - 1, seed=cfg.seed)
         batch = [run.items[i] for i in indices]
         prompts = [_prompt(run, item) for item in batch]
-        with run.autocast, backend.sampling():
-            seed = cfg.seed * 1_000_003 + step
+        with run.autocast, run.sampler.sampling():
+            seed, label = cfg.seed * 1_000_003 + step, f"step-{step}"
             ro, trajectories, t_tools = _rollouts(
-                run, batch[mine], prompts[mine], seed=seed, first=mine.start, step=step
+                run, batch[mine], prompts[mine], seed=seed, first=mine.start, label=label
             )
         # Every rank's completions as wide as the widest, so all ranks run the same forwards.
         ro = ro.widened(int(ranks.max(torch.tensor(ro.completion_ids.shape[1]))), run.tokenizer.pad_token_id)
@@ -102,7 +101,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         # thread while the reference forward runs (worker.engine.overlap); the others score here and now.
         # The sampled tokens are read here, before the reference forward is queued on the device: read
         # on the thread, they would wait for it.
-        sampled = sampled_tokens(run, ro)
+        sampled = sampled_tokens(run, ro, trajectories)
         scoring = Started(
             functools.partial(_score, run, step, prompts[mine], batch[mine], ro, sampled, trajectories), beside=overlap
         )
@@ -151,22 +150,50 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             timings=timings,
             trained_tokens=counters.trained_tokens,
         )
-        _report_grader_errors(graded, step, counters, recorder)
-        metrics.update(grader_metrics(graded))
-        if trajectories is not None:
-            metrics.update(tool_metrics([t for share in ranks.whole_objects(trajectories) for t in share], timings))
-        if is_sample_step(step, run.total_steps, hp.sample_interval):
-            shown = ro.texts if trajectories is None else [transcript(t) for t in trajectories]
-            texts = [text for share in ranks.whole_objects(shown) for text in share]
-            recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
+        metrics.update(_grader_and_tool_metrics(run, step, graded, trajectories, timings, recorder))
+        _record_samples(run, step, prompts, ro, trajectories, rewards, update, recorder)
         if is_eval_step(run, step):
             with run.autocast:
-                score, tool_figures = validation_pass(run)
+                score, tool_figures = validation_pass(run, label=f"valid-{step}")
                 metrics["valid_reward_mean"] = counters.valid_reward_mean = score
                 metrics.update(tool_figures)
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
+
+
+def _grader_and_tool_metrics(
+    run: Run,
+    step: int,
+    graded: graders.GradeResult,
+    trajectories: list[Trajectory] | None,
+    timings: Timings,
+    recorder: Recorder,
+) -> dict[str, Any]:
+    """Each grader's figures (its first error reported once a run), and a run with tools' figures."""
+    _report_grader_errors(graded, step, run.counters, recorder)
+    metrics: dict[str, Any] = dict(grader_metrics(graded))
+    if trajectories is not None:
+        metrics.update(tool_metrics([t.counts() for t in trajectories], run.ranks, timings))
+    return metrics
+
+
+def _record_samples(
+    run: Run,
+    step: int,
+    prompts: list[str],
+    ro: Rollout,
+    trajectories: list[Trajectory] | None,
+    rewards: Tensor,
+    update: UpdateStats,
+    recorder: Recorder,
+) -> None:
+    """On a sample step, a few prompts with their completions (each turn of a trajectory)."""
+    ranks, hp = run.ranks, run.rl
+    if is_sample_step(step, run.total_steps, hp.sample_interval):
+        shown = ro.texts if trajectories is None else [transcript(t) for t in trajectories]
+        texts = [text for share in ranks.whole_objects(shown) for text in share]
+        recorder.samples(step, sample_groups(prompts, texts, rewards, update.advantages, groups=hp.sample_groups))
 
 
 def micro_batches(prompts: int, k: int, accumulation: int) -> list[slice]:
@@ -185,7 +212,14 @@ def _prompt(run: Run, item: dict[str, Any]) -> str:
 
 
 def _rollouts(
-    run: Run, batch: list[dict[str, Any]], prompts: list[str], *, seed: int, first: int, step: int, k: int | None = None
+    run: Run,
+    batch: list[dict[str, Any]],
+    prompts: list[str],
+    *,
+    seed: int,
+    first: int,
+    label: str,
+    k: int | None = None,
 ) -> tuple[Rollout, list[Trajectory] | None, float]:
     """``k`` (``rloo_k``) rollouts of each prompt drawn from ``seed`` (``generate``'s): single
     completions, or for a run with tools its trajectories (``worker.engine.rollout.agent``); and the
@@ -194,7 +228,7 @@ def _rollouts(
     if run.agent is None:
         return run.sampler.generate(prompts, k=k, generator_seed=seed, first=first), None, 0.0
     out = run_agent(
-        run.agent, run.sampler, run.tokenizer, batch, prompts, k=k, generator_seed=seed, first=first, step=step
+        run.agent, run.sampler, run.tokenizer, batch, prompts, k=k, generator_seed=seed, first=first, label=label
     )
     return out.rollout, out.trajectories, out.tool_seconds
 
@@ -224,10 +258,13 @@ def _score(
         raise JobError("grader_unavailable", f"step {step}: {exc}") from None
 
 
-def sampled_tokens(run: Run, ro: Rollout) -> SampledTokens | None:
+def sampled_tokens(run: Run, ro: Rollout, trajectories: list[Trajectory] | None = None) -> SampledTokens | None:
     """``ro``'s completions as sampled, for a grader with a reward model (which reads them where it
-    has the policy's tokenizer); None for the others."""
-    if not any(isinstance(leaf, graders.RewardModelGrader) for leaf in graders.leaves(run.scorer)):
+    has the policy's tokenizer); None for the others, and for trajectories (a reward model reads
+    their answer's text, as any grader does)."""
+    if trajectories is not None or not any(
+        isinstance(leaf, graders.RewardModelGrader) for leaf in graders.leaves(run.scorer)
+    ):
         return None
     return SampledTokens(run.tokenizer_digest, ro.sampled(run.special_token_ids))
 
@@ -469,17 +506,11 @@ def _report_grader_errors(graded: graders.GradeResult, step: int, counters: RunC
             )
 
 
-def evaluate(run: Run) -> float:
-    """Mean reward of one sample on each of the first ``eval_samples`` validation prompts
-    (``validation_pass``)."""
-    return validation_pass(run)[0]
-
-
 @torch.no_grad()
-def validation_pass(run: Run) -> tuple[float, dict[str, float]]:
+def validation_pass(run: Run, *, label: str = "valid") -> tuple[float, dict[str, float]]:
     """Mean reward of one sample on each of the first ``eval_samples`` validation prompts, and for a
     run with tools, the pass's tool calls per rollout (``valid_tool_calls_mean``) and share of
-    well-formed calls (``valid_tool_well_formed_frac``).
+    well-formed calls (``valid_tool_well_formed_frac``); ``label`` names the pass in its rollouts' ids.
 
     Each prompt is sampled from its own seed, the same at every pass, so passes differ only by the
     model, and the training run's random state is left as it was. Ranks each take a share of the
@@ -495,8 +526,8 @@ def validation_pass(run: Run) -> tuple[float, dict[str, float]]:
         for i in range(0, len(batch), 64):
             chunk, texts = batch[i : i + 64], prompts[i : i + 64]
             seed = run.cfg.seed + 7919  # the same at every pass
-            ro, trajectories, _ = _rollouts(run, chunk, texts, seed=seed, first=mine.start + i, step=0, k=1)
-            graded = _score(run, 0, texts, chunk, ro, sampled_tokens(run, ro), trajectories)
+            ro, trajectories, _ = _rollouts(run, chunk, texts, seed=seed, first=mine.start + i, label=label, k=1)
+            graded = _score(run, 0, texts, chunk, ro, sampled_tokens(run, ro, trajectories), trajectories)
             rewards.extend(r for r in graded.rewards if math.isfinite(r))
             for t in trajectories or ():
                 calls[0] += t.calls

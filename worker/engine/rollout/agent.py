@@ -29,7 +29,7 @@ import torch
 
 from service import graders
 from service import tools as tooling
-from worker.engine.rollout.base import Rollout, RolloutBackend, group_seed
+from worker.engine.rollout.base import Rollout, RolloutBackend, group_seed, right_padded
 from worker.engine.sequences import render, template_delta
 
 
@@ -57,6 +57,11 @@ class Trajectory:
 
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
+
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        """What the metrics add up: turns, calls, errors, time-outs, malformed calls, tokens after
+        the prompt."""
+        return (self.turns, self.calls, self.errors, self.timeouts, self.malformed, len(self.ids))
 
     def sample(self) -> graders.Sample:
         """The trajectory as graders see it: the answer, the calls made, the conversation."""
@@ -99,13 +104,11 @@ class Agent:
 
     @classmethod
     def of(
-        cls, toolset: tooling.Toolset, runner: tooling.ToolRunner, tokenizer: Any, *, context: int, job_id: str
+        cls, toolset: tooling.Toolset, runner: tooling.ToolRunner, tokenizer: Any, *, budget: int, job_id: str
     ) -> Agent:
-        limits = toolset.limits
-        call_format: str = limits.call_format
+        call_format: str = toolset.limits.call_format
         if call_format == "auto":
             call_format = tooling.template_format(getattr(tokenizer, "chat_template", None))
-        budget = min(context, limits.max_trajectory_tokens or context)
         return cls(toolset, runner, call_format, _after_turn(tokenizer), budget, job_id)
 
     def prompt(self, item: dict[str, Any], tokenizer: Any) -> str:
@@ -113,6 +116,13 @@ class Agent:
         by the template, the assistant's header at the end."""
         tools = [t.openai() for t in self.toolset.offered(item.get("tools"))] or None
         return render(tokenizer, _messages(item), tools=tools, generation=True)
+
+
+def trajectory_budget(toolset: tooling.Toolset, context: int | None) -> int:
+    """Tokens a trajectory may hold: ``max_trajectory_tokens``, within the model's context."""
+    limit = toolset.limits.max_trajectory_tokens
+    candidates = [n for n in (limit, context) if n]
+    return min(candidates) if candidates else 1_048_576
 
 
 def run_agent(
@@ -125,7 +135,7 @@ def run_agent(
     k: int,
     generator_seed: int,
     first: int = 0,
-    step: int = 0,
+    label: str = "step-0",
 ) -> AgentRollout:
     """``k`` trajectories of each prompt (prompt-major, as ``generate``'s rows), turn by turn."""
     first_turn = backend.generate(prompts, k=k, generator_seed=generator_seed, first=first)
@@ -137,7 +147,7 @@ def run_agent(
                 messages=messages,
                 offered=agent.toolset.offered(item.get("tools")),
                 prompt_ids=first_turn.prompt_ids[i][first_turn.prompt_mask[i].bool()].tolist(),
-                rollout_id=f"{agent.job_id}:step-{step}:rollout-{first * k + i}",
+                rollout_id=f"{agent.job_id}:{label}:rollout-{first * k + i}",
                 prompt_messages=len(messages),
             )
         )
@@ -161,10 +171,12 @@ def run_agent(
             break
         # Each trajectory's turn drawn from its own seed (its place in the step, the turn): it does
         # not depend on which others are still going.
+        contexts = [rows[i].prompt_ids + rows[i].ids for i in active]
         turn_ro = backend.generate_ids(
-            [rows[i].prompt_ids + rows[i].ids for i in active],
+            contexts,
             generator_seed=group_seed(generator_seed, turn),
             rows=[first * k + i for i in active],
+            max_new_tokens=agent.max_tokens - max(len(c) for c in contexts),  # no context past the budget
         )
     for i in active:  # still wanting to go on after the last turn
         rows[i].done, rows[i].truncated = True, True
@@ -259,14 +271,8 @@ def _assembled(rows: list[Trajectory], first_turn: Rollout, tokenizer: Any, k: i
     """The trajectories as one ``Rollout``: the prompt as the first turn had it, the rest of each
     trajectory as its completion, right-padded, sampled tokens marked in ``generated``."""
     device = first_turn.completion_ids.device
-    width = max(1, max(len(r.ids) for r in rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    generated = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r.ids)] = torch.tensor(r.ids, dtype=torch.long)
-        mask[i, : len(r.ids)] = 1
-        generated[i, : len(r.ids)] = torch.tensor(r.generated, dtype=torch.long)
+    ids, mask = right_padded([r.ids for r in rows], tokenizer.pad_token_id)
+    generated, _ = right_padded([r.generated for r in rows], 0)
     truncated = torch.tensor([r.truncated for r in rows], device=device)
     return Rollout(
         first_turn.prompt_ids,

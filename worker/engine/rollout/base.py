@@ -101,6 +101,9 @@ class Sampling:
     top_p: float
     max_prompt_length: int
     stop: tuple[str, ...] = ()
+    max_context: int | None = None
+    """Tokens a context may reach in all, where rollouts go on past one turn (a run with tools: its
+    trajectory budget); None: ``max_prompt_length + max_new_tokens``."""
 
 
 class RolloutBackend(Protocol):
@@ -126,9 +129,12 @@ class RolloutBackend(Protocol):
         (a job's ranks each take a share of the batch: ``first`` is the share's place in it)."""
         ...
 
-    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+    def generate_ids(
+        self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int], max_new_tokens: int | None = None
+    ) -> Rollout:
         """One completion of each prompt given as token ids (a multi-turn rollout's context, never
-        re-tokenized), prompt ``b``'s drawn from ``group_seed(generator_seed, rows[b])`` alone."""
+        re-tokenized), prompt ``b``'s drawn from ``group_seed(generator_seed, rows[b])`` alone, at
+        most ``max_new_tokens`` (the sampling's, or fewer) new tokens."""
         ...
 
     def sync(self) -> None:
@@ -201,6 +207,18 @@ def _nucleus(probs: Tensor, top_p: float | Tensor) -> Tensor:
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
     sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def right_padded(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """``rows`` of token ids as one ``(N, T)`` tensor, right-padded with ``pad_id`` (T the longest,
+    at least 1), and its mask (1 on each row's own ids)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return ids, mask
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

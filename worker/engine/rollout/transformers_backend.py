@@ -60,11 +60,15 @@ class TransformersBackend:
         uniforms = group_uniforms(generator_seed, first, len(prompts), k, self.max_new_tokens)
         return self._generate(enc["input_ids"], enc["attention_mask"], k, uniforms)
 
-    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+    def generate_ids(
+        self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int], max_new_tokens: int | None = None
+    ) -> Rollout:
         """One completion of each prompt given as token ids (a multi-turn rollout's context, which
-        is never re-tokenized): prompt ``b``'s drawn from ``group_seed(generator_seed, rows[b])``."""
+        is never re-tokenized): prompt ``b``'s drawn from ``group_seed(generator_seed, rows[b])``, at
+        most ``max_new_tokens`` (the sampling's, or fewer) new tokens."""
         enc = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")
-        uniforms = row_uniforms(generator_seed, rows, self.max_new_tokens)
+        steps = min(self.max_new_tokens, max_new_tokens or self.max_new_tokens)
+        uniforms = row_uniforms(generator_seed, rows, steps)
         return self._generate(enc["input_ids"], enc["attention_mask"], 1, uniforms)
 
     @torch.no_grad()
@@ -99,13 +103,14 @@ class TransformersBackend:
         """The sampling loop, lean: each prompt is prefilled once and its KV cache shared by its k
         samples; then one token a step for all ``B * k`` rows, sampled from ``softmax(logits / T)``
         (nucleus-filtered when ``top_p < 1``) with the step's row of ``uniforms`` (``(T, B * k)``),
-        until every row has an EOS or ``max_new_tokens``. Stop strings are applied afterwards
+        until every row has an EOS or the uniforms run out. Stop strings are applied afterwards
         (``cut_at_stop``). Returns ``(B * k, T)`` token ids."""
         from transformers import DynamicCache
 
         model = self.model
         cache = DynamicCache(config=model.config)
-        _preallocate(cache, prompt_ids.shape[1] + self.max_new_tokens)
+        steps = uniforms.shape[0]
+        _preallocate(cache, prompt_ids.shape[1] + steps)
         positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
         out = model(
             input_ids=prompt_ids,
@@ -125,19 +130,19 @@ class TransformersBackend:
         tokens = []
         # The attention mask grows by one column a token: allocated once, sliced.
         p = attention.shape[1]
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1]).expand(-1, self.max_new_tokens)], dim=1)
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1]).expand(-1, steps)], dim=1)
         if _decode_mask_is_padding_only(model.config):
             # One query a step: its mask is the padding mask, given as SDPA's 4-D boolean mask, which
             # the model takes as is instead of rebuilding it at every step.
             attention = attention.bool()[:, None, None, :]
         # Diverged weights show from the first logits on: one check a rollout, not one a token.
         broken = torch.isnan(logits).any() | (~torch.isfinite(logits)).all(dim=-1).any()
-        for t in range(self.max_new_tokens):
+        for t in range(steps):
             token = sample(logits, self.temperature, self.top_p, uniforms[t])
             token = token.masked_fill_(done, pad)
             tokens.append(token)
             done = done | (token.unsqueeze(1) == eos).any(dim=1)
-            if t + 1 == self.max_new_tokens or bool(done.all()):
+            if t + 1 == steps or bool(done.all()):
                 break
             out = model(
                 input_ids=token.unsqueeze(1),

@@ -30,7 +30,7 @@ import torch
 
 from worker.engine.distributed.ranks import current, whole_tensor
 from worker.engine.errors import JobError
-from worker.engine.rollout.base import Rollout, Sampling, _eos_ids, group_seed
+from worker.engine.rollout.base import Rollout, Sampling, _eos_ids, group_seed, right_padded
 
 # Where vLLM keeps the model it runs, by version (V1 in-process engine first).
 _MODEL_PATHS = (
@@ -64,7 +64,7 @@ class VLLMBackend:
                 tokenizer=path,
                 dtype=options.pop("dtype", "auto"),
                 gpu_memory_utilization=float(options.pop("gpu_memory_utilization", 0.3)),
-                max_model_len=self.max_prompt_length + self.max_new_tokens,
+                max_model_len=sampling.max_context or self.max_prompt_length + self.max_new_tokens,
                 enable_prefix_caching=True,  # a prompt's k samples share its prefill
                 enable_sleep_mode=self.sleep_mode,
                 seed=0,
@@ -142,12 +142,17 @@ class VLLMBackend:
         ]
         return self._generate(encoded, k, [group_seed(generator_seed, first + i) for i in range(len(encoded))])
 
-    def generate_ids(self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int]) -> Rollout:
+    def generate_ids(
+        self, prompt_ids: list[list[int]], *, generator_seed: int, rows: list[int], max_new_tokens: int | None = None
+    ) -> Rollout:
         """One completion of each prompt given as token ids (a multi-turn rollout's context),
-        prompt ``b``'s seeded by ``group_seed(generator_seed, rows[b])``."""
-        return self._generate([list(p) for p in prompt_ids], 1, [group_seed(generator_seed, r) for r in rows])
+        prompt ``b``'s seeded by ``group_seed(generator_seed, rows[b])``, at most ``max_new_tokens``."""
+        seeds = [group_seed(generator_seed, r) for r in rows]
+        return self._generate([list(p) for p in prompt_ids], 1, seeds, max_new_tokens)
 
-    def _generate(self, encoded: list[list[int]], k: int, seeds: list[int]) -> Rollout:
+    def _generate(
+        self, encoded: list[list[int]], k: int, seeds: list[int], max_new_tokens: int | None = None
+    ) -> Rollout:
         from vllm import SamplingParams
 
         if self.stale or self.asleep:  # called outside ``sampling`` (one process only)
@@ -158,7 +163,7 @@ class VLLMBackend:
                 n=k,
                 temperature=self.temperature,
                 top_p=self.top_p,
-                max_tokens=self.max_new_tokens,
+                max_tokens=min(self.max_new_tokens, max_new_tokens or self.max_new_tokens),
                 stop=self.stop or None,
                 stop_token_ids=self.eos_ids,
                 seed=seeds[i] % 2**31,
@@ -180,12 +185,7 @@ class VLLMBackend:
                 texts.append(sample.text)
                 truncated.append(sample.finish_reason == "length")
         device = next(self.model.parameters()).device
-        width = max(1, max(len(r) for r in rows))
-        completion_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, ids in enumerate(rows):
-            completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            completion_mask[i, : len(ids)] = 1
+        completion_ids, completion_mask = right_padded(rows, tok.pad_token_id)
         padded = tok.pad({"input_ids": encoded}, padding=True, return_tensors="pt")  # left: the tokenizer's side
         return Rollout(
             padded["input_ids"].repeat_interleave(k, dim=0).to(device),
