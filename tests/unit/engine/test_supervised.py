@@ -47,6 +47,28 @@ def test_only_assistant_tokens_of_weight_1_are_learned(models_dir: Path) -> None
     )
 
 
+def test_a_tool_call_dialogue_learns_the_calls_and_the_answer_not_the_results(models_dir: Path) -> None:
+    """OpenAI's tool-call format: the assistant's ``tool_calls`` (as the template writes them) and
+    its answer are learned; the ``tool`` result and the tools' header are context."""
+    _, tok = load_policy(models_dir)
+    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}
+    line = {
+        "messages": [
+            {"role": "user", "content": "6*7="},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "42"},
+            {"role": "assistant", "content": "42"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}],
+    }
+    ex = chat_example(tok, line, max_length=512)
+    learned = tok.decode([i for i, m in zip(ex.ids, ex.learn, strict=True) if m])
+    context = tok.decode([i for i, m in zip(ex.ids, ex.learn, strict=True) if not m])
+    call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    assert learned == call_text + tok.eos_token + "42" + tok.eos_token
+    assert "<tool_response>42</tool_response>" in context and "tools: calculator" in context
+
+
 def test_an_example_keeps_its_first_tokens() -> None:
     class Tok:
         chat_template = None
