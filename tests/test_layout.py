@@ -243,7 +243,7 @@ SERVICE_LAYERS = {
     "service.infra": ("service.core", "service.infra"),
     "service.files": ("service.core", "service.infra", "service.files"),
     "service.graders": ("service.core", "service.infra", "service.graders"),
-    "service.tools": ("service.core", "service.infra", "service.tools"),
+    "service.tools": ("service.core", "service.infra", "service.graders", "service.tools"),  # the graders' sandbox
     "service.registry": ("service.core", "service.infra", "service.files", "service.registry"),
     "service.jobs": (
         "service.core",

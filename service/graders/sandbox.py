@@ -70,6 +70,8 @@ class Limits:
 class Outcome:
     score: float
     error: str | None = None
+    text: str | None = None
+    """A python tool's result (``run_python_tool``)."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -290,7 +292,25 @@ def run_python_grader(
     return _run_batch(sandbox, source, batch, limits or Limits())
 
 
-def _run_batch(box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits) -> list[Outcome]:
+def run_python_tool(
+    source: str, calls: list[dict[str, Any]], limits: Limits, *, sandbox: Sandbox | None = None
+) -> list[Outcome]:
+    """``call(arguments)`` of a python tool for each call's arguments, in the python graders'
+    sandbox (each call ``per_sample_seconds``): an ``Outcome`` whose ``text`` is the result, or
+    whose ``error`` says why there is none."""
+    if not calls:
+        return []
+    if sandbox is None:
+        from service.core.settings import get_settings
+
+        settings = get_settings()
+        sandbox = current(settings.python_grader_sandbox, settings.python_grader_uid)
+    return _run_batch(sandbox, source, [{"arguments": a} for a in calls], limits, entry="call")
+
+
+def _run_batch(
+    box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits, *, entry: str = "grade"
+) -> list[Outcome]:
     """The batch, in as many sandboxes as it takes: a sample that is killed (its time, a crash) ends
     its sandbox, and the samples after it go to a new one; a source that never finishes loading
     fails the whole batch at once."""
@@ -298,7 +318,7 @@ def _run_batch(box: Sandbox, source: str, batch: list[dict[str, Any]], limits: L
     batch_deadline = time.monotonic() + limits.batch_seconds
     start = 0
     while start < len(batch) and time.monotonic() < batch_deadline:
-        read, ended = _run_once(box, source, batch[start:], limits, batch_deadline)
+        read, ended = _run_once(box, source, batch[start:], limits, batch_deadline, entry)
         for j, outcome in read.got.items():
             outcomes[start + j] = outcome
         first = next((i for i in range(start, len(batch)) if outcomes[i] is None), len(batch))
@@ -331,9 +351,10 @@ class _Read:
 
 
 def _run_once(
-    box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits, batch_deadline: float
+    box: Sandbox, source: str, batch: list[dict[str, Any]], limits: Limits, batch_deadline: float, entry: str
 ) -> tuple[_Read, _Ended]:
     request = {
+        "entry": entry,
         "source": source,
         "batch": batch,
         "per_sample_seconds": limits.per_sample_seconds,
@@ -422,8 +443,10 @@ def _take(line: bytes, n: int, got: dict[int, Outcome]) -> None:
         return
     if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n or i in got:
         return
-    score = result.get("score")
-    if isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score):
+    score, text = result.get("score"), result.get("text")
+    if isinstance(text, str):
+        got[i] = Outcome(float("nan"), None, text)
+    elif isinstance(score, (int, float)) and not isinstance(score, bool) and math.isfinite(score):
         got[i] = Outcome(float(score))
     else:
         got[i] = Outcome(float("nan"), str(result.get("error", "no score"))[:500])

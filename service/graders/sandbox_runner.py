@@ -5,7 +5,9 @@ only: nothing else is visible in the sandbox.
 Reads ``{"source", "batch": [{"sample", "item"}], "per_sample_seconds", "memory_mb",
 "cpu_seconds"}`` on stdin and writes one JSON line per sample on stdout, in order:
 ``{"ready": true}`` once the grader's source has run, then ``{"i": n, "score": x}`` or
-``{"i": n, "error": "..."}``. Whatever the grader prints goes to
+``{"i": n, "error": "..."}``. A python tool's request has ``"entry": "call"`` and a batch of
+``{"arguments"}``: each answer is ``{"i": n, "text": "..."}`` (what ``call(arguments)`` returned: a
+string, or anything JSON writes) or the error. Whatever the grader prints goes to
 stderr. The parent enforces the time limits from outside (it kills the sandbox); the alarm here
 only spares a restart when a sample's Python code runs past its time.
 
@@ -152,6 +154,15 @@ def score_of(value: object) -> dict[str, object]:
     return {"score": value}
 
 
+def text_of(value: object) -> dict[str, object]:
+    if isinstance(value, str):
+        return {"text": value}
+    try:
+        return {"text": json.dumps(value)}
+    except (TypeError, ValueError):
+        raise TypeError(f"call() returned {type(value).__name__}, not a string or JSON") from None
+
+
 def main() -> None:
     uid = None if sys.argv[1] == "-" else int(sys.argv[1])
     request = json.loads(sys.stdin.read())
@@ -189,7 +200,8 @@ def main() -> None:
             exec(code, namespace)
         finally:
             setitimer(timer, 0)
-        grade = namespace["grade"]
+        tool = request.get("entry") == "call"
+        grade = namespace["call" if tool else "grade"]
         write('{"ready": true}\n')
         flush()
     except BaseException as exc:
@@ -201,10 +213,10 @@ def main() -> None:
         try:
             setitimer(timer, per_sample)
             try:
-                value = grade(one["sample"], one["item"])
+                value = grade(one["arguments"]) if tool else grade(one["sample"], one["item"])
             finally:
                 setitimer(timer, 0)
-            result = score_of(value)
+            result = text_of(value) if tool else score_of(value)
         except MemoryError:
             result = {"error": "grade() ran out of memory"}
         except BaseException as exc:

@@ -236,7 +236,13 @@ def job_tools(body: JobCreate, *, settings: Settings, hp: ResolvedReinforcementH
     if not isinstance(config, RLConfig):
         return None
     prefix = f"method.{method.type}"
-    toolset = tools.parse_tools(config.tools, config.multi_turn, param=prefix, allowed_urls=settings.tool_urls)
+    toolset = tools.parse_tools(
+        config.tools,
+        config.multi_turn,
+        param=prefix,
+        allowed_urls=settings.tool_urls,
+        allow_python=settings.allow_python_tools,
+    )
     if toolset is not None and hp.stop:
         raise bad_request(
             "stop strings end a turn without its end-of-turn token, which a rollout that calls tools needs to "

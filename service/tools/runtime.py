@@ -70,8 +70,62 @@ class ToolRunner:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def run(self, calls: Sequence[tuple[Sequence[Tool], Call, Where]]) -> list[Outcome]:
-        """Each ``(offered tools, call, where)``'s outcome, in order, run concurrently."""
-        return list(self.pool.map(lambda c: self.run_one(*c), calls))
+        """Each ``(offered tools, call, where)``'s outcome, in order, run concurrently: a python
+        tool's calls together in one sandbox (``_python``), every other call on its own."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        batches: dict[str, tuple[Tool, list[int]]] = {}
+        singles: list[int] = []
+        for i, (offered, call, _) in enumerate(calls):
+            tool = next((t for t in offered if t.name == call.name), None)
+            if tool is None or tool.runtime.type != "python" or call.error is not None:
+                singles.append(i)
+                continue
+            try:
+                _checked(offered, call)
+            except ToolFailed as exc:
+                outcomes[i] = self._failed(exc, 0.0)
+                continue
+            batches.setdefault(tool.name, (tool, []))[1].append(i)
+        futures = [
+            (indices, self.pool.submit(self._python, tool, [calls[i][1].arguments for i in indices]))
+            for tool, indices in batches.values()
+        ]
+        for i, out in zip(singles, self.pool.map(lambda i: self.run_one(*calls[i]), singles), strict=True):
+            outcomes[i] = out
+        for indices, future in futures:
+            for i, out in zip(indices, future.result(), strict=True):
+                outcomes[i] = out
+        return [o for o in outcomes if o is not None]
+
+    def _failed(self, exc: ToolFailed, seconds: float) -> Outcome:
+        limit = self.toolset.limits.max_tool_output_bytes
+        return Outcome(json.dumps({"error": _cut(exc.message, limit)}), exc.kind, seconds)
+
+    def _python(self, tool: Tool, arguments: list[dict[str, Any]]) -> list[Outcome]:
+        """A python tool's calls of a turn, one after another in one sandbox (the python graders'),
+        each within the tool's time-out."""
+        from service.core.settings import get_settings
+        from service.graders.sandbox import Limits, SandboxUnavailable, run_python_tool
+
+        seconds = tool.runtime.timeout_seconds or self.toolset.limits.tool_timeout_seconds
+        limits = Limits(
+            per_sample_seconds=seconds,
+            batch_seconds=seconds * len(arguments) + 10,
+            memory_mb=get_settings().python_grader_memory_mb,
+        )
+        start = time.monotonic()
+        try:
+            results = run_python_tool(tool.runtime.source or "", arguments, limits)
+        except SandboxUnavailable as exc:
+            return [self._failed(ToolFailed(f"the python tool cannot run here: {exc}"), 0.0)] * len(arguments)
+        seconds_each = (time.monotonic() - start) / max(len(arguments), 1)
+        limit = self.toolset.limits.max_tool_output_bytes
+        return [
+            Outcome(_cut(r.text, limit), None, seconds_each)
+            if r.text is not None
+            else self._failed(ToolFailed(r.error or "no result", kind=_python_kind(r.error)), seconds_each)
+            for r in results
+        ]
 
     def run_one(self, offered: Sequence[Tool], call: Call, where: Where) -> Outcome:
         start = time.monotonic()
@@ -80,14 +134,18 @@ class ToolRunner:
             content = self._call(tool, call.arguments, where)
             return Outcome(_cut(content, self.toolset.limits.max_tool_output_bytes), None, time.monotonic() - start)
         except ToolFailed as exc:
-            limit = self.toolset.limits.max_tool_output_bytes
-            return Outcome(json.dumps({"error": _cut(exc.message, limit)}), exc.kind, time.monotonic() - start)
+            return self._failed(exc, time.monotonic() - start)
         except Exception as exc:  # a tool must never end a rollout: the model reads what broke
             return Outcome(
                 json.dumps({"error": f"the tool failed ({type(exc).__name__})"}), "error", time.monotonic() - start
             )
 
     def _call(self, tool: Tool, arguments: dict[str, Any], where: Where) -> str:
+        if tool.runtime.type == "python":
+            outcome = self._python(tool, [arguments])[0]
+            if outcome.kind is not None:
+                raise ToolFailed(json.loads(outcome.content)["error"], kind=outcome.kind)
+            return outcome.content
         if tool.runtime.type == "builtin":
             return BUILTINS[tool.name][0](arguments)
         return self._http(tool, arguments, where)
@@ -132,6 +190,11 @@ class ToolRunner:
                 f"the tool did not answer: {exc.reason}", kind="timeout" if timed_out else "error"
             ) from None
         return _answer(reply.status, reply.body)
+
+
+def _python_kind(error: str | None) -> str:
+    """A python tool's failure as the metrics count it: past its time, or any other error."""
+    return "timeout" if error and ("ran past" in error or "past its limit" in error) else "error"
 
 
 def _checked(offered: Sequence[Tool], call: Call) -> Tool:

@@ -64,6 +64,7 @@ class Runtime:
     url: str | None = None
     secret: str | None = field(default=None, repr=False)
     timeout_seconds: float | None = None
+    source: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def parse_tools(
     *,
     param: str,
     allowed_urls: Sequence[str],
+    allow_python: bool = False,
 ) -> Toolset | None:
     """The job's tools and limits, or None for a job without tools. Raises ``ToolSpecError`` whose
     ``param`` is the field at fault (``{param}.tools.2.parameters``)."""
@@ -128,7 +130,7 @@ def parse_tools(
         raise ToolSpecError(f"at most {MAX_TOOLS} tools a job", param=f"{param}.tools")
     parsed: dict[str, Tool] = {}
     for i, spec in enumerate(tools):
-        tool = _tool(spec, param=f"{param}.tools.{i}", allowed_urls=allowed_urls)
+        tool = _tool(spec, param=f"{param}.tools.{i}", allowed_urls=allowed_urls, allow_python=allow_python)
         if tool.name in parsed:
             raise ToolSpecError(
                 f"the tool name '{tool.name}' is given twice; each tool needs a name of its own.",
@@ -139,7 +141,7 @@ def parse_tools(
     return Toolset(parsed, limits)
 
 
-def _tool(spec: Any, *, param: str, allowed_urls: Sequence[str]) -> Tool:
+def _tool(spec: Any, *, param: str, allowed_urls: Sequence[str], allow_python: bool) -> Tool:
     if not isinstance(spec, Mapping):
         raise ToolSpecError(
             "a tool is an object: {type: 'function', name, description, parameters, runtime}", param=param
@@ -158,7 +160,9 @@ def _tool(spec: Any, *, param: str, allowed_urls: Sequence[str]) -> Tool:
     name = body.get("name")
     if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
         raise ToolSpecError("name must be 1 to 64 letters, digits, '_' or '-'", param=f"{param}.name")
-    runtime = _runtime(body.get("runtime"), name, param=f"{param}.runtime", allowed_urls=allowed_urls)
+    runtime = _runtime(
+        body.get("runtime"), name, param=f"{param}.runtime", allowed_urls=allowed_urls, allow_python=allow_python
+    )
     default_parameters: dict[str, Any] = {}
     default_description = ""
     if runtime.type == "builtin":
@@ -247,17 +251,25 @@ def _unsafe_keyword(schema: Any, where: str, depth: int = 0) -> tuple[str, str] 
     return next((found for s, path in inner if (found := _unsafe_keyword(s, path, depth + 1)) is not None), None)
 
 
-def _runtime(spec: Any, name: str, *, param: str, allowed_urls: Sequence[str]) -> Runtime:
+RUNTIME_KEYS = {
+    "builtin": {"type"},
+    "http": {"type", "url", "secret", "timeout_seconds"},
+    "python": {"type", "source", "timeout_seconds"},
+}
+MAX_SOURCE_BYTES = 65_536
+
+
+def _runtime(spec: Any, name: str, *, param: str, allowed_urls: Sequence[str], allow_python: bool) -> Runtime:
     if spec is None and name in BUILTINS:
         return Runtime("builtin")
-    if not isinstance(spec, Mapping) or spec.get("type") not in ("builtin", "http"):
+    if not isinstance(spec, Mapping) or spec.get("type") not in RUNTIME_KEYS:
         raise ToolSpecError(
             "runtime says where the tool runs: {type: 'builtin'} (one of ours: "
-            f"{', '.join(BUILTINS)}) or {{type: 'http', url, secret}}",
+            f"{', '.join(BUILTINS)}), {{type: 'http', url, secret}} or {{type: 'python', source}}",
             param=param,
         )
     kind = spec["type"]
-    allowed_keys = {"type"} if kind == "builtin" else {"type", "url", "secret", "timeout_seconds"}
+    allowed_keys = RUNTIME_KEYS[kind]
     extra = set(spec) - allowed_keys
     if extra:
         raise ToolSpecError(f"a {kind} runtime takes {', '.join(sorted(allowed_keys))}", param=f"{param}.{min(extra)}")
@@ -265,7 +277,34 @@ def _runtime(spec: Any, name: str, *, param: str, allowed_urls: Sequence[str]) -
         if name not in BUILTINS:
             raise ToolSpecError(f"no built-in tool '{name}'; the built-ins are {', '.join(BUILTINS)}", param=param)
         return Runtime("builtin")
+    timeout = spec.get("timeout_seconds")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 300
+    ):
+        raise ToolSpecError("timeout_seconds is a number above 0 and at most 300", param=f"{param}.timeout_seconds")
+    if kind == "python":
+        return _python_runtime(spec, param=param, allow_python=allow_python)
     return _http_runtime(spec, param=param, allowed_urls=allowed_urls)
+
+
+def _python_runtime(spec: Mapping[str, Any], *, param: str, allow_python: bool) -> Runtime:
+    """A python tool: ``def call(arguments)`` returning the text the model reads (or JSON), run in
+    the python graders' sandbox; off unless the operator sets ``RLOO_ALLOW_PYTHON_TOOLS``."""
+    if not allow_python:
+        raise ToolSpecError(
+            "python tools are off on this server: the operator enables them with RLOO_ALLOW_PYTHON_TOOLS "
+            "(they run in the python graders' sandbox)",
+            param=param,
+        )
+    source = spec.get("source")
+    if not isinstance(source, str) or not source.strip() or len(source.encode()) > MAX_SOURCE_BYTES:
+        raise ToolSpecError(f"source is the tool's python, at most {MAX_SOURCE_BYTES} bytes", param=f"{param}.source")
+    if "def call(" not in source:
+        raise ToolSpecError(
+            "source must define call(arguments), which returns the tool's result", param=f"{param}.source"
+        )
+    timeout = spec.get("timeout_seconds")
+    return Runtime("python", source=source, timeout_seconds=None if timeout is None else float(timeout))
 
 
 def _http_runtime(spec: Mapping[str, Any], *, param: str, allowed_urls: Sequence[str]) -> Runtime:
@@ -291,10 +330,6 @@ def _http_runtime(spec: Mapping[str, Any], *, param: str, allowed_urls: Sequence
         raise ToolSpecError(
             "secret is a string of 1 to 4096 printable characters (sent as a bearer token)", param=f"{param}.secret"
         )
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 300
-    ):
-        raise ToolSpecError("timeout_seconds is a number above 0 and at most 300", param=f"{param}.timeout_seconds")
     return Runtime("http", url=url, secret=secret, timeout_seconds=None if timeout is None else float(timeout))
 
 

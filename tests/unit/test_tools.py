@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -330,3 +331,64 @@ def test_regular_expressions_and_remote_refs_never_run_or_fetch(server) -> None:
     out = runner.run_one(list(toolset.tools.values()), Call("calculator", {"key": "1+1"}), Where("j", "r", 1, "c"))
     runner.close()
     assert out.kind == "error" and srv.seen == []
+
+
+# python tools, in the python graders' sandbox ------------------------------------------------------
+PY_SOURCE = """
+import json
+def call(arguments):
+    if arguments.get("mode") == "loop":
+        while True:
+            pass
+    if arguments.get("mode") == "raise":
+        raise ValueError("no such key")
+    if arguments.get("mode") == "net":
+        import socket
+        return str(socket.socket())
+    if arguments.get("mode") == "json":
+        return {"rows": [1, 2]}
+    return "value of " + arguments["key"]
+"""
+
+
+def python_tool(**runtime: Any) -> dict[str, Any]:
+    return {"type": "function", "name": "py", "runtime": {"type": "python", "source": PY_SOURCE, **runtime}}
+
+
+def test_python_tools_are_off_unless_the_operator_enables_them() -> None:
+    err = refused([python_tool()])
+    assert err.param == f"{P}.tools.0.runtime" and "RLOO_ALLOW_PYTHON_TOOLS" in err.message
+    with pytest.raises(ToolSpecError) as caught:
+        parse_tools(
+            [{**python_tool(), "runtime": {"type": "python", "source": "x = 1"}}],
+            None,
+            param=P,
+            allowed_urls=[],
+            allow_python=True,
+        )
+    assert caught.value.param == f"{P}.tools.0.runtime.source"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is bubblewrap's, Linux's")
+def test_a_python_tool_runs_sandboxed_each_call_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn's calls of a python tool run in one sandbox, in order; one that loops is stopped at
+    the tool's time-out and the next still answers; an error or a socket is the model's to read."""
+    from service.core.db import reset_caches
+    from service.tools.calls import Call
+
+    monkeypatch.setenv("RLOO_PYTHON_GRADER_SANDBOX", "bwrap")
+    reset_caches()
+    toolset = parse_tools([python_tool(timeout_seconds=1)], None, param=P, allowed_urls=[], allow_python=True)
+    assert toolset is not None
+    runner = ToolRunner(toolset, allowed_urls=[])
+    offered = list(toolset.tools.values())
+    modes = [{"key": "a"}, {"mode": "loop"}, {"key": "b"}, {"mode": "raise"}, {"mode": "net"}, {"mode": "json"}]
+    where = Where("j", "r", 1, "c")
+    start = time.monotonic()
+    outs = runner.run([(offered, Call("py", m), where) for m in modes] + [(offered, Call("py", error="bad"), where)])
+    runner.close()
+    reset_caches()
+    assert time.monotonic() - start < 15
+    assert [o.kind for o in outs] == [None, "timeout", None, "error", "error", None, "malformed"]
+    assert outs[0].content == "value of a" and outs[2].content == "value of b"
+    assert "no such key" in outs[3].content and outs[5].content == '{"rows": [1, 2]}'

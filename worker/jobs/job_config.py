@@ -89,7 +89,11 @@ def _stored_tools(job: Job, settings: Any) -> Any:
     config = job.method.get(kind) or {}
     try:
         return tools.parse_tools(
-            config.get("tools"), config.get("multi_turn"), param=f"method.{kind}", allowed_urls=settings.tool_urls
+            config.get("tools"),
+            config.get("multi_turn"),
+            param=f"method.{kind}",
+            allowed_urls=settings.tool_urls,
+            allow_python=settings.allow_python_tools,
         )
     except tools.ToolSpecError as exc:
         raise JobError("invalid_tools", f"{exc.param}: {exc.message}") from None
