@@ -120,3 +120,37 @@ def test_a_lora_job_on_vllm_pushes_merged_weights_under_the_base_names(fake_vllm
         assert p["unexpected"] == [] and set(p["names"]) <= base_names
         assert not any("lora_" in name for name in p["names"])
     assert pushes[0]["checksum"] != pushes[1]["checksum"]  # the merged adapter moved the weights
+
+
+def test_a_job_with_tools_on_vllm_gives_it_the_trajectory_budget_and_token_contexts(
+    fake_vllm, tmp_path, models_dir
+) -> None:
+    """Multi-turn rollouts on vLLM: the engine is built for a trajectory's budget (not one turn's),
+    and the steps run with the tool metrics."""
+    from service.tools import parse_tools
+    from tests.helpers.training import ListRecorder, config
+
+    toolset = parse_tools(
+        [{"type": "function", "name": "calculator", "runtime": {"type": "builtin"}}],
+        {"max_turns": 2, "max_trajectory_tokens": 200},
+        param="method.reinforcement",
+        allowed_urls=[],
+    )
+    rec = ListRecorder()
+    operator = OperatorOptions(rollout_backend="vllm")
+    train(config(tmp_path, models_dir, max_steps=2, cfg={"operator": operator, "tools": toolset}), rec)
+    assert len(rec.steps) == 2 and "tool_turns_mean" in rec.steps[-1]
+    assert fake_vllm.LLM.instances[-1].options["max_model_len"] == 200
+
+
+def test_vllm_continues_token_contexts_within_the_room_given(fake_vllm, policy) -> None:
+    model, tok = policy
+    backend = make_backend("vllm", model, tok, SAMPLING, device=torch.device("cpu"))
+    contexts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    ro = backend.generate_ids(contexts, generator_seed=5, rows=[7, 3, 9], max_new_tokens=5)
+    assert ro.completion_ids.shape[0] == 3 and ro.completion_ids.shape[1] <= 5 + 1  # (an EOS may be added)
+    assert int(ro.completion_mask.sum(dim=1).max()) <= 6
+    for i, context in enumerate(contexts):  # each prompt as given, left-padded
+        assert ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist() == context
+    again = backend.generate_ids(contexts, generator_seed=5, rows=[7, 3, 9], max_new_tokens=5)
+    assert torch.equal(ro.completion_ids, again.completion_ids)  # each row seeded by its own place
