@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from service.core import jsonschemas
 from service.tools.builtins import BUILTINS
 from service.tools.calls import Call
 from service.tools.errors import ToolFailed
@@ -207,29 +208,12 @@ def _checked(offered: Sequence[Tool], call: Call) -> Tool:
     if tool is None:
         names = ", ".join(t.name for t in offered) or "none"
         raise ToolFailed(f"no tool named '{call.name}'; the tools are: {names}", kind="malformed")
-    validator = jsonschema.Draft202012Validator(tool.parameters, registry=_NOTHING_FETCHED)
+    validator = jsonschemas.validator(tool.parameters)
     error = jsonschema.exceptions.best_match(validator.iter_errors(call.arguments))
     if error is not None:
         where = "/".join(str(p) for p in error.path) or "the arguments"
         raise ToolFailed(f"{where}: {error.message}", kind="malformed")
     return tool
-
-
-def _refuse(uri: str) -> Any:
-    from referencing.exceptions import NoSuchResource
-
-    raise NoSuchResource(ref=uri)  # type: ignore[call-arg]
-
-
-def _registry() -> Any:
-    from referencing import Registry
-
-    return Registry(retrieve=_refuse)  # type: ignore[call-arg]
-
-
-_NOTHING_FETCHED = _registry()
-"""Where a schema's ``$ref`` is looked up: within the schema alone (jsonschema's default would fetch
-a URL; the spec refuses such refs, and this keeps any that slipped through from reaching out)."""
 
 
 def _answer(status: int, data: bytes) -> str:

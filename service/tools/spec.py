@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field
 
+from service.core import jsonschemas
 from service.core.validation import Strict
 from service.tools.builtins import BUILTINS
 from service.tools.errors import ToolSpecError
@@ -177,78 +178,15 @@ def _tool(spec: Any, *, param: str, allowed_urls: Sequence[str], allow_python: b
 
 def check_schema(parameters: Any, *, param: str) -> None:
     """``parameters`` must be a JSON Schema (2020-12) of an object, at most 16 KiB."""
-    import jsonschema
-
     if not isinstance(parameters, Mapping) or parameters.get("type") != "object":
         raise ToolSpecError(
             "parameters must be a JSON Schema of an object: {type: 'object', properties: {...}}", param=param
         )
     if len(json.dumps(parameters)) > MAX_SCHEMA_BYTES:
         raise ToolSpecError(f"parameters must be at most {MAX_SCHEMA_BYTES} bytes of JSON", param=param)
-    found = _unsafe_keyword(parameters, param)
+    found = jsonschemas.problem(parameters, param, what="parameters")
     if found is not None:
         raise ToolSpecError(found[1], param=found[0])
-    try:
-        jsonschema.Draft202012Validator.check_schema(parameters)
-    except jsonschema.SchemaError as exc:
-        where = ".".join(str(p) for p in exc.path)
-        raise ToolSpecError(
-            f"parameters is not a JSON Schema: {exc.message}", param=f"{param}.{where}".rstrip(".")
-        ) from None
-    except RecursionError:
-        raise ToolSpecError("parameters nests too deep to check", param=param) from None
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_SCHEMAS = (
-    "items",
-    "additionalProperties",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-    "additionalItems",
-)
-
-
-_REGEX = (
-    "pattern and patternProperties are not supported: their regular expressions would run on a model's text in "
-    "the worker with nothing to stop them. Say the format in the description instead."
-)
-_REMOTE = "a $ref may only point within the schema ('#/$defs/...'): nothing is fetched from elsewhere."
-
-
-MAX_SCHEMA_DEPTH = 32
-
-
-def _unsafe_keyword(schema: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
-    """Where (a dotted path) and why a schema, or any schema within it, uses a keyword the worker
-    will not run: ``pattern``, ``patternProperties``, a ``$ref`` (or ``$dynamicRef``) outside it;
-    or nests schemas deeper than 32 (a validator walks them by recursion)."""
-    if not isinstance(schema, Mapping):
-        return None
-    if depth > MAX_SCHEMA_DEPTH:
-        return where, f"schemas nest at most {MAX_SCHEMA_DEPTH} deep"
-    for keyword in ("pattern", "patternProperties"):
-        if keyword in schema:
-            return f"{where}.{keyword}", _REGEX
-    for keyword in ("$ref", "$dynamicRef"):
-        if keyword in schema and not (isinstance(schema[keyword], str) and schema[keyword].startswith("#")):
-            return f"{where}.{keyword}", _REMOTE
-    inner: list[tuple[Any, str]] = []
-    for keyword in _SCHEMA_MAPS:
-        if isinstance(schema.get(keyword), Mapping):
-            inner += [(s, f"{where}.{keyword}.{name}") for name, s in schema[keyword].items()]
-    for keyword in _SCHEMA_LISTS:
-        if isinstance(schema.get(keyword), list):
-            inner += [(s, f"{where}.{keyword}.{i}") for i, s in enumerate(schema[keyword])]
-    inner += [(schema[k], f"{where}.{k}") for k in _SCHEMAS if k in schema]
-    return next((found for s, path in inner if (found := _unsafe_keyword(s, path, depth + 1)) is not None), None)
 
 
 RUNTIME_KEYS = {
