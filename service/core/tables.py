@@ -189,22 +189,53 @@ class Checkpoint(Base):
     __table_args__ = (UniqueConstraint("job_seq", "step_number", name="uq_checkpoints_job_step"),)
 
 
+class Eval(Base):
+    """An eval of OpenAI's Evals API (``service.evals``): what an item is (``data_source_config``)
+    and how an answer is judged (``testing_criteria``). Its runs are ``Evaluation`` rows."""
+
+    __tablename__ = "evals"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_token_id("eval"))
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(256))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    data_source_config: Mapped[dict[str, Any]] = mapped_column()
+    """As answered: ``{"type": "custom", "schema": {...}}`` (item and, with samples, sample)."""
+    testing_criteria: Mapped[list[Any]] = mapped_column()
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
 class Evaluation(Base):
-    """Checkpoints of a job (and its starting model) scored on a file by an inference worker
-    (``worker.serving.evaluate``): ``results`` holds a row a model, filled as the work goes."""
+    """One run of the evaluation engine (``worker.serving.evaluate``) on an inference worker: either
+    an eval's run (``eval_seq``: OpenAI's ``eval.run``, its items answered in ``EvalOutputItem``
+    rows and counted in ``summary``) or checkpoints of a job (and its starting model) scored on a
+    file (``job_seq``: ``results`` holds a row a model, filled as the work goes)."""
 
     __tablename__ = "evaluations"
 
     seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("fteval"))
-    job_seq: Mapped[int] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"), index=True)
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"), index=True)
+    job_seq: Mapped[int | None] = mapped_column(ForeignKey("jobs.seq", ondelete="CASCADE"), index=True)
+    eval_seq: Mapped[int | None] = mapped_column(ForeignKey("evals.seq", ondelete="CASCADE"), index=True)
+    name: Mapped[str | None] = mapped_column(String(256))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    data_source: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """An eval run's ``data_source`` as answered (inline content left out: ``items_inline`` holds it)."""
+    items_inline: Mapped[list[Any] | None] = mapped_column(JSON)
+    """An eval run's ``file_content`` lines, kept apart from what is answered."""
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """An eval run's counts: ``result_counts``, ``per_testing_criteria_results``, ``per_model_usage``."""
     status: Mapped[str] = mapped_column(String(32), default="queued", index=True)
-    file_id: Mapped[str] = mapped_column(String(64))
-    grader: Mapped[dict[str, Any]] = mapped_column()
+    file_id: Mapped[str | None] = mapped_column(String(64))
+    grader: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """A job evaluation's grader; an eval run's are its eval's ``testing_criteria``."""
     settings: Mapped[dict[str, Any]] = mapped_column()
-    """samples, temperature, max_tokens, seed."""
+    """samples, temperature, top_p, max_tokens, stop, seed."""
     models: Mapped[list[Any]] = mapped_column()
-    """``[{"model": id, "step_number": N or None}]``: the job's starting model first."""
+    """``[{"model": id, "step_number": N or None}]``: a job's starting model first; an eval run's one
+    model (a ``completions`` source) or none (a ``jsonl`` source whose lines hold their samples)."""
     results: Mapped[list[Any]] = mapped_column(default=list)
     done: Mapped[int] = mapped_column(Integer, default=0)
     total: Mapped[int] = mapped_column(Integer, default=0)
@@ -216,6 +247,25 @@ class Evaluation(Base):
     longest ago has the next turn."""
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class EvalOutputItem(Base):
+    """One item of an eval run as answered and graded (OpenAI's ``eval.run.output_item``)."""
+
+    __tablename__ = "eval_output_items"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_token_id("outputitem"))
+    run_seq: Mapped[int] = mapped_column(ForeignKey("evaluations.seq", ondelete="CASCADE"))
+    datasource_item_id: Mapped[int] = mapped_column(Integer)
+    datasource_item: Mapped[dict[str, Any]] = mapped_column()
+    sample: Mapped[dict[str, Any]] = mapped_column()
+    results: Mapped[list[Any]] = mapped_column()
+    status: Mapped[str] = mapped_column(String(16))
+    """``pass`` (every criterion passed), ``fail``, or ``error`` (a criterion could not score it)."""
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+    __table_args__ = (UniqueConstraint("run_seq", "datasource_item_id", name="uq_eval_output_items_item"),)
 
 
 class Worker(Base):

@@ -43,6 +43,7 @@ def _job(project: str) -> Job:
 def _evaluation(job: Job, file_id: str = "file-x") -> str:
     with session_scope() as session:
         e = Evaluation(
+            project_seq=job.project_seq,
             job_seq=job.seq,
             file_id=file_id,
             grader=STRING_CHECK,

@@ -93,6 +93,7 @@ def create_evaluation(
             raise bad_request(f"{entry['model']} cannot be evaluated: {exc.message}", "checkpoints") from None
     hp = job.hyperparameters
     evaluation = Evaluation(
+        project_seq=project.seq,
         job_seq=job.seq,
         file_id=body.file,
         grader=spec,
