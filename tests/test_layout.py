@@ -255,6 +255,15 @@ SERVICE_LAYERS = {
         "service.jobs",
     ),
     "service.tinker": ("service.core", "service.infra", "service.registry", "service.tinker"),
+    "service.evals": (  # OpenAI's Evals: its graders are the jobs' (and checked as a job's are)
+        "service.core",
+        "service.infra",
+        "service.files",
+        "service.graders",
+        "service.registry",
+        "service.jobs",
+        "service.evals",
+    ),
 }
 
 

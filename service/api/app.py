@@ -16,6 +16,7 @@ from service.api.middleware import AuthMiddleware, BodyLimitMiddleware
 from service.api.routes import (
     completions,
     dashboard,
+    evals,
     evaluations,
     files,
     graders,
@@ -66,6 +67,7 @@ def create_app() -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(completions.router)
     app.include_router(evaluations.router)
+    app.include_router(evals.router)
     app.include_router(workers.router)
     app.include_router(tinker.router)
     app.include_router(tinker_runs.router)

@@ -321,7 +321,19 @@ class Settings(BaseSettings):
         "its results so far kept).",
     )
     evaluations_per_project: int = Field(
-        default=1, ge=1, le=1000, description="Checkpoint evaluations one project may have running at once."
+        default=1,
+        ge=1,
+        le=1000,
+        description="Evaluations (eval runs and checkpoint evaluations) one project may have running at once.",
+    )
+    eval_run_max_items: int = Field(
+        default=100_000, ge=1, le=10_000_000, description="Items one eval run may hold (its file's lines)."
+    )
+    eval_runs_unfinished_per_project: int = Field(
+        default=32,
+        ge=1,
+        le=100_000,
+        description="Eval runs and checkpoint evaluations a project may have queued or running at once (429 past it).",
     )
     inference_max_batch: int = Field(
         default=32,

@@ -27,6 +27,13 @@ reinforcement, a ``chat`` example (``messages`` with assistant turns to learn) f
 METHOD_FORMAT = {"reinforcement": "prompt", "supervised": "chat", "dpo": "preference"}
 """The line format each method family trains on."""
 
+PURPOSES = ("fine-tune", "evals", "user_data")
+"""What a file is uploaded for: training lines (``check_line``), or an eval's items
+(``check_eval_line``: ``{"item": {...}, "sample": {...}}`` as OpenAI's Evals take them). ``user_data``
+holds eval items too: the ``openai`` SDK's file type lacks ``evals``, so a client validating answers
+strictly uploads its items under ``user_data``."""
+EVAL_PURPOSES = ("evals", "user_data")
+
 
 class UploadSummary:
     def __init__(self) -> None:
@@ -181,6 +188,26 @@ def check_line(obj: Any, lineno: int) -> tuple[set[str], str]:
     return set(obj) - {"messages", "prompt"}, kind
 
 
+def check_eval_line(obj: Any, lineno: int) -> tuple[set[str], str]:
+    """One line of an ``evals`` file: ``{"item": {...}}``, and ``sample`` (an answer already made:
+    ``{"output_text": ...}``) where the runs read answers from the file. Returns the item's keys."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("item"), dict):
+        raise _invalid(
+            f'Line {lineno} is not an eval item: each line is {{"item": {{...}}}} (and "sample": {{"output_text": '
+            "...}} where the file holds the answers to grade)."
+        )
+    extra = sorted(set(obj) - {"item", "sample"})
+    if extra:
+        raise _invalid(f"Line {lineno} has {extra[0]!r}; an eval line holds 'item' and, optionally, 'sample'.")
+    if "sample" in obj and not isinstance(obj["sample"], dict):
+        raise _invalid(f'Line {lineno}: \'sample\' must be an object, such as {{"output_text": "..."}}.')
+    return set(obj["item"]), "eval_item"
+
+
+LINE_CHECKS = {"fine-tune": check_line, "evals": check_eval_line, "user_data": check_eval_line}
+"""Each purpose's line check."""
+
+
 # What a line may be: UTF-8 JSON (service.core.strictjson's), an object, no deeper than MAX_DEPTH.
 MAX_DEPTH = 100  # levels of nested arrays and objects in one line; a dataset line needs a few
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -313,7 +340,13 @@ def _too_long(lineno: int, limit: int) -> str:
 
 
 def store_jsonl(
-    source: IO[bytes], *, dest: Path, max_bytes: int, max_line_bytes: int, chunk: int = 1 << 20
+    source: IO[bytes],
+    *,
+    dest: Path,
+    max_bytes: int,
+    max_line_bytes: int,
+    chunk: int = 1 << 20,
+    purpose: str = "fine-tune",
 ) -> UploadSummary:
     """Copy ``source`` to ``dest`` while validating it line by line.
 
@@ -325,7 +358,9 @@ def store_jsonl(
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
-            summary = copy_jsonl(source, out, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk)
+            summary = copy_jsonl(
+                source, out, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk, purpose=purpose
+            )
         tmp.replace(dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -334,12 +369,19 @@ def store_jsonl(
 
 
 def copy_jsonl(
-    source: IO[bytes], out: Any, *, max_bytes: int, max_line_bytes: int, chunk: int = 1 << 20
+    source: IO[bytes],
+    out: Any,
+    *,
+    max_bytes: int,
+    max_line_bytes: int,
+    chunk: int = 1 << 20,
+    purpose: str = "fine-tune",
 ) -> UploadSummary:
     """Copy ``source`` to ``out`` (anything with ``write(bytes)``: a file, an object store's
     multipart upload) a block at a time while validating it line by line; a 400 or 413 at the first
     fault, with what was written so far left to the caller to discard."""
     summary = UploadSummary()
+    check = LINE_CHECKS[purpose]
     blank_at: int | None = None
     for lineno, raw in _read_lines(
         source, out, summary, max_bytes=max_bytes, max_line_bytes=max_line_bytes, chunk=chunk
@@ -351,7 +393,7 @@ def copy_jsonl(
             continue
         if blank_at is not None:
             raise _invalid(f"Line {blank_at} is empty; remove blank lines.")
-        summary.add(summary.lines + 1, *check_line(parse_line(raw, lineno), lineno))
+        summary.add(summary.lines + 1, *check(parse_line(raw, lineno), lineno))
         summary.lines += 1
     if summary.lines == 0:
         raise _invalid("The file is empty: it needs at least one JSONL line.")

@@ -42,7 +42,14 @@ from service.infra import egress, outbound
 
 log = logging.getLogger("rloo.webhooks")
 
-OPENAI_EVENT_TYPES = ("fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
+OPENAI_EVENT_TYPES = (
+    "fine_tuning.job.succeeded",
+    "fine_tuning.job.failed",
+    "fine_tuning.job.cancelled",
+    "eval.run.succeeded",
+    "eval.run.failed",
+    "eval.run.canceled",
+)
 OUR_EVENT_TYPES = ("fine_tuning.job.paused", "fine_tuning.job.checkpoint.created")
 EVENT_TYPES = OPENAI_EVENT_TYPES + OUR_EVENT_TYPES
 RETRIED_STATUSES = frozenset({408, 429})
@@ -104,8 +111,13 @@ def event(event_type: str, job_id: str, **data: Any) -> dict[str, Any]:
 def enqueue(session: Session, job: Job, event_type: str, **data: Any) -> int:
     """One delivery of ``event_type`` for ``job`` to each of its project's endpoints that take
     it, added to ``session`` (committed with the change that caused it). Returns how many."""
-    endpoints = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.project_seq == job.project_seq))
-    payload = event(event_type, job.id, **data)
+    return enqueue_for(session, job.project_seq, job.id, event_type, **data)
+
+
+def enqueue_for(session: Session, project_seq: int, object_id: str, event_type: str, **data: Any) -> int:
+    """``enqueue`` for any object of a project (an eval run: ``eval.run.succeeded``)."""
+    endpoints = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.project_seq == project_seq))
+    payload = event(event_type, object_id, **data)
     count = 0
     for endpoint in endpoints:
         if event_type in (endpoint.event_types or ()):

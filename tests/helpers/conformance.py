@@ -42,8 +42,23 @@ def _differ_on_purpose(schemas: dict[str, Any]) -> None:
         "required": ["grader"],
     }
     # An empty page has no first or last id.
-    for name in ("first_id", "last_id"):
-        schemas["ListFilesResponse"]["properties"][name] = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    for listing in ("ListFilesResponse", "EvalList", "EvalRunList", "EvalRunOutputItemList"):
+        for name in ("first_id", "last_id"):
+            schemas[listing]["properties"][name] = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    # Files of an eval's items: purpose `evals` (OpenAI's own, which its file schema does not list).
+    schemas["OpenAIFile"]["properties"]["purpose"]["enum"].append("evals")
+    # An eval's testing criteria may be our graders too (a reward model, an http endpoint, a multi).
+    criteria = schemas["Eval"]["properties"]["testing_criteria"]["items"]
+    ours = {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {"type": {"enum": ["reward_model", "http", "multi"]}},
+    }
+    schemas["Eval"]["properties"]["testing_criteria"]["items"] = {"anyOf": [criteria, ours]}
+    # A template message fits both of the schema's message forms (EasyInputMessage and EvalItem),
+    # which its oneOf forbids: any one of them.
+    template = schemas["CreateEvalCompletionsRunDataSource"]["properties"]["input_messages"]["oneOf"][0]
+    template["properties"]["template"]["items"] = {"anyOf": template["properties"]["template"]["items"]["oneOf"]}
 
 
 def _rewrite(node: Any) -> Any:
@@ -105,6 +120,16 @@ ROUTES: list[tuple[str, str, str]] = [
     ("GET", "/v1/fine_tuning/jobs/*/checkpoints", "ListFineTuningJobCheckpointsResponse"),
     ("POST", "/v1/fine_tuning/alpha/graders/validate", "ValidateGraderResponse"),
     ("POST", "/v1/fine_tuning/alpha/graders/run", "RunGraderResponse"),
+    ("POST", "/v1/evals", "Eval"),
+    ("GET", "/v1/evals", "EvalList"),
+    ("GET", "/v1/evals/*", "Eval"),
+    ("POST", "/v1/evals/*", "Eval"),
+    ("POST", "/v1/evals/*/runs", "EvalRun"),
+    ("GET", "/v1/evals/*/runs", "EvalRunList"),
+    ("GET", "/v1/evals/*/runs/*", "EvalRun"),
+    ("POST", "/v1/evals/*/runs/*", "EvalRun"),
+    ("GET", "/v1/evals/*/runs/*/output_items", "EvalRunOutputItemList"),
+    ("GET", "/v1/evals/*/runs/*/output_items/*", "EvalRunOutputItem"),
 ]
 """Which of OpenAI's schemas the answer of each of our routes must meet (errors: ``ErrorResponse``)."""
 

@@ -101,7 +101,7 @@ def test_an_evaluation_past_its_time_budget_fails_saying_so(env, monkeypatch) ->
     assert _claim(monkeypatch) == e
     with session_scope() as session:
         seq = session.query(Evaluation).filter(Evaluation.id == e).one().seq
-    run = evaluate.EvaluationRun(Worker(), seq, None, [{}], [], {}, [], ends_at=time.time() - 1)
+    run = evaluate.EvaluationRun(Worker(), seq, None, [{}], [], {}, ends_at=time.time() - 1)  # type: ignore[arg-type]
     assert run.step() is False
     with session_scope() as session:
         row = session.query(Evaluation).filter(Evaluation.id == e).one()

@@ -1,7 +1,14 @@
-"""An evaluation on an inference worker: each model of it (the job's starting model, then the
-checkpoints asked for) answers the file's first ``samples`` lines once, sampled as the job samples, and
-is scored by the grader the job trained with (or the one given). A model's row holds its reward's mean
-and standard error, each grader's mean, and the mean completion length in tokens.
+"""The evaluation engine, on an inference worker. It runs two kinds of work, one loop:
+
+* a job's checkpoint evaluation: each model of it (the job's starting model, then the checkpoints
+  asked for) answers the file's first ``samples`` lines once, sampled as the job samples, and is
+  scored by the grader the job trained with (or the one given). A model's row holds its reward's
+  mean and standard error, each grader's mean, and the mean completion length in tokens;
+* an eval's run (OpenAI's Evals API, ``service.evals``): its model answers each item (or the items'
+  own samples are taken), every testing criterion grades it, and each item is written as an output
+  item with the run's counts; the run's end sends its ``eval.run.*`` webhook.
+
+``worker.serving.eval_scoring`` holds what differs between them; this module the loop they share.
 
 The work goes a chunk of lines at a time (``CHUNK``), and none of it holds the serving loop:
 
@@ -24,26 +31,29 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 
 from service import graders
 from service.core.db import session_scope
+from service.core.errors import DomainError
 from service.core.settings import get_settings, tenant_safe
-from service.core.tables import Evaluation, File, Job, Project
+from service.core.tables import Eval, EvalOutputItem, Evaluation, File, Job, Project
+from service.evals import criteria as criteria_
+from service.evals import items as items_
 from service.graders import GradeResult
 from service.infra import outbound
 from service.infra.artifacts import open_store
 from service.infra.inference_bus import MAX_BYTES_PER_TOKEN
 from worker.engine.errors import JobError
 from worker.serving.decode import Row
+from worker.serving.eval_scoring import Answers, CheckpointScoring, RunScoring
 from worker.serving.model_cache import Servable
 
 log = logging.getLogger("rloo.serve")
@@ -68,23 +78,20 @@ def claim_next(server: Any) -> EvaluationRun | None:
     waiting = or_(Evaluation.status == "queued", (Evaluation.status == "running") & ~live)
     with session_scope() as session:
         busy = (
-            select(Job.project_seq)
-            .join(Evaluation, Evaluation.job_seq == Job.seq)
+            select(Evaluation.project_seq)
             .where(live)
-            .group_by(Job.project_seq)
+            .group_by(Evaluation.project_seq)
             .having(func.count() >= settings.evaluations_per_project)
         )
         last = (
-            select(Job.project_seq, func.max(Evaluation.started_at).label("at"))
-            .join(Evaluation, Evaluation.job_seq == Job.seq)
-            .group_by(Job.project_seq)
+            select(Evaluation.project_seq, func.max(Evaluation.started_at).label("at"))
+            .group_by(Evaluation.project_seq)
             .subquery()
         )
         seq = session.scalar(
             select(Evaluation.seq)
-            .join(Job, Job.seq == Evaluation.job_seq)
-            .outerjoin(last, last.c.project_seq == Job.project_seq)
-            .where(waiting, Job.project_seq.not_in(busy))
+            .outerjoin(last, last.c.project_seq == Evaluation.project_seq)
+            .where(waiting, Evaluation.project_seq.not_in(busy))
             .order_by(func.coalesce(last.c.at, 0), Evaluation.seq)
             .limit(1)
         )
@@ -107,8 +114,12 @@ def claim_next(server: Any) -> EvaluationRun | None:
             return None
         evaluation = session.get(Evaluation, seq, populate_existing=True)
         assert evaluation is not None
-        job = session.get(Job, evaluation.job_seq)
-        file = session.scalar(select(File).where(File.id == evaluation.file_id))
+        session.execute(delete(EvalOutputItem).where(EvalOutputItem.run_seq == seq))  # a run taken again starts over
+        session.commit()
+        job = session.get(Job, evaluation.job_seq) if evaluation.job_seq is not None else None
+        file = session.scalar(
+            select(File).where(File.id == evaluation.file_id, File.project_seq == evaluation.project_seq)
+        )
         try:
             return EvaluationRun.start(server, session, evaluation, job, file)
         except Exception as exc:  # a model gone since, a file that no longer parses: this evaluation's end
@@ -131,74 +142,32 @@ def first_items(path: Path, samples: int) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Tally:
-    """One model's sums so far."""
-
-    model: str
-    step_number: int | None
-    n: int = 0
-    total: float = 0.0
-    squares: float = 0.0
-    tokens: int = 0
-    unscored: int = 0
-    graders: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum, count]
-
-    def row(self) -> dict[str, Any]:
-        mean = self.total / self.n if self.n else None
-        error = None
-        if self.n > 1 and mean is not None:
-            variance = max(0.0, (self.squares - self.n * mean * mean) / (self.n - 1))
-            error = math.sqrt(variance / self.n)
-        return {
-            "model": self.model,
-            "step_number": self.step_number,
-            "reward_mean": mean,
-            "reward_std_error": error,
-            "grader_means": {k: s / c if c else None for k, (s, c) in self.graders.items()},
-            "completion_length_mean": self.tokens / (self.n + self.unscored) if self.n + self.unscored else None,
-            "samples": self.n,
-            "unscored": self.unscored,
-        }
-
-    def add(self, result: GradeResult, rows: list[Row]) -> None:
-        for i, reward in enumerate(result.rewards):
-            self.tokens += rows[i].sampled
-            if not math.isfinite(reward):
-                self.unscored += 1
-                continue
-            self.n += 1
-            self.total += reward
-            self.squares += reward * reward
-        for name, column in result.sub_rewards.items():
-            sums = self.graders.setdefault(name, [0.0, 0.0])
-            for value in column:
-                if math.isfinite(value):
-                    sums[0] += value
-                    sums[1] += 1
-
-
-@dataclass
 class Chunk:
-    """Lines of one model being answered: decoding (``steps``, on ``loaded``), then grading."""
+    """Lines of one model being answered: decoding (``steps``, on ``loaded``), then grading. A run
+    without a model has no rows: its lines' own answers are graded at once."""
 
     index: int  # which model
-    items: list[dict[str, Any]]
+    items: list[Any]
     prompts: list[str]
     rows: list[Row]
     loaded: Any = None
     steps: Iterator[Any] | None = None
-    grading: Future[GradeResult] | None = None
+    grading: Future[Any] | None = None
+    given: list[str] | None = None  # the lines' own answers, where no model answers
+
+    def answers(self) -> Answers:
+        texts = self.given if self.given is not None else [r.text for r in self.rows]
+        return Answers(self.index, self.items, self.prompts, texts, self.rows)
 
 
 @dataclass
 class EvaluationRun:
     server: Any
     seq: int
-    grader: Any
-    items: list[dict[str, Any]]
+    scoring: CheckpointScoring | RunScoring
+    items: list[Any]
     models: list[tuple[dict[str, Any], Servable]]
     settings: dict[str, Any]
-    tallies: list[Tally]
     ends_at: float  # wall clock: its time budget, from its first start
     lane: str = "_"  # its project's id: its turn on the worker's background thread
     position: int = 0  # lines done over all models
@@ -211,27 +180,33 @@ class EvaluationRun:
         from service.registry import weights
 
         settings = get_settings()
-        grader = graders.parse_grader(evaluation.grader, allow_python=settings.allow_python_grader)
-        if file is None:
-            raise JobError("file_not_found", f"the file {evaluation.file_id} is gone")
-        items = first_items(open_store(settings).fetch_file(file.path), int(evaluation.settings["samples"]))
+        scoring: CheckpointScoring | RunScoring
+        items: list[Any]
+        if evaluation.eval_seq is not None:
+            scoring, items = _run_scoring(session, evaluation, file, settings)
+        else:
+            assert evaluation.grader is not None
+            if file is None:
+                raise JobError("file_not_found", f"the file {evaluation.file_id} is gone")
+            items = first_items(open_store(settings).fetch_file(file.path), int(evaluation.settings["samples"]))
+            grader = graders.parse_grader(evaluation.grader, allow_python=settings.allow_python_grader)
+            scoring = CheckpointScoring(grader, evaluation.models)
         if not items:
             raise JobError("empty_file", f"the file {evaluation.file_id} has no lines to evaluate on")
         models = []
         for entry in evaluation.models:
             wire = weights.resolve(
-                session, settings, project_seq=job.project_seq, name=entry["model"], include_deleted=True
+                session, settings, project_seq=evaluation.project_seq, name=entry["model"], include_deleted=True
             )
             models.append((entry, Servable.from_wire(wire)))
-        tallies = [Tally(entry["model"], entry["step_number"]) for entry, _ in models]
         ends_at = float(evaluation.started_at or time.time()) + settings.evaluation_max_seconds
-        project = session.get(Project, job.project_seq)
+        project = session.get(Project, evaluation.project_seq)
         lane = project.id if project is not None else "_"
-        return cls(server, evaluation.seq, grader, items, models, dict(evaluation.settings), tallies, ends_at, lane)
+        return cls(server, evaluation.seq, scoring, items, models, dict(evaluation.settings), ends_at, lane)
 
     @property
     def total(self) -> int:
-        return len(self.items) * len(self.models)
+        return len(self.items) * max(1, len(self.models))
 
     @property
     def in_flight(self) -> Future[GradeResult] | None:
@@ -275,15 +250,16 @@ class EvaluationRun:
         return False
 
     def _next_chunk(self) -> Chunk:
-        from worker.engine.data import prompt_text
-
         index, start = divmod(self.position, len(self.items))
         items = self.items[start : start + CHUNK]
+        if not self.models:  # the lines' own answers: graded at once
+            given = [self.scoring.given_text(item) for item in items]
+            return Chunk(index, items, [""] * len(items), [], given=given)
         _, served = self.models[index]
         loaded, adapter = self.server.cache.get(served)
         tok, context = loaded.tokenizer, loaded.context
         budget = int(self.settings["max_tokens"])
-        prompts = [prompt_text(item, tok) for item in items]
+        prompts = [self.scoring.prompt(item, tok, start + i + 1) for i, item in enumerate(items)]
         rows = []
         for i, text in enumerate(prompts):
             if context is not None:  # a prompt keeps its last tokens, as training does: tokenize no more
@@ -312,7 +288,8 @@ class EvaluationRun:
         worker served other batches, which may have unloaded this chunk's model (whose memory the
         paused decoding would then keep past the worker's budget) or its adapter (its decoding
         fails): the chunk starts again (at most ``RESTARTS`` times on a failure)."""
-        assert chunk.steps is not None
+        if chunk.steps is None:
+            return False  # nothing to decode: the lines' own answers
         if not self.server.cache.holds(chunk.loaded):
             log.info("evaluation %s: its model was unloaded between turns; the chunk starts again", self.seq)
             chunk.steps = None  # let go of its KV cache and the unloaded weights
@@ -331,36 +308,30 @@ class EvaluationRun:
             self.chunk = self._next_chunk()
         return True
 
-    def _grade(self, chunk: Chunk) -> GradeResult:
-        """On the grading thread: the chunk's completions scored, within the evaluation's budget."""
-        from worker.engine.rewards.scoring import score_batch
-
-        models = self.server.scoring if graders.is_model_grader(self.grader) else contextlib.nullcontext()
+    def _grade(self, chunk: Chunk) -> Any:
+        """On the grading thread: the chunk's answers scored, within the evaluation's budget."""
+        models = self.server.scoring if self.scoring.needs_models else contextlib.nullcontext()
         with models, outbound.within(max(0.0, self.ends_at - time.time())):
-            return score_batch(
-                self.grader,
-                prompts=chunk.prompts,
-                texts=[r.text for r in chunk.rows],
-                items=chunk.items,
-                reward_models=self.server.rewards(),
-            )
+            return self.scoring.grade(chunk.answers(), self.server.rewards())
 
     def _graded(self, chunk: Chunk) -> bool:
         """The graded chunk counted and written; False once the evaluation has ended."""
         assert chunk.grading is not None
-        self.tallies[chunk.index].add(chunk.grading.result(), chunk.rows)  # its grader's error raises here
+        answers = chunk.answers()
+        outputs = self.scoring.count(answers, chunk.grading.result())  # its grader's error raises here
         self.position += len(chunk.items)
         self.chunk = None
         finished = self.position >= self.total
-        if not self._record(finished):
+        if not self._record(finished, outputs):
             log.info("evaluation %s was cancelled or taken by another worker; stopping", self.seq)
             return False
         return not finished
 
-    def _record(self, finished: bool) -> bool:
-        """The results so far; False when the evaluation is no longer this worker's to run."""
+    def _record(self, finished: bool, outputs: list[dict[str, Any]]) -> bool:
+        """The results so far (and the chunk's output items, in the same transaction); False when
+        the evaluation is no longer this worker's to run."""
         values: dict[str, Any] = {
-            "results": [t.row() for t in self.tallies],
+            **self.scoring.values(),
             "done": self.position,
             "total": self.total,
             "heartbeat_at": time.time(),
@@ -370,8 +341,53 @@ class EvaluationRun:
         with session_scope() as session:
             mine = (Evaluation.seq == self.seq) & (Evaluation.worker == self.server.worker)
             written = session.execute(update(Evaluation).where(mine, Evaluation.status == "running").values(**values))
+            if not written.rowcount:  # type: ignore[attr-defined]
+                session.rollback()
+                return False
+            session.add_all(EvalOutputItem(run_seq=self.seq, **row) for row in outputs)
+            if finished:
+                _announce(session, self.seq, "succeeded")
             session.commit()
-        return bool(written.rowcount)  # type: ignore[attr-defined]
+        return True
+
+
+def _run_scoring(
+    session: Any, evaluation: Evaluation, file: Any, settings: Any
+) -> tuple[RunScoring, list[items_.Item]]:
+    """An eval run's scoring and its items, every line checked against the eval's item schema
+    (the API checked the first ones; a later line that does not fit fails the run, naming it)."""
+    from service.evals import creation, spec
+
+    e = session.get(Eval, evaluation.eval_seq)
+    if e is None:
+        raise JobError("eval_deleted", "the eval of this run was deleted")
+    criteria = creation.parsed_criteria(e, settings)
+    source = evaluation.data_source or {}
+    needs_sample = not evaluation.models and criteria_.reads_sample(criteria)
+    schema = spec.item_schema(e.data_source_config)
+    if evaluation.items_inline is not None:
+        lines: Any = enumerate(evaluation.items_inline)
+        where = "item {n} of the content"
+    elif file is None:
+        raise JobError("file_not_found", f"the file {evaluation.file_id} is gone")
+    else:
+        lines = items_.file_lines(open_store(settings).fetch_file(file.path))
+        where = f"line {{n}} of file {file.id}"
+    try:
+        items = items_.check(lines, schema, where=where, param="data_source", needs_sample=needs_sample)
+    except DomainError as exc:
+        raise JobError(exc.code or "invalid_item", exc.message) from None
+    model = evaluation.models[0]["model"] if evaluation.models else None
+    return RunScoring(criteria, model, source.get("input_messages"), dict(evaluation.settings)), items
+
+
+def _announce(session: Any, seq: int, status: str) -> None:
+    """An eval run's end, as its webhook (nothing for a checkpoint evaluation)."""
+    from service.evals import runs
+
+    row = session.get(Evaluation, seq)
+    if row is not None:
+        runs.ended(session, row, status)
 
 
 def touch(seq: int, worker: str) -> bool:
@@ -387,11 +403,13 @@ def touch(seq: int, worker: str) -> bool:
 def _fail(seq: int, worker: str, code: str, message: str) -> None:
     """The evaluation failed, unless it is no longer this worker's."""
     with session_scope() as session:
-        session.execute(
+        failed = session.execute(
             update(Evaluation)
             .where(Evaluation.seq == seq, Evaluation.worker == worker, Evaluation.status == "running")
             .values(
                 status="failed", error={"code": code, "message": tenant_safe(message)}, finished_at=int(time.time())
             )
         )
+        if failed.rowcount:  # type: ignore[attr-defined]
+            _announce(session, seq, "failed")
         session.commit()

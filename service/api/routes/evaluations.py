@@ -22,8 +22,8 @@ from service.api.schemas.evaluations import EvaluationCreate
 from service.core.db import ends_session
 from service.core.errors import DomainError, bad_request, not_found
 from service.core.tables import Checkpoint, Evaluation, Job
+from service.evals import runs as evaluations
 from service.files.datasets import first_line_not
-from service.jobs import evaluations
 from service.jobs.creation import fine_tune_file
 from service.jobs.spec import check_grader_models, check_item_keys
 from service.registry import weights

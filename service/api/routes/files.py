@@ -10,7 +10,6 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Header, UploadFile
 from fastapi.responses import FileResponse, Response, StreamingResponse
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from service.api.deps import FilePagingDep, ProjectDep, SessionDep, SettingsDep
@@ -21,15 +20,14 @@ from service.core import crud
 from service.core.db import ends_session, write_lock
 from service.core.errors import bad_request, not_found
 from service.core.settings import Settings
-from service.core.tables import Evaluation, File, Job, new_id
-from service.files.datasets import UploadSummary, copy_jsonl, store_jsonl
+from service.core.tables import Evaluation, File, new_id
+from service.evals import runs as evaluations
+from service.files.datasets import PURPOSES, UploadSummary, copy_jsonl, store_jsonl
 from service.files.upload_sweep import confined, staged_path
 from service.infra.artifacts import S3Store, open_store
-from service.jobs import evaluations, idempotency, lifecycle
+from service.jobs import idempotency, lifecycle
 
 router = APIRouter(prefix="/v1/files", route_class=StrictJSONRoute, tags=["files"])
-
-PURPOSES = ("fine-tune",)
 
 
 def file_object(f: File) -> dict[str, Any]:
@@ -55,7 +53,7 @@ def create_file(
     project: ProjectDep,
     settings: SettingsDep,
     file: UploadFile,
-    purpose: Annotated[str, Form(description="fine-tune")],
+    purpose: Annotated[str, Form(description="fine-tune, or evals (an eval's items)")],
     idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
 ) -> JSON:
     key = idempotency.check_key(idempotency_key)
@@ -67,7 +65,9 @@ def create_file(
     rel = f"files/{project.id}/{file_id}.jsonl"
     store = open_store(settings)
     staged: _StagedLocal | _StagedRemote = (
-        _stage_remote(file, settings, store, rel) if isinstance(store, S3Store) else _stage_local(file, settings, rel)
+        _stage_remote(file, settings, store, rel, purpose)
+        if isinstance(store, S3Store)
+        else _stage_local(file, settings, rel, purpose)
     )
     summary = staged.summary
     row = File(
@@ -138,11 +138,15 @@ class _StagedLocal:
                 raise
 
 
-def _stage_local(file: UploadFile, settings: Settings, rel: str) -> _StagedLocal:
+def _stage_local(file: UploadFile, settings: Settings, rel: str, purpose: str) -> _StagedLocal:
     dest = confined(settings.artifacts_dir, rel)
     staged = staged_path(dest, Path(rel).stem)  # (the stem is the file's id)
     summary = store_jsonl(
-        file.file, dest=staged, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+        file.file,
+        dest=staged,
+        max_bytes=settings.max_upload_bytes,
+        max_line_bytes=settings.max_line_bytes,
+        purpose=purpose,
     )
     return _StagedLocal(summary, staged, dest)
 
@@ -166,11 +170,15 @@ class _StagedRemote:
         """Nothing left to do: the object was complete before its row."""
 
 
-def _stage_remote(file: UploadFile, settings: Settings, store: S3Store, rel: str) -> _StagedRemote:
+def _stage_remote(file: UploadFile, settings: Settings, store: S3Store, rel: str, purpose: str) -> _StagedRemote:
     upload = store.upload(rel)
     try:
         summary = copy_jsonl(
-            file.file, upload, max_bytes=settings.max_upload_bytes, max_line_bytes=settings.max_line_bytes
+            file.file,
+            upload,
+            max_bytes=settings.max_upload_bytes,
+            max_line_bytes=settings.max_line_bytes,
+            purpose=purpose,
         )
         upload.complete()
     except BaseException:
@@ -252,7 +260,7 @@ def delete_file(session: SessionDep, project: ProjectDep, settings: SettingsDep,
         evaluations.cancel(
             session,
             Evaluation.file_id == f.id,
-            Evaluation.job_seq.in_(select(Job.seq).where(Job.project_seq == project.seq)),
+            Evaluation.project_seq == project.seq,
             code="file_deleted",
             message=f"The file {f.id} it read was deleted.",
         )

@@ -26,8 +26,8 @@ from service.core.crud import Caller
 from service.core.db import ends_session
 from service.core.errors import Invalid, model_not_found
 from service.core.tables import Evaluation, Job, now
+from service.evals import runs as evaluations
 from service.infra.artifacts import open_store
-from service.jobs import evaluations
 from service.jobs.lifecycle import JobStatus
 from service.registry import export_dirs, finetuned, inspection, model_ids
 from service.registry.model_root import list_models
@@ -125,6 +125,7 @@ def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, mode
     evaluations.cancel(
         session, Evaluation.job_seq == job.seq, code="model_deleted", message=f"The model {model_id} was deleted."
     )
+    evaluations.cancel_for_model(session, project.seq, model_id)
     session.commit()
     try:  # its merged copies (made again if asked, while the checkpoints remain)
         export_dirs.remove_job_exports(open_store(settings), settings.artifacts_dir, job.id)
