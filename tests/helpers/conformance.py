@@ -128,6 +128,7 @@ ROUTES: list[tuple[str, str, str]] = [
     ("GET", "/v1/evals/*/runs", "EvalRunList"),
     ("GET", "/v1/evals/*/runs/*", "EvalRun"),
     ("POST", "/v1/evals/*/runs/*", "EvalRun"),
+    ("POST", "/v1/evals/*/runs/*/cancel", "EvalRun"),
     ("GET", "/v1/evals/*/runs/*/output_items", "EvalRunOutputItemList"),
     ("GET", "/v1/evals/*/runs/*/output_items/*", "EvalRunOutputItem"),
 ]

@@ -214,7 +214,10 @@ def read_run(session: SessionDep, project: ProjectDep, request: Request, eval_id
     return JSON(run_object(_run(session, e, run_id), e, str(request.base_url)))
 
 
-@router.post("/{eval_id}/runs/{run_id}", summary="Cancel a run")
+@router.post("/{eval_id}/runs/{run_id}/cancel", summary="Cancel a run")
+@router.post(
+    "/{eval_id}/runs/{run_id}", summary="Cancel a run (OpenAI's reference names this path; its SDK adds /cancel)"
+)
 @ends_session
 def cancel_run(session: SessionDep, project: ProjectDep, request: Request, eval_id: str, run_id: str) -> JSON:
     """queued or in progress -> canceled (its worker stops within a heartbeat, its output items so
