@@ -8,13 +8,14 @@ the processes that train):
 * ``stack``: ``rloo up``, the local stack as child processes;
 * ``training``: ``rloo train``, ``rloo score``, ``rloo demo`` (``demo`` holds the demo itself);
 * ``client``: ``rloo files|jobs|checkpoints|graders …``, any server over HTTP (``http``: the
-  requests and streams; ``watch``: ``rloo jobs watch``); ``evaluations``: ``rloo evals …``;
+  requests and streams; ``watch``: ``rloo jobs watch``); ``evaluations``: ``rloo jobs evaluations …``;
+  ``evals``: ``rloo evals …`` (OpenAI's Evals API);
   ``tinker``: ``rloo tinker runs|checkpoints``.
 """
 
 from __future__ import annotations
 
-from worker.cli import admin, client, evaluations, serve, stack, tinker, training  # noqa: F401 (each registers its commands)
+from worker.cli import admin, client, evals, evaluations, serve, stack, tinker, training  # noqa: F401 (each registers its commands)
 from worker.cli.app import app
 
 

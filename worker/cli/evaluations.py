@@ -1,5 +1,6 @@
-"""``rloo evals create|list|get|cancel``: a job's checkpoints evaluated on a file by the server's inference
-workers (``POST /v1/fine_tuning/jobs/{id}/evaluations``), printed as a table a model a row."""
+"""``rloo jobs evaluations create|list|get|cancel``: a job's checkpoints evaluated on a file by the
+server's inference workers (``POST /v1/fine_tuning/jobs/{id}/evaluations``, the path it mirrors),
+printed as a table a model a row. (``rloo evals`` is OpenAI's Evals API: ``worker.cli.evals``.)"""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ from typing import Annotated, Any
 
 import typer
 
-from worker.cli.app import app
-from worker.cli.client import ApiKey, BaseUrl, JobId, _show, _table, upload
+from worker.cli.client import ApiKey, BaseUrl, JobId, _show, _table, jobs_app, upload
 from worker.cli.http import Api
 
 evals_app = typer.Typer(help="Evaluate a job's checkpoints (over HTTP).", no_args_is_help=True, rich_markup_mode=None)
-app.add_typer(evals_app, name="evals")
+jobs_app.add_typer(evals_app, name="evaluations")
 
 COLUMNS = ["model", "step_number", "reward_mean", "reward_std_error", "completion_length_mean", "samples"]
 
@@ -51,7 +51,7 @@ def evals_create(
 
     \b
     Example:
-      rloo evals create ftjob-abc123 --file examples/demo/valid.jsonl --samples 50
+      rloo jobs evaluations create ftjob-abc123 --file examples/demo/valid.jsonl --samples 50
     """
     api = Api(base_url, api_key)
     file_id = upload(api, Path(file))["id"] if Path(file).is_file() else file
