@@ -98,6 +98,25 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             shot = Path(os.environ.get("RLOO_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
             page.screenshot(path=str(shot.with_name(shot.stem + "-evaluation.png")), full_page=True)
 
+            # An eval's runs side by side (the job's starting model, and the lines' own answers), drawn as
+            # bars of their pass rates; the job page shows its model's run.
+            runs = _eval_with_two_runs(http)
+            page.goto(stack.url + f"/dashboard/#/evals/{runs[0]['eval_id']}")
+            for run in runs:
+                row = f"#eval-runs tr[data-run='{run['id']}']"
+                page.wait_for_selector(f"{row} .status-completed", timeout=30_000)
+                shares = page.eval_on_selector_all(f"{row} td.pass", "cells => cells.map(c => Number(c.dataset.share))")
+                counts = run["result_counts"]
+                wanted = [counts["passed"] / counts["total"]] + [
+                    r["passed"] / (r["passed"] + r["failed"]) for r in run["per_testing_criteria_results"]
+                ]
+                assert shares == pytest.approx(wanted, abs=1e-4), (shares, run)
+            page.wait_for_selector("#output-items td.status-pass")
+            page.screenshot(path=str(shot.with_name(shot.stem + "-eval.png")), full_page=True)
+            page.goto(stack.url + f"/dashboard/#/jobs/{job_id}")
+            page.wait_for_selector(f"#job-eval-table tr[data-run='{runs[0]['id']}']")
+            assert page.locator(f"#job-eval-table tr[data-run='{runs[1]['id']}']").count() == 0  # not its model's
+
             # The files page and the grader playground.
             page.goto(stack.url + "/dashboard/#/files")
             page.wait_for_selector(f"#files td >> text={file_id}")
@@ -108,6 +127,51 @@ def test_the_dashboard_follows_a_job_live_in_a_real_browser(tmp_path: Path, mode
             assert problems == [], problems
     finally:
         scorer.close()
+
+
+def _eval_with_two_runs(http: httpx.Client) -> list[dict[str, Any]]:
+    """An eval, a run of it answered by tiny-policy and one of the lines' own answers, both ended."""
+    schema = {"type": "object", "properties": {"q": {"type": "string"}, "a": {"type": "string"}}}
+    exact = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.a }}",
+        "operation": "eq",
+    }
+    near = {
+        "type": "text_similarity",
+        "name": "near",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.a }}",
+        "evaluation_metric": "fuzzy_match",
+        "pass_threshold": 0.5,
+    }
+    body = {
+        "name": "colours",
+        "data_source_config": {"type": "custom", "item_schema": schema},
+        "testing_criteria": [exact, near],
+    }
+    e = http.post("/evals", json=body).json()
+    lines = [{"item": {"q": "Sky?", "a": "blue"}, "sample": {"output_text": a}} for a in ("blue", "blu", "red")]
+    sources = [
+        {
+            "type": "completions",
+            "model": "tiny-policy",
+            "source": {"type": "file_content", "content": lines[:2]},
+            "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{ item.q }}"}]},
+            "sampling_params": {"max_completion_tokens": 4},
+        },
+        {"type": "jsonl", "source": {"type": "file_content", "content": lines}},
+    ]
+    runs = [http.post(f"/evals/{e['id']}/runs", json={"data_source": s}).json() for s in sources]
+    deadline = time.monotonic() + 60
+    while any(r["status"] != "completed" for r in runs):
+        assert time.monotonic() < deadline, runs
+        time.sleep(0.3)
+        runs = [http.get(f"/evals/{e['id']}/runs/{r['id']}").json() for r in runs]
+    assert runs[1]["result_counts"] == {"total": 3, "errored": 0, "failed": 2, "passed": 1}
+    return runs
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium: .ci/system-packages installs it")

@@ -1,6 +1,6 @@
 // The dashboard: the service's own API, read with the key typed once (kept in this tab's
 // sessionStorage, sent as a Bearer header, never in a URL). Pages by the URL's hash:
-// #/jobs, #/jobs/<id>, #/tinker, #/tinker/<run>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
+// #/jobs, #/jobs/<id>, #/evals, #/evals/<id>, #/tinker, #/tinker/<run>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
 // API's event streams, read with fetch (EventSource cannot send a header), resumed after the last id
 // when a connection drops.
 "use strict";
@@ -178,8 +178,9 @@ async function jobPage(jobId, signal) {
   const checkpoints = el("table", { id: "checkpoints" });
   const samples = el("table", { class: "samples", id: "samples" });
   const evaluation = evaluationPanel(job, signal);
+  const evalRuns = el("div", { id: "job-eval-runs" });
   root.append(head, charts.node, el("h2", { text: "Events" }), events, el("h2", { text: "Checkpoints" }), checkpoints,
-    el("h2", { text: "Evaluations" }), evaluation.panel,
+    el("h2", { text: "Evaluations" }), evaluation.panel, el("h2", { text: "Eval runs of its models" }), evalRuns,
     ...(reinforcement ? [el("h2", { text: "What the reward looks like" }), samples] : []));
 
   const refresh = async () => {
@@ -192,6 +193,7 @@ async function jobPage(jobId, signal) {
   const later = debounce(() => refresh().catch(() => {}), 400);
   await refresh();
   evaluation.refresh();
+  showJobEvalRuns(evalRuns, job).catch(e => showError(evalRuns, e));
 
   follow(`/fine_tuning/jobs/${jobId}/metrics?stream=true`, row => charts.add(row), signal);
   follow(`/fine_tuning/jobs/${jobId}/events?stream=true`, event => {
@@ -354,6 +356,95 @@ async function listEvaluationFiles(select, start, job) {
   start.disabled = false;
 }
 
+// Evals (OpenAI's Evals API) --------------------------------------------------------------------------
+// An eval's runs side by side: a run a row, its pass rate overall and on each testing criterion,
+// each drawn as a bar (the share of items that passed) beside its figure.
+function passCell(passed, total) {
+  if (!total) return el("td", { text: "-" });
+  const share = passed / total;
+  return el("td", { class: "pass", "data-share": share.toFixed(4) },
+    el("span", { class: "bar" }, el("span", { class: "fill", style: `width:${(100 * share).toFixed(1)}%` })),
+    ` ${(100 * share).toFixed(1)}%`);
+}
+
+function runsTable(runs, criteria, { evalName = null } = {}) {
+  const head = [...(evalName ? ["eval"] : []), "run", "model", "status", "items", "passed", ...criteria];
+  const rows = runs.map(({ run, evalObj }) => {
+    const byName = Object.fromEntries(run.per_testing_criteria_results.map(r => [r.testing_criteria, r]));
+    const counts = run.result_counts;
+    return el("tr", { "data-run": run.id },
+      ...(evalName ? [el("td", {}, el("a", { href: `#/evals/${evalObj.id}`, text: evalObj.name }))] : []),
+      el("td", { text: run.id }), el("td", { text: run.model || "(the lines' samples)" }),
+      el("td", { class: `status-${run.status}`, text: run.status }),
+      el("td", { text: `${counts.total}/${run.progress ? run.progress.total : counts.total}` }),
+      passCell(counts.passed, counts.total),
+      ...criteria.map(name => byName[name] ? passCell(byName[name].passed, byName[name].passed + byName[name].failed) : el("td", { text: "" })));
+  });
+  return [el("tr", {}, ...head.map(h => el("th", { text: h }))), ...rows];
+}
+
+async function evalsPage() {
+  const root = el("section", {}, el("h1", { text: "Evals" }),
+    el("p", { class: "note", text: "OpenAI's Evals API (client.evals at this server's /v1): each eval's runs compare models on its testing criteria." }));
+  main().replaceChildren(root);
+  const evals = (await api("/evals?limit=100&order=desc")).data;
+  const table = el("table", { id: "evals" });
+  table.replaceChildren(el("tr", {}, ...["eval", "name", "testing criteria", "created"].map(h => el("th", { text: h }))),
+    ...evals.map(e => el("tr", {},
+      el("td", {}, el("a", { href: `#/evals/${e.id}`, text: e.id })), el("td", { text: e.name }),
+      el("td", { text: e.testing_criteria.map(c => c.name).join(", ") }), el("td", { text: time(e.created_at) }))),
+    ...(evals.length ? [] : [el("tr", {}, el("td", { text: "no eval in this project (POST /v1/evals)" }))]));
+  root.append(table);
+}
+
+async function evalPage(evalId, signal) {
+  const evalObj = await api(`/evals/${evalId}`);
+  const criteria = evalObj.testing_criteria.map(c => c.name);
+  const table = el("table", { id: "eval-runs" });
+  const items = el("table", { id: "output-items", class: "samples" });
+  const picked = el("p", { id: "items-of" });
+  const root = el("section", {}, el("h1", { text: `${evalObj.name} (${evalObj.id})` }),
+    el("p", { class: "note", text: `Testing criteria: ${criteria.join(", ")}. A bar is the share of items that passed.` }),
+    table, el("h2", { text: "Output items" }), picked, items);
+  main().replaceChildren(root);
+  const showItems = async runId => {
+    const data = (await api(`/evals/${evalId}/runs/${runId}/output_items?limit=50`)).data;
+    picked.textContent = `${runId}: its first ${data.length} items`;
+    items.replaceChildren(el("tr", {}, ...["item", "status", "answer", ...criteria].map(h => el("th", { text: h }))),
+      ...data.map(i => el("tr", {}, el("td", { text: i.datasource_item_id }), el("td", { class: `status-${i.status}`, text: i.status }),
+        el("td", { text: i.sample.output.map(m => m.content).join(" ") }),
+        ...criteria.map(name => { const r = i.results.find(x => x.name === name); return el("td", { text: r ? r.score.toFixed(3) : "" }); }))));
+  };
+  const draw = async () => {
+    const runs = (await api(`/evals/${evalId}/runs?limit=100`)).data;
+    table.replaceChildren(...runsTable(runs.map(run => ({ run, evalObj })), criteria));
+    for (const row of table.querySelectorAll("tr[data-run]")) row.onclick = () => showItems(row.dataset.run).catch(e => showError(root, e));
+    return runs;
+  };
+  const runs = await draw();
+  if (runs.length) await showItems(runs[runs.length - 1].id);
+  const timer = setInterval(() => draw().catch(e => showError(root, e)), 3000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+}
+
+// A job page's eval runs: every run of the project's evals whose model is the job's starting model,
+// its fine-tuned model or one of its checkpoints, side by side.
+async function showJobEvalRuns(node, job) {
+  const ours = m => m && (m === job.model || (job.fine_tuned_model && m === job.fine_tuned_model) || m.includes(`:${job.id}:ckpt-`) || m.endsWith(`:${job.id}`));
+  const evals = (await api("/evals?limit=100")).data;
+  const found = [];
+  for (const evalObj of evals) {
+    const runs = (await api(`/evals/${evalObj.id}/runs?limit=100`)).data.filter(r => ours(r.model));
+    found.push(...runs.map(run => ({ run, evalObj })));
+  }
+  if (!found.length) {
+    node.replaceChildren(el("p", { class: "note", text: `No eval run of ${job.model} or this job's models yet (POST /v1/evals/{id}/runs with a "completions" data source).` }));
+    return;
+  }
+  const criteria = [...new Set(found.flatMap(f => f.run.per_testing_criteria_results.map(r => r.testing_criteria)))];
+  node.replaceChildren(el("table", { id: "job-eval-table" }, ...runsTable(found, criteria, { evalName: true })));
+}
+
 async function download(jobId, ckpt) {
   const r = await fetch(`${API}/fine_tuning/jobs/${jobId}/checkpoints/${ckpt.id}/content`, { headers: headers() });
   if (!r.ok) { alert(`download failed: ${r.status}`); return; }
@@ -512,6 +603,8 @@ async function route() {
   const [, section, id] = (location.hash || "#/jobs").split("/");
   try {
     if (section === "jobs" && id) await jobPage(id, page.signal);
+    else if (section === "evals" && id) await evalPage(id, page.signal);
+    else if (section === "evals") await evalsPage();
     else if (section === "files") await filesPage();
     else if (section === "graders") gradersPage();
     else if (section === "fleet") await fleetPage(page.signal);
