@@ -46,7 +46,18 @@ def test_the_openai_pipeline_runs_unchanged_but_for_base_url_and_model_names(
         assert out.returncode == 0, out.stdout + out.stderr + stack.log_tail()
         print(out.stdout)
         result = json.loads(out.stdout.splitlines()[-1])
-        table = stack.cli("evals", "get", result["eval"], "--base-url", stack.url + "/v1", "--api-key", stack.key)
+        where = ("--base-url", stack.url + "/v1", "--api-key", stack.key)
+        # The same eval from the command line: a third run of the base model on a local file, waited for.
+        items = str(EXAMPLES / "migrating" / "eval_items.jsonl")
+        question = ("--template", "{{ item.question }}", "--temperature", "0", "--max-tokens", "8")
+        third = stack.cli(
+            "evals", "runs", "create", result["eval"], "--file", items, "--model", "tiny-policy", *question, *where
+        )
+        third_row = third.stdout.splitlines()[-1].split("\t")
+        assert third_row[1:4] == ["tiny-policy", "completed", "16"], third.stdout
+        failed = stack.cli("evals", "runs", "output-items", result["eval"], third_row[0], "--status", "fail", *where)
+        assert failed.stdout.splitlines()[0].split("\t") == ["item", "status", "output", "exact", "near"]
+        table = stack.cli("evals", "get", result["eval"], *where)
     ft = result["fine_tuned_model"]
     assert ft.startswith("ft:tiny-policy:") and result["reinforcement_job"] in ft
     assert set(result["pass_rates"]) == {"tiny-policy", ft}
@@ -57,5 +68,7 @@ def test_the_openai_pipeline_runs_unchanged_but_for_base_url_and_model_names(
     assert isinstance(result["chat"], str) and result["chat"]
     rows = [line.split("\t") for line in table.stdout.splitlines()]
     assert rows[0] == ["id", "model", "status", "items", "passed", "exact", "near"]
-    assert [(r[1], r[2], r[3]) for r in rows[1:]] == [("tiny-policy", "completed", "16"), (ft, "completed", "16")]
+    runs = [(r[1], r[2], r[3]) for r in rows[1:]]
+    assert runs == [("tiny-policy", "completed", "16"), (ft, "completed", "16"), ("tiny-policy", "completed", "16")]
+    assert rows[3][4:] == rows[1][4:]  # the base model, greedy, seed 42: the pipeline's run again
     print(table.stdout)
