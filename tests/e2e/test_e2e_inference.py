@@ -178,7 +178,15 @@ def test_an_evaluation_scores_the_starting_model_and_every_checkpoint_on_a_file(
     rows = evaluation["results"]
     # rloo jobs evaluations get prints the table: a model a row, each grader's mean a column.
     printed = stack.cli(
-        "jobs", "evaluations", "get", job["id"], evaluation["id"], "--base-url", stack.url + "/v1", "--api-key", stack.key
+        "jobs",
+        "evaluations",
+        "get",
+        job["id"],
+        evaluation["id"],
+        "--base-url",
+        stack.url + "/v1",
+        "--api-key",
+        stack.key,
     )
     lines = [line.split("\t") for line in printed.stdout.splitlines()]
     assert lines[0][:3] == ["model", "step_number", "reward_mean"] and lines[0][-1] == "answer"
