@@ -87,3 +87,15 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
             if found is not None:
                 return found
     return None
+
+
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's ``metadata`` limits (a pydantic field validator's body): at most 16 keys, keys of at
+    most 64 characters, values of at most 512."""
+    if v is not None:
+        if len(v) > 16:
+            raise ValueError("at most 16 keys")
+        for key, value in v.items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError("keys are at most 64 characters and values at most 512")
+    return v

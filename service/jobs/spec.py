@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from service import graders, tools
 from service.core.errors import bad_request
 from service.core.settings import Settings
-from service.core.validation import Strict
+from service.core.validation import Strict, check_metadata
 from service.files.datasets import first_line_not
 from service.jobs.hyperparameters import (
     HYPERPARAMETERS,
@@ -111,16 +111,7 @@ class JobCreate(Strict):
             raise ValueError("must not contain a NUL character (\\u0000)")
         return v
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None:
-            if len(v) > 16:
-                raise ValueError("at most 16 keys")
-            for key, value in v.items():
-                if len(key) > 64 or len(value) > 512:
-                    raise ValueError("keys are at most 64 characters and values at most 512")
-        return v
+    _metadata = field_validator("metadata")(check_metadata)
 
 
 def _other_methods_field(fields: list[str]) -> str | None:

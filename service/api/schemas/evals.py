@@ -7,17 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from service.core.validation import Strict
-
-
-def _metadata(v: dict[str, str] | None) -> dict[str, str] | None:
-    if v is not None:
-        if len(v) > 16:
-            raise ValueError("at most 16 keys")
-        for key, value in v.items():
-            if len(key) > 64 or len(value) > 512:
-                raise ValueError("keys are at most 64 characters and values at most 512")
-    return v
+from service.core.validation import Strict, check_metadata
 
 
 class EvalCreate(Strict):
@@ -26,14 +16,14 @@ class EvalCreate(Strict):
     data_source_config: dict[str, Any] = Field(description="{'type': 'custom', 'item_schema': {...}}")
     testing_criteria: list[Any] = Field(description="Graders, each with its pass_threshold where it takes one.")
 
-    _check_metadata = field_validator("metadata")(_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
 
 
 class EvalUpdate(Strict):
     name: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
 
-    _check_metadata = field_validator("metadata")(_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
 
 
 class EvalRunCreate(Strict):
@@ -41,4 +31,4 @@ class EvalRunCreate(Strict):
     metadata: dict[str, str] | None = None
     data_source: dict[str, Any] = Field(description="jsonl (items with their samples) or completions (a model).")
 
-    _check_metadata = field_validator("metadata")(_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
