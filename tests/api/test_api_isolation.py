@@ -34,6 +34,9 @@ FAKE = {
     "endpoint_id": "whep_" + "0" * 24,
     "delivery_id": "msg_" + "0" * 24,
     "evaluation_id": "fteval-" + "0" * 24,
+    "eval_id": "eval_" + "0" * 24,
+    "run_id": "evalrun_" + "0" * 24,
+    "output_item_id": "outputitem_" + "0" * 24,
 }
 
 # Every /v1 route that takes an id in its path, as the app declares it. test_the_matrix_covers_every_route
@@ -63,6 +66,17 @@ ID_ROUTES = [
     ("POST", "/v1/webhook_endpoints/{endpoint_id}/rotate_secret"),
     ("POST", "/v1/webhook_endpoints/{endpoint_id}/test"),
     ("GET", "/v1/webhook_endpoints/{endpoint_id}/deliveries"),
+    ("GET", "/v1/evals/{eval_id}"),
+    ("POST", "/v1/evals/{eval_id}"),
+    ("DELETE", "/v1/evals/{eval_id}"),
+    ("POST", "/v1/evals/{eval_id}/runs"),
+    ("GET", "/v1/evals/{eval_id}/runs"),
+    ("GET", "/v1/evals/{eval_id}/runs/{run_id}"),
+    ("POST", "/v1/evals/{eval_id}/runs/{run_id}"),
+    ("POST", "/v1/evals/{eval_id}/runs/{run_id}/cancel"),
+    ("DELETE", "/v1/evals/{eval_id}/runs/{run_id}"),
+    ("GET", "/v1/evals/{eval_id}/runs/{run_id}/output_items"),
+    ("GET", "/v1/evals/{eval_id}/runs/{run_id}/output_items/{output_item_id}"),
 ]
 # Every /v1 list paged with ?after=<id>, and the kind of id it takes.
 AFTER_ROUTES = {
@@ -73,6 +87,9 @@ AFTER_ROUTES = {
     "/v1/fine_tuning/jobs/{job_id}/evaluations": "evaluation_id",
     "/v1/webhook_endpoints": "endpoint_id",
     "/v1/webhook_endpoints/{endpoint_id}/deliveries": "delivery_id",
+    "/v1/evals": "eval_id",
+    "/v1/evals/{eval_id}/runs": "run_id",
+    "/v1/evals/{eval_id}/runs/{run_id}/output_items": "output_item_id",
 }
 
 
@@ -155,6 +172,7 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
         f"/v1/fine_tuning/jobs/{running['id']}/evaluations", headers=auth, json={"file": spare["id"]}
     )
     assert evaluation.status_code == 200, evaluation.text
+    eval_id, run_id, output_item_id = _eval_with_a_graded_item(client, auth)
     return {
         "files": [training["id"], spare["id"]],
         "jobs": [running["id"], paused["id"]],
@@ -167,7 +185,50 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
         "endpoint_id": endpoint_id,
         "delivery_id": delivery["id"],
         "evaluation_id": evaluation.json()["id"],
+        "eval_id": eval_id,
+        "run_id": run_id,
+        "output_item_id": output_item_id,
     }
+
+
+def _eval_with_a_graded_item(client: Any, auth: dict[str, str]) -> tuple[str, str, str]:
+    """An eval, a run of it (queued), and one output item as the worker makes it (its scoring)."""
+    from service.core.db import session_scope
+    from service.core.tables import EvalOutputItem, Evaluation
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    check = {
+        "type": "string_check",
+        "name": "s",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.a }}",
+        "operation": "eq",
+    }
+    e = client.post(
+        "/v1/evals",
+        headers=auth,
+        json={"data_source_config": {"type": "custom", "item_schema": schema}, "testing_criteria": [check]},
+    )
+    assert e.status_code == 200, e.text
+    content = [{"item": {"a": "x"}, "sample": {"output_text": "x"}}]
+    run = client.post(
+        f"/v1/evals/{e.json()['id']}/runs",
+        headers=auth,
+        json={"data_source": {"type": "jsonl", "source": {"type": "file_content", "content": content}}},
+    )
+    assert run.status_code == 200, run.text
+    from service.evals import criteria, items
+    from worker.serving.eval_scoring import Answers, RunScoring
+
+    scoring = RunScoring(criteria.parse([check], allow_python=False), None, None, {"temperature": 1, "max_tokens": 8})
+    answers = Answers(0, [items.Item(0, {"a": "x"}, {"output_text": "x"})], [""], ["x"], [])
+    (row,) = scoring.count(answers, scoring.grade(answers, None))
+    with session_scope() as session:
+        seq = session.query(Evaluation.seq).filter(Evaluation.id == run.json()["id"]).one()[0]
+        item = EvalOutputItem(run_seq=seq, **row)
+        session.add(item)
+        session.commit()
+        return e.json()["id"], run.json()["id"], item.id
 
 
 def _tar_members(content: bytes) -> dict[str, bytes]:
@@ -192,6 +253,13 @@ def _world(client: Any, auth: dict[str, str], artifacts: Path) -> dict[str, Any]
             resp = client.get(f"{url}/checkpoints/{c['id']}/content", headers=auth)
             assert resp.status_code == 200, resp.text
             world[c["id"]] = _tar_members(resp.content)
+    world["evals"] = client.get("/v1/evals?limit=100", headers=auth).json()
+    for e in world["evals"]["data"]:
+        url = f"/v1/evals/{e['id']}/runs"
+        world[url] = client.get(url, headers=auth).json()
+        for run in world[url]["data"]:
+            items = f"{url}/{run['id']}/output_items"
+            world[items] = client.get(items, headers=auth).json()
     world["webhooks"] = client.get("/v1/webhook_endpoints?limit=100", headers=auth).json()
     for e in world["webhooks"]["data"]:
         url = f"/v1/webhook_endpoints/{e['id']}/deliveries"
@@ -228,9 +296,8 @@ def _same_as_a_never_existing_id(
 def _id_combinations(path: str, alpha: dict[str, str], beta: dict[str, str]) -> list[tuple[dict, dict]]:
     """Each way to put alpha's ids in ``path`` (at least one; beta's own real ids in the other
     places), with the never-existing ids that replace alpha's."""
-    names = [
-        n for n in ("job_id", "checkpoint_id", "file_id", "model_id", "endpoint_id", "evaluation_id") if "{" + n in path
-    ]
+    kinds = ("job_id", "checkpoint_id", "file_id", "model_id", "endpoint_id", "evaluation_id", "eval_id", "run_id")
+    names = [n for n in (*kinds, "output_item_id") if "{" + n + "}" in path or "{" + n + ":" in path]
     combos = []
     for mask in range(1, 2 ** len(names)):
         real = {n: (alpha if mask >> i & 1 else beta)[n] for i, n in enumerate(names)}
@@ -281,12 +348,12 @@ def test_isolation_matrix(client, auth, other_auth, env, models_dir, monkeypatch
                     check(method, path, real, fake)
     assert {(method, path) for method, path, _ in tried} == set(ID_ROUTES)
     for path, kind in AFTER_ROUTES.items():
-        own = path.format(job_id=beta["job_id"], endpoint_id=beta["endpoint_id"])
+        own = path.format(**{k: beta[k] for k in ("job_id", "endpoint_id", "eval_id", "run_id")})
         check("GET", own + "?after={" + kind + "}", {kind: alpha[kind]}, {kind: FAKE[kind]})
     # And the other way round: beta's event and checkpoint ids are unknown in alpha's own job's lists.
     for path, kind in AFTER_ROUTES.items():
         if "{" in path:
-            own = path.format(job_id=alpha["job_id"], endpoint_id=alpha["endpoint_id"])
+            own = path.format(**{k: alpha[k] for k in ("job_id", "endpoint_id", "eval_id", "run_id")})
             resp = client.get(own + f"?after={beta[kind]}", headers=auth)
             assert resp.status_code == 200 and resp.json()["data"] == [], resp.text  # as unknown as a made-up id
     assert not failures, f"{len(failures)} request(s) leaked:\n" + "\n".join(failures)

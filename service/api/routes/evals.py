@@ -144,8 +144,10 @@ def read_eval(session: SessionDep, project: ProjectDep, eval_id: str) -> JSON:
 
 @router.post("/{eval_id}", summary="Update an eval's name or metadata")
 @ends_session
-def update_eval(session: SessionDep, project: ProjectDep, eval_id: str, body: EvalUpdate) -> JSON:
-    e = _eval(session, project, eval_id)
+def update_eval(session: SessionDep, project: ProjectDep, eval_id: str, body: EvalUpdate | None = None) -> JSON:
+    e = _eval(session, project, eval_id)  # another project's eval is a 404 before its body is read
+    if body is None:
+        raise bad_request('Give the change as a JSON body: {"name": "...", "metadata": {...}}.', "name")
     if body.name is not None:
         e.name = body.name
     if body.metadata is not None:
@@ -176,9 +178,16 @@ def _delete_runs(session: SessionDep, *where: Any) -> None:
 @router.post("/{eval_id}/runs", summary="Start a run of an eval")
 @ends_session
 def create_run(
-    session: SessionDep, project: ProjectDep, settings: SettingsDep, request: Request, eval_id: str, body: EvalRunCreate
+    session: SessionDep,
+    project: ProjectDep,
+    settings: SettingsDep,
+    request: Request,
+    eval_id: str,
+    body: EvalRunCreate | None = None,
 ) -> JSON:
-    e = _eval(session, project, eval_id)
+    e = _eval(session, project, eval_id)  # another project's eval is a 404 before its body is read
+    if body is None:
+        raise bad_request('Give the run as a JSON body: {"data_source": {"type": "jsonl", ...}}.', "data_source")
     run = creation.create_run(
         session, project.seq, settings, e, data_source=body.data_source, name=body.name, metadata=body.metadata
     )
@@ -270,12 +279,14 @@ def list_output_items(
     return page([item_object(i, run, e) for i in rows], has_more)
 
 
-@router.get("/{eval_id}/runs/{run_id}/output_items/{item_id}", summary="Retrieve an output item")
+@router.get("/{eval_id}/runs/{run_id}/output_items/{output_item_id}", summary="Retrieve an output item")
 @ends_session
-def read_output_item(session: SessionDep, project: ProjectDep, eval_id: str, run_id: str, item_id: str) -> JSON:
+def read_output_item(session: SessionDep, project: ProjectDep, eval_id: str, run_id: str, output_item_id: str) -> JSON:
     e = _eval(session, project, eval_id)
     run = _run(session, e, run_id)
-    item = session.scalar(select(EvalOutputItem).where(EvalOutputItem.id == item_id, EvalOutputItem.run_seq == run.seq))
+    item = session.scalar(
+        select(EvalOutputItem).where(EvalOutputItem.id == output_item_id, EvalOutputItem.run_seq == run.seq)
+    )
     if item is None:
-        raise not_found("output item", item_id, "output_item_id")
+        raise not_found("output item", output_item_id, "output_item_id")
     return JSON(item_object(item, run, e))
