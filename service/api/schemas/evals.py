@@ -12,23 +12,25 @@ from service.core.validation import Strict, check_metadata
 
 class EvalCreate(Strict):
     name: str | None = Field(default=None, max_length=256)
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
     data_source_config: dict[str, Any] = Field(description="{'type': 'custom', 'item_schema': {...}}")
-    testing_criteria: list[Any] = Field(description="Graders, each with its pass_threshold where it takes one.")
+    testing_criteria: list[Any] = Field(
+        max_length=16, description="Graders (at most 16), each with its pass_threshold where it takes one."
+    )
 
     _check_metadata = field_validator("metadata")(check_metadata)
 
 
 class EvalUpdate(Strict):
     name: str | None = Field(default=None, max_length=256)
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
 
     _check_metadata = field_validator("metadata")(check_metadata)
 
 
 class EvalRunCreate(Strict):
     name: str | None = Field(default=None, max_length=256)
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
     data_source: dict[str, Any] = Field(description="jsonl (items with their samples) or completions (a model).")
 
     _check_metadata = field_validator("metadata")(check_metadata)
