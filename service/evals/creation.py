@@ -72,6 +72,7 @@ def create_run(
     if source.kind == "completions":
         _check_model(session, settings, project_seq, source)
         _check_message_keys(source, schema)
+        _check_max_tokens(source, settings)
     needs_sample = source.kind == "jsonl" and criteria_.reads_sample(criteria)
     count = _checked_items(session, settings, project_seq, source, schema, needs_sample)
     _check_room(session, settings, project_seq)
@@ -119,6 +120,16 @@ def _check_model(session: Session, settings: Settings, project_seq: int, source:
     except DomainError as exc:
         exc.param = "data_source.model"
         raise
+
+
+def _check_max_tokens(source: spec.RunSource, settings: Settings) -> None:
+    asked = source.sampling.get("max_completion_tokens")
+    if asked is not None and asked > settings.inference_max_tokens:
+        raise bad_request(
+            f"max_completion_tokens is at most {settings.inference_max_tokens} on this server "
+            "(RLOO_INFERENCE_MAX_TOKENS).",
+            "data_source.sampling_params.max_completion_tokens",
+        )
 
 
 def _check_message_keys(source: spec.RunSource, schema: dict[str, Any]) -> None:

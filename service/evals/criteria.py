@@ -16,6 +16,7 @@ from typing import Any
 
 from service import graders
 from service.core.errors import bad_request
+from service.graders.templates import template_namespaces
 
 MAX_CRITERIA = 16
 BINARY = frozenset({"string_check", "label_model"})
@@ -101,6 +102,6 @@ def reads_sample(criteria: list[Criterion]) -> bool:
     for c in criteria:
         for leaf in graders.leaves(c.grader):
             templates = list(leaf.templates())
-            if not templates or any("sample." in t for t in templates):
+            if not templates or any("sample" in template_namespaces(t) for t in templates):
                 return True
     return False

@@ -214,7 +214,7 @@ def _template_message(raw: object, param: str) -> dict[str, Any]:
         templates.validate(content, param=f"{param}.content")
     except Exception as exc:
         raise bad_request(getattr(exc, "message", str(exc)), f"{param}.content") from None
-    if "sample." in content.replace(" ", ""):
+    if "sample" in templates.template_namespaces(content):
         raise bad_request(
             "An input message is written before the answer: it may read item.<key>, not sample.", f"{param}.content"
         )

@@ -101,6 +101,15 @@ def validate(template: str, *, param: str) -> None:
         raise GraderError(str(exc), param=param) from None
 
 
+def template_namespaces(template: str) -> set[str]:
+    """The namespaces ``template`` reads (``{"item"}``, ``{"item", "sample"}``); malformed references
+    are skipped here, ``validate`` reports them."""
+    try:
+        return {path.split(".")[0] for _, _, path in _template_refs(template)}
+    except ValueError:
+        return set()
+
+
 def template_item_keys(template: str) -> set[str]:
     """The top-level ``item`` keys that ``template`` references (``{{ item.a.b }}`` gives ``a``).
 

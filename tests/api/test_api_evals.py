@@ -177,7 +177,13 @@ def test_bad_evals_are_refused_naming_the_field_and_nothing_is_stored(client, au
         assert session.query(Eval).count() == 0
 
 
-def test_bad_runs_are_refused_naming_the_field_or_line_and_nothing_is_stored(client, auth, other_auth) -> None:  # type: ignore[no-untyped-def]
+def test_bad_runs_are_refused_naming_the_field_or_line_and_nothing_is_stored(
+    client, auth, other_auth, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from service.core.db import reset_caches
+
+    monkeypatch.setenv("RLOO_INFERENCE_MAX_TOKENS", "512")
+    reset_caches()
     e = make_eval(client, auth)
     bad_line = [LINES[0], {"item": {"question": "5+5", "answer": 10}, "sample": {"output_text": "10"}}]
     mismatched = upload_ok(client, auth, jsonl(bad_line), purpose="evals")["id"]
@@ -286,6 +292,18 @@ def test_bad_runs_are_refused_naming_the_field_or_line_and_nothing_is_stored(cli
                 "data_source.sampling_params.response_format",
                 None,
             ),
+            "more tokens than the server's cap": (
+                {
+                    "type": "completions",
+                    "model": "tiny-policy",
+                    "source": content,
+                    "input_messages": TEMPLATE,
+                    "sampling_params": {"max_completion_tokens": 513},
+                },
+                400,
+                "data_source.sampling_params.max_completion_tokens",
+                "RLOO_INFERENCE_MAX_TOKENS",
+            ),
             "a temperature past 2": (
                 {
                     "type": "completions",
@@ -304,6 +322,10 @@ def test_bad_runs_are_refused_naming_the_field_or_line_and_nothing_is_stored(cli
     with session_scope() as session:
         assert session.query(Evaluation).count() == 0
     assert client.get(f"/v1/evals/{e['id']}", headers=other_auth).status_code == 404
+    # The word "sample" in a message's text is text: only a {{ sample.… }} reference is refused.
+    prose = {"type": "template", "template": [{"role": "user", "content": "A sample. {{ item.question }}"}]}
+    source = {"type": "completions", "model": "tiny-policy", "source": content, "input_messages": prose}
+    assert client.post(f"/v1/evals/{e['id']}/runs", headers=auth, json={"data_source": source}).status_code == 200
     r = client.post(
         f"/v1/evals/{e['id']}/runs", headers=other_auth, json={"data_source": {"type": "jsonl", "source": content}}
     )
