@@ -7,7 +7,7 @@ To move it to rloo-service, change only where it points and the model names:
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=rloo-... BASE_MODEL=tiny-policy \
         python examples/migrating/pipeline.py
 
-(On OpenAI it ran with BASE_MODEL=gpt-4.1-mini-2025-04-14 and its own base URL and key.) The data
+(It is written to OpenAI's API reference; BASE_MODEL defaults to an OpenAI model name.) The data
 are the examples' colour questions (examples/supervised, examples/demo; eval_items.jsonl holds
 examples/demo/valid.jsonl's as eval items). The last line printed is
 one JSON object: the jobs, the models, the eval's pass rates per model, and the chat's answer.

@@ -66,6 +66,7 @@ def create_run(
     name: str | None,
     metadata: dict[str, str] | None,
 ) -> Evaluation:
+    check_room(session, settings, project_seq)  # before any file is read
     source = spec.run_source(data_source)
     criteria = parsed_criteria(evaluation, settings)
     schema = spec.item_schema(evaluation.data_source_config)
@@ -75,7 +76,6 @@ def create_run(
         _check_max_tokens(source, settings)
     needs_sample = source.kind == "jsonl" and criteria_.reads_sample(criteria)
     count = _checked_items(session, settings, project_seq, source, schema, needs_sample)
-    _check_room(session, settings, project_seq)
     models = [{"model": source.model, "step_number": None}] if source.model else []
     sampling = source.sampling
     run = Evaluation(
@@ -205,7 +205,8 @@ def _evals_file(session: Session, project_seq: int, file_id: str) -> File:
     return f
 
 
-def _check_room(session: Session, settings: Settings, project_seq: int) -> None:
+def check_room(session: Session, settings: Settings, project_seq: int) -> None:
+    """A 429 when the project has its eval runs and checkpoint evaluations queued or running."""
     unfinished = session.scalar(
         select(func.count()).where(Evaluation.project_seq == project_seq, Evaluation.status.in_(UNFINISHED))
     )

@@ -4,7 +4,8 @@
 job's grader), with the score at which an item passes it.
 
 ``string_check`` and ``label_model`` score 0 or 1 and pass at 1 (they take no ``pass_threshold``, as
-OpenAI's); ``text_similarity`` needs a ``pass_threshold``; the others take one and pass at 0.5 without.
+OpenAI's); ``text_similarity`` needs a ``pass_threshold``; the others take one and pass without it at
+the middle of their scores (0.5; a ``score_model``'s ``range`` says its own).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ MAX_CRITERIA = 16
 BINARY = frozenset({"string_check", "label_model"})
 """Criteria that score 0 or 1 and pass at 1; a ``pass_threshold`` on them is refused."""
 THRESHOLD_REQUIRED = frozenset({"text_similarity"})
-DEFAULT_THRESHOLD = 0.5
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,10 @@ def _criterion(spec: object, *, allow_python: bool, param: str) -> Criterion:
         grader = graders.parse_grader(rest, param=param, allow_python=allow_python)
     except graders.GraderError as exc:
         raise bad_request(exc.message, exc.param) from None
-    return Criterion(grader.name, grader, _threshold(spec, str(kind), param))
+    return Criterion(grader.name, grader, _threshold(spec, str(kind), param, getattr(grader, "range", (0.0, 1.0))))
 
 
-def _threshold(spec: Mapping[str, Any], kind: str, param: str) -> float:
+def _threshold(spec: Mapping[str, Any], kind: str, param: str, scores: tuple[float, float]) -> float:
     value = spec.get("pass_threshold")
     where = f"{param}.pass_threshold"
     if kind in BINARY:
@@ -86,7 +86,7 @@ def _threshold(spec: Mapping[str, Any], kind: str, param: str) -> float:
     if value is None:
         if kind in THRESHOLD_REQUIRED:
             raise bad_request(f"A {kind} criterion needs a pass_threshold (the score at which it passes).", where)
-        return DEFAULT_THRESHOLD
+        return (scores[0] + scores[1]) / 2  # a score_model's range; 0.5 for the rest
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad_request(f"pass_threshold must be a number; got {value!r}.", where)
     return float(value)

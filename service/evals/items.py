@@ -75,8 +75,12 @@ def check(
 
 def _first_error(validator: Any, item: Any) -> str | None:
     import jsonschema
+    from referencing.exceptions import Unresolvable
 
-    error = jsonschema.exceptions.best_match(validator.iter_errors(item))
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(item))
+    except (RecursionError, LookupError, Unresolvable) as exc:
+        return f"the item_schema could not be applied to it ({type(exc).__name__})"
     if error is None:
         return None
     where = ".".join(str(p) for p in error.absolute_path)

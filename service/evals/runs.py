@@ -28,27 +28,25 @@ OPENAI_STATUS = {
 }
 EVENT = {"succeeded": "eval.run.succeeded", "failed": "eval.run.failed", "cancelled": "eval.run.canceled"}
 """The webhook an eval run's end sends."""
+NO_ERROR = {"code": "", "message": ""}
+"""An eval run's (and a sample's) ``error`` when there is none: OpenAI's schema has no null there."""
 
 
 def cancel(session: Session, *where: Any, code: str, message: str) -> int:
     """Cancel the unfinished evaluations and eval runs ``where`` says (added to ``session``, not
-    committed), each eval run's webhook with it; how many."""
-    runs = list(
-        session.execute(
-            select(Evaluation.project_seq, Evaluation.id).where(
-                Evaluation.status.in_(UNFINISHED), Evaluation.eval_seq.is_not(None), *where
-            )
-        )
-    )
+    committed), with each eval run's webhook: only for the rows this very UPDATE moved (a run its
+    worker ended meanwhile is not announced twice); how many."""
     moved = session.execute(
         update(Evaluation)
         .where(Evaluation.status.in_(UNFINISHED), *where)
         .values(status="cancelled", error={"code": code, "message": message}, finished_at=int(time.time()))
+        .returning(Evaluation.project_seq, Evaluation.id, Evaluation.eval_seq)
         .execution_options(synchronize_session=False)
-    )
-    for project_seq, run_id in runs:
-        webhooks.enqueue_for(session, project_seq, run_id, EVENT["cancelled"])
-    return int(moved.rowcount)  # type: ignore[attr-defined]
+    ).all()
+    for project_seq, run_id, eval_seq in moved:
+        if eval_seq is not None:
+            webhooks.enqueue_for(session, project_seq, run_id, EVENT["cancelled"])
+    return len(moved)
 
 
 def ended(session: Session, run: Evaluation, status: str) -> None:

@@ -17,6 +17,8 @@ from service.evals.criteria import Criterion, item_keys
 from service.graders import templates
 
 MAX_SCHEMA_BYTES = 65_536
+MAX_INLINE_BYTES = 262_144
+"""A run's ``file_content`` at most: the run object answers it back, in every list too."""
 SAMPLE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -42,6 +44,8 @@ def data_source_config(raw: object, param: str = "data_source_config") -> dict[s
     if not isinstance(raw, Mapping) or "type" not in raw:
         raise bad_request("data_source_config must be an object with a type: 'custom'.", param)
     kind = raw["type"]
+    if not isinstance(kind, str):
+        raise bad_request("data_source_config type must be the string 'custom'.", f"{param}.type")
     if kind in UNSUPPORTED_CONFIGS:
         raise bad_request(
             f"data_source_config type '{kind}' is not available: {UNSUPPORTED_CONFIGS[kind]}. Use "
@@ -73,9 +77,30 @@ def _check_item_schema(schema: object, param: str) -> None:
         )
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise bad_request(f"item_schema must be at most {MAX_SCHEMA_BYTES} bytes of JSON.", param)
-    found = jsonschemas.problem(schema, param, what="item_schema")
+    found = jsonschemas.problem(schema, param, what="item_schema") or _reference(schema, param)
     if found is not None:
         raise bad_request(found[1], found[0])
+
+
+REFERENCES = ("$ref", "$dynamicRef", "$id", "$anchor", "$dynamicAnchor", "$recursiveRef")
+
+
+def _reference(node: Any, where: str) -> tuple[str, str] | None:
+    """An item schema refers to nothing, within it or without: each item is checked by the API and
+    the worker, and references can make a small schema cost exponential time an item."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if key in REFERENCES:
+                return f"{where}.{key}", f"item_schema may not use {key}: write the schema out in full."
+            found = _reference(value, f"{where}.{key}")
+            if found is not None:
+                return found
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found = _reference(value, f"{where}.{i}")
+            if found is not None:
+                return found
+    return None
 
 
 def item_schema(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -120,6 +145,8 @@ def run_source(raw: object, param: str = "data_source") -> RunSource:
     if not isinstance(raw, Mapping) or "type" not in raw:
         raise bad_request("data_source must be an object with a type: 'jsonl' or 'completions'.", param)
     kind = raw["type"]
+    if not isinstance(kind, str):
+        raise bad_request("data_source type must be the string 'jsonl' or 'completions'.", f"{param}.type")
     if kind == "responses":
         raise bad_request(
             "data_source type 'responses' is not available: this server has no Responses API. Use 'completions' "
@@ -170,6 +197,12 @@ def _source(raw: object, param: str) -> RunSource:
     if not isinstance(content, list) or not content:
         raise bad_request(
             "A file_content source needs 'content': a non-empty list of {'item': {...}}.", f"{param}.content"
+        )
+    if len(json.dumps(content)) > MAX_INLINE_BYTES:
+        raise bad_request(
+            f"Inline content is at most {MAX_INLINE_BYTES // 1024} KiB of JSON (every answer of the run repeats it); "
+            "upload the items as a file (purpose 'evals') and give {'type': 'file_id', 'id': ...}.",
+            f"{param}.content",
         )
     return RunSource("", {"type": "file_content"}, content=content)
 

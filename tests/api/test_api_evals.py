@@ -163,6 +163,35 @@ def test_bad_evals_are_refused_naming_the_field_and_nothing_is_stored(client, au
                 "RLOO_ALLOW_PYTHON_GRADER",
             ),
             "no criteria": (CONFIG, [], "testing_criteria", None, None),
+            "a type that is a list": ({"type": []}, [EXACT], "data_source_config.type", None, None),
+            "a criterion type that is an object": (
+                CONFIG,
+                [{"type": {}, "name": "x"}],
+                "testing_criteria.0.type",
+                None,
+                None,
+            ),
+            "a $ref (exponential work an item)": (
+                dict(
+                    CONFIG,
+                    item_schema={
+                        "type": "object",
+                        "$defs": {"a": {"type": "string"}},
+                        "properties": {"q": {"$ref": "#/$defs/a"}},
+                    },
+                ),
+                [EXACT],
+                "data_source_config.item_schema.properties.q.$ref",
+                None,
+                "write the schema out",
+            ),
+            "an $id": (
+                dict(CONFIG, item_schema={"type": "object", "$id": "http://127.0.0.1:9/s"}),
+                [EXACT],
+                "data_source_config.item_schema.$id",
+                None,
+                None,
+            ),
             "an unknown operation": (
                 CONFIG,
                 [dict(EXACT, operation="near")],
@@ -274,6 +303,13 @@ def test_bad_runs_are_refused_naming_the_field_or_line_and_nothing_is_stored(
                 None,
             ),
             "responses": ({"type": "responses", "source": content}, 400, "data_source.type", "Responses API"),
+            "a type that is a list": ({"type": ["jsonl"], "source": content}, 400, "data_source.type", None),
+            "inline content past 256 KiB": (
+                {"type": "jsonl", "source": {"type": "file_content", "content": [LINES[0]] * 4000}},
+                400,
+                "data_source.source.content",
+                "upload the items",
+            ),
             "stored completions": (
                 {"type": "completions", "model": "tiny-policy", "source": {"type": "stored_completions"}},
                 400,

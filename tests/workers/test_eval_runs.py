@@ -126,3 +126,27 @@ def test_a_later_line_that_does_not_fit_fails_the_run_naming_it(serving, sdk, cl
     assert f"Line 3 of file {f['id']}" in run.error.message and "item.answer" in run.error.message
     assert list(sdk.evals.runs.output_items.list(created.id, eval_id=e.id)) == []
     assert _events(created.id) == ["eval.run.failed"]
+
+
+def test_a_run_its_worker_ended_is_not_announced_canceled_too(env, client, auth, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel (here: as the eval's deletion makes it) racing the worker's end moves only what is
+    still unfinished: one webhook for a run's one end."""
+    from service.core.db import reset_caches
+    from service.core.tables import Evaluation
+    from service.evals import runs
+
+    monkeypatch.setenv("RLOO_WEBHOOK_URLS", json.dumps(["http://127.0.0.1:9/"]))  # stored, never sent here
+    reset_caches()
+    hook = {"name": "evals", "url": "http://127.0.0.1:9/hook", "event_types": ["eval.run.canceled"]}
+    assert client.post("/v1/webhook_endpoints", headers=auth, json=hook).status_code == 200
+    r = client.post("/v1/evals", headers=auth, json={"data_source_config": CONFIG, "testing_criteria": [EXACT]})
+    source = {"type": "jsonl", "source": {"type": "file_content", "content": LINES}}
+    ended, waiting = (
+        client.post(f"/v1/evals/{r.json()['id']}/runs", headers=auth, json={"data_source": source}).json()["id"]
+        for _ in range(2)
+    )
+    with session_scope() as session:
+        session.query(Evaluation).filter(Evaluation.id == ended).update({"status": "succeeded"})
+        assert runs.cancel(session, Evaluation.eval_seq.is_not(None), code="eval_deleted", message="gone") == 1
+        session.commit()
+    assert _events(ended) == [] and _events(waiting) == ["eval.run.canceled"]

@@ -55,6 +55,8 @@ def create(
       rloo evals create examples/migrating/eval.json --name arithmetic
     """
     body = _json(spec, "SPEC")
+    if not isinstance(body, dict):
+        fail("SPEC is an object: {'data_source_config': {...}, 'testing_criteria': [...]}", code=2)
     if name is not None:
         body["name"] = name
     typer.echo(Api(base_url, api_key).call("POST", "/evals", json=body)["id"])

@@ -21,11 +21,10 @@ from typing import Any
 from service import graders
 from service.evals import criteria as criteria_
 from service.evals import items as items_
+from service.evals.runs import NO_ERROR
 from service.graders import GradeResult
 from worker.engine.errors import JobError
 from worker.serving.decode import Row
-
-NO_ERROR = {"code": "", "message": ""}
 
 
 @dataclass

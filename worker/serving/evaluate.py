@@ -105,17 +105,17 @@ def claim_next(server: Any) -> EvaluationRun | None:
                 worker=server.worker,
                 heartbeat_at=now,
                 results=[],
+                summary=None,
                 done=0,
                 started_at=func.coalesce(Evaluation.started_at, now),
             )
         ).rowcount  # type: ignore[attr-defined]
+        if claimed:  # a run taken again starts over: its output items go with the claim, in its transaction
+            session.execute(delete(EvalOutputItem).where(EvalOutputItem.run_seq == seq))
         session.commit()
-        if not claimed:
+        evaluation = session.get(Evaluation, seq, populate_existing=True) if claimed else None
+        if evaluation is None:  # another worker's, or deleted since
             return None
-        evaluation = session.get(Evaluation, seq, populate_existing=True)
-        assert evaluation is not None
-        session.execute(delete(EvalOutputItem).where(EvalOutputItem.run_seq == seq))  # a run taken again starts over
-        session.commit()
         job = session.get(Job, evaluation.job_seq) if evaluation.job_seq is not None else None
         file = session.scalar(
             select(File).where(File.id == evaluation.file_id, File.project_seq == evaluation.project_seq)

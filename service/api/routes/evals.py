@@ -27,8 +27,6 @@ from service.evals import creation, runs
 
 router = APIRouter(prefix="/v1/evals", route_class=StrictJSONRoute, tags=["evals"])
 
-NO_ERROR = {"code": "", "message": ""}
-
 
 class ListPaging(Paging):
     """The Evals API's lists: ``order`` ``asc`` (oldest first, OpenAI's default) or ``desc``."""
@@ -80,7 +78,7 @@ def run_object(run: Evaluation, e: Eval, base_url: str) -> dict[str, Any]:
         "per_testing_criteria_results": summary.get("per_testing_criteria_results", []),
         "data_source": data_source,
         "metadata": run.metadata_ or {},
-        "error": run.error or NO_ERROR,
+        "error": run.error or runs.NO_ERROR,
         # ours, beside OpenAI's: how far it is
         "progress": {"done": run.done, "total": run.total},
         "finished_at": run.finished_at,

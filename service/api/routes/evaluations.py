@@ -22,6 +22,7 @@ from service.api.schemas.evaluations import EvaluationCreate
 from service.core.db import ends_session
 from service.core.errors import DomainError, bad_request, not_found
 from service.core.tables import Checkpoint, Evaluation, Job
+from service.evals import creation
 from service.evals import runs as evaluations
 from service.files.datasets import first_line_not
 from service.jobs.creation import fine_tune_file
@@ -57,6 +58,7 @@ def create_evaluation(
     job = _job(session, project, job_id)  # another project's job is a 404 before its body is read
     if body is None:
         raise bad_request('Give the evaluation as a JSON body: {"file": "file-…", "checkpoints": "all"}.', "file")
+    creation.check_room(session, settings, project.seq)
     file = fine_tune_file(session, project, body.file, "file")
     found = first_line_not(dict(file.keys_summary or {}), "reinforcement")
     if found is not None and found[0] <= body.samples:  # it samples the file's first lines only
