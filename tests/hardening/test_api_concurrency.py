@@ -124,10 +124,15 @@ def slowloris(port: int, base: str) -> None:
     idle.settimeout(0.5)
     closed_after = None
     for tick in range(16):  # 8 s; the deadline is 1 s
-        with contextlib.suppress(socket.timeout):
+        try:
             if idle.recv(65536) == b"":
                 closed_after = tick * 0.5
                 break
+        except socket.timeout:
+            pass
+        except ConnectionResetError:  # closed as a blank line arrived: the server's kernel answers RST
+            closed_after = tick * 0.5
+            break
         with contextlib.suppress(OSError):
             idle.sendall(b"\r\n")
     idle.close()
