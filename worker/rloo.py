@@ -5,11 +5,13 @@ that scripts written against ``worker.rloo.rloo_advantages`` and ``worker.rloo.a
 from __future__ import annotations
 
 from worker.engine.methods.policy_gradient import (
+    AGGREGATIONS,
     ESTIMATORS,
     GROUP_ESTIMATORS,
     MAX_LOG_RATIO,
     advantages,
     batch_advantages,
+    constant_groups,
     grpo_advantages,
     kl_loss,
     kl_per_token,
@@ -36,7 +38,9 @@ __all__ = [
     "sequence_kl",
     "shape_rewards",
     "batch_advantages",
+    "constant_groups",
     "MAX_LOG_RATIO",
+    "AGGREGATIONS",
     "loss_normalizer",
     "policy_loss",
     "kl_loss",

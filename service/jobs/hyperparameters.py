@@ -174,7 +174,18 @@ class ReinforcementHyperparameters(TrainingHyperparameters):
     ppo_epochs: int = Field(1, ge=1, le=64, description="Optimisation passes over one batch of rollouts.")
     clip_epsilon: float = Field(0.2, gt=0, lt=1.0, description="Ratio clip range (1 - eps, 1 + eps).")
     clip_epsilon_high: float | None = Field(None, gt=0, le=10.0, description="Upper clip; default clip_epsilon.")
-    loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean"] = Field("sequence_sum")
+    loss_aggregation: Literal["sequence_sum", "token_mean", "sequence_mean", "constant"] = Field(
+        "sequence_sum",
+        description="How per-token terms become the loss (docs/algorithm.md): sequence_sum (TRL's RLOO: summed "
+        "over a completion, averaged over completions), token_mean (DAPO: every token of the batch weighs the "
+        "same), sequence_mean (GRPO's: averaged over a completion first), constant (Dr. GRPO: summed, divided by "
+        "max_new_tokens per completion).",
+    )
+    drop_constant_groups: bool = Field(
+        False,
+        description="Leave groups whose rloo_k rewards are all equal out of the loss and its normaliser (they carry "
+        "no signal under a group baseline); metric constant_groups_frac.",
+    )
     advantage_estimator: AdvantageEstimator = Field(
         "rloo",
         description="rloo: leave-one-out baseline; grpo: group mean and std; reinforce: no baseline; "

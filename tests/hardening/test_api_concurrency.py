@@ -128,7 +128,7 @@ def slowloris(port: int, base: str) -> None:
             if idle.recv(65536) == b"":
                 closed_after = tick * 0.5
                 break
-        except socket.timeout:
+        except TimeoutError:
             pass
         except ConnectionResetError:  # closed as a blank line arrived: the server's kernel answers RST
             closed_after = tick * 0.5

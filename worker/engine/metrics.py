@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
 from service.graders import GradeResult
+from worker.engine.methods import policy_gradient
 
 if TYPE_CHECKING:
     from worker.engine.state import RunCounters
@@ -80,17 +80,15 @@ def step_metrics(
     n = rewards.numel()
     gen_tokens = int(mask.sum().item())
     finite_rewards = rewards[finite]
-    # A group gives no signal when its finite rewards are all equal (or fewer than two).
-    group_max = torch.where(finite, rewards, -math.inf).amax(dim=1)
-    group_min = torch.where(finite, rewards, math.inf).amin(dim=1)
-    zero_std = (finite.sum(dim=1) < 2) | (group_max == group_min)
+    constant = float(policy_gradient.constant_groups(rewards, finite).float().mean())
     advantages = update.advantages
     metrics: dict[str, Any] = {
         "step": step,
         "total_steps": total_steps,
         "train_reward_mean": float(finite_rewards.mean()),
         "train_reward_std": float(finite_rewards.std(unbiased=False)) if finite_rewards.numel() > 1 else 0.0,
-        "frac_reward_zero_std": float(zero_std.float().mean()),
+        "constant_groups_frac": constant,
+        "frac_reward_zero_std": constant,  # TRL's name for it
         "advantage_std": float(advantages[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
         "kl": float(update.kl.mean()),
         "loss": float(update.loss),

@@ -249,6 +249,7 @@ def test_one_pass_spends_no_forward_on_old_logprobs_and_its_ratio_is_exactly_one
         {"normalize_advantages": True},
         {"kl_in_reward": False, "kl_estimator": "k3"},
         {"loss_aggregation": "token_mean", "mask_truncated_completions": True},
+        {"loss_aggregation": "constant", "drop_constant_groups": True},
     ],
 )
 def test_gradient_accumulation_gives_the_same_update(tmp_path, models_dir, extra):
@@ -257,6 +258,20 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, models_dir, extra
     _, split = run(tmp_path / "b", models_dir, max_steps=3, gradient_accumulation_steps=4, **extra)
     for key in keys:
         assert series(split, key) == pytest.approx(series(whole, key), rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_sum", "constant"])
+def test_drop_constant_groups_leaves_them_out_of_the_normaliser(tmp_path, models_dir, aggregation):
+    """Constant groups' RLOO advantages are 0 already: dropping them only divides the loss by the
+    informative completions, so the first step's gradient grows by 1 / (1 - constant_groups_frac)."""
+    # One new token: a similarity of few values, so that some pairs score alike and some not.
+    kw = {"max_steps": 1, "kl_coef": 0.0, "rloo_k": 2, "max_new_tokens": 1, "loss_aggregation": aggregation}
+    _, kept = run(tmp_path / "kept", models_dir, **kw)
+    _, dropped = run(tmp_path / "dropped", models_dir, drop_constant_groups=True, **kw)
+    frac = kept.steps[0]["constant_groups_frac"]
+    assert frac == dropped.steps[0]["constant_groups_frac"] == kept.steps[0]["frac_reward_zero_std"]
+    assert 0 < frac < 1, frac  # (this seed's rewards: some groups constant, some not)
+    assert dropped.steps[0]["grad_norm"] == pytest.approx(kept.steps[0]["grad_norm"] / (1 - frac), rel=1e-5)
 
 
 def test_kl_as_a_loss_term_leaves_the_advantages_alone(tmp_path, models_dir):

@@ -238,6 +238,7 @@ def test_kl_loss_aggregations_by_hand():
     close(kl("token_mean"), 0.7 / 3)  # (0.5 - 0.1 + 0.3) / 3 tokens
     close(kl("sequence_sum"), 0.35)  # mean(0.4, 0.3)
     close(kl("sequence_mean"), 0.25)  # mean(0.4/2, 0.3/1)
+    close(rloo.kl_loss(logp, ref, mask, estimator="k1", aggregation="constant", budget=3), 0.7 / 6)  # 2 * 3
     # k3 (the default): 0.10653066 + (exp(0.1) - 1.1 = 0.00517092) ; exp(-0.3) - 0.7 = 0.04081822
     close(rloo.kl_loss(logp, ref, mask), (0.11170158 + 0.04081822) / 2)
 
@@ -247,7 +248,8 @@ def test_kl_loss_aggregations_by_hand():
 # between prompt and padding; row 2 two completion tokens then padding. lengths 3, 1, 2; total 6.
 MASK = [[0, 1, 1, 1], [0, 0, 1, 0], [1, 1, 0, 0]]
 ADV = [0.5, -1.0, 2.0]
-AGGS = ["sequence_sum", "token_mean", "sequence_mean"]
+AGGS = ["sequence_sum", "token_mean", "sequence_mean", "constant"]
+BUDGET = 4  # constant's max_new_tokens: T
 
 
 def logps():
@@ -258,11 +260,12 @@ def logps():
 @pytest.mark.parametrize("agg", AGGS)
 def test_first_pass_ratio_is_one(agg):
     logp = logps()
-    loss, stats = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg)
+    loss, stats = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg, budget=BUDGET)
     assert stats["ratio_mean"].item() == 1.0
     assert stats["ratio_clip_frac"].item() == 0.0
-    # sequence_*: -mean(A) = -(0.5 - 1 + 2)/3 = -0.5; token_mean: -(0.5*3 - 1*1 + 2*2)/6 = -0.75
-    close(loss.detach(), -0.75 if agg == "token_mean" else -0.5)
+    # sequence_*: -mean(A) = -(0.5 - 1 + 2)/3 = -0.5; token_mean: -(0.5*3 - 1*1 + 2*2)/6 = -0.75;
+    # constant: -(0.5*3 - 1*1 + 2*2) / (3 completions * 4 tokens) = -0.375
+    close(loss.detach(), {"token_mean": -0.75, "constant": -0.375}.get(agg, -0.5))
 
 
 @pytest.mark.parametrize(
@@ -271,12 +274,13 @@ def test_first_pass_ratio_is_one(agg):
         ("sequence_sum", [[3.0], [3.0], [3.0]]),  # N
         ("token_mean", [[6.0], [6.0], [6.0]]),  # total mask
         ("sequence_mean", [[9.0], [3.0], [6.0]]),  # N * len_n = 3*3, 3*1, 3*2
+        ("constant", [[12.0], [12.0], [12.0]]),  # N * budget, whatever the lengths
     ],
 )
 def test_first_pass_gradient_is_reinforce(agg, denom):
     # d loss / d logp[n, t] = -A[n] * mask[n, t] / denom[n]
     logp = logps()
-    loss, _ = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg)
+    loss, _ = rloo.policy_loss(logp, logp.detach(), t(ADV), t(MASK), aggregation=agg, budget=BUDGET)
     loss.backward()
     want = -t(ADV)[:, None] * t(MASK) / t(denom)
     close(logp.grad, want)
@@ -290,12 +294,12 @@ def test_prompt_and_padding_positions_carry_no_loss(agg):
     logp = logps()
     # ratio != 1 on purpose, but inside [0.8, 1.2] so nothing is clipped (row 0: exp(.01+.02+.03))
     old = (logp - 0.01 * torch.arange(4, dtype=torch.float64)).detach()
-    loss1, _ = rloo.policy_loss(logp, old, t(ADV), mask, aggregation=agg)
+    loss1, _ = rloo.policy_loss(logp, old, t(ADV), mask, aggregation=agg, budget=BUDGET)
     loss1.backward()
     assert logp.grad[mask == 0].abs().max().item() == 0.0
     assert logp.grad[mask == 1].abs().min().item() > 0.0
     moved = torch.where(mask.bool(), logp.detach(), t(5.0))  # garbage on prompt/padding positions
-    loss2, _ = rloo.policy_loss(moved, old, t(ADV), mask, aggregation=agg)
+    loss2, _ = rloo.policy_loss(moved, old, t(ADV), mask, aggregation=agg, budget=BUDGET)
     close(loss2, loss1.detach(), atol=1e-12)
 
 
@@ -355,12 +359,31 @@ def test_ratio_follows_the_aggregation():
     close(loss, -(math.exp(0.1) + 1.2) / 2)
     close(stats["ratio_clip_frac"], 0.5)
     close(stats["ratio_mean"], (math.exp(0.1) + math.exp(0.2)) / 2)
+    # constant: token_mean's per-token ratios and clip, over 1 completion * a budget of 4 tokens
+    loss, stats = rloo.policy_loss(logp, *args, aggregation="constant", budget=4)
+    close(loss, -(math.exp(0.1) + 1.2) / 4)
+    close(stats["ratio_clip_frac"], 0.5)  # of the tokens written, not of the budget
 
 
 def test_unknown_aggregation_raises():
     x = t([[0.0]])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sequence_sum, token_mean, sequence_mean, constant"):
         rloo.policy_loss(x, x, t([1.0]), x, aggregation="sum")
+    with pytest.raises(ValueError, match="sequence_sum, token_mean, sequence_mean, constant"):
+        rloo.loss_normalizer(x, "sum")
+    with pytest.raises(ValueError, match="budget"):  # constant without its budget
+        rloo.policy_loss(x, x, t([1.0]), x, aggregation="constant")
+
+
+def test_constant_groups():
+    # rows: mixed; all equal; one finite (NaN elsewhere); equal finite ones around a NaN; all NaN
+    nan = math.nan
+    rewards = t([[0.0, 1.0, 0.0], [0.5, 0.5, 0.5], [1.0, nan, nan], [1.0, nan, 1.0], [nan, nan, nan]])
+    got = rloo.constant_groups(rewards, torch.isfinite(rewards))
+    assert got.tolist() == [False, True, True, True, True]
+    # exactly the groups whose leave-one-out advantages are all 0
+    zero = (rloo.rloo_advantages(rewards) == 0).all(dim=1)
+    assert got.tolist() == zero.tolist()
 
 
 # ---------------------------------------------------------------- whiten

@@ -19,6 +19,7 @@ Completions are flattened prompt-major, so completion ``b * k + i`` is row ``b``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -108,6 +109,15 @@ def _finite_rows(rewards: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return r, finite, finite.sum(dim=1, keepdim=True)
 
 
+def constant_groups(rewards: Tensor, finite: Tensor) -> Tensor:
+    """``(B,)`` bool: the groups whose finite rewards are all equal, or fewer than two. Under a group
+    baseline (RLOO, GRPO, the group mean) their advantages are all 0: they carry no signal, and
+    ``drop_constant_groups`` leaves them out of the loss's normaliser too."""
+    group_max = torch.where(finite, rewards, -math.inf).amax(dim=1)
+    group_min = torch.where(finite, rewards, math.inf).amin(dim=1)
+    return (finite.sum(dim=1) < 2) | (group_max == group_min)
+
+
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """Zero mean, unit std over the entries where ``mask`` is true; others stay 0."""
     mask = mask.bool()
@@ -185,13 +195,39 @@ def batch_advantages(
 MAX_LOG_RATIO = 20.0
 
 
-def loss_normalizer(mask: Tensor, aggregation: str) -> Tensor:
-    """What a batch's summed loss is divided by: its loss tokens (``token_mean``) or its completions
-    with at least one loss token (the sequence aggregations). Micro-batches are divided by the whole
-    batch's normalizer, so their losses and gradients add up to the full batch's exactly."""
+AGGREGATIONS = ("sequence_sum", "token_mean", "sequence_mean", "constant")
+"""``loss_aggregation``'s values: how a batch's per-token terms become one loss (``policy_loss``)."""
+
+TOKEN_LEVEL = ("token_mean", "constant")
+"""The aggregations with a ratio, and a clip, per token (the others: one per completion)."""
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use {', '.join(AGGREGATIONS)}")
+
+
+def loss_normalizer(mask: Tensor, aggregation: str, budget: int | None = None) -> Tensor:
+    """What a batch's summed loss is divided by: its loss tokens (``token_mean``); its completions
+    with at least one loss token (``sequence_sum``, ``sequence_mean``); those completions times
+    ``budget`` tokens each (``constant``: Dr. GRPO's fixed length, ``max_new_tokens``), so that a
+    completion's tokens weigh the same however long it and its batch are. Micro-batches are divided
+    by the whole batch's normalizer, so their losses and gradients add up to the full batch's exactly."""
+    _check_aggregation(aggregation)
     if aggregation == "token_mean":
         return mask.sum().clamp(min=1.0)
-    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype).clamp(min=1.0)
+    completions = (mask.sum(dim=-1) > 0).sum().to(mask.dtype).clamp(min=1.0)
+    if aggregation == "constant":
+        if budget is None or budget < 1:
+            raise ValueError("loss_aggregation 'constant' needs the token budget (max_new_tokens)")
+        return completions * budget
+    return completions
+
+
+def stats_normalizer_of(mask: Tensor, aggregation: str, budget: int | None = None) -> Tensor:
+    """What ``policy_loss``'s statistics are divided by: the loss's normaliser, but a token-level
+    aggregation's tokens (``constant``'s budget counts tokens never written)."""
+    return loss_normalizer(mask, "token_mean" if aggregation in TOKEN_LEVEL else aggregation, budget)
 
 
 def policy_loss(
@@ -204,6 +240,8 @@ def policy_loss(
     clip_epsilon_high: float | None = None,
     aggregation: str = "sequence_sum",
     normalizer: Tensor | float | None = None,
+    budget: int | None = None,
+    stats_normalizer: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss over completion tokens.
 
@@ -220,22 +258,29 @@ def policy_loss(
       ``A * sum_t grad logp_t``.
     * ``sequence_mean`` (length-normalised, as GSPO): ratio ``exp(mean_t (logp - old_logp))``;
       gradient ``A * mean_t grad logp_t``.
-    * ``token_mean`` (verl, OpenRLHF): a ratio per token, clipped per token, averaged over all
-      completion tokens of the batch.
+    * ``token_mean`` (DAPO, verl, OpenRLHF): a ratio per token, clipped per token, averaged over all
+      completion tokens of the batch: gradient ``sum_i A_i sum_t grad logp_it / sum_i |y_i|``, every
+      token of the batch weighing the same (a long completion more than a short one).
+    * ``constant`` (Dr. GRPO): per token as ``token_mean``, summed and divided by a constant budget,
+      ``completions * budget`` (``budget``: ``max_new_tokens``): gradient ``sequence_sum``'s over
+      ``budget``, with no length bias and no dependence on the batch's lengths.
 
-    ``normalizer`` (default ``loss_normalizer(mask, aggregation)``) divides the summed loss; pass
-    the whole batch's to a micro-batch. Returns the scalar loss and detached statistics
+    ``normalizer`` (default ``loss_normalizer(mask, aggregation, budget)``) divides the summed loss;
+    pass the whole batch's to a micro-batch. Returns the scalar loss and detached statistics
     (``ratio_clip_frac``: the share of the loss whose ratio was clipped, and ``ratio_mean``),
-    normalised the same way, so micro-batches' statistics add up too.
+    divided by ``stats_normalizer`` (default ``stats_normalizer_of``: the loss's normaliser, but the
+    tokens for ``constant``, whose budget would understate them), so micro-batches' statistics add
+    up too: pass the whole batch's.
     """
     low = clip_epsilon
     high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
     mask = mask.to(logp.dtype)
-    norm = loss_normalizer(mask, aggregation) if normalizer is None else normalizer
+    norm = loss_normalizer(mask, aggregation, budget) if normalizer is None else normalizer
+    stats_norm = stats_normalizer_of(mask, aggregation, budget) if stats_normalizer is None else stats_normalizer
     # where, not multiply: a -inf log-prob on a padding position must not turn into NaN.
     delta = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
     lengths = mask.sum(dim=-1)
-    if aggregation == "token_mean":
+    if aggregation in TOKEN_LEVEL:
         ratio = torch.exp(delta.clamp(max=MAX_LOG_RATIO))
         adv = advantages.unsqueeze(-1)
         unclipped = ratio * adv
@@ -250,10 +295,11 @@ def policy_loss(
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
         weight = (lengths > 0).to(logp.dtype)
     else:
-        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
+        _check_aggregation(aggregation)
+        raise AssertionError(aggregation)
     loss = (-torch.minimum(unclipped, clipped) * weight).sum() / norm
-    clip_frac = ((clipped < unclipped).to(logp.dtype) * weight).sum() / norm
-    ratio_mean = (ratio * weight).sum() / norm
+    clip_frac = ((clipped < unclipped).to(logp.dtype) * weight).sum() / stats_norm
+    ratio_mean = (ratio * weight).sum() / stats_norm
     return loss, {"ratio_clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 
@@ -265,15 +311,14 @@ def kl_loss(
     estimator: str = "k3",
     aggregation: str = "sequence_sum",
     normalizer: Tensor | float | None = None,
+    budget: int | None = None,
 ) -> Tensor:
     """KL as a loss term (``kl_in_reward`` false), aggregated and normalised like the policy loss.
     ``(N, T) -> ()``."""
-    if aggregation not in ("token_mean", "sequence_sum", "sequence_mean"):
-        raise ValueError(f"unknown loss_aggregation '{aggregation}'; use sequence_sum, token_mean or sequence_mean")
     mask = mask.to(logp.dtype)
-    norm = loss_normalizer(mask, aggregation) if normalizer is None else normalizer
+    norm = loss_normalizer(mask, aggregation, budget) if normalizer is None else normalizer
     kl = torch.where(mask.bool(), kl_per_token(logp, ref_logp, estimator), torch.zeros_like(logp))
-    if aggregation == "token_mean":
+    if aggregation in TOKEN_LEVEL:
         return kl.sum() / norm
     per_seq = kl.sum(dim=-1)
     if aggregation == "sequence_mean":

@@ -328,6 +328,9 @@ class UpdateBatch:
         per = (mine.stop - mine.start) // len(micro)
         groups = [slice(mine.start + m * per, mine.start + (m + 1) * per) for m in range(len(micro))]
         loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
+        if hp.drop_constant_groups:  # out of the loss and its normaliser: they carry no signal
+            kept = ~policy_gradient.constant_groups(rewards, finite)[mine]
+            loss_mask = loss_mask * kept.repeat_interleave(hp.rloo_k).unsqueeze(-1).to(loss_mask.dtype)
         return cls(ro, mask, loss_mask, rewards, finite, ref_logp, mine, micro, groups)
 
 
@@ -443,7 +446,8 @@ def _policy_epochs(
     The last pass's loss and clip fraction sums, and its gradient norm."""
     hp, device = run.rl, run.device
     whole_loss_mask = run.ranks.whole(b.loss_mask)
-    norm = policy_gradient.loss_normalizer(whole_loss_mask, hp.loss_aggregation)
+    norm = policy_gradient.loss_normalizer(whole_loss_mask, hp.loss_aggregation, hp.max_new_tokens)
+    stats_norm = policy_gradient.stats_normalizer_of(whole_loss_mask, hp.loss_aggregation, hp.max_new_tokens)
     has_loss = bool(whole_loss_mask.any())
     for epoch in range(hp.ppo_epochs):
         run.optimizer.zero_grad(set_to_none=True)
@@ -456,7 +460,7 @@ def _policy_epochs(
                 )
             if epoch == 0:
                 _first_epoch(run, b, side, timing, m, logp, entropy)
-            loss, stats = _micro_batch_loss(run, b, side, m, logp, norm)
+            loss, stats = _micro_batch_loss(run, b, side, m, logp, norm, stats_norm)
             loss.backward()
             loss_sum += loss.detach()
             clip_sum += stats["ratio_clip_frac"]
@@ -467,7 +471,7 @@ def _policy_epochs(
 
 
 def _micro_batch_loss(
-    run: Run, b: UpdateBatch, side: SamplingSide, m: int, logp: Tensor, norm: Tensor
+    run: Run, b: UpdateBatch, side: SamplingSide, m: int, logp: Tensor, norm: Tensor, stats_norm: Tensor
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped policy loss of micro-batch ``m`` (plus the KL term when it is not in the reward),
     divided by the whole batch's normaliser."""
@@ -481,6 +485,8 @@ def _micro_batch_loss(
         clip_epsilon_high=hp.clip_epsilon_high,
         aggregation=hp.loss_aggregation,
         normalizer=norm,
+        budget=hp.max_new_tokens,
+        stats_normalizer=stats_norm,
     )
     if b.ref_logp is not None and not hp.kl_in_reward:
         loss = loss + hp.kl_coef * policy_gradient.kl_loss(
@@ -490,6 +496,7 @@ def _micro_batch_loss(
             estimator=hp.kl_estimator,
             aggregation=hp.loss_aggregation,
             normalizer=norm,
+            budget=hp.max_new_tokens,
         )
     return loss, stats
 
