@@ -181,6 +181,16 @@ class ReinforcementHyperparameters(TrainingHyperparameters):
         "same), sequence_mean (GRPO's: averaged over a completion first), constant (Dr. GRPO: summed, divided by "
         "max_new_tokens per completion).",
     )
+    sampler_correction: Literal["auto", "tis", "mask", "none"] = Field(
+        "auto",
+        description="Where the sampler is not the policy itself (vLLM), its log-probs differ from the trainer's: "
+        "tis weighs each token by the ratio trainer/sampler, truncated at sampler_correction_cap; mask leaves out "
+        "a completion with a token whose ratio is past the cap either way; none ignores it; auto is tis with a "
+        "sampler that reports its log-probs, none otherwise.",
+    )
+    sampler_correction_cap: float = Field(
+        2.0, gt=1.0, le=1000.0, description="The truncation of tis, the bound of mask (a ratio above 1)."
+    )
     drop_constant_groups: bool = Field(
         False,
         description="Leave groups whose rloo_k rewards are all equal out of the loss and its normaliser (they carry "

@@ -33,6 +33,9 @@ class UpdateStats:
     entropy_sum: Tensor
     grad_norm: Tensor
     learning_rate: float
+    sampler: Tensor | None = None
+    """Where the sampler is not the policy: ``policy_gradient.sampler_correction``'s statistics,
+    the whole batch's."""
 
 
 TIMING_METRICS = frozenset(
@@ -108,9 +111,23 @@ def step_metrics(
         "tokens_per_s": gen_tokens / timings.step,
         "trained_tokens": trained_tokens,
     }
+    if update.sampler is not None:
+        metrics.update(sampler_metrics(update.sampler))
     for old, new in DEPRECATED_ALIASES.items():
         metrics[old] = metrics[new]
     return metrics
+
+
+def sampler_metrics(stats: Tensor) -> dict[str, float]:
+    """The trainer-sampler mismatch of a step (a sampler that is not the policy): the mean and the
+    largest ``|log pi_trainer - log pi_sampler|`` over the sampled tokens, and the share corrected
+    (tokens truncated, or completions masked: ``sampler_correction``)."""
+    total, tokens, largest, corrected, out_of = stats.tolist()
+    return {
+        "sampler_logratio_mean": total / tokens if tokens else 0.0,
+        "sampler_logratio_max": largest,
+        "sampler_correction_frac": corrected / out_of if out_of else 0.0,
+    }
 
 
 def tool_metrics(counts: Sequence[tuple[int, ...]], ranks: Any, timings: Timings) -> dict[str, float | int]:

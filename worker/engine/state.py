@@ -34,6 +34,8 @@ class RunCounters:
     """The headline metric (reward, loss) of the run's first step."""
     reported_grader_errors: list[str] = field(default_factory=list)
     """The graders whose first error the run reported (once each)."""
+    reported_diagnostics: list[str] = field(default_factory=list)
+    """The signs of trouble the run reported (``worker.engine.diagnostics``, once each)."""
     valid_reward_mean: float | None = None
     valid_loss: float | None = None
     valid_mean_token_accuracy: float | None = None

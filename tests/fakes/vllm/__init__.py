@@ -30,9 +30,11 @@ class SamplingParams:
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
         skip_special_tokens: bool = True,
+        logprobs: int | None = None,
     ) -> None:
         self.n, self.temperature, self.top_p, self.max_tokens = n, temperature, top_p, max_tokens
         self.stop, self.stop_token_ids, self.seed = stop or [], stop_token_ids or [], seed
+        self.logprobs = logprobs
 
 
 @dataclass
@@ -42,6 +44,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     stop_reason: Any = None
+    logprobs: list[dict[int, Any]] | None = None
+    """With ``SamplingParams(logprobs=0)``: a dict a token of ``token_ids``, the sampled token's
+    ``Logprob`` (``.logprob``, of the distribution it was sampled from, at the temperature)."""
 
 
 @dataclass
@@ -135,6 +140,7 @@ class LLM:
             for i in range(p.n):
                 seq = torch.tensor([prompt["prompt_token_ids"]])
                 ids: list[int] = []
+                given: list[dict[int, Any]] = []
                 finish, stop_reason, text = "length", None, ""
                 for _ in range(p.max_tokens):
                     logits = model(input_ids=seq).logits[0, -1].float()
@@ -146,6 +152,8 @@ class LLM:
                         finish = "stop"
                         break
                     ids.append(token)
+                    logp = torch.log_softmax(logits / (p.temperature or 1.0), -1)[token]
+                    given.append({token: SimpleNamespace(logprob=float(logp))})
                     seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
                     text = self.tok.decode(ids, skip_special_tokens=True)
                     hit = [s for s in p.stop if s in text]
@@ -153,6 +161,7 @@ class LLM:
                         finish, stop_reason = "stop", hit[0]
                         text = text[: text.find(hit[0])]
                         break
-                request.outputs.append(CompletionOutput(i, text, ids, finish, stop_reason))
+                logprobs = given if p.logprobs is not None else None
+                request.outputs.append(CompletionOutput(i, text, ids, finish, stop_reason, logprobs))
             outputs.append(request)
         return outputs

@@ -483,3 +483,45 @@ def test_a_huge_ratio_never_turns_a_zero_advantage_into_nan(agg):
     loss, _ = rloo.policy_loss(logp, old, t([0.0]), t([[1, 1]]), aggregation=agg)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+# ---------------------------------------------------------------- sampler_correction
+def test_sampler_correction_tis_truncates_the_trainer_over_sampler_ratio():
+    # log rho per token: row 0 [0.1, 1.0, (pad)], row 1 [-0.5, (NaN: the sampler gave none)]
+    trainer = t([[0.1, 1.0, 0.0], [-0.5, -1.0, 0.0]])
+    sampler = t([[0.0, 0.0, 0.0], [0.0, math.nan, 0.0]])
+    mask = t([[1, 1, 0], [1, 1, 0]])
+    weights, stats = rloo.sampler_correction(trainer, sampler, mask, mode="tis", cap=2.0)
+    close(weights, [[math.exp(0.1), 2.0, 1.0], [math.exp(-0.5), 1.0, 1.0]])  # exp(1) = 2.72 -> 2
+    total, counted, largest, corrected, out_of = stats.tolist()
+    assert total == pytest.approx(0.1 + 1.0 + 0.5)
+    assert (counted, corrected, out_of) == (3, 1, 3) and largest == pytest.approx(1.0)
+
+
+def test_sampler_correction_mask_drops_a_completion_past_the_bound_either_way():
+    # bound log 2 = 0.693: row 0 has +1.0 (past), row 1 -0.9 (past, below 1/2), row 2 within
+    trainer = t([[0.1, 1.0], [-0.9, 0.0], [0.5, -0.5]])
+    mask = t([[1, 1], [1, 1], [1, 1]])
+    weights, stats = rloo.sampler_correction(trainer, torch.zeros_like(trainer), mask, mode="mask", cap=2.0)
+    close(weights, [[0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    assert stats[3].item() == 2 and stats[4].item() == 3  # 2 of 3 completions masked
+    none, _ = rloo.sampler_correction(trainer, torch.zeros_like(trainer), mask, mode="none", cap=2.0)
+    assert (none == 1).all()
+    with pytest.raises(ValueError, match="tis, mask, none"):
+        rloo.sampler_correction(trainer, trainer, mask, mode="is", cap=2.0)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_token_weights_weigh_each_tokens_gradient(agg):
+    # d loss / d logp[n, t] = -A[n] * w[n, t] * mask[n, t] / denom[n] at ratio 1, every aggregation
+    w = t([[0.5, 2.0, 1.0, 0.0], [1.0, 1.0, 0.25, 1.0], [3.0, 0.0, 1.0, 1.0]])
+    plain, weighted = logps(), logps()
+    rloo.policy_loss(plain, plain.detach(), t(ADV), t(MASK), aggregation=agg, budget=BUDGET)[0].backward()
+    loss, stats = rloo.policy_loss(
+        weighted, weighted.detach(), t(ADV), t(MASK), aggregation=agg, budget=BUDGET, token_weights=w
+    )
+    loss.backward()
+    close(weighted.grad, plain.grad * w)
+    assert stats["ratio_mean"].item() == pytest.approx(1.0)  # statistics count tokens, not weights
+    merged = rloo.merged_sampler_stats(t([1.0, 2.0, 0.5, 1.0, 4.0]), t([3.0, 1.0, 0.9, 0.0, 2.0]))
+    close(merged, [4.0, 3.0, 0.9, 1.0, 6.0])

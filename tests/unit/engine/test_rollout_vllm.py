@@ -154,3 +154,40 @@ def test_vllm_continues_token_contexts_within_the_room_given(fake_vllm, policy) 
         assert ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist() == context
     again = backend.generate_ids(contexts, generator_seed=5, rows=[7, 3, 9], max_new_tokens=5)
     assert torch.equal(ro.completion_ids, again.completion_ids)  # each row seeded by its own place
+
+
+def test_a_job_on_vllm_measures_the_mismatch_and_names_a_sampler_left_behind(
+    fake_vllm, monkeypatch, tmp_path, models_dir
+) -> None:
+    """vLLM's log-probs of what it sampled come back; with its weights synced, trainer and sampler
+    differ by rounding only. A sync that never reaches it leaves it sampling from the first
+    weights: the mismatch grows, TIS truncates tokens, and an event says what is wrong."""
+    from tests.helpers.training import ListRecorder, config
+
+    operator = OperatorOptions(rollout_backend="vllm")
+    synced = ListRecorder()
+    train(config(tmp_path / "synced", models_dir, max_steps=2, cfg={"operator": operator}), synced)
+    assert all(m["sampler_logratio_mean"] < 1e-4 and m["sampler_correction_frac"] == 0 for m in synced.steps)
+
+    real = fake_vllm.LLM.instances[-1].runner.load_weights.__func__
+
+    def first_only(self: Any, weights: Any) -> None:
+        if not self.pushes:
+            real(self, weights)
+
+    monkeypatch.setattr(type(fake_vllm.LLM.instances[-1].runner), "load_weights", first_only)
+    stale = ListRecorder()
+    hp = {"max_steps": 24, "learning_rate": 0.002, "rloo_k": 2, "batch_size": 4, "max_new_tokens": 8}
+    train(config(tmp_path / "stale", models_dir, **hp, cfg={"operator": operator}), stale)
+    mismatch = [m["sampler_logratio_mean"] for m in stale.steps]
+    assert mismatch[0] < 1e-4 and min(mismatch[1:]) > 0.05, mismatch  # synced once, then left behind
+    assert stale.steps[-1]["sampler_correction_frac"] > 0  # tokens the stale sampler over-weighted: truncated
+    assert any("not being updated" in e for e in stale.events), stale.events
+
+    # The same stale run uncorrected: the same first step, then other updates.
+    plain = ListRecorder()
+    hp = {**hp, "max_steps": 3, "sampler_correction": "none"}
+    train(config(tmp_path / "plain", models_dir, **hp, cfg={"operator": operator}), plain)
+    assert plain.steps[0]["grad_norm"] == pytest.approx(stale.steps[0]["grad_norm"], rel=1e-5)
+    assert plain.steps[2]["grad_norm"] != pytest.approx(stale.steps[2]["grad_norm"], rel=1e-3)
+    assert plain.steps[2]["sampler_correction_frac"] == 0 < plain.steps[2]["sampler_logratio_mean"]

@@ -191,6 +191,55 @@ def batch_advantages(
     return out
 
 
+SAMPLER_CORRECTIONS = ("tis", "mask", "none")
+
+
+def sampler_correction(
+    trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, *, mode: str, cap: float
+) -> tuple[Tensor, Tensor]:
+    """Token weights that correct for a sampler that is not the policy (vLLM), and the mismatch's
+    statistics. ``(N, T)`` each in; ``sampler_logp`` NaN where the sampler gave no log-prob (such a
+    token is not corrected and not counted).
+
+    With ``rho = pi_trainer / pi_sampler`` per token (the first pass's, detached):
+
+    * ``tis`` (truncated importance sampling): weight ``min(rho, cap)``: the gradient of a token
+      sampled where the sampler put more mass than the trainer shrinks, and no token weighs more
+      than ``cap``;
+    * ``mask``: weight 0 on every token of a completion with a token past the bound either way
+      (``rho > cap`` or ``rho < 1 / cap``), 1 elsewhere;
+    * ``none``: weight 1.
+
+    Returns the weights ``(N, T)`` and ``[sum |log rho|, tokens counted, max |log rho|, corrected,
+    out of]`` (corrected: tokens truncated out of the tokens counted, or completions masked out of
+    the completions), to add up over micro-batches and ranks (the max: its largest).
+    """
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"unknown sampler_correction '{mode}'; use {', '.join(SAMPLER_CORRECTIONS)}")
+    known = mask.bool() & torch.isfinite(sampler_logp)
+    log_rho = torch.where(known, trainer_logp.detach().float() - sampler_logp.float(), torch.zeros_like(trainer_logp))
+    ones = torch.ones_like(log_rho)
+    out_of = known.sum()
+    if mode == "tis":
+        weights = torch.where(known, log_rho.exp().clamp(max=cap), ones)
+        corrected = (known & (log_rho > math.log(cap))).sum()
+    elif mode == "mask":
+        past = (known & (log_rho.abs() > math.log(cap))).any(dim=1)
+        weights = torch.where(past.unsqueeze(1), torch.zeros_like(ones), ones)
+        corrected, out_of = past.sum(), (mask.sum(dim=1) > 0).sum()
+    else:
+        weights, corrected = ones, torch.zeros((), dtype=torch.long, device=ones.device)
+    largest = log_rho.abs().max() if known.any() else torch.zeros((), device=log_rho.device)
+    parts = [log_rho.abs().sum(), known.sum().float(), largest, corrected.float(), out_of.float()]
+    stats = torch.stack(parts)
+    return weights, stats
+
+
+def merged_sampler_stats(a: Tensor, b: Tensor) -> Tensor:
+    """Two parts' ``sampler_correction`` statistics as one: sums added, the largest kept."""
+    return torch.cat([a[:2] + b[:2], a[2:3].maximum(b[2:3]), a[3:] + b[3:]])
+
+
 # exp(20) ~ 5e8: far past any clip range, and never inf (inf * an advantage of 0 would be NaN).
 MAX_LOG_RATIO = 20.0
 
@@ -242,6 +291,7 @@ def policy_loss(
     normalizer: Tensor | float | None = None,
     budget: int | None = None,
     stats_normalizer: Tensor | float | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss over completion tokens.
 
@@ -271,6 +321,10 @@ def policy_loss(
     divided by ``stats_normalizer`` (default ``stats_normalizer_of``: the loss's normaliser, but the
     tokens for ``constant``, whose budget would understate them), so micro-batches' statistics add
     up too: pass the whole batch's.
+
+    ``token_weights`` ``(N, T)`` (``sampler_correction``'s, detached) weigh each token's part: a
+    token-level aggregation's terms are multiplied by them; a sequence-level one's log-ratio is the
+    weighted sum of its tokens', so that its first-pass gradient is ``A * sum_t w_t grad logp_t``.
     """
     low = clip_epsilon
     high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
@@ -285,21 +339,22 @@ def policy_loss(
         adv = advantages.unsqueeze(-1)
         unclipped = ratio * adv
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
-        weight = mask
+        counted = mask  # the statistics count tokens, not their weights
+        weight = mask if token_weights is None else mask * token_weights.to(mask.dtype)
     elif aggregation in ("sequence_sum", "sequence_mean"):
-        log_ratio = delta.sum(dim=-1)
+        log_ratio = (delta if token_weights is None else delta * token_weights.to(delta.dtype)).sum(dim=-1)
         if aggregation == "sequence_mean":
             log_ratio = log_ratio / lengths.clamp(min=1.0)
         ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
         unclipped = ratio * advantages
         clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
-        weight = (lengths > 0).to(logp.dtype)
+        weight = counted = (lengths > 0).to(logp.dtype)
     else:
         _check_aggregation(aggregation)
         raise AssertionError(aggregation)
     loss = (-torch.minimum(unclipped, clipped) * weight).sum() / norm
-    clip_frac = ((clipped < unclipped).to(logp.dtype) * weight).sum() / stats_norm
-    ratio_mean = (ratio * weight).sum() / stats_norm
+    clip_frac = ((clipped < unclipped).to(logp.dtype) * counted).sum() / stats_norm
+    ratio_mean = (ratio * counted).sum() / stats_norm
     return loss, {"ratio_clip_frac": clip_frac.detach(), "ratio_mean": ratio_mean.detach()}
 
 

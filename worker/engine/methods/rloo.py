@@ -22,6 +22,7 @@ A step, for ``B`` prompts and ``k`` completions each (``N = B * k``, prompt-majo
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -36,6 +37,7 @@ from service import graders
 from service.jobs.hyperparameters import ResolvedReinforcementHyperparameters
 from worker.engine.config import TrainConfig
 from worker.engine.data import batch_indices, prompt_text
+from worker.engine.diagnostics import Diagnostics
 from worker.engine.distributed.ranks import whole_tensor
 from worker.engine.errors import JobError
 from worker.engine.loop import Stop, TrainResult, end_of_step, finish, is_eval_step
@@ -78,7 +80,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     mine = ranks.share(batch_size)
     micro = micro_batches(mine.stop - mine.start, k, hp.gradient_accumulation_steps)
     overlap = run.reference is not None and scored_elsewhere(run.scorer)
-    stop = Stop(run.start, {})
+    stop, watch = Stop(run.start, {}), Diagnostics(counters.reported_diagnostics, group=k)
     for step in range(run.start + 1, run.total_steps + 1):
         t_step = time.perf_counter()
 
@@ -150,7 +152,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
             timings=timings,
             trained_tokens=counters.trained_tokens,
         )
-        metrics.update(_grader_and_tool_metrics(run, step, graded, trajectories, timings, recorder))
+        _complete_metrics(run, step, metrics, graded, trajectories, timings, watch, recorder)
         _record_samples(run, step, prompts, ro, trajectories, rewards, update, recorder)
         if is_eval_step(run, step):
             with run.autocast:
@@ -162,20 +164,24 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
     return finish(run, stop, recorder, headline=HEADLINE)
 
 
-def _grader_and_tool_metrics(
+def _complete_metrics(
     run: Run,
     step: int,
+    metrics: dict[str, Any],
     graded: graders.GradeResult,
     trajectories: list[Trajectory] | None,
     timings: Timings,
+    watch: Diagnostics,
     recorder: Recorder,
-) -> dict[str, Any]:
-    """Each grader's figures (its first error reported once a run), and a run with tools' figures."""
+) -> None:
+    """Each grader's figures (its first error reported once a run), and a run with tools' figures,
+    added to ``metrics``; then the signs of a run not learning as it should (once each, as events)."""
     _report_grader_errors(graded, step, run.counters, recorder)
-    metrics: dict[str, Any] = dict(grader_metrics(graded))
+    metrics.update(grader_metrics(graded))
     if trajectories is not None:
         metrics.update(tool_metrics([t.counts() for t in trajectories], run.ranks, timings))
-    return metrics
+    for message in watch.observe(metrics):
+        recorder.event(message, level="warn")
 
 
 def _record_samples(
@@ -343,6 +349,11 @@ class SamplingSide:
     kl_seq: Tensor
     advantages: Tensor
     entropy_sum: Tensor
+    token_weights: list[Tensor | None] = dataclasses.field(default_factory=list)
+    """A micro-batch's ``sampler_correction`` weights (None: uncorrected)."""
+    sampler: Tensor | None = None
+    """The trainer-sampler mismatch's statistics over this rank's micro-batches (a sampler that is
+    not the policy), else None."""
 
 
 def rloo_update(
@@ -381,7 +392,13 @@ def rloo_update(
         ranks.sum(side.entropy_sum),
         whole_tensor(grad_norm),  # a DTensor when sharded
         learning_rate,
+        None if side.sampler is None else _whole_sampler_stats(ranks, side.sampler),
     )
+
+
+def _whole_sampler_stats(ranks: Any, stats: Tensor) -> Tensor:
+    """The ranks' mismatch statistics added up (the largest: the largest)."""
+    return torch.cat([ranks.sum(stats[:2]), ranks.max(stats[2:3]), ranks.sum(stats[3:])])
 
 
 def _advantages(run: Run, rewards: Tensor, kl: Tensor | None, finite: Tensor) -> Tensor:
@@ -433,10 +450,37 @@ def _first_epoch(
         side.entropy_sum += (entropy.float() * b.mask[sl]).sum()
     if b.ref_logp is not None:
         side.kl_seq[sl] = policy_gradient.sequence_kl(side.old_logp[m], b.ref_logp[sl], b.mask[sl], hp.kl_estimator)
+    side.token_weights.append(_sampler_correction(run, b, side, m))
     if timing is AdvantageTiming.PER_MICRO_BATCH:
         # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
         kl = side.kl_seq[sl].view(rows.stop - rows.start, hp.rloo_k)
         side.advantages[rows] = _advantages(run, b.rewards[rows], kl, b.finite[rows])
+
+
+def _sampler_correction(run: Run, b: UpdateBatch, side: SamplingSide, m: int) -> Tensor | None:
+    """Micro-batch ``m``'s token weights for a sampler that is not the policy (None: the policy
+    sampled, or ``sampler_correction`` is none), its mismatch added to ``side.sampler``."""
+    sampled = b.ro.sampler_logprobs
+    if sampled is None:
+        return None
+    sl, hp = b.local[m], run.rl
+    mode = correction_mode(hp, has_sampler_logprobs=True)
+    weights, stats = policy_gradient.sampler_correction(
+        side.old_logp[m], sampled[sl].to(run.device), b.loss_mask[sl], mode=mode, cap=hp.sampler_correction_cap
+    )
+    side.sampler = stats if side.sampler is None else policy_gradient.merged_sampler_stats(side.sampler, stats)
+    return None if mode == "none" else weights
+
+
+def correction_mode(hp: ResolvedReinforcementHyperparameters, *, has_sampler_logprobs: bool) -> str:
+    """``sampler_correction`` resolved: none where the policy sampled (the ratio is exactly 1);
+    auto is tis where the sampler reports its log-probs of the distribution the trainer scores
+    (top_p 1: a nucleus renormalises the sampler's), none otherwise."""
+    if not has_sampler_logprobs:
+        return "none"
+    if hp.sampler_correction == "auto":
+        return "tis" if hp.top_p == 1.0 else "none"
+    return hp.sampler_correction
 
 
 def _policy_epochs(
@@ -487,6 +531,7 @@ def _micro_batch_loss(
         normalizer=norm,
         budget=hp.max_new_tokens,
         stats_normalizer=stats_norm,
+        token_weights=side.token_weights[m],
     )
     if b.ref_logp is not None and not hp.kl_in_reward:
         loss = loss + hp.kl_coef * policy_gradient.kl_loss(

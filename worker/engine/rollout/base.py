@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class Rollout:
     """(N, T) 1 on the tokens the policy sampled, where not every completion token was (a
     multi-turn rollout's tool results and template scaffolding are context, not sampled); None: all
     of ``completion_mask``."""
+    sampler_logprobs: Tensor | None = None
+    """(N, T) float: the log-probability the sampler gave each sampled token, where the sampler is
+    not the policy itself (vLLM: other kernels, other rounding, maybe other weights); NaN where it
+    gave none (an EOS it does not report, padding). None: the policy sampled (the transformers
+    backend), so the first pass's own log-probs are the sampler's."""
 
     @property
     def sampled_mask(self) -> Tensor:
@@ -74,7 +80,12 @@ class Rollout:
         ids = torch.nn.functional.pad(self.completion_ids, (0, extra), value=pad_id)
         mask = torch.nn.functional.pad(self.completion_mask, (0, extra), value=0)
         generated = None if self.generated is None else torch.nn.functional.pad(self.generated, (0, extra), value=0)
-        return Rollout(self.prompt_ids, self.prompt_mask, ids, mask, self.truncated, self.texts, self.group, generated)
+        sampler = self.sampler_logprobs
+        if sampler is not None:
+            sampler = torch.nn.functional.pad(sampler, (0, extra), value=math.nan)
+        return Rollout(
+            self.prompt_ids, self.prompt_mask, ids, mask, self.truncated, self.texts, self.group, generated, sampler
+        )
 
     def rows(self, rows: slice) -> Rollout:
         """The completions ``rows`` (a micro-batch); whole groups keep their grouping."""
@@ -89,6 +100,7 @@ class Rollout:
             self.texts[rows],
             self.group if whole_groups else 1,
             None if self.generated is None else self.generated[rows],
+            None if self.sampler_logprobs is None else self.sampler_logprobs[rows],
         )
 
 

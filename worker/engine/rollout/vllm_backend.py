@@ -2,7 +2,10 @@
 on a CUDA host where vLLM is installed: ``pip install vllm``).
 
 vLLM samples; the policy (transformers) still computes every log-prob the update uses, so the
-importance ratio of the first pass is exactly 1 whatever vLLM's kernels round differently. After each
+importance ratio of the first pass is exactly 1. vLLM's own log-probs of what it sampled come back
+too (``Rollout.sampler_logprobs``): its kernels round differently, and a sync that failed would
+leave it sampling from old weights, so the update weighs each token by the trainer's probability
+over the sampler's, truncated (``sampler_correction``: TIS), and reports the mismatch. After each
 optimizer step the policy's weights are loaded into the engine before it samples again (LoRA
 adapters merged for the copy). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 as TRL's colocated mode does, and takes ``gpu_memory_utilization`` of the GPU (0.3 unless set).
@@ -21,6 +24,7 @@ has the same surface (``tests/fakes/vllm``).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,6 +59,8 @@ class VLLMBackend:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.max_prompt_length = sampling.max_new_tokens, sampling.max_prompt_length
         self.temperature, self.top_p, self.stop = sampling.temperature, sampling.top_p, list(sampling.stop)
+        if (self.temperature, self.top_p) != (1.0, 1.0):  # log-probs of the distribution it samples from
+            options.setdefault("logprobs_mode", "processed_logprobs")
         self.eos_ids = _eos_ids(model, tokenizer)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         path = str(options.pop("model_path", None) or base.config.name_or_path)
@@ -168,16 +174,19 @@ class VLLMBackend:
                 stop_token_ids=self.eos_ids,
                 seed=seeds[i] % 2**31,
                 skip_special_tokens=True,
+                logprobs=0,  # the sampled token's own: the trainer-sampler mismatch (``sampler_correction``)
             )
             for i in range(len(encoded))
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
         rows: list[list[int]] = []
+        logprobs: list[list[float]] = []
         texts: list[str] = []
         truncated: list[bool] = []
         for out in outputs:  # in prompt order; each with its k samples
             for sample in sorted(out.outputs, key=lambda o: o.index):
                 ids = list(sample.token_ids)
+                logprobs.append(_sampled_logprobs(sample, ids))
                 ended_by_eos = sample.finish_reason == "stop" and sample.stop_reason is None
                 if ended_by_eos and (not ids or ids[-1] not in self.eos_ids):
                     ids.append(self.eos_ids[0])  # the EOS carries loss, as in the transformers backend
@@ -186,6 +195,9 @@ class VLLMBackend:
                 truncated.append(sample.finish_reason == "length")
         device = next(self.model.parameters()).device
         completion_ids, completion_mask = right_padded(rows, tok.pad_token_id)
+        sampler = torch.full(completion_ids.shape, math.nan)
+        for i, row in enumerate(logprobs):
+            sampler[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
         padded = tok.pad({"input_ids": encoded}, padding=True, return_tensors="pt")  # left: the tokenizer's side
         return Rollout(
             padded["input_ids"].repeat_interleave(k, dim=0).to(device),
@@ -195,7 +207,19 @@ class VLLMBackend:
             torch.tensor(truncated, device=device),
             texts,
             k,
+            sampler_logprobs=sampler.to(device),
         )
+
+
+def _sampled_logprobs(sample: Any, ids: list[int]) -> list[float]:
+    """The log-probability vLLM gave each of ``ids`` (its ``logprobs``, one dict a token, the sampled
+    token's among them); NaN where it gave none."""
+    given = getattr(sample, "logprobs", None) or []
+    out = []
+    for position, token in enumerate(ids):
+        entry = given[position].get(token) if position < len(given) and given[position] else None
+        out.append(float(entry.logprob) if entry is not None else math.nan)
+    return out
 
 
 def _wake_up(llm: Any, tag: str) -> None:
