@@ -153,7 +153,7 @@ def _draws(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``batches`` gradients per estimator, ``recipe[name](truth, noise, g)`` each from one shared
     unit noise; the moments and the moments of each one's difference from "reinforce"'s."""
-    from benchmarks.learning import Moments
+    from benchmarks.learning.variance import Moments
 
     g = torch.Generator().manual_seed(seed)
     moments = {name: Moments() for name in recipe}
@@ -172,7 +172,7 @@ def test_gradient_statistics_compare_variances_at_an_equal_scale_even_where_nois
     """2,000 coordinates, a small mean (squared norm 20) under unit noise (variance 2,000), 200
     batches: a sample mean's squared norm is half noise there, so scaling by it would call REINFORCE's
     three times RLOO's variance 1.8 times; the noise-free signal keeps it at 3."""
-    from benchmarks.learning import gradient_stats
+    from benchmarks.learning.variance import gradient_stats
 
     truth = torch.full((2000,), 0.1, dtype=torch.float64)
     moments, paired = _draws(
@@ -197,7 +197,7 @@ def test_gradient_statistics_compare_variances_at_an_equal_scale_even_where_nois
 
 
 def test_the_bias_statistic_is_about_1_without_bias_and_large_with_it() -> None:
-    from benchmarks.learning import gradient_stats
+    from benchmarks.learning.variance import gradient_stats
 
     truth = torch.randn(50, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     moments, paired = _draws(
@@ -221,7 +221,7 @@ def test_constant_baselines_give_the_variance_at_any_constant_from_three_varianc
     ``u, v`` in 200 coordinates; RLOO's variance 0.64 a coordinate. By hand, per coordinate:
     Var g_r = 1.25, Var g_1 = 1, their covariance 0.5, so the best constant is 0.5 and
     Var(g_r - b g_1) = 1.25 - b + b^2: 1.25 at 0, 1.09 at 0.2, 1.0 at 0.5; against RLOO's 0.64."""
-    from benchmarks.learning import SHIFTED, constant_baselines
+    from benchmarks.learning.variance import SHIFTED, constant_baselines
 
     def reinforce(t: torch.Tensor, n: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         return t + 0.5 * n + torch.randn(t.shape, generator=g, dtype=torch.float64)

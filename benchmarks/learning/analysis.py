@@ -1,0 +1,79 @@
+"""From the grid's runs to the tables: arms (a configuration over its seeds), the best learning rate
+of each estimator, paired differences, the noise floor."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from benchmarks.learning.grid import RunConfig
+
+
+def mean_se(values: list[float]) -> dict[str, Any]:
+    """Mean and standard error of the mean (n - 1 in the variance; None for one value)."""
+    n = len(values)
+    se = round(statistics.stdev(values) / math.sqrt(n), 4) if n > 1 else None
+    return {"mean": round(statistics.fmean(values), 4), "se": se, "n": n}
+
+
+SCORES = ("expected", "greedy", "greedy_reward")
+
+
+def arm_summary(runs: list[dict[str, Any]], start: dict[str, float]) -> dict[str, Any]:
+    """Over an arm's seeds: each final score's mean +- s.e., per-seed finals, the mean curve of the
+    expected accuracy, clipping, entropy and the share of constant groups (first and last 50 steps)."""
+    steps = [0, *(p["step"] for p in runs[0]["curve"])]
+    curve = [[start["expected"], *(p["expected"] for p in r["curve"])] for r in runs]
+    out: dict[str, Any] = {score: mean_se([r["final"][score] for r in runs]) for score in SCORES}
+    out["finals_expected"] = [round(r["final"]["expected"], 4) for r in runs]
+    out["sampled_final"] = mean_se([r["sampled_final"] for r in runs if r["sampled_final"] is not None])
+    out["curve"] = {
+        "steps": steps,
+        "mean": [round(statistics.fmean(c[i] for c in curve), 4) for i in range(len(steps))],
+        "se": [mean_se([c[i] for c in curve])["se"] or 0.0 for i in range(len(steps))],
+    }
+    out["steps_clipped_frac"] = round(statistics.fmean(r["steps_clipped_frac"] for r in runs), 3)
+    out["grad_norm_median"] = round(statistics.median(r["grad_norm_median"] for r in runs), 3)
+    for name in runs[0]["first_last_50"]:
+        out[name + "_first_last_50"] = [
+            round(statistics.fmean(r["first_last_50"][name][i] for r in runs), 3) for i in (0, 1)
+        ]
+    out["wall_s_median"] = statistics.median(r["wall_s"] for r in runs)
+    return out
+
+
+def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], score: str = "expected") -> dict[str, Any]:
+    """``a``'s final ``score`` less ``b``'s, runs of the same seeds in order (paired: a seed fixes the
+    data order and the first rollouts): the mean difference, its standard error, ``t`` (9 degrees of
+    freedom for 10 seeds: |t| > 2.26 is p < 0.05)."""
+    diffs = [x["final"][score] - y["final"][score] for x, y in zip(a, b, strict=True)]
+    d = mean_se(diffs)
+    return {"difference": d["mean"], "se": d["se"], "t": round(d["mean"] / d["se"], 2) if d["se"] else None}
+
+
+def unpaired(a: list[dict[str, Any]], b: list[dict[str, Any]], score: str = "expected") -> dict[str, Any]:
+    x, y = mean_se([r["final"][score] for r in a]), mean_se([r["final"][score] for r in b])
+    se = math.hypot(x["se"] or 0.0, y["se"] or 0.0)
+    diff = x["mean"] - y["mean"]
+    return {"difference": round(diff, 4), "se": round(se, 4), "t": round(diff / se, 2) if se else None}
+
+
+def by_arm(configs: list[RunConfig], results: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each arm's runs, in seed order."""
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for cfg in sorted(configs, key=lambda c: c.seed):
+        arms.setdefault(cfg.arm, []).append(results[cfg.key])
+    return arms
+
+
+def best_rate(
+    arms: dict[str, list[dict[str, Any]]], task: str, estimator: str, aggregation: str, rates: list[float]
+) -> float:
+    """The rate whose arm has the highest mean final expected accuracy."""
+
+    def score(rate: float) -> float:
+        runs = arms[RunConfig(task, estimator, rate, aggregation).arm]
+        return statistics.fmean(r["final"]["expected"] for r in runs)
+
+    return max(rates, key=score)
