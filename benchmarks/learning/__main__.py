@@ -20,7 +20,7 @@ from benchmarks.learning.tasks import EXAMPLE, TASKS, job_settings
 from benchmarks.learning.variance import ESTIMATORS
 
 SECTIONS = ("grid", "variance", "trl", "api")
-RATES = (2.5e-4, 5e-4, 1e-3)
+RATES = (1.25e-4, 2.5e-4, 5e-4, 1e-3)
 AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 """Beside sequence_sum (every estimator's), for RLOO."""
 SWEPT = ("rloo", "grpo", "reinforce")
