@@ -82,6 +82,9 @@ RLOO_DEFAULTS = {
     "lora": None,  # in docs/algorithm.md's table
     "reward_clip": None,
     "mask_truncated_completions": False,
+    "drop_constant_groups": False,
+    "sampler_correction": "auto",
+    "sampler_correction_cap": 2.0,
     "stop": None,
     "gradient_accumulation_steps": 1,
     "lr_scheduler": "constant",
@@ -375,6 +378,11 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "learning_rate_negative": (_hp(learning_rate=-1.0), f"{HP}.learning_rate", None),
     "learning_rate_multiplier_0": (_hp(learning_rate_multiplier=0), f"{HP}.learning_rate_multiplier", None),
     "kl_estimator_unknown": (_hp(kl_estimator="k2"), f"{HP}.kl_estimator", None),
+    "loss_aggregation_unknown": (_hp(loss_aggregation="sum"), f"{HP}.loss_aggregation", "'constant'"),
+    "sampler_correction_unknown": (_hp(sampler_correction="is"), f"{HP}.sampler_correction", "'tis'"),
+    "sampler_correction_cap_0": (_hp(sampler_correction_cap=0), f"{HP}.sampler_correction_cap", "greater than 1"),
+    "sampler_correction_cap_negative": (_hp(sampler_correction_cap=-2), f"{HP}.sampler_correction_cap", None),
+    "drop_constant_groups_not_a_bool": (_hp(drop_constant_groups="sometimes"), f"{HP}.drop_constant_groups", None),
     "eval_interval_without_validation": (_hp(eval_interval=5), f"{HP}.eval_interval", "validation_file"),
     "accumulation_not_dividing_batch": (
         _hp(batch_size=8, gradient_accumulation_steps=3),

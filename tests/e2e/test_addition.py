@@ -91,6 +91,51 @@ def test_the_supervised_start_loads_with_from_pretrained_one_token_a_character(b
     assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it was trained
 
 
+def test_the_learning_benchmarks_exact_scores_agree_with_a_token_by_token_reading(built: Path) -> None:
+    """``benchmarks.learning.scoring.held_out`` (batched, left-padded, through the engine's log-prob
+    path) against each prompt alone, unpadded, token by token, and transformers' own greedy search."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.learning.scoring import held_out
+    from benchmarks.learning.tasks import TASKS
+    from worker.engine.data import prompt_text
+
+    sft = built / "addition-sft"
+    items = [json.loads(line) for line in (ADDITION / "valid.jsonl").read_text().splitlines()[:40]]
+    scores = held_out(sft, TASKS["graded"], items, max_new_tokens=4)
+    tok = AutoTokenizer.from_pretrained(sft)
+    model = AutoModelForCausalLM.from_pretrained(sft).eval()
+    configured = model.generation_config.eos_token_id
+    eos = sorted({*(configured if isinstance(configured, list) else [configured]), tok.eos_token_id})
+    expected = greedy = reward = 0.0
+    with torch.no_grad():
+        for item in items:
+            prompt = tok(prompt_text(item, tok), add_special_tokens=False).input_ids
+            seq, p = list(prompt), 1.0
+            for token in [*tok(item["answer"], add_special_tokens=False).input_ids, None]:
+                probs = torch.softmax(model(torch.tensor([seq])).logits[0, -1].double(), -1)
+                if token is None:  # then any EOS
+                    p *= float(sum(probs[e] for e in eos))
+                else:
+                    p *= float(probs[token])
+                    seq.append(token)
+            expected += p
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=4,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id,
+            )
+            text = tok.decode(out[0, len(prompt) :], skip_special_tokens=True)
+            greedy += float(text == item["answer"])
+            reward += TASKS["graded"].reward(text, item["answer"])
+    n = len(items)
+    assert 0 < scores["expected"] < 0.9  # a model that knows some sums: the comparison can fail
+    assert scores["expected"] == pytest.approx(expected / n, abs=1e-5)
+    assert scores["greedy"] == pytest.approx(greedy / n) and scores["greedy_reward"] == pytest.approx(reward / n)
+
+
 @pytest.mark.e2e
 def test_rloo_train_and_the_api_give_the_same_numbers_and_rloo_eval_the_same_validation_pass(
     tmp_path: Path, built: Path
