@@ -226,7 +226,10 @@ def _gradients(run: Any, rewards: Any, logp: Any, mask: Any, moments: dict[str, 
         adv = (rloo.advantages(rewards + 1, "reinforce") if name == SHIFTED else rloo.advantages(rewards, name)).view(
             -1
         )
-        loss, _ = rloo.policy_loss(logp, logp.detach(), adv, mask, aggregation=run.rl.loss_aggregation)
+        hp = run.rl
+        loss, _ = rloo.policy_loss(
+            logp, logp.detach(), adv, mask, aggregation=hp.loss_aggregation, budget=hp.max_new_tokens
+        )
         parts = torch.autograd.grad(loss, run.params, retain_graph=True, allow_unused=True)
         grads[name] = torch.cat(
             [(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(parts, run.params, strict=True)]

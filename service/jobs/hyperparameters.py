@@ -186,7 +186,7 @@ class ReinforcementHyperparameters(TrainingHyperparameters):
         description="Where the sampler is not the policy itself (vLLM), its log-probs differ from the trainer's: "
         "tis weighs each token by the ratio trainer/sampler, truncated at sampler_correction_cap; mask leaves out "
         "a completion with a token whose ratio is past the cap either way; none ignores it; auto is tis with a "
-        "sampler that reports its log-probs, none otherwise.",
+        "sampler that reports its log-probs and top_p 1, none otherwise.",
     )
     sampler_correction_cap: float = Field(
         2.0, gt=1.0, le=1000.0, description="The truncation of tis, the bound of mask (a ratio above 1)."
@@ -194,7 +194,8 @@ class ReinforcementHyperparameters(TrainingHyperparameters):
     drop_constant_groups: bool = Field(
         False,
         description="Leave groups whose rloo_k rewards are all equal out of the loss and its normaliser (they carry "
-        "no signal under a group baseline); metric constant_groups_frac.",
+        "no reward signal under a group baseline; a KL folded into the reward goes with them); metric "
+        "constant_groups_frac.",
     )
     advantage_estimator: AdvantageEstimator = Field(
         "rloo",

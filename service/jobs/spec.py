@@ -327,6 +327,19 @@ def _check_reinforcement(hp: ResolvedReinforcementHyperparameters, hp_param: str
             "would add noise, not a pull to the reference). Set kl_estimator to 'k3', or keep kl_in_reward true.",
             f"{hp_param}.kl_estimator",
         )
+    if hp.drop_constant_groups and hp.rloo_k < 2:
+        raise bad_request(
+            "drop_constant_groups leaves out groups whose rloo_k rewards are all equal, and a group of one always "
+            "is: nothing would train. Give rloo_k at least 2, or set drop_constant_groups false.",
+            f"{hp_param}.drop_constant_groups",
+        )
+    if hp.sampler_correction in ("tis", "mask") and hp.top_p < 1:
+        raise bad_request(
+            f"sampler_correction '{hp.sampler_correction}' compares the sampler's probabilities with the trainer's, "
+            f"and top_p {hp.top_p} renormalises the sampler's over the nucleus (the trainer's are not): the ratio "
+            "would be the nucleus's mass, not a mismatch. Set top_p to 1, or sampler_correction to 'auto' or 'none'.",
+            f"{hp_param}.sampler_correction",
+        )
 
 
 def check_kept_checkpoints(hp: AnyResolved, total_steps: int, *, cap: int, param: str) -> None:

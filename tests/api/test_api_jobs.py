@@ -383,6 +383,12 @@ BAD_JOBS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str | None]] = 
     "sampler_correction_cap_0": (_hp(sampler_correction_cap=0), f"{HP}.sampler_correction_cap", "greater than 1"),
     "sampler_correction_cap_negative": (_hp(sampler_correction_cap=-2), f"{HP}.sampler_correction_cap", None),
     "drop_constant_groups_not_a_bool": (_hp(drop_constant_groups="sometimes"), f"{HP}.drop_constant_groups", None),
+    "drop_constant_groups_of_one": (
+        _hp(advantage_estimator="reinforce", rloo_k=1, drop_constant_groups=True),
+        f"{HP}.drop_constant_groups",
+        "nothing would train",
+    ),
+    "tis_under_a_nucleus": (_hp(sampler_correction="tis", top_p=0.9), f"{HP}.sampler_correction", "top_p"),
     "eval_interval_without_validation": (_hp(eval_interval=5), f"{HP}.eval_interval", "validation_file"),
     "accumulation_not_dividing_batch": (
         _hp(batch_size=8, gradient_accumulation_steps=3),

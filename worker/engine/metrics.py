@@ -123,8 +123,10 @@ def sampler_metrics(stats: Tensor) -> dict[str, float]:
     largest ``|log pi_trainer - log pi_sampler|`` over the sampled tokens, and the share corrected
     (tokens truncated, or completions masked: ``sampler_correction``)."""
     total, tokens, largest, corrected, out_of = stats.tolist()
+    if not tokens:  # no log-prob came back: nothing measured
+        return {}
     return {
-        "sampler_logratio_mean": total / tokens if tokens else 0.0,
+        "sampler_logratio_mean": total / tokens,
         "sampler_logratio_max": largest,
         "sampler_correction_frac": corrected / out_of if out_of else 0.0,
     }

@@ -46,7 +46,8 @@ class CompletionOutput:
     stop_reason: Any = None
     logprobs: list[dict[int, Any]] | None = None
     """With ``SamplingParams(logprobs=0)``: a dict a token of ``token_ids``, the sampled token's
-    ``Logprob`` (``.logprob``, of the distribution it was sampled from, at the temperature)."""
+    ``Logprob`` (``.logprob``: of the raw distribution, or with ``LLM(logprobs_mode="processed_logprobs")``
+    of the one it was sampled from, at the temperature)."""
 
 
 @dataclass
@@ -152,7 +153,11 @@ class LLM:
                         finish = "stop"
                         break
                     ids.append(token)
-                    logp = torch.log_softmax(logits / (p.temperature or 1.0), -1)[token]
+                    # Raw log-probs (temperature 1), as vLLM's, unless processed ones were asked for.
+                    processed = self.options.get("logprobs_mode") == "processed_logprobs"
+                    logp = torch.log_softmax(logits / (p.temperature if processed and p.temperature else 1.0), -1)[
+                        token
+                    ]
                     given.append({token: SimpleNamespace(logprob=float(logp))})
                     seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
                     text = self.tok.decode(ids, skip_special_tokens=True)

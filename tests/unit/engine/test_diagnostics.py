@@ -55,12 +55,14 @@ def test_each_sign_is_reported_once_over_a_window(name: str, late: dict[str, Any
 
 
 def test_a_growing_mismatch_says_the_sampler_is_not_being_updated() -> None:
-    steps = [{**HEALTHY, "sampler_logratio_mean": 1e-7 if i == 0 else 0.05 + 0.001 * i} for i in range(30)]
+    steps = [{**HEALTHY, "sampler_logratio_mean": 1e-7 if i == 0 else 0.06 + 0.001 * i} for i in range(30)]
     messages = feed(Diagnostics([], group=8), steps)
     assert any("not being updated" in m for m in messages), messages
-    # A constant small mismatch (rounding) is no sign.
+    # A constant small mismatch (rounding) is no sign, nor one that drifts up from rounding.
     flat = [{**HEALTHY, "sampler_logratio_mean": 0.003}] * 40
     assert feed(Diagnostics([], group=8), flat) == []
+    drift = [{**HEALTHY, "sampler_logratio_mean": 0.004 + 0.001 * i} for i in range(40)]  # 0.004 -> 0.043
+    assert feed(Diagnostics([], group=8), drift) == []
 
 
 def test_constant_groups_mean_nothing_without_a_group() -> None:

@@ -435,33 +435,43 @@ def test_loss_normalizer_counts_tokens_or_completions_with_a_loss_token():
     assert rloo.loss_normalizer(torch.zeros(2, 2), "token_mean").item() == 1.0  # never a division by 0
 
 
-@pytest.mark.parametrize("agg", ["sequence_sum", "sequence_mean", "token_mean"])
+@pytest.mark.parametrize("agg", AGGS)
 def test_micro_batches_add_up_to_the_full_batch(agg):
     """Gradient accumulation: micro-batch losses divided by the whole batch's normaliser sum to the
-    full-batch loss, and so do their gradients, whatever the lengths in each micro-batch."""
+    full-batch loss, and so do their gradients and statistics, whatever the lengths in each."""
     g = torch.Generator().manual_seed(0)
     logp = (-torch.rand(6, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
     old = logp.detach() + 0.1 * torch.randn(6, 5, generator=g, dtype=torch.float64)
     adv = torch.randn(6, generator=g, dtype=torch.float64)
     mask = t([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
-    full, _ = rloo.policy_loss(logp, old, adv, mask, aggregation=agg)
+    full, full_stats = rloo.policy_loss(logp, old, adv, mask, aggregation=agg, budget=5)
     (full_grad,) = torch.autograd.grad(full, logp)
-    norm = rloo.loss_normalizer(mask, agg)
+    norm = rloo.loss_normalizer(mask, agg, 5)
+    whole = {"normalizer": norm, "budget": 5}
+    if agg == "constant":  # its statistics count tokens: the whole batch's
+        whole["stats_normalizer"] = rloo.loss_normalizer(mask, "token_mean")
     parts = [
-        rloo.policy_loss(logp[s], old[s], adv[s], mask[s], aggregation=agg, normalizer=norm)[0]
+        rloo.policy_loss(logp[s], old[s], adv[s], mask[s], aggregation=agg, **whole)
         for s in (slice(0, 2), slice(2, 4), slice(4, 6))
     ]
-    (acc_grad,) = torch.autograd.grad(sum(parts), logp)
-    torch.testing.assert_close(sum(parts), full)
+    (acc_grad,) = torch.autograd.grad(sum(loss for loss, _ in parts), logp)
+    torch.testing.assert_close(sum(loss for loss, _ in parts), full)
     torch.testing.assert_close(acc_grad, full_grad)
+    for stat in ("ratio_clip_frac", "ratio_mean"):
+        torch.testing.assert_close(sum(st[stat] for _, st in parts), full_stats[stat])
     # The KL term too.
     ref = old - 0.2
-    full_kl = rloo.kl_loss(logp, ref, mask, estimator="k3", aggregation=agg)
+    full_kl = rloo.kl_loss(logp, ref, mask, estimator="k3", aggregation=agg, budget=5)
     acc_kl = sum(
         rloo.kl_loss(logp[s], ref[s], mask[s], estimator="k3", aggregation=agg, normalizer=norm)
         for s in (slice(0, 3), slice(3, 6))
     )
     torch.testing.assert_close(acc_kl, full_kl)
+    if agg == "constant":
+        with pytest.raises(ValueError, match="stats_normalizer"):
+            rloo.policy_loss(logp, old, adv, mask, aggregation=agg, normalizer=norm)
+    with pytest.raises(ValueError, match="unknown loss_aggregation"):
+        rloo.kl_loss(logp, ref, mask, aggregation="sum", normalizer=norm)
 
 
 @pytest.mark.parametrize("agg", ["sequence_sum", "sequence_mean", "token_mean"])
@@ -523,5 +533,8 @@ def test_token_weights_weigh_each_tokens_gradient(agg):
     loss.backward()
     close(weighted.grad, plain.grad * w)
     assert stats["ratio_mean"].item() == pytest.approx(1.0)  # statistics count tokens, not weights
+
+
+def test_sampler_statistics_merge_sums_and_the_largest():
     merged = rloo.merged_sampler_stats(t([1.0, 2.0, 0.5, 1.0, 4.0]), t([3.0, 1.0, 0.9, 0.0, 2.0]))
     close(merged, [4.0, 3.0, 0.9, 1.0, 6.0])

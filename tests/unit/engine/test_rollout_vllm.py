@@ -191,3 +191,49 @@ def test_a_job_on_vllm_measures_the_mismatch_and_names_a_sampler_left_behind(
     assert plain.steps[0]["grad_norm"] == pytest.approx(stale.steps[0]["grad_norm"], rel=1e-5)
     assert plain.steps[2]["grad_norm"] != pytest.approx(stale.steps[2]["grad_norm"], rel=1e-3)
     assert plain.steps[2]["sampler_correction_frac"] == 0 < plain.steps[2]["sampler_logratio_mean"]
+
+
+def test_vllm_reports_the_log_probs_it_samples_from_at_any_temperature(fake_vllm, tmp_path, models_dir) -> None:
+    """At temperature 0.7 vLLM's raw log-probs are not those of the distribution it samples from:
+    the backend asks for the processed ones, and trainer and sampler agree to rounding."""
+    from tests.helpers.training import ListRecorder, config
+
+    rec = ListRecorder()
+    operator = OperatorOptions(rollout_backend="vllm")
+    train(config(tmp_path, models_dir, max_steps=1, temperature=0.7, cfg={"operator": operator}), rec)
+    assert fake_vllm.LLM.instances[-1].options["logprobs_mode"] == "processed_logprobs"
+    assert rec.steps[0]["sampler_logratio_mean"] < 1e-4, rec.steps[0]
+
+
+def test_mask_leaves_out_the_completions_a_stale_sampler_drew(fake_vllm, monkeypatch, tmp_path, models_dir) -> None:
+    from tests.helpers.training import ListRecorder, config
+
+    runner = fake_vllm._Runner
+    real = runner.load_weights
+
+    def first_only(self: Any, weights: Any) -> None:
+        if not self.pushes:
+            real(self, weights)
+
+    monkeypatch.setattr(runner, "load_weights", first_only)
+    rec = ListRecorder()
+    hp = {"max_steps": 4, "learning_rate": 0.01, "rloo_k": 2, "batch_size": 4, "max_new_tokens": 8}
+    operator = OperatorOptions(rollout_backend="vllm")
+    train(config(tmp_path, models_dir, **hp, sampler_correction="mask", cfg={"operator": operator}), rec)
+    assert rec.steps[0]["sampler_correction_frac"] == 0  # synced: nothing past the bound
+    assert rec.steps[-1]["sampler_correction_frac"] > 0  # completions with a token past 2x either way: out
+
+
+def test_auto_correction_is_tis_only_where_the_sampler_is_not_the_policy_and_there_is_no_nucleus() -> None:
+    from types import SimpleNamespace
+
+    from worker.engine.methods.rloo import correction_mode
+
+    def mode(correction: str, top_p: float, logprobs: bool) -> str:
+        hp = SimpleNamespace(sampler_correction=correction, top_p=top_p)
+        return correction_mode(hp, has_sampler_logprobs=logprobs)  # type: ignore[arg-type]
+
+    assert mode("auto", 1.0, True) == "tis"
+    assert mode("auto", 0.9, True) == "none"
+    assert mode("auto", 1.0, False) == mode("mask", 1.0, False) == "none"  # the policy sampled: ratio 1
+    assert mode("mask", 1.0, True) == "mask"

@@ -174,19 +174,22 @@ def batch_advantages(
     kl_coef: float = 0.0,
     reward_clip: float | None = None,
     normalize: bool = False,
+    dropped: Tensor | None = None,
 ) -> Tensor:
     """The advantage recipe: shape the rewards (clip, KL penalty), take the estimator's advantages
     (leave-one-out by default), whiten them if asked. ``(B, k)`` in and out; ``finite`` marks the
-    rewards that were scored.
+    rewards that were scored; ``dropped`` ``(B,)`` the groups out of the loss (``drop_constant_groups``).
 
     Whitening covers only advantages that carry signal: in a group estimator's groups with fewer
-    than two finite rewards they stay at 0. Rows are independent unless ``normalize``: any set of
-    whole groups gives the same values as the whole batch.
+    than two finite rewards they stay at 0, and dropped groups take no part. Rows are independent
+    unless ``normalize``: any set of whole groups gives the same values as the whole batch.
     """
     shaped = shape_rewards(rewards, kl, kl_coef=kl_coef, reward_clip=reward_clip)
     out = advantages(shaped, estimator)
     if normalize:
         signal = finite if estimator not in GROUP_ESTIMATORS else finite & (finite.sum(dim=1, keepdim=True) >= 2)
+        if dropped is not None:
+            signal = signal & ~dropped.unsqueeze(1)
         out = whiten(out, signal)
     return out
 
@@ -273,6 +276,22 @@ def loss_normalizer(mask: Tensor, aggregation: str, budget: int | None = None) -
     return completions
 
 
+def _stats_normalizer(
+    mask: Tensor,
+    aggregation: str,
+    budget: int | None,
+    normalizer: Tensor | float | None,
+    stats_normalizer: Tensor | float | None,
+) -> Tensor | float:
+    if stats_normalizer is not None:
+        return stats_normalizer
+    if normalizer is None:
+        return stats_normalizer_of(mask, aggregation, budget)
+    if aggregation == "constant":  # a micro-batch's own tokens would not add up to the batch's share
+        raise ValueError("loss_aggregation 'constant' with a normalizer needs the whole batch's stats_normalizer too")
+    return normalizer
+
+
 def stats_normalizer_of(mask: Tensor, aggregation: str, budget: int | None = None) -> Tensor:
     """What ``policy_loss``'s statistics are divided by: the loss's normaliser, but a token-level
     aggregation's tokens (``constant``'s budget counts tokens never written)."""
@@ -318,9 +337,9 @@ def policy_loss(
     ``normalizer`` (default ``loss_normalizer(mask, aggregation, budget)``) divides the summed loss;
     pass the whole batch's to a micro-batch. Returns the scalar loss and detached statistics
     (``ratio_clip_frac``: the share of the loss whose ratio was clipped, and ``ratio_mean``),
-    divided by ``stats_normalizer`` (default ``stats_normalizer_of``: the loss's normaliser, but the
-    tokens for ``constant``, whose budget would understate them), so micro-batches' statistics add
-    up too: pass the whole batch's.
+    divided by ``stats_normalizer`` (default: the loss's normaliser, but the tokens for ``constant``,
+    whose budget would understate them: ``stats_normalizer_of``), so micro-batches' statistics add
+    up too: a micro-batch of ``constant`` passes the whole batch's.
 
     ``token_weights`` ``(N, T)`` (``sampler_correction``'s, detached) weigh each token's part: a
     token-level aggregation's terms are multiplied by them; a sequence-level one's log-ratio is the
@@ -330,7 +349,7 @@ def policy_loss(
     high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
     mask = mask.to(logp.dtype)
     norm = loss_normalizer(mask, aggregation, budget) if normalizer is None else normalizer
-    stats_norm = stats_normalizer_of(mask, aggregation, budget) if stats_normalizer is None else stats_normalizer
+    stats_norm = _stats_normalizer(mask, aggregation, budget, normalizer, stats_normalizer)
     # where, not multiply: a -inf log-prob on a padding position must not turn into NaN.
     delta = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
     lengths = mask.sum(dim=-1)
@@ -370,6 +389,7 @@ def kl_loss(
 ) -> Tensor:
     """KL as a loss term (``kl_in_reward`` false), aggregated and normalised like the policy loss.
     ``(N, T) -> ()``."""
+    _check_aggregation(aggregation)
     mask = mask.to(logp.dtype)
     norm = loss_normalizer(mask, aggregation, budget) if normalizer is None else normalizer
     kl = torch.where(mask.bool(), kl_per_token(logp, ref_logp, estimator), torch.zeros_like(logp))

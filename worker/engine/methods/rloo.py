@@ -411,6 +411,7 @@ def _advantages(run: Run, rewards: Tensor, kl: Tensor | None, finite: Tensor) ->
         kl_coef=hp.kl_coef,
         reward_clip=hp.reward_clip,
         normalize=hp.normalize_advantages,
+        dropped=policy_gradient.constant_groups(rewards, finite) if hp.drop_constant_groups else None,
     )
 
 
@@ -465,8 +466,9 @@ def _sampler_correction(run: Run, b: UpdateBatch, side: SamplingSide, m: int) ->
         return None
     sl, hp = b.local[m], run.rl
     mode = correction_mode(hp, has_sampler_logprobs=True)
+    # Over every sampled token (a truncated or dropped completion's too); the weights act on loss tokens only.
     weights, stats = policy_gradient.sampler_correction(
-        side.old_logp[m], sampled[sl].to(run.device), b.loss_mask[sl], mode=mode, cap=hp.sampler_correction_cap
+        side.old_logp[m], sampled[sl].to(run.device), b.mask[sl], mode=mode, cap=hp.sampler_correction_cap
     )
     side.sampler = stats if side.sampler is None else policy_gradient.merged_sampler_stats(side.sampler, stats)
     return None if mode == "none" else weights

@@ -59,8 +59,13 @@ class VLLMBackend:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.max_prompt_length = sampling.max_new_tokens, sampling.max_prompt_length
         self.temperature, self.top_p, self.stop = sampling.temperature, sampling.top_p, list(sampling.stop)
-        if (self.temperature, self.top_p) != (1.0, 1.0):  # log-probs of the distribution it samples from
+        # The log-probs it reports must be of the distribution it samples from (temperature applied):
+        # vLLM reports raw ones unless asked (logprobs_mode, vLLM 0.10.2 on); an older vLLM's are not
+        # comparable at a temperature other than 1, and the update goes uncorrected.
+        self.logprobs_comparable = (self.temperature, self.top_p) == (1.0, 1.0)
+        if not self.logprobs_comparable and _takes_logprobs_mode():
             options.setdefault("logprobs_mode", "processed_logprobs")
+            self.logprobs_comparable = True
         self.eos_ids = _eos_ids(model, tokenizer)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         path = str(options.pop("model_path", None) or base.config.name_or_path)
@@ -207,8 +212,21 @@ class VLLMBackend:
             torch.tensor(truncated, device=device),
             texts,
             k,
-            sampler_logprobs=sampler.to(device),
+            sampler_logprobs=sampler.to(device) if self.logprobs_comparable else None,
         )
+
+
+def _takes_logprobs_mode() -> bool:
+    """Whether this vLLM's engine takes ``logprobs_mode``."""
+    import dataclasses
+
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return False
+    return dataclasses.is_dataclass(EngineArgs) and any(
+        f.name == "logprobs_mode" for f in dataclasses.fields(EngineArgs)
+    )
 
 
 def _sampled_logprobs(sample: Any, ids: list[int]) -> list[float]:
