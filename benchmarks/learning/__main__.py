@@ -73,17 +73,23 @@ def task_tables(
         return arms[RunConfig(task, estimator, rate, aggregation, drop).arm]
 
     copy = arms[RunConfig(task, "rloo", default, seed=COPY_SEEDS).arm]
+    score = analysis.PRIMARY[task]
+
+    def paired(a: Any, b: Any) -> dict[str, Any]:
+        return analysis.paired(a, b, score)
+
     return {
         "start": start,
         "arms": {arm: analysis.arm_summary(rs, start) for arm, rs in arms.items() if arm.startswith(task + "-")},
         "best_rate": best,
-        "vs_rloo_at_default": {e: analysis.paired(runs(e, default), runs("rloo", default)) for e in ESTIMATORS[1:]},
-        "vs_rloo_each_at_best": {e: analysis.paired(runs(e, best[e]), runs("rloo", best["rloo"])) for e in SWEPT[1:]},
+        "score": score,
+        "vs_rloo_at_default": {e: paired(runs(e, default), runs("rloo", default)) for e in ESTIMATORS[1:]},
+        "vs_rloo_each_at_best": {e: paired(runs(e, best[e]), runs("rloo", best["rloo"])) for e in SWEPT[1:]},
         "aggregations_vs_sequence_sum": {
-            a: analysis.paired(runs("rloo", default, a), runs("rloo", default)) for a in AGGREGATIONS
+            a: paired(runs("rloo", default, a), runs("rloo", default)) for a in AGGREGATIONS
         },
-        "drop_constant_groups_vs_kept": analysis.paired(runs("rloo", default, drop=True), runs("rloo", default)),
-        "noise_floor": {score: analysis.unpaired(copy, runs("rloo", default), score) for score in analysis.SCORES},
+        "drop_constant_groups_vs_kept": paired(runs("rloo", default, drop=True), runs("rloo", default)),
+        "noise_floor": {s: analysis.unpaired(copy, runs("rloo", default), s) for s in analysis.SCORES},
     }
 
 
@@ -96,6 +102,18 @@ def start_scores(tasks: list[str], home: Path) -> dict[str, Any]:
     items = load_items(EXAMPLE / "valid.jsonl")
     model = get_settings().models_dir / json.loads((EXAMPLE / "job.json").read_text())["model"]
     return {t: held_out(model, TASKS[t], items, job_settings()["max_new_tokens"]) for t in tasks}
+
+
+SECTION_KEYS = {"grid": "tasks", "variance": "gradients", "trl": "trl_gradients", "api": "through_api"}
+
+
+def _kept(out: Path, sections: set[str]) -> dict[str, Any]:
+    """The figures of the sections not run this time, from the last run's ``out`` (so that
+    ``--sections grid`` re-tables the cached runs and keeps the gradients)."""
+    if not out.is_file():
+        return {}
+    last = json.loads(out.read_text())
+    return {key: last[key] for name, key in SECTION_KEYS.items() if name not in sections and key in last}
 
 
 def build(home: Path) -> None:
@@ -168,8 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         result["through_api"] = api_section(home, args)
     result["wall_min"] = round((time.perf_counter() - t0) / 60, 1)
+    result = {**_kept(args.out, sections), **result}
     args.out.write_text(json.dumps(result, indent=1))
-    if "grid" in sections and "variance" in sections:
+    if "tasks" in result and "gradients" in result:
         from benchmarks.learning.picture import draw
 
         draw(result, args.picture)

@@ -26,6 +26,9 @@ def arm_summary(runs: list[dict[str, Any]], start: dict[str, float]) -> dict[str
     steps = [0, *(p["step"] for p in runs[0]["curve"])]
     curve = [[start["expected"], *(p["expected"] for p in r["curve"])] for r in runs]
     out: dict[str, Any] = {score: mean_se([r["final"][score] for r in runs]) for score in SCORES}
+    out["curve_greedy_reward"] = [
+        round(statistics.fmean(r["curve"][i]["greedy_reward"] for r in runs), 4) for i in range(len(runs[0]["curve"]))
+    ]
     out["finals_expected"] = [round(r["final"]["expected"], 4) for r in runs]
     out["sampled_final"] = mean_se([r["sampled_final"] for r in runs if r["sampled_final"] is not None])
     out["curve"] = {
@@ -67,13 +70,19 @@ def by_arm(configs: list[RunConfig], results: dict[str, dict[str, Any]]) -> dict
     return arms
 
 
+PRIMARY = {"exact": "expected", "graded": "greedy_reward"}
+"""What a task's comparisons read: the exact task's expected accuracy; the graded task's reward, of
+its greedy completions (its expected reward has no closed form here; the runs' own sampled passes
+estimate it, with noise)."""
+
+
 def best_rate(
     arms: dict[str, list[dict[str, Any]]], task: str, estimator: str, aggregation: str, rates: list[float]
 ) -> float:
-    """The rate whose arm has the highest mean final expected accuracy."""
+    """The rate whose arm has the highest mean final primary score (``PRIMARY``)."""
 
     def score(rate: float) -> float:
         runs = arms[RunConfig(task, estimator, rate, aggregation).arm]
-        return statistics.fmean(r["final"]["expected"] for r in runs)
+        return statistics.fmean(r["final"][PRIMARY[task]] for r in runs)
 
     return max(rates, key=score)

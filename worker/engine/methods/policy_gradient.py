@@ -8,7 +8,7 @@ its cousins:
   divides by their std; RLOO's baseline excludes the completion and is unbiased.
 * PPO learns a critic; RLOO has none: the group is the critic.
 * ``advantages(rewards, estimator)`` also gives GRPO's, plain REINFORCE's and REINFORCE with the
-  group mean as its baseline, for comparison (``advantage_estimator``; ``benchmarks/learning.py``).
+  group mean as its baseline, for comparison (``advantage_estimator``; ``benchmarks/learning/``).
 * KL to the reference is folded into the reward before the baseline, as in the paper and TRL
   (``kl_in_reward``), or added to the loss as a separate term.
 
@@ -59,7 +59,7 @@ def reinforce_advantages(rewards: Tensor) -> Tensor:
 
     Unbiased, and not shift-invariant: every completion's log-probability is pushed by its whole
     reward, whatever its siblings scored, so a reward whose zero is not where failures sit adds
-    variance that a baseline removes (``benchmarks/learning.py`` measures it). Needs no group
+    variance that a baseline removes (``benchmarks/learning/`` measures it). Needs no group
     (``k`` may be 1).
     """
     r, finite, _ = _finite_rows(rewards)
