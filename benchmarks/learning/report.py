@@ -29,23 +29,28 @@ def arm(task: str, estimator: str, rate: float, aggregation: str = "sequence_sum
     return f"{task}-{estimator}-{aggregation}{'-drop' if drop else ''}-lr{rate:g}"
 
 
+SECOND = {"exact": "greedy", "graded": "sampled_final"}
+"""Beside a task's primary score in the sweep: the exact task's greedy accuracy; the graded task's
+sampled reward (the runs' own pass: its expected reward, with sampling noise)."""
+
+
 def sweep(task: str, figures: dict[str, Any], rates: list[float]) -> list[str]:
-    """Estimators x rates: final expected accuracy (greedy; for the graded task, greedy reward)."""
-    score = "greedy" if task == "exact" else "greedy_reward"
+    """Estimators x rates: the task's final primary score (and its second, in brackets)."""
+    primary, second = figures["score"], SECOND[task]
     head = "| estimator | " + " | ".join(f"lr {r:g}" for r in rates) + " | best |"
     lines = [head, "|---" * (len(rates) + 2) + "|"]
     for e in SWEPT:
         cells = []
         for r in rates:
             a = figures["arms"][arm(task, e, r)]
-            cells.append(f"{pct(a['expected'])} ({pct(a[score], se=False)})")
+            cells.append(f"{pct(a[primary])} ({pct(a[second], se=False)})")
         lines.append(f"| `{e}` | " + " | ".join(cells) + f" | {figures['best_rate'][e]:g} |")
     return lines
 
 
 def comparisons(task: str, figures: dict[str, Any]) -> list[str]:
     default = job_settings()["learning_rate"]
-    lines = ["| comparison (paired by seed) | expected accuracy, points |", "|---|---|"]
+    lines = [f"| comparison (paired by seed) | {figures['score']}, points |", "|---|---|"]
     for e, d in figures["vs_rloo_at_default"].items():
         lines.append(f"| `{e}` − `rloo`, both at {default:g} | {diff(d)} |")
     for e, d in figures["vs_rloo_each_at_best"].items():
@@ -57,7 +62,7 @@ def comparisons(task: str, figures: dict[str, Any]) -> list[str]:
         f"| `drop_constant_groups` − kept (RLOO, {default:g}) | {diff(figures['drop_constant_groups_vs_kept'])} |"
     )
     floor = figures["noise_floor"]
-    lines.append(f"| **noise floor**: `rloo` seeds 100-109 − seeds 0-9 (unpaired) | {diff(floor['expected'])} |")
+    lines.append(f"| **noise floor**: `rloo` seeds 100-109 − seeds 0-9 (unpaired) | {diff(floor[figures['score']])} |")
     return lines
 
 
