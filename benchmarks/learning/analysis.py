@@ -21,21 +21,20 @@ SCORES = ("expected", "greedy", "greedy_reward")
 
 
 def arm_summary(runs: list[dict[str, Any]], start: dict[str, float]) -> dict[str, Any]:
-    """Over an arm's seeds: each final score's mean +- s.e., per-seed finals, the mean curve of the
-    expected accuracy, clipping, entropy and the share of constant groups (first and last 50 steps)."""
+    """Over an arm's seeds: each final score's mean +- s.e., per-seed finals, each score's mean curve
+    (with its s.e.), clipping, entropy and the share of constant groups (first and last 50 steps)."""
     steps = [0, *(p["step"] for p in runs[0]["curve"])]
-    curve = [[start["expected"], *(p["expected"] for p in r["curve"])] for r in runs]
     out: dict[str, Any] = {score: mean_se([r["final"][score] for r in runs]) for score in SCORES}
-    out["curve_greedy_reward"] = [
-        round(statistics.fmean(r["curve"][i]["greedy_reward"] for r in runs), 4) for i in range(len(runs[0]["curve"]))
-    ]
     out["finals_expected"] = [round(r["final"]["expected"], 4) for r in runs]
     out["sampled_final"] = mean_se([r["sampled_final"] for r in runs if r["sampled_final"] is not None])
-    out["curve"] = {
-        "steps": steps,
-        "mean": [round(statistics.fmean(c[i] for c in curve), 4) for i in range(len(steps))],
-        "se": [mean_se([c[i] for c in curve])["se"] or 0.0 for i in range(len(steps))],
-    }
+    out["curves"] = {}
+    for score in SCORES:
+        curve = [[start[score], *(p[score] for p in r["curve"])] for r in runs]
+        out["curves"][score] = {
+            "steps": steps,
+            "mean": [round(statistics.fmean(c[i] for c in curve), 4) for i in range(len(steps))],
+            "se": [mean_se([c[i] for c in curve])["se"] or 0.0 for i in range(len(steps))],
+        }
     out["steps_clipped_frac"] = round(statistics.fmean(r["steps_clipped_frac"] for r in runs), 3)
     out["grad_norm_median"] = round(statistics.median(r["grad_norm_median"] for r in runs), 3)
     for name in runs[0]["first_last_50"]:

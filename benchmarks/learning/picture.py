@@ -22,25 +22,32 @@ COLOURS = {
 
 
 def draw(result: dict[str, Any], path: Path) -> None:
-    """Top: each task's expected held-out score over steps, per estimator at the shared default rate
-    (mean of the seeds, a band of one standard error). Bottom left: the final score against the
-    learning rate, per estimator and task. Bottom right: each estimator's gradient variance against
-    RLOO's at an equal scale, at each point of the exact task's RLOO run."""
+    """Top: each task's primary score over steps, per estimator at the shared default rate (mean of
+    the seeds, a band of one standard error); the gradient variance at fixed weights. Bottom: each
+    task's final score against the learning rate, per estimator; each estimator's progress along the
+    true gradient per step, clipped and Adam-preconditioned."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = result["tasks"]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    for ax, task in zip(axes[0], ("exact", "graded"), strict=True):
+    fig, axes = plt.subplots(2, 3, figsize=(19, 9.5))
+    for column, task in enumerate(("exact", "graded")):
         if task in tasks:
-            _curves(ax, task, tasks[task], result["seeds"])
-    _sweep(axes[1][0], tasks, result["rates"])
-    _variance(axes[1][1], result["gradients"]["exact"])
+            _curves(axes[0][column], task, tasks[task], result["seeds"])
+            _sweep(axes[1][column], task, tasks[task], result["rates"])
+    _variance(axes[0][2], result["gradients"]["exact"])
+    _progress(axes[1][2], result["gradients"])
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+LABELS = {
+    "expected": "expected held-out accuracy (exact, no sampling)",
+    "greedy_reward": "held-out similarity reward of the greedy answer",
+}
 
 
 def _arm(task: str, estimator: str, rate: float, aggregation: str = "sequence_sum") -> str:
@@ -48,49 +55,76 @@ def _arm(task: str, estimator: str, rate: float, aggregation: str = "sequence_su
 
 
 def _curves(ax: Any, task: str, figures: dict[str, Any], seeds: int) -> None:
-    default = job_settings()["learning_rate"]
+    default, score = job_settings()["learning_rate"], figures["score"]
     for name in ESTIMATORS:
         arm = figures["arms"][_arm(task, name, default)]
-        curve, colour = arm["curve"], COLOURS[name]
+        curve, colour = arm["curves"][score], COLOURS[name]
         lo = [m - e for m, e in zip(curve["mean"], curve["se"], strict=True)]
         hi = [m + e for m, e in zip(curve["mean"], curve["se"], strict=True)]
-        final = arm["expected"]
-        label = f"{name} ({final['mean']:.1%} +- {final['se']:.1%})"
+        final = arm[score]
+        label = f"{name} ({100 * final['mean']:.1f} +- {100 * final['se']:.1f})"
         ax.plot(curve["steps"], curve["mean"], color=colour, label=label, linewidth=2 if name == "rloo" else 1.2)
         ax.fill_between(curve["steps"], lo, hi, color=colour, alpha=0.15)
-    floor = figures["noise_floor"]["expected"]
+    floor = figures["noise_floor"][score]
     reward = "exact match, 0/1" if task == "exact" else "fuzzy similarity in [0, 1]"
-    ax.set_title(f"{task} task ({reward}): lr {default:g}, {seeds} seeds; noise floor +- {floor['se']:.1%}")
+    ax.set_title(
+        f"{task} task ({reward}), lr {default:g}, {seeds} seeds\nnoise floor (same arm, other seeds): "
+        f"{100 * floor['difference']:+.1f} +- {100 * floor['se']:.1f} points",
+        fontsize=10,
+    )
     ax.set_xlabel("RL step (16 problems x 8 samples)")
-    ax.set_ylabel("expected held-out accuracy (exact, no sampling)")
+    ax.set_ylabel(LABELS[score])
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
 
 
-def _sweep(ax: Any, tasks: dict[str, Any], rates: list[float]) -> None:
-    for task, style in (("exact", "-"), ("graded", "--")):
-        if task not in tasks:
-            continue
-        for name in SWEPT:
-            finals = [tasks[task]["arms"][_arm(task, name, r)]["expected"] for r in rates]
-            ax.errorbar(
-                rates,
-                [f["mean"] for f in finals],
-                yerr=[f["se"] or 0.0 for f in finals],
-                color=COLOURS[name],
-                linestyle=style,
-                marker="o",
-                markersize=4,
-                capsize=2,
-                label=f"{name}, {task}",
-            )
+def _sweep(ax: Any, task: str, figures: dict[str, Any], rates: list[float]) -> None:
+    score = figures["score"]
+    for name in SWEPT:
+        finals = [figures["arms"][_arm(task, name, r)][score] for r in rates]
+        ax.errorbar(
+            rates,
+            [f["mean"] for f in finals],
+            yerr=[f["se"] or 0.0 for f in finals],
+            color=COLOURS[name],
+            marker="o",
+            markersize=4,
+            capsize=2,
+            label=name,
+        )
     ax.set_xscale("log")
     ax.set_xticks(rates, [f"{r:g}" for r in rates])
-    ax.set_xlabel("learning rate (AdamW, constant; every step clipped to norm 1)")
-    ax.set_ylabel("final expected held-out accuracy")
-    ax.set_title("Learning-rate sweep: final accuracy, mean +- s.e.")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_xticks([], minor=True)
+    ax.set_xlabel("learning rate (AdamW, constant; steps clipped to norm 1)")
+    ax.set_ylabel("final " + LABELS[score])
+    ax.set_title(f"{task} task: final score against the learning rate, mean +- s.e.", fontsize=10)
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+
+
+def _progress(ax: Any, gradients: dict[str, Any]) -> None:
+    """Per task and estimator, the mean over points of the cosine of a step with the true gradient."""
+    kinds = (
+        ("clipped_step_cosine", "clipped step"),
+        ("adam_step_cosine", "Adam step"),
+        ("adam_momentum_cosine", "Adam, 10 steps"),
+    )
+    groups = [(task, kind, label) for task in gradients for kind, label in kinds]
+    width = 0.8 / len(ESTIMATORS)
+    for i, name in enumerate(ESTIMATORS):
+        values = []
+        for task, kind, _ in groups:
+            points = [
+                p["progress"][name][kind] for p in gradients[task].values() if p["progress"][name][kind] is not None
+            ]
+            values.append(sum(points) / len(points) if points else math.nan)
+        xs = [j + (i - (len(ESTIMATORS) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, values, width=width, color=COLOURS[name], label=name)
+    ax.set_xticks(range(len(groups)), [f"{task}\n{label}" for task, _, label in groups], fontsize=8)
+    ax.set_ylabel("cosine with the true gradient (mean over points)")
+    ax.set_title("Progress along the true gradient per step (cross-fitted)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def _variance(ax: Any, variance: dict[str, Any]) -> None:
@@ -119,6 +153,8 @@ def _variance(ax: Any, variance: dict[str, Any]) -> None:
     ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_yticks([], minor=True)
     ax.set_ylabel("gradient variance / RLOO's, at an equal scale")
-    ax.set_title(f"Exact task: gradient variance at fixed weights ({variance[points[0]]['batches']} batches)")
+    ax.set_title(
+        f"Exact task: gradient variance at fixed weights ({variance[points[0]]['batches']} batches)", fontsize=10
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
