@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from benchmarks.learning.analysis import CURVE
 from benchmarks.learning.tasks import job_settings
 from benchmarks.learning.variance import ESTIMATORS, SHIFTED
 
@@ -47,6 +48,7 @@ def draw(result: dict[str, Any], path: Path) -> None:
 LABELS = {
     "expected": "expected held-out accuracy (exact, no sampling)",
     "greedy_reward": "held-out similarity reward of the greedy answer",
+    "sampled": "held-out similarity reward, one sample each (the run's pass)",
 }
 
 
@@ -55,7 +57,7 @@ def _arm(task: str, estimator: str, rate: float, aggregation: str = "sequence_su
 
 
 def _curves(ax: Any, task: str, figures: dict[str, Any], seeds: int) -> None:
-    default, score = job_settings()["learning_rate"], figures["score"]
+    default, score = job_settings()["learning_rate"], CURVE[task]
     for name in ESTIMATORS:
         arm = figures["arms"][_arm(task, name, default)]
         curve, colour = arm["curves"][score], COLOURS[name]
@@ -65,7 +67,7 @@ def _curves(ax: Any, task: str, figures: dict[str, Any], seeds: int) -> None:
         label = f"{name} ({100 * final['mean']:.1f} +- {100 * final['se']:.1f})"
         ax.plot(curve["steps"], curve["mean"], color=colour, label=label, linewidth=2 if name == "rloo" else 1.2)
         ax.fill_between(curve["steps"], lo, hi, color=colour, alpha=0.15)
-    floor = figures["noise_floor"][score]
+    floor = figures["noise_floor"][figures["score"]]
     reward = "exact match, 0/1" if task == "exact" else "fuzzy similarity in [0, 1]"
     ax.set_title(
         f"{task} task ({reward}), lr {default:g}, {seeds} seeds\nnoise floor (same arm, other seeds): "

@@ -29,9 +29,8 @@ def arm(task: str, estimator: str, rate: float, aggregation: str = "sequence_sum
     return f"{task}-{estimator}-{aggregation}{'-drop' if drop else ''}-lr{rate:g}"
 
 
-SECOND = {"exact": "greedy", "graded": "sampled_final"}
-"""Beside a task's primary score in the sweep: the exact task's greedy accuracy; the graded task's
-sampled reward (the runs' own pass: its expected reward, with sampling noise)."""
+SECOND = {"exact": "greedy", "graded": "greedy_reward"}
+"""Beside a task's primary score in the sweep: the greedy answer's accuracy, or reward."""
 
 
 def sweep(task: str, figures: dict[str, Any], rates: list[float]) -> list[str]:
@@ -91,7 +90,7 @@ def arms_table(task: str, figures: dict[str, Any]) -> list[str]:
         cg, en = a["constant_groups_frac_first_last_50"], a["entropy_first_last_50"]
         lines.append(
             f"| {label} | {pct(a['expected'])} | {pct(a['greedy'])} | {pct(a['greedy_reward'])} | "
-            f"{pct(a['sampled_final'])} | {100 * a['steps_clipped_frac']:.0f}% | {cg[0]:.2f}→{cg[1]:.2f} | "
+            f"{pct(a['sampled'])} | {100 * a['steps_clipped_frac']:.0f}% | {cg[0]:.2f}→{cg[1]:.2f} | "
             f"{en[0]:.2f}→{en[1]:.2f} |"
         )
     return lines
