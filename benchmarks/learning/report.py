@@ -109,19 +109,21 @@ def gradients(task: str, variance: dict[str, Any]) -> list[str]:
             bias = v["bias_statistic_vs_reinforce"]
             cells.append(f"{v['variance_vs_rloo_same_scale']} / {bias if bias is not None else '–'}")
         lines.append(f"| {step} ({point['mean_reward']:.2f}) | " + " | ".join(cells) + " |")
-    lines += ["", "| step | " + " | ".join(f"`{n}` clipped / Adam / Adam+momentum" for n in names[:4]) + " |"]
-    lines.append("|---" * 5 + "|")
+    head = " | ".join(f"`{n}` clipped / Adam / Adam x10" for n in names[:4])
+    lines += ["", f"| step | {head} | REINFORCE with a constant baseline: variance / RLOO's |", "|---" * 6 + "|"]
     for step, point in variance.items():
         cells = []
         for n in names[:4]:
             p = point["progress"][n]
-            cells.append(f"{p['clipped_step_cosine']:.3f} / {p['adam_step_cosine']:.3f} / {p['adam_momentum_cosine']}")
+            momentum = p["adam_momentum_cosine"]
+            clipped, adam = p["clipped_step_cosine"], p["adam_step_cosine"]
+            cells.append(f"{clipped:.2f} / {adam:.2f} / " + ("–" if momentum is None else f"{momentum:.2f}"))
         cb = point["constant_baselines"]
-        lines.append(
-            f"| {step} | "
-            + " | ".join(cells)
-            + f" | best constant {cb['best_constant']:.3f}; {cb['variance_vs_rloo']} |"
+        v = cb["variance_vs_rloo"]
+        constant = (
+            f"none {v['none']}, mean reward {v['mean_reward']}, best ({cb['best_constant']:.2f}) {v['best_constant']}"
         )
+        lines.append(f"| {step} | " + " | ".join(cells) + f" | {constant} |")
     return lines
 
 

@@ -45,7 +45,13 @@ def variance_section(tasks: list[str], home: Path, args: argparse.Namespace) -> 
 
 def api_section(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The exact task's RLOO seed-0 job through the HTTP API against the same run in this process."""
+    import torch
+
     from benchmarks.learning.api import through_api
 
+    # The stack's worker computes on one thread on this 2-core machine (worker.engine.cpu_threads keeps a
+    # core for the rest): the reference too, or the two reduce in other orders and part within a few
+    # hundred steps, as rounding grows into different samples.
+    torch.set_num_threads(1)
     _, steps, overrides = reference_run(TASKS["exact"], home, args.steps, 0)
     return through_api(steps, overrides)

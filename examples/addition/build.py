@@ -19,7 +19,8 @@ What it writes:
 ``job.json`` then trains ``addition-sft`` with RLOO on ``train.jsonl``: 16 problems a step, 8
 samples each, reward 1 for the exact sum and 0 otherwise (a ``string_check``), and reports the
 held-out accuracy (``valid_reward_mean``: one sample at temperature 1 on each of the 500 held-out
-problems) every 50 steps. ``make bench-learning`` runs it over seeds, estimators and against TRL.
+problems) every 50 steps. ``make bench-learning`` runs it over seeds, estimators, learning rates and
+loss aggregations, and checks it against TRL (benchmarks/RESULTS.md, section 8).
 
 Everything is seeded: the same files and weights on every run. A model already built is kept
 (``--force`` rebuilds both; ``--sft-steps`` rebuilds ``addition-sft``).
