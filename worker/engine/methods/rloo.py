@@ -317,6 +317,8 @@ class UpdateBatch:
     mine: slice
     local: list[slice]
     groups: list[slice]
+    dropped: Tensor | None
+    """``(B,)``: the whole batch's groups out of the loss (``drop_constant_groups``), else None."""
 
     @classmethod
     def of(
@@ -334,10 +336,11 @@ class UpdateBatch:
         per = (mine.stop - mine.start) // len(micro)
         groups = [slice(mine.start + m * per, mine.start + (m + 1) * per) for m in range(len(micro))]
         loss_mask = mask * (~ro.truncated).unsqueeze(-1) if hp.mask_truncated_completions else mask
-        if hp.drop_constant_groups:  # out of the loss and its normaliser: they carry no signal
-            kept = ~policy_gradient.constant_groups(rewards, finite)[mine]
+        dropped = policy_gradient.constant_groups(rewards, finite) if hp.drop_constant_groups else None
+        if dropped is not None:  # out of the loss and its normaliser: they carry no signal
+            kept = ~dropped[mine]
             loss_mask = loss_mask * kept.repeat_interleave(hp.rloo_k).unsqueeze(-1).to(loss_mask.dtype)
-        return cls(ro, mask, loss_mask, rewards, finite, ref_logp, mine, micro, groups)
+        return cls(ro, mask, loss_mask, rewards, finite, ref_logp, mine, micro, groups, dropped)
 
 
 @dataclass
@@ -401,17 +404,18 @@ def _whole_sampler_stats(ranks: Any, stats: Tensor) -> Tensor:
     return torch.cat([ranks.sum(stats[:2]), ranks.max(stats[2:3]), ranks.sum(stats[3:])])
 
 
-def _advantages(run: Run, rewards: Tensor, kl: Tensor | None, finite: Tensor) -> Tensor:
+def _advantages(run: Run, b: UpdateBatch, kl: Tensor | None, rows: slice = slice(None)) -> Tensor:
+    """The advantages of the whole batch's groups ``rows``."""
     hp = run.rl
     return policy_gradient.batch_advantages(
-        rewards,
+        b.rewards[rows],
         kl,
-        finite,
+        b.finite[rows],
         estimator=hp.advantage_estimator,
         kl_coef=hp.kl_coef,
         reward_clip=hp.reward_clip,
         normalize=hp.normalize_advantages,
-        dropped=policy_gradient.constant_groups(rewards, finite) if hp.drop_constant_groups else None,
+        dropped=None if b.dropped is None else b.dropped[rows],
     )
 
 
@@ -426,7 +430,7 @@ def _sampling_side_before_the_update(run: Run, b: UpdateBatch, timing: Advantage
         entropy_sum=torch.zeros((), device=device),
     )
     if timing is AdvantageTiming.FROM_REWARDS:
-        side.advantages = _advantages(run, b.rewards, None, b.finite)
+        side.advantages = _advantages(run, b, None)
     elif timing is AdvantageTiming.AFTER_PREPASS:
         assert b.ref_logp is not None
         with torch.no_grad(), run.autocast:
@@ -435,7 +439,7 @@ def _sampling_side_before_the_update(run: Run, b: UpdateBatch, timing: Advantage
         side.kl_seq = policy_gradient.sequence_kl(
             torch.cat(side.old_logp), b.ref_logp, b.mask, run.rl.kl_estimator
         ).float()
-        side.advantages = _advantages(run, b.rewards, run.ranks.whole(side.kl_seq).view_as(b.rewards), b.finite)
+        side.advantages = _advantages(run, b, run.ranks.whole(side.kl_seq).view_as(b.rewards))
     return side
 
 
@@ -455,7 +459,7 @@ def _first_epoch(
     if timing is AdvantageTiming.PER_MICRO_BATCH:
         # Whole groups: this micro-batch's leave-one-out advantages are the batch's.
         kl = side.kl_seq[sl].view(rows.stop - rows.start, hp.rloo_k)
-        side.advantages[rows] = _advantages(run, b.rewards[rows], kl, b.finite[rows])
+        side.advantages[rows] = _advantages(run, b, kl, rows)
 
 
 def _sampler_correction(run: Run, b: UpdateBatch, side: SamplingSide, m: int) -> Tensor | None:
