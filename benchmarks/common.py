@@ -80,10 +80,10 @@ def counting_reward() -> Iterator[None]:
 def job_row(session: Any, project: str, model: str, **fields: Any) -> Any:
     """A job row of ``project`` (made if new), flushed: a supervised job running unless ``fields``
     say otherwise (what a benchmark needs without training one)."""
-    from service.core import crud
     from service.core.tables import Job
+    from service.tenancy import projects
 
-    proj = crud.get_or_create_project(session=session, name=project)
+    proj = projects.get_or_create_project(session=session, name=project)
     values: dict[str, Any] = {
         "model": model,
         "base_model": model,

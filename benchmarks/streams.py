@@ -54,17 +54,17 @@ def main() -> dict[str, Any]:
     from sqlalchemy import event
 
     from benchmarks.common import job_row
-    from service.core import crud
     from service.core.db import get_engine, session_scope
     from service.core.migrate import upgrade
     from service.core.settings import get_settings
     from service.infra import embedded_redis
+    from service.tenancy import keys, projects
 
     redis_proc = embedded_redis.start(get_settings(), daemonize=False)
     upgrade()
     with session_scope() as session:
-        project = crud.get_or_create_project(session=session, name="bench")
-        _, key = crud.create_api_key(session=session, project=project)
+        project = projects.get_or_create_project(session=session, name="bench")
+        _, key = keys.create_api_key(session=session, project=project)
         job = job_row(session, "bench", "m", base_model=None)
         session.commit()
         job_id = job.id

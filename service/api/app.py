@@ -21,8 +21,10 @@ from service.api.routes import (
     files,
     graders,
     jobs,
+    keys,
     models,
     ops,
+    projects,
     tinker,
     tinker_runs,
     webhooks,
@@ -69,6 +71,8 @@ def create_app() -> FastAPI:
     app.include_router(evaluations.router)
     app.include_router(evals.router)
     app.include_router(workers.router)
+    app.include_router(keys.router)
+    app.include_router(projects.router)
     app.include_router(tinker.router)
     app.include_router(tinker_runs.router)
     dashboard.install(app)

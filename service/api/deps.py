@@ -12,6 +12,7 @@ from service.core import crud
 from service.core.db import get_session
 from service.core.errors import bad_request, operator_only
 from service.core.settings import Settings, get_settings
+from service.tenancy import keys
 
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -52,7 +53,7 @@ def authenticate_header(session: Session, authorization: str | None) -> crud.Cal
             headers={"WWW-Authenticate": "Bearer"},
         )
     scheme, _, secret = authorization.partition(" ")
-    caller = crud.authenticate(session=session, secret=secret.strip()) if scheme.lower() == "bearer" else None
+    caller = keys.authenticate(session=session, secret=secret.strip()) if scheme.lower() == "bearer" else None
     if caller is None:
         raise APIError(
             401, "Invalid or revoked API key.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}

@@ -201,7 +201,7 @@ class AuthMiddleware:
         digest = hashlib.sha256(authorization.encode()).hexdigest() if authorization else ""
         cached = self.cache.get(digest)
         if cached is not None and cached[0] > time.monotonic():
-            await self.admit(cached[1], scope, receive, send, tinker=path in TINKER_LOOP_PATHS)
+            await self.admit(cached[1], scope, receive, send, path=path)
             return
 
         def check() -> Any:  # (engines hide statement parameters: the key's digest never reaches a log)
@@ -222,7 +222,7 @@ class AuthMiddleware:
             if len(self.cache) >= self.CACHE_LIMIT:
                 self.cache.clear()
             self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
-        await self.admit(caller, scope, receive, send, tinker=path in TINKER_LOOP_PATHS)
+        await self.admit(caller, scope, receive, send, path=path)
 
     def _body_bytes(self, key: str, scope: Scope) -> float | None:
         """Seconds until the key's body bytes allow this request's body (None: they allow it now)."""
@@ -243,12 +243,14 @@ class AuthMiddleware:
         rate, burst = self.bytes_limiter.rate, self.bytes_limiter.burst
         return f"{rate / 2**20:g} MiB of request bodies a second, bursts of {burst / 2**20:g} MiB"
 
-    async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send, *, tinker: bool = False) -> None:
+    async def admit(self, caller: Any, scope: Scope, receive: Receive, send: Send, *, path: str) -> None:
         """Run the request as ``caller`` if its key has a request left (of the Tinker loops' own limit,
-        for a ``tinker`` request) and room for its body's bytes, with the x-ratelimit headers on
-        the answer; else a 429 that says when to retry (the openai SDK waits that long itself; the
-        Tinker SDK backs off)."""
+        for one of their requests) and room for its body's bytes, with the x-ratelimit headers on
+        the answer, else a 429 that says when to retry (the openai SDK waits that long itself; the
+        Tinker SDK backs off); and if the key is still usable and holds the route's scope
+        (``service.api.scopes``), else its 401 or 403."""
         scope.setdefault("state", {})["caller"] = caller
+        tinker = path in TINKER_LOOP_PATHS
         key = caller.key_id or caller.id  # by the key's id (two keys of one project count apart)
         limit_headers: list[tuple[bytes, bytes]] = []
         limiter = self.tinker_limiter if tinker else self.limiter
@@ -269,6 +271,12 @@ class AuthMiddleware:
             close = [(b"connection", b"close")]  # its body is never read
             await _refuse(send, self._bytes_rule(), retry_bytes, limit_headers + close)
             return
+        try:
+            check_access(caller, scope["method"], path)
+        except DomainError as exc:
+            extra = [(k.lower().encode(), v.encode()) for k, v in (headers_of(exc) or {}).items()]
+            await _send_error(send, status_of(exc), exc.message, exc.code, extra + limit_headers, exc.param)
+            return
         if not limit_headers:
             await self.app(scope, receive, send)
             return
@@ -279,6 +287,21 @@ class AuthMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_limits)
+
+
+def check_access(caller: Any, method: str, path: str) -> None:
+    """Raise the 401 of an expired key, the 403 of an archived project's key, or the 403 of a key
+    without the scope this route needs."""
+    from service.api import scopes
+    from service.core.errors import insufficient_scope, operator_only
+    from service.tenancy.keys import check_usable
+
+    check_usable(caller)
+    found = scopes.needed(method, path)
+    if found is None or not found[1] or any(caller.may(s) for s in found[1]):
+        return
+    route = f"{method} {found[0]}"
+    raise operator_only(route) if found[1] == scopes.OPERATOR else insufficient_scope(route, found[1])
 
 
 async def _refuse(send: Send, rule: str, retry: float, headers: list[tuple[bytes, bytes]]) -> None:

@@ -32,8 +32,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 WHY = {
     "400": "Invalid request: `param` names the field, `message` what to change.",
     "401": "Missing, invalid or revoked API key.",
-    "403": "Not allowed on this object (a base model cannot be deleted), or an operator's route asked with a "
-    "project's key.",
+    "403": "The key lacks the scope this route needs (`insufficient_scope`), its project is archived, the route "
+    "is the operator's, or it is not allowed on this object (a base model cannot be deleted).",
     "404": "No such object in this project (another project's objects are not found either).",
     "405": "Method not allowed on this path.",
     "409": "Conflict: the object's state does not allow it, or an Idempotency-Key reused for another request.",
@@ -49,28 +49,22 @@ WHY = {
     "504": "No grader worker answered in time, or a completion took longer than RLOO_INFERENCE_TIMEOUT_SECONDS.",
 }
 
-# Statuses beyond the ones every /v1 operation may answer (400, 401, 429, 503), by operation.
-CONFLICTS = ("/cancel", "/pause", "/resume")
+# Statuses beyond the ones every /v1 operation may answer (400, 401, 403, 429, 503), by operation.
+CONFLICTS = ("/cancel", "/pause", "/resume", "/archive")
 INFERENCE = ("/v1/chat/completions", "/v1/completions")
-OPERATOR = ("/v1/workers",)
-"""The operator's routes (``deps.OperatorDep``): a project's key gets a 403."""
 
 
 def _statuses(path: str, method: str, operation: dict[str, Any]) -> list[str]:
-    statuses = ["400", "401", "429", "503"]
+    statuses = ["400", "401", "403", "429", "503"]  # 403: a key without the route's scope
     params = {p.get("name") for p in operation.get("parameters", [])}
     if "{" in path or "after" in params:
         statuses.append("404")
     if method == "post":
         statuses.append("413")
-    if (method == "post" and path in ("/v1/files", "/v1/fine_tuning/jobs")) or path.endswith(CONFLICTS):
+    if (method == "post" and path in ("/v1/files", "/v1/fine_tuning/jobs", "/v1/projects")) or path.endswith(CONFLICTS):
         statuses.append("409")
     if method == "delete" and path.startswith("/v1/files/"):
         statuses.append("409")
-    if method == "delete" and path.startswith("/v1/models/"):
-        statuses.append("403")
-    if path in OPERATOR:
-        statuses.append("403")
     if path.endswith("/files/{file_id}/content"):
         statuses.append("410")
     if path.endswith("/checkpoints/{checkpoint_id}/content"):

@@ -6,9 +6,6 @@ lives in ``service.jobs.lifecycle``.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,47 +15,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from service.core.tables import ApiKey, Checkpoint, File, Job, JobMetric, JobSample, Project, now
-
-KEY_PREFIX = "rloo-"
-TINKER_KEY_PREFIX = "tml-rloo-"
-"""A key the tinker SDK accepts (it refuses one that does not start with ``tml-``)."""
+from service.core.tables import Checkpoint, File, Job, JobMetric, JobSample, Project, now
 
 
-# Projects and keys -------------------------------------------------------------------------------
-def get_or_create_project(*, session: Session, name: str) -> Project:
-    project = session.scalar(select(Project).where(Project.name == name))
-    if project is None:
-        project = Project(name=name)
-        session.add(project)
-        session.flush()
-    return project
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def create_api_key(
-    *, session: Session, project: Project, name: str = "", operator: bool = False, prefix: str | None = None
-) -> tuple[ApiKey, str]:
-    """Create a key (``operator``: one that may also call the operator's routes; ``prefix``: its
-    secret's start, ``KEY_PREFIX`` by default); returns the row and the secret, which is never
-    stored and shown only now."""
-    start = prefix or KEY_PREFIX
-    secret = start + secrets.token_urlsafe(32)
-    row = ApiKey(
-        project_seq=project.seq,
-        name=name,
-        prefix=secret[: len(start) + 7],
-        key_hash=hash_key(secret),
-        operator=operator,
-    )
-    session.add(row)
-    session.flush()
-    return row, secret
-
-
+# Callers -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Caller:
     """The project a request's key belongs to: what handlers need of it, read once per request by
@@ -68,36 +28,12 @@ class Caller:
     id: str
     key_id: str = ""  # the key's id (key-…): what a per-key limit counts by, never the secret
     operator: bool = False  # the operator's key: the operator's routes too (``deps.OperatorDep``)
+    scopes: frozenset[str] = frozenset()  # what the key may do (service.tenancy.scopes)
+    expires_at: int | None = None  # when the key stops working (None: never)
+    archived: bool = False  # its project is archived: the key may not be used
 
-
-def authenticate(*, session: Session, secret: str) -> Caller | None:
-    digest = hash_key(secret)
-    row = session.execute(
-        select(ApiKey.key_hash, ApiKey.revoked_at, ApiKey.id.label("key_id"), ApiKey.operator, Project.seq, Project.id)
-        .join(Project, Project.seq == ApiKey.project_seq)
-        .where(ApiKey.key_hash == digest)
-    ).first()
-    # The lookup is by digest (an index probe); compare again in constant time so that no timing
-    # difference tells an attacker how much of a digest matched.
-    if row is None or row.revoked_at is not None or not hmac.compare_digest(row.key_hash, digest):
-        return None
-    return Caller(seq=row.seq, id=row.id, key_id=row.key_id, operator=bool(row.operator))
-
-
-def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:
-    rows = session.scalars(
-        select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
-    ).all()
-    for row in rows:
-        row.revoked_at = row.revoked_at or now()
-    return len(rows)
-
-
-def list_api_keys(*, session: Session, project: Project | None = None) -> Sequence[ApiKey]:
-    stmt = select(ApiKey).order_by(ApiKey.seq)
-    if project is not None:
-        stmt = stmt.where(ApiKey.project_seq == project.seq)
-    return session.scalars(stmt).all()
+    def may(self, scope: str) -> bool:
+        return scope in self.scopes
 
 
 # Paging ------------------------------------------------------------------------------------------

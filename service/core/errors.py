@@ -142,3 +142,13 @@ def queue_unreachable(exc: BaseException) -> Unavailable:
         code="queue_unavailable",
         retry_after=2,
     )
+
+
+def insufficient_scope(route: str, needed: tuple[str, ...]) -> Forbidden:
+    """For a key that lacks the scope a route needs (``service.api.scopes``)."""
+    which = " or ".join(f"'{s}'" for s in needed)
+    return Forbidden(
+        f"This API key lacks the scope {which} that {route} needs: ask your project's admin for a key "
+        f"with it (`rloo keys create --scope {needed[0]}`, or POST /v1/keys).",
+        code="insufficient_scope",
+    )

@@ -37,6 +37,8 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("proj"))
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    # Archived by the operator: its objects are kept, its keys refused (403 project_archived).
+    archived_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):
@@ -56,6 +58,10 @@ class ApiKey(Base):
     # The operator's key (``rloo keys create --operator``): besides its project's objects, the
     # operator's routes (``GET /v1/workers``).
     operator: Mapped[bool] = mapped_column(default=False, server_default=false())
+    # What the key may do (service.tenancy.scopes), in the table's order; None: every project scope
+    # (a key made without --scope, or before scopes existed).
+    scopes: Mapped[list[Any] | None] = mapped_column(JSON)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger)
 
     project: Mapped[Project] = relationship(lazy="joined")
 

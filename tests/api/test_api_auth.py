@@ -76,9 +76,9 @@ def test_revoked_key_is_401_within_the_auth_cache_time(env, monkeypatch, cache_s
 
     from fastapi.testclient import TestClient
 
-    from service.core import crud
     from service.core.db import reset_caches, session_scope
     from service.main import create_app
+    from service.tenancy import keys
 
     monkeypatch.setenv("RLOO_AUTH_CACHE_SECONDS", str(cache_seconds))
     reset_caches()
@@ -89,7 +89,7 @@ def test_revoked_key_is_401_within_the_auth_cache_time(env, monkeypatch, cache_s
         assert client.get("/v1/files", headers=headers).status_code == 200
         cached_until = time.monotonic() + cache_seconds  # the cache's entry was written before this answer
         with session_scope() as session:
-            assert crud.revoke_api_key(session=session, key_id_or_prefix=secret[:12]) == 1
+            assert keys.revoke_api_key(session=session, key_id_or_prefix=secret[:12]) == 1
             session.commit()
         if cache_seconds:
             status = client.get("/v1/files", headers=headers).status_code

@@ -136,9 +136,9 @@ def test_advantage_estimators_are_accepted_and_reinforce_alone_takes_one_complet
 def test_models_answers_for_names_that_are_no_fine_tuned_model(client, auth) -> None:
     """A base model cannot be deleted (403); a name that is neither is 404, on every verb; a model
     whose job did not succeed is none, and an id in an earlier release's form is not listed."""
-    from service.core import crud
     from service.core.db import session_scope
     from service.core.tables import Job
+    from service.tenancy import projects
 
     assert_error(client.delete("/v1/models/tiny-policy", headers=auth), 403, code="model_not_deletable")
     for name in ("no-such-model", "ft:tiny-policy:p::ftjob-none"):
@@ -146,7 +146,7 @@ def test_models_answers_for_names_that_are_no_fine_tuned_model(client, auth) -> 
         assert_error(client.get(f"/v1/models/{name}", headers=auth), 404, code="model_not_found")
     before = client.get("/v1/models", headers=auth).json()
     with session_scope() as session:
-        seq = crud.get_or_create_project(session=session, name="alpha").seq  # the auth fixture's project
+        seq = projects.get_or_create_project(session=session, name="alpha").seq  # the auth fixture's project
         for model, status in (
             ("ft:tiny-policy:alpha::ftjob-failed", "failed"),
             ("tiny-policy:old:ftjob-x", "succeeded"),

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from service.core import crud
 from service.core.db import session_scope
 from service.core.tables import Checkpoint, Job
 from service.registry import finetuned, model_ids
+from service.tenancy import projects
 from tests.helpers.training import LORA, ListRecorder, load_policy, method_config
 from worker.engine.methods.rloo import train
 from worker.engine.prepare import start_from
@@ -43,8 +43,8 @@ def _job(session, project_seq: int, model: str, status: str, ft: str | None) -> 
 
 def test_a_model_id_names_the_checkpoints_of_every_job_before_it(env) -> None:  # type: ignore[no-untyped-def]
     with session_scope() as session:
-        project = crud.get_or_create_project(session=session, name="p")
-        other = crud.get_or_create_project(session=session, name="q")
+        project = projects.get_or_create_project(session=session, name="p")
+        other = projects.get_or_create_project(session=session, name="q")
         a = _job(session, project.seq, "tiny-policy", "succeeded", "ft:tiny-policy:p:a:A")
         b = _job(session, project.seq, "ft:tiny-policy:p:a:A:ckpt-step-1", "succeeded", "ft:tiny-policy:p:b:B")
         failed = _job(session, project.seq, "ft:tiny-policy:p:b:B", "failed", "ft:tiny-policy:p:c:C")

@@ -15,6 +15,7 @@ from service.core.migrate import upgrade
 from service.core.tables import Base, Job, JobMetric
 from service.jobs import lifecycle
 from service.jobs.lifecycle import JobStatus
+from service.tenancy import projects
 
 
 def test_migrations_match_models(database_url: str) -> None:
@@ -49,7 +50,7 @@ def engine(database_url: str) -> Iterator[sa.Engine]:
 
 
 def _job(session: Session, status: str) -> Job:
-    project = crud.get_or_create_project(session=session, name="p")
+    project = projects.get_or_create_project(session=session, name="p")
     job = Job(
         project_seq=project.seq,
         model="m",

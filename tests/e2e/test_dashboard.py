@@ -201,8 +201,30 @@ def test_the_dashboard_shows_the_fleet_to_an_operator_key(tmp_path: Path, models
         page.click("#login button[type=submit]")
         page.wait_for_selector("main .error >> text=operator key")
         assert page.query_selector("#fleet") is None
+        assert page.is_hidden("nav a[href='#/fleet']") and page.is_visible("nav a[href='#/files']")
+
+        # A read-only key (jobs:read) sees its project's jobs, and no button or page it may not use.
+        reader = stack.cli("keys", "create", "--project", "e2e", "--scope", "jobs:read", "--name", "viewer")
+        job_id = _a_cancelled_job(stack.http)
+        page.click("#signout")
+        page.goto(stack.url + f"/dashboard/#/jobs/{job_id}")
+        page.fill("#key", reader.stdout.strip().splitlines()[-1])
+        page.click("#login button[type=submit]")
+        page.wait_for_selector("#status.status-cancelled")
+        assert page.text_content("#whoami") == "e2e · viewer"
+        assert page.query_selector("#cancel") is None and page.query_selector("#evaluate") is None
+        assert "may read evaluations, not start them" in page.text_content("#eval-note")
+        hidden = {a: page.is_hidden(f"nav a[href='#/{a}']") for a in ("jobs", "evals", "files", "graders", "fleet")}
+        assert hidden == {"jobs": False, "evals": False, "files": True, "graders": True, "fleet": True}, hidden
         page.context.browser.close()
         # The one error the console saw: the API's 403 itself.
         assert problems == [
             "console error: Failed to load resource: the server responded with a status of 403 (Forbidden)"
         ]
+
+
+def _a_cancelled_job(http: httpx.Client) -> str:
+    file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
+    job_id = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()["id"]
+    assert http.post(f"/fine_tuning/jobs/{job_id}/cancel").status_code == 200
+    return job_id

@@ -28,8 +28,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from service.api import scopes
 from service.api.openapi import INFERENCE
-from tests.helpers.api import ERROR_TYPES, assert_error, create_job, each, upload_ok
+from tests.helpers.api import ERROR_TYPES, assert_error, create_job, each, make_key, upload_ok
 from tests.helpers.data import JOB_JSON, TRAIN_JSONL, job_body
 
 # The fuzzing phase's budget per operation (the examples and coverage phases add a fixed set of
@@ -89,6 +90,12 @@ def app(env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # type: ignore[n
     from schemathesis.python.asgi import shutdown_lifespans
 
     shutdown_lifespans()
+
+
+@pytest.fixture
+def operator_auth(env: dict[str, str]) -> dict[str, str]:
+    """An operator's key of the auth fixture's project (alpha), for the operator's routes."""
+    return {"Authorization": f"Bearer {make_key('alpha', operator=True)}"}
 
 
 @pytest.fixture
@@ -245,17 +252,19 @@ def check_response(response: Any, where: str, label: str) -> None:
     # The fixtures are set up once for all the examples of one operation, on purpose (one database).
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-def test_fuzz_operation(case, app, auth: dict[str, str], fuzz_ids: dict[str, list[str]]) -> None:  # type: ignore[no-untyped-def]
+def test_fuzz_operation(case, app, auth, operator_auth, fuzz_ids) -> None:  # type: ignore[no-untyped-def]
     # The coverage phase's cases are the same objects in the sqlite and the postgresql run: the edits
     # below assign new containers, and the generated ones are put back after.
     generated = (case.path_parameters, case.query, case.body)
     try:
-        fuzz_one(case, app, auth, fuzz_ids)
+        fuzz_one(case, app, auth, operator_auth, fuzz_ids)
     finally:
         case.path_parameters, case.query, case.body = generated
 
 
-def fuzz_one(case: Any, app: Any, auth: dict[str, str], fuzz_ids: dict[str, list[str]]) -> None:
+def fuzz_one(
+    case: Any, app: Any, auth: dict[str, str], operator_auth: dict[str, str], fuzz_ids: dict[str, list[str]]
+) -> None:
     fingerprint = _stable([case.method, case.path_parameters, case.query, case.headers, case.body])
     # Half of the cases with an id in the path get a real one, so the fuzzer reaches the code after the lookup.
     for name, ids in fuzz_ids.items():
@@ -266,6 +275,8 @@ def fuzz_one(case: Any, app: Any, auth: dict[str, str], fuzz_ids: dict[str, list
     if _bucket(fingerprint, 5) == 1:
         add_nul(case, _bucket(fingerprint, 991))
     where, label = f"{case.method} {case.formatted_path}", f"{case.method} {case.path}"
+    if scopes.needed(case.method, case.path) == (case.path, scopes.OPERATOR):
+        auth = operator_auth  # the operator's routes: so that it reaches their handlers
     # A new dict each call: schemathesis adds its own headers to the one it is given.
     response = case.call(headers=dict(auth), app=app)
     check_response(response, where, label)
@@ -401,7 +412,7 @@ def test_the_schema_documents_the_errors_the_api_answers(client) -> None:
             assert "422" not in op["responses"], (method, path)
             if not path.startswith("/v1/"):
                 continue
-            for status in ("400", "401", "429", "503"):
+            for status in ("400", "401", "403", "429", "503"):
                 assert op["responses"][status]["content"]["application/json"]["schema"] == error_ref
             assert ("404" in op["responses"]) == (
                 "{" in path or any(p["name"] == "after" for p in op.get("parameters", [])) or path in INFERENCE

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.core.crud import hash_key
+from service.tenancy.keys import hash_key
 from tests.helpers.data import EXAMPLES, job_body
 from tests.helpers.live import LiveStack, free_port, live_stack, upload_path, wait_for
 
@@ -30,7 +30,7 @@ INJECTED_DB_PASSWORD = "db-" + secrets.token_hex(8)
 
 
 def key_forms(key: str) -> list[str]:
-    """Every spelling of a key that must stay out of logs: the secret, its stored digest (crud.hash_key)
+    """Every spelling of a key that must stay out of logs: the secret, its stored digest (keys.hash_key)
     and the digest of the whole header (the auth middleware's cache key)."""
     return [key, hash_key(key), hashlib.sha256(f"Bearer {key}".encode()).hexdigest()]
 

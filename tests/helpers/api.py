@@ -117,13 +117,15 @@ def fresh_client(monkeypatch: pytest.MonkeyPatch, **env_values: str) -> Any:
     return TestClient(create_app(), client=LOCAL)
 
 
-def make_key(project: str, *, operator: bool = False) -> str:
-    """A new key of ``project`` (an operator's key with ``operator``)."""
-    from service.core import crud
+def make_key(project: str, *, operator: bool = False, scopes: list[str] | None = None) -> str:
+    """A new key of ``project`` (an operator's key with ``operator``; only ``scopes``, where given)."""
     from service.core.db import session_scope
+    from service.tenancy import keys, projects
+    from service.tenancy import scopes as scope_names
 
     with session_scope() as session:
-        proj = crud.get_or_create_project(session=session, name=project)
-        _, secret = crud.create_api_key(session=session, project=proj, operator=operator)
+        proj = projects.get_or_create_project(session=session, name=project)
+        held = None if scopes is None else scope_names.parse(scopes)
+        _, secret = keys.create_api_key(session=session, project=proj, operator=operator, scopes=held)
         session.commit()
     return secret

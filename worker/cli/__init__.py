@@ -3,7 +3,7 @@
 One module a group of commands, each importing what it needs when it runs (torch loads only in
 the processes that train):
 
-* ``admin``: ``rloo db upgrade``, ``rloo keys create|revoke|list``;
+* ``admin``: ``rloo db upgrade``, ``rloo keys create|revoke|list``, ``rloo projects create|list|archive|restore``;
 * ``serve``: ``rloo api``, ``rloo worker`` (over ``worker.jobs.celery_worker`` and ``worker.serving``);
 * ``stack``: ``rloo up``, the local stack as child processes;
 * ``training``: ``rloo train``, ``rloo score``, ``rloo demo`` (``demo`` holds the demo itself);

@@ -1,4 +1,5 @@
-"""``rloo db upgrade`` and ``rloo keys create|revoke|list``."""
+"""``rloo db upgrade``, ``rloo keys create|revoke|list`` and ``rloo projects create|list|archive|restore``:
+the operator's, on the database directly."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from service.core.settings import get_settings
-from worker.cli.app import db_app, keys_app, redact
+from worker.cli.app import db_app, keys_app, projects_app, redact
 
 
 @db_app.command("upgrade")
@@ -29,16 +30,21 @@ def db_upgrade(
 
 
 @contextmanager
-def _keys_session() -> Iterator[Any]:
-    """A session for the key commands; a database with no schema yet (before the first `rloo up` or
-    `rloo db upgrade`) is one line saying what to run, exit 1, not the driver's traceback."""
+def _admin_session() -> Iterator[Any]:
+    """A session for the key and project commands; a database with no schema yet (before the first
+    `rloo up` or `rloo db upgrade`) is one line saying what to run, exit 1, not the driver's traceback;
+    so is a value the domain refuses (an unknown scope), in its own words."""
     from sqlalchemy.exc import OperationalError, ProgrammingError
 
     from service.core.db import session_scope
+    from service.core.errors import DomainError
 
     try:
         with session_scope() as session:
             yield session
+    except DomainError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(1) from None
     except (OperationalError, ProgrammingError) as exc:
         if not _missing_table(exc.orig):
             raise
@@ -63,6 +69,17 @@ def _missing_table(error: BaseException | None) -> bool:
 def keys_create(
     project: Annotated[str, typer.Option(metavar="NAME", help="Project name; created if new.")],
     name: Annotated[str, typer.Option(metavar="LABEL", help="A label for the key.")] = "",
+    scope: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="SCOPE",
+            help="What the key may do (again for more): files:read|write, jobs:read|write, models:read|write, "
+            "inference, webhooks, keys (the project's admin), or all (the default).",
+        ),
+    ] = None,
+    expires_in: Annotated[
+        str | None, typer.Option(metavar="DURATION", help="Expire after 30d, 12h, 90m, 2w… (default: never).")
+    ] = None,
     operator: Annotated[
         bool,
         typer.Option("--operator", help="The operator's key: also the routes over every project (GET /v1/workers)."),
@@ -74,26 +91,32 @@ def keys_create(
         ),
     ] = False,
 ) -> None:
-    """Create an API key. It is shown once, on the last line; only its hash is stored. An operator's
-    key (--operator) is its project's key too, and also lists the fleet of workers. The tinker SDK
-    takes only keys that start with tml- (--tinker).
+    """Create an API key. It is shown once, on the last line; only its hash is stored. Without
+    --scope it may do everything in its project; an operator's key (--operator) is its project's key
+    too, and also manages projects and lists the fleet of workers. The tinker SDK takes only keys that
+    start with tml- (--tinker).
 
     \b
     Example:
       export RLOO_API_KEY=$(rloo keys create --project research | tail -1)
+      rloo keys create --project research --scope jobs:read --scope models:read --expires-in 30d --name dashboard
       export TINKER_API_KEY=$(rloo keys create --project research --tinker | tail -1)
       rloo keys create --project ops --operator
     """
-    from service.core import crud
+    from service.tenancy import keys, projects, scopes
 
-    with _keys_session() as session:
-        proj = crud.get_or_create_project(session=session, name=project)
-        row, secret = crud.create_api_key(
+    with _admin_session() as session:
+        held = scopes.parse(scope, param="--scope") if scope else None
+        seconds = keys.parse_duration(expires_in, param="--expires-in") if expires_in is not None else None
+        proj = projects.get_or_create_project(session=session, name=projects.check_name(project))
+        row, secret = keys.create_api_key(
             session=session,
             project=proj,
             name=name,
             operator=operator,
-            prefix=crud.TINKER_KEY_PREFIX if tinker else None,
+            prefix=keys.TINKER_KEY_PREFIX if tinker else None,
+            scopes=held,
+            expires_in=seconds,
         )
         session.commit()
         kind = "operator key" if operator else "key"
@@ -109,10 +132,10 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
     Example:
       rloo keys revoke key-3f9a…
     """
-    from service.core import crud
+    from service.tenancy import keys
 
-    with _keys_session() as session:
-        n = crud.revoke_api_key(session=session, key_id_or_prefix=key)
+    with _admin_session() as session:
+        n = keys.revoke_api_key(session=session, key_id_or_prefix=key)
         session.commit()
     if not n:
         typer.echo(f"no key matches '{key}'", err=True)
@@ -122,11 +145,75 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
 
 
 @keys_app.command("list")
-def keys_list() -> None:
-    """List keys (ids and prefixes; secrets are never stored)."""
-    from service.core import crud
+def keys_list(
+    project: Annotated[str | None, typer.Option(metavar="NAME", help="Only this project's keys.")] = None,
+) -> None:
+    """List keys: id, prefix, project, state (active, expired, revoked), scopes, expiry (secrets
+    are never stored)."""
+    from service.tenancy import keys, projects, scopes
 
-    with _keys_session() as session:
-        for row in crud.list_api_keys(session=session):
-            state = "revoked" if row.revoked_at else "active"
-            typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{state}" + ("\toperator" if row.operator else ""))
+    with _admin_session() as session:
+        only = projects.find_project(session=session, id_or_name=project, param="--project") if project else None
+        for row in keys.list_api_keys(session=session, project=only):
+            held = ",".join(scopes.ordered(keys.held_scopes(row)))
+            expiry = f"expires {_when(row.expires_at)}" if row.expires_at else "no expiry"
+            typer.echo(f"{row.id}\t{row.prefix}…\t{row.project.name}\t{keys.key_state(row)}\t{held}\t{expiry}")
+
+
+def _when(t: int) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
+
+
+@projects_app.command("create")
+def projects_create(name: Annotated[str, typer.Argument(metavar="NAME", help="The project's name.")]) -> None:
+    """Create a project (its first key: rloo keys create --project NAME --scope all).
+
+    \b
+    Example:
+      rloo projects create tenant-a && rloo keys create --project tenant-a --name admin
+    """
+    from service.tenancy import projects
+
+    with _admin_session() as session:
+        project = projects.create_project(session=session, name=name)
+        session.commit()
+        typer.echo(f"project {project.name} ({project.id})")
+
+
+@projects_app.command("list")
+def projects_list() -> None:
+    """List projects: id, name, state (active or archived), active keys."""
+    from service.tenancy import projects
+
+    with _admin_session() as session:
+        counts = projects.key_counts(session=session)
+        for p in projects.list_projects(session=session):
+            state = "archived" if p.archived_at else "active"
+            typer.echo(f"{p.id}\t{p.name}\t{state}\t{counts.get(p.seq, 0)} key(s)")
+
+
+@projects_app.command("archive")
+def projects_archive(project: Annotated[str, typer.Argument(metavar="PROJECT", help="Its name or id.")]) -> None:
+    """Archive a project: its jobs, files and models are kept; its keys are refused (403
+    project_archived) within RLOO_AUTH_CACHE_SECONDS. Undo with rloo projects restore."""
+    from service.tenancy import projects
+
+    with _admin_session() as session:
+        row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
+        projects.archive(project=row)
+        session.commit()
+        typer.echo(f"project {row.name} ({row.id}) archived")
+
+
+@projects_app.command("restore")
+def projects_restore(project: Annotated[str, typer.Argument(metavar="PROJECT", help="Its name or id.")]) -> None:
+    """Restore an archived project: its keys work again."""
+    from service.tenancy import projects
+
+    with _admin_session() as session:
+        row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
+        projects.restore(project=row)
+        session.commit()
+        typer.echo(f"project {row.name} ({row.id}) restored")

@@ -16,6 +16,8 @@ db_app = typer.Typer(help="Database schema.", no_args_is_help=True, rich_markup_
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+projects_app = typer.Typer(help="Projects (the operator's).", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(projects_app, name="projects")
 
 LOCAL_PROJECT = "local"
 """The project of the key `rloo up` makes for its user."""

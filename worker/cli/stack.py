@@ -41,19 +41,19 @@ def _interrupt(*_: Any) -> None:
 def ensure_local_key() -> str:
     """The local project's key: created on first start, kept in $RLOO_HOME/api_key (mode 600). It
     is an operator's key (the fleet on the dashboard): whoever runs `rloo up` runs the machine."""
-    from service.core import crud
     from service.core.db import session_scope
+    from service.tenancy import keys, projects
 
     settings = get_settings()
     key_file = settings.home_dir / "api_key"
     if key_file.is_file():
         secret = key_file.read_text().strip()
         with session_scope() as session:
-            if crud.authenticate(session=session, secret=secret) is not None:
+            if keys.authenticate(session=session, secret=secret) is not None:
                 return secret
     with session_scope() as session:
-        proj = crud.get_or_create_project(session=session, name=LOCAL_PROJECT)
-        _, secret = crud.create_api_key(session=session, project=proj, name="rloo up", operator=True)
+        proj = projects.get_or_create_project(session=session, name=LOCAL_PROJECT)
+        _, secret = keys.create_api_key(session=session, project=proj, name="rloo up", operator=True)
         session.commit()
     key_file.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

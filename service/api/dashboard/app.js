@@ -38,6 +38,8 @@ const EXAMPLE_GRADER = {
   reference: "{{ item.answer }}", operation: "eq",
 };
 let page = null; // the open page's AbortController: its streams and timers end with it
+let me = null; // GET /v1/me: the key's project and scopes; pages leave out what the key may not do
+const can = scope => Boolean(me && me.scopes.includes(scope));
 
 // Helpers ------------------------------------------------------------------------------------------
 function el(tag, attrs = {}, ...children) {
@@ -119,11 +121,19 @@ function showLogin(message = "") {
   document.getElementById("signout").hidden = true;
 }
 
+// Who the key is: its project, and the nav links to what it may read (each link's data-scope).
+async function whoami() {
+  me = await api("/me");
+  document.getElementById("whoami").textContent = `${me.project.name} · ${me.key.name || me.key.prefix + "…"}`;
+  for (const link of document.querySelectorAll("nav a[data-scope]")) link.hidden = !can(link.dataset.scope);
+}
+
 document.getElementById("login").addEventListener("submit", async event => {
   event.preventDefault();
   sessionStorage.setItem("rloo-key", document.getElementById("key").value.trim());
+  me = null;
   try {
-    await api("/files?limit=1");
+    await whoami();
     document.getElementById("login").hidden = true;
     document.getElementById("key").value = "";
     route();
@@ -134,6 +144,8 @@ document.getElementById("login").addEventListener("submit", async event => {
 
 document.getElementById("signout").addEventListener("click", () => {
   sessionStorage.removeItem("rloo-key");
+  me = null;
+  document.getElementById("whoami").textContent = "";
   showLogin();
 });
 
@@ -214,10 +226,10 @@ function showJobHead(head, job, refresh) {
       ` · step ${job.progress.step}/${job.progress.total_steps} · `, el("span", { id: "method", text: job.method.type }),
       ` · ${job.model}`, job.fine_tuned_model ? ` → ${job.fine_tuned_model}` : ""),
     job.error ? el("p", { class: "error", text: job.error.message }) : "",
-    el("p", {},
+    can("jobs:write") ? el("p", {},
       el("button", { id: "cancel", onclick: act("cancel"), ...off(FINAL.has(job.status)) }, "Cancel"), " ",
       el("button", { id: "pause", onclick: act("pause"), ...off(job.status !== "running") }, "Pause"), " ",
-      el("button", { id: "resume", onclick: act("resume"), ...off(job.status !== "paused") }, "Resume")));
+      el("button", { id: "resume", onclick: act("resume"), ...off(job.status !== "paused") }, "Resume")) : "");
 }
 
 async function showCheckpoints(table, job) {
@@ -305,10 +317,14 @@ function evaluationPanel(job, signal) {
   const table = el("table", { id: "evaluations" });
   const state = el("p", { id: "eval-status" });
   const start = el("button", { id: "evaluate", disabled: "" }, "Evaluate checkpoints");
-  const graded = job.method.type === "reinforcement";
-  const panel = el("div", {}, graded ? el("p", {}, "File ", files, " ", start) : el("p", { class: "note", id: "eval-note",
-    text: `A ${job.method.type === "dpo" ? "DPO" : job.method.type} job trains without a grader, and an evaluation scores with one: start it through the API ` +
-      `(POST /v1/fine_tuning/jobs/${job.id}/evaluations with a "grader" and a file of prompts).` }), state, table);
+  const allowed = can("jobs:write") && can("files:read");
+  const graded = job.method.type === "reinforcement" && allowed;
+  const note = !allowed
+    ? "This key may read evaluations, not start them (that takes the scopes jobs:write and files:read)."
+    : `A ${job.method.type === "dpo" ? "DPO" : job.method.type} job trains without a grader, and an evaluation scores with one: start it through the API ` +
+      `(POST /v1/fine_tuning/jobs/${job.id}/evaluations with a "grader" and a file of prompts).`;
+  const panel = el("div", {}, graded ? el("p", {}, "File ", files, " ", start) : el("p", { class: "note", id: "eval-note", text: note }),
+    state, table);
   const num = v => (v === null || v === undefined ? "n/a" : v.toFixed(3));
   let listed = false;
   const refresh = async () => {
@@ -602,6 +618,7 @@ async function route() {
   document.getElementById("signout").hidden = false;
   const [, section, id] = (location.hash || "#/jobs").split("/");
   try {
+    if (!me) await whoami();
     if (section === "jobs" && id) await jobPage(id, page.signal);
     else if (section === "evals" && id) await evalPage(id, page.signal);
     else if (section === "evals") await evalsPage();
