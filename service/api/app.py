@@ -12,8 +12,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from service.api import errors as api_errors
 from service.api import openapi
 from service.api import prometheus as prometheus_module
+from service.api.audit import AuditMiddleware
 from service.api.middleware import AuthMiddleware, BodyLimitMiddleware
 from service.api.routes import (
+    audit,
     completions,
     dashboard,
     evals,
@@ -73,6 +75,7 @@ def create_app() -> FastAPI:
     app.include_router(workers.router)
     app.include_router(keys.router)
     app.include_router(projects.router)
+    app.include_router(audit.router)
     app.include_router(tinker.router)
     app.include_router(tinker_runs.router)
     dashboard.install(app)
@@ -102,6 +105,9 @@ def _add_middleware(app: FastAPI, settings: Settings) -> prometheus_module.Metri
         body_bytes_rate=settings.rate_limit_body_bytes,
         body_bytes_burst=settings.rate_limit_body_bytes_burst,
     )
+    # Outside the key check, so that it sees its refusals too (403 insufficient_scope): each mutating
+    # request's audit row (service.api.audit).
+    app.add_middleware(AuditMiddleware)
     # Outside the key check, which reads the database too: an unreachable database is a 503 anywhere.
     app.add_middleware(api_errors.DatabaseUnavailableMiddleware)
     prometheus = prometheus_module.Metrics()

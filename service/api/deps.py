@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
@@ -12,9 +13,26 @@ from service.core import crud
 from service.core.db import get_session
 from service.core.errors import bad_request, operator_only
 from service.core.settings import Settings, get_settings
-from service.tenancy import keys
+from service.tenancy import audit, keys
 
-SessionDep = Annotated[Session, Depends(get_session)]
+
+async def request_session(request: Request) -> AsyncIterator[Session]:
+    """The request's session (``get_session``); on an audited request (``service.api.audit``) it
+    writes the request's audit row in its first commit, naming the caller, the route and the object
+    its path names."""
+    async for session in get_session():
+        context = request.scope.get("state", {}).get("audit")
+        if context is not None:
+            route = request.scope.get("route")
+            context.caller = getattr(request.state, "caller", None)
+            context.action = f"{request.method} {getattr(route, 'path', request.url.path)}"
+            ids = [str(v) for k, v in request.path_params.items() if k.endswith("_id")]
+            context.object_id = ids[-1] if ids else None  # the innermost: a run's, not its eval's
+            audit.attach(session, context)
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(request_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 

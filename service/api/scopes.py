@@ -83,6 +83,7 @@ ROUTE_SCOPES: dict[tuple[str, str], tuple[str, ...]] = {
     ("POST", "/v1/keys"): KEYS,
     ("GET", "/v1/keys/{key_id}"): KEYS,
     ("DELETE", "/v1/keys/{key_id}"): KEYS,
+    ("GET", "/v1/audit"): KEYS,
     # The operator's, over every project
     ("GET", "/v1/workers"): OPERATOR,
     ("GET", "/v1/projects"): OPERATOR,

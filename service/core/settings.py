@@ -91,6 +91,11 @@ class Settings(BaseSettings):
         le=3600,
         description="How long a stream waits on a client that stopped reading before dropping it.",
     )
+    audit_retention_days: float = Field(
+        default=365,
+        ge=0,
+        description="Days an audit row is kept (GET /v1/audit); the reconciler deletes older ones. 0: for ever.",
+    )
     max_queued_jobs: int = Field(
         default=20, ge=1, description="Jobs a project may have waiting (validating_files or queued); 429 past it."
     )

@@ -446,3 +446,28 @@ class TinkerStep(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
     __table_args__ = (Index("uq_tinker_steps_step", "model_seq", "step", unique=True),)
+
+
+class AuditEvent(Base):
+    """One mutating request or admin action (service.tenancy.audit): who (the key, never its secret),
+    in which project, what (the route, the object), how it ended, from where, when."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_project", "project_seq", "seq"),)
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("audit"))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now, index=True)
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"))
+    key_id: Mapped[str] = mapped_column(String(64))
+    operator: Mapped[bool] = mapped_column(default=False)
+    action: Mapped[str] = mapped_column(String(256))  # "POST /v1/fine_tuning/jobs/{job_id}/cancel"
+    object_id: Mapped[str | None] = mapped_column(String(256))
+    outcome: Mapped[str] = mapped_column(String(16))  # succeeded, refused, failed
+    status: Mapped[int] = mapped_column(Integer)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    client: Mapped[str] = mapped_column(String(64), default="")
+
+    @staticmethod
+    def new_id() -> str:
+        return new_id("audit")

@@ -154,11 +154,15 @@ def revoke_key(*, row: ApiKey, caller: Caller) -> None:
     row.revoked_at = row.revoked_at or now()
 
 
-def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:
-    """``rloo keys revoke``: every key with that id or prefix, of any project."""
-    rows = session.scalars(
+def find_by_id_or_prefix(*, session: Session, key_id_or_prefix: str) -> Sequence[ApiKey]:
+    return session.scalars(
         select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
     ).all()
+
+
+def revoke_api_key(*, session: Session, key_id_or_prefix: str) -> int:
+    """``rloo keys revoke``: every key with that id or prefix, of any project."""
+    rows = find_by_id_or_prefix(session=session, key_id_or_prefix=key_id_or_prefix)
     for row in rows:
         row.revoked_at = row.revoked_at or now()
     return len(rows)

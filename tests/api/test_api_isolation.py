@@ -38,6 +38,7 @@ FAKE = {
     "run_id": "evalrun_" + "0" * 24,
     "output_item_id": "outputitem_" + "0" * 24,
     "key_id": "key-" + "0" * 24,
+    "audit_id": "audit-" + "0" * 24,
 }
 
 # Every /v1 route that takes an id in its path, as the app declares it. test_the_matrix_covers_every_route
@@ -94,6 +95,7 @@ AFTER_ROUTES = {
     "/v1/evals/{eval_id}/runs": "run_id",
     "/v1/evals/{eval_id}/runs/{run_id}/output_items": "output_item_id",
     "/v1/keys": "key_id",
+    "/v1/audit": "audit_id",
 }
 
 
@@ -195,6 +197,7 @@ def _project(client: Any, auth: dict[str, str], models_dir: Path) -> dict[str, A
         "run_id": run_id,
         "output_item_id": output_item_id,
         "key_id": key.json()["id"],
+        "audit_id": client.get("/v1/audit?limit=1", headers=auth).json()["data"][0]["id"],
     }
 
 

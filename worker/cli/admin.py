@@ -55,6 +55,15 @@ def _admin_session() -> Iterator[Any]:
         raise typer.Exit(1) from None
 
 
+def _audit(session: Any, project: Any, action: str, object_id: str) -> None:
+    """The audit row of an operator's action on the database directly (client ``cli``, key ``cli``)."""
+    from service.core.crud import Caller
+    from service.tenancy import audit
+
+    caller = Caller(seq=project.seq, id=project.id, key_id="cli", operator=True)
+    audit.record(session, caller=caller, action=action, object_id=object_id)
+
+
 def _missing_table(error: BaseException | None) -> bool:
     """The driver's "no such table": SQLite's message, PostgreSQL's undefined_table (42P01); not a
     missing database or role, which say "does not exist" too."""
@@ -118,6 +127,7 @@ def keys_create(
             scopes=held,
             expires_in=seconds,
         )
+        _audit(session, proj, "rloo keys create", row.id)
         session.commit()
         kind = "operator key" if operator else "key"
         typer.echo(f"project {proj.name} ({proj.id}), {kind} {row.id} (prefix {row.prefix}); store it now:", err=True)
@@ -136,6 +146,8 @@ def keys_revoke(key: Annotated[str, typer.Argument(metavar="KEY_ID", help="Key i
 
     with _admin_session() as session:
         n = keys.revoke_api_key(session=session, key_id_or_prefix=key)
+        for row in keys.find_by_id_or_prefix(session=session, key_id_or_prefix=key):
+            _audit(session, row.project, "rloo keys revoke", row.id)
         session.commit()
     if not n:
         typer.echo(f"no key matches '{key}'", err=True)
@@ -178,6 +190,7 @@ def projects_create(name: Annotated[str, typer.Argument(metavar="NAME", help="Th
 
     with _admin_session() as session:
         project = projects.create_project(session=session, name=name)
+        _audit(session, project, "rloo projects create", project.id)
         session.commit()
         typer.echo(f"project {project.name} ({project.id})")
 
@@ -203,6 +216,7 @@ def projects_archive(project: Annotated[str, typer.Argument(metavar="PROJECT", h
     with _admin_session() as session:
         row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
         projects.archive(project=row)
+        _audit(session, row, "rloo projects archive", row.id)
         session.commit()
         typer.echo(f"project {row.name} ({row.id}) archived")
 
@@ -215,5 +229,6 @@ def projects_restore(project: Annotated[str, typer.Argument(metavar="PROJECT", h
     with _admin_session() as session:
         row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
         projects.restore(project=row)
+        _audit(session, row, "rloo projects restore", row.id)
         session.commit()
         typer.echo(f"project {row.name} ({row.id}) restored")

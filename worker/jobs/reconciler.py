@@ -93,6 +93,7 @@ def _reconcile_rounds(parent: int, me: WorkerInfo) -> None:
     from service.jobs import fleet
     from service.jobs.reconcile import queue_length, reconcile
     from service.jobs.webhooks import deliver_forever
+    from service.tenancy import audit
     from service.tinker.runs import sweep_expired as sweep_expired_checkpoints
 
     settings = get_settings()
@@ -125,6 +126,7 @@ def _reconcile_rounds(parent: int, me: WorkerInfo) -> None:
                 )
                 sweep_uploads(session, settings.artifacts_dir)
                 sweep_expired_checkpoints(session, settings.artifacts_dir)
+                audit.sweep(session, retention_days=settings.audit_retention_days)
         except Exception as exc:  # the database is away: try again next round
             if database_unreachable(exc):
                 blind_until = time.monotonic() + settings.stale_after
