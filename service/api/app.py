@@ -85,6 +85,10 @@ def create_app() -> FastAPI:
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> prometheus_module.Metrics:
+    from service.infra.limits import SharedLimits
+
+    # The rate limits and stream caps every API process sharing this Redis counts together.
+    app.state.limits = SharedLimits(settings.redis_client_url, settings.queue)
     """The middleware, innermost first (each added runs before those added earlier): the body
     limits, the key check and rate limits, the database's 503, the request timer, CORS. Returns the
     metrics the timer counts into."""
@@ -94,7 +98,7 @@ def _add_middleware(app: FastAPI, settings: Settings) -> prometheus_module.Metri
     )
     # Added after, so it runs before the body limit (outermost). It also holds the per-key rate limits
     # (RLOO_RATE_LIMIT, RLOO_RATE_LIMIT_BURST; the Tinker protocol's RLOO_RATE_LIMIT_TINKER, _BURST;
-    # RLOO_RATE_LIMIT_BODY_BYTES, _BURST), counted in this process's memory.
+    # RLOO_RATE_LIMIT_BODY_BYTES, _BURST), counted in Redis (this process's memory while it is down).
     app.add_middleware(
         AuthMiddleware,
         cache_seconds=settings.auth_cache_seconds,
@@ -104,6 +108,7 @@ def _add_middleware(app: FastAPI, settings: Settings) -> prometheus_module.Metri
         tinker_rate_limit_burst=settings.rate_limit_tinker_burst,
         body_bytes_rate=settings.rate_limit_body_bytes,
         body_bytes_burst=settings.rate_limit_body_bytes_burst,
+        shared=app.state.limits,
     )
     # Outside the key check, so that it sees its refusals too (403 insufficient_scope): each mutating
     # request's audit row (service.api.audit).

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import TrackedSend, error_body, headers_of, status_of
 from service.core.errors import DomainError
+from service.infra.limits import SharedLimits
 
 
 class BodyTooLarge(HTTPException):
@@ -78,9 +79,9 @@ async def _too_large(send: Send, limit: int) -> None:
 
 
 def clock() -> float:
-    """The rate limits' clock (a test holds it still, so that a burst is one instant whatever the
-    machine's speed)."""
-    return time.monotonic()
+    """The rate limits' clock: wall time, which hosts share, as the counts in Redis need (a test
+    holds it still, so that a burst is one instant whatever the machine's speed)."""
+    return time.time()
 
 
 class RateLimiter:
@@ -92,9 +93,9 @@ class RateLimiter:
     still gets ``rate`` a second through).
 
     In this process's memory, on the event loop: ``take`` never awaits, so no other request runs
-    between its read and its write, and no lock is needed; no Redis round trip, so the API keeps its
-    limit (and answers) while Redis is down. Each API process counts on its own: with
-    ``rloo api --workers N`` a key gets up to N times the rate. At most ``max_keys`` keys are kept:
+    between its read and its write, and no lock is needed. The AuthMiddleware counts in Redis
+    (``service.infra.limits``, the same algorithm), so that every API process gives a key one rate;
+    this one decides while Redis does not answer, each process on its own. At most ``max_keys`` keys are kept:
     when full, keys whose bucket has refilled are forgotten first (that changes nothing), then the
     oldest tenth (those keys start again with a full bucket).
     """
@@ -164,8 +165,11 @@ class AuthMiddleware:
         tinker_rate_limit_burst: int = 1,
         body_bytes_rate: float = 0.0,
         body_bytes_burst: int = 1,
+        shared: SharedLimits | None = None,
     ) -> None:
         self.app = app
+        # service.infra.limits.SharedLimits: the counts every API process shares (None: this one's only).
+        self.shared = shared
         # Keys checked lately, by the SHA-256 digest of the header: a status poll costs no database
         # query for its key. Only valid keys are kept, for ``cache_seconds`` (RLOO_AUTH_CACHE_SECONDS).
         self.cache_seconds = cache_seconds
@@ -224,7 +228,7 @@ class AuthMiddleware:
             self.cache[digest] = (time.monotonic() + self.cache_seconds, caller)
         await self.admit(caller, scope, receive, send, path=path)
 
-    def _body_bytes(self, key: str, scope: Scope) -> float | None:
+    async def _body_bytes(self, key: str, scope: Scope) -> float | None:
         """Seconds until the key's body bytes allow this request's body (None: they allow it now)."""
         if self.bytes_limiter is None or scope["method"] not in ("POST", "PUT", "PATCH"):
             return None
@@ -235,8 +239,19 @@ class AuthMiddleware:
         size = int(declared) if declared is not None and declared.isdigit() else UNDECLARED_BODY
         if not size:
             return None
-        allowed, _, retry, _ = self.bytes_limiter.take(key, cost=size)
+        allowed, _, retry, _ = await self._take(self.bytes_limiter, "bytes", key, cost=size)
         return None if allowed else retry
+
+    async def _take(
+        self, limiter: RateLimiter, name: str, key: str, cost: float = 1.0
+    ) -> tuple[bool, int, float, float]:
+        """``limiter``'s answer for ``key``, counted in Redis where it answers, else in this process."""
+        now = clock()
+        if self.shared is not None:
+            answer = await self.shared.rate(name, key, rate=limiter.rate, burst=limiter.burst, cost=cost, now=now)
+            if answer is not None:
+                return answer
+        return limiter.take(key, now, cost=cost)
 
     def _bytes_rule(self) -> str:
         assert self.bytes_limiter is not None
@@ -255,7 +270,7 @@ class AuthMiddleware:
         limit_headers: list[tuple[bytes, bytes]] = []
         limiter = self.tinker_limiter if tinker else self.limiter
         if limiter is not None:
-            allowed, remaining, retry, reset = limiter.take(key)
+            allowed, remaining, retry, reset = await self._take(limiter, "tinker" if tinker else "requests", key)
             limit_headers = [
                 (b"x-ratelimit-limit-requests", str(limiter.burst).encode()),
                 (b"x-ratelimit-remaining-requests", str(remaining).encode()),
@@ -267,7 +282,7 @@ class AuthMiddleware:
                     rule += " of a Tinker loop's requests"
                 await _refuse(send, rule, retry, limit_headers)
                 return
-        if (retry_bytes := self._body_bytes(key, scope)) is not None:
+        if (retry_bytes := await self._body_bytes(key, scope)) is not None:
             close = [(b"connection", b"close")]  # its body is never read
             await _refuse(send, self._bytes_rule(), retry_bytes, limit_headers + close)
             return

@@ -32,6 +32,7 @@ from starlette.types import Message, Send
 
 from service.api.errors import APIError
 from service.core.tables import Job, JobEvent, JobMetric
+from service.infra.limits import Lease, SharedLimits
 from service.infra.wakeups import CHANNEL
 
 log = logging.getLogger("rloo.streams")
@@ -76,23 +77,26 @@ class Hub:
             if not waiters:
                 self.waiting.pop(job_id, None)
 
-    def take(self, key: str, cap: int) -> Callable[[], None]:
-        """One of ``key``'s at most ``cap`` streams (a 429 past them); returns its release."""
+    async def take(self, key: str, cap: int, shared: SharedLimits | None = None) -> Lease:
+        """One of ``key``'s at most ``cap`` streams (a 429 past them), counted in Redis over every API
+        process (``shared``) where it answers, else in this one; returns its lease (renewed by the
+        stream while it runs, released when it ends)."""
+        if shared is not None:
+            lease = await shared.lease("streams", key, cap=cap, ttl=STREAM_LEASE_SECONDS)
+            if lease is False:
+                raise _too_many_streams(cap)
+            if isinstance(lease, Lease):
+                return lease
         if self.count.get(key, 0) >= cap:
-            raise APIError(
-                429,
-                f"This API key already holds {cap} streams (RLOO_MAX_STREAMS_PER_KEY); close one first.",
-                code="too_many_streams",
-                headers={"Retry-After": "1"},
-            )
+            raise _too_many_streams(cap)
         self.count[key] = self.count.get(key, 0) + 1
 
-        def release() -> None:
+        async def release() -> None:
             self.count[key] -= 1
             if not self.count[key]:
                 del self.count[key]
 
-        return release
+        return Lease(release=release)
 
     async def _listen(self) -> None:
         import redis.asyncio
@@ -119,18 +123,27 @@ class Hub:
             woken.set()
 
 
+STREAM_LEASE_SECONDS = 60.0
+"""A stream's place among its key's (RLOO_MAX_STREAMS_PER_KEY) lapses this long after its last
+renewal (an API process that died holding it frees it so); a stream renews it three times as often."""
+
+
 @dataclass(frozen=True)
 class Limits:
     keepalive: float
     send_timeout: float
 
 
-async def messages(hub: Hub, job_id: str, read: Reader, limits: Limits) -> AsyncIterator[bytes]:
+async def messages(hub: Hub, job_id: str, read: Reader, limits: Limits, lease: Lease) -> AsyncIterator[bytes]:
     """The stream's bytes: every row ``read`` gives, as it comes, then ``[DONE]`` once the job is
-    final and nothing is left to send."""
+    final and nothing is left to send. Renews the stream's ``lease`` as it goes."""
     yield b": stream open\n\n"
+    renewed = time.monotonic()
     with hub.watch(job_id) as woken:
         while True:
+            if time.monotonic() - renewed > STREAM_LEASE_SECONDS / 3:
+                await lease.renew()
+                renewed = time.monotonic()
             woken.clear()
             final, rows = await read()
             read_at = time.monotonic()
@@ -143,7 +156,7 @@ async def messages(hub: Hub, job_id: str, read: Reader, limits: Limits) -> Async
                 return
             if final:
                 continue
-            while not woken.is_set() and time.monotonic() - read_at < RESYNC_SECONDS:
+            while not woken.is_set() and time.monotonic() - read_at < min(RESYNC_SECONDS, STREAM_LEASE_SECONDS / 3):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), timeout=limits.keepalive)
                 if not woken.is_set():
@@ -154,7 +167,9 @@ class EventStreamResponse(StreamingResponse):
     """``text/event-stream``, never cached or buffered by a proxy; a send that waits past
     ``send_timeout`` (a client that stopped reading) ends the stream."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, send_timeout: float, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], *, send_timeout: float, on_close: Callable[[], Awaitable[None]]
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -166,7 +181,7 @@ class EventStreamResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.on_close()
+            await self.on_close()
 
     async def stream_response(self, send: Send) -> None:
         async def timed(message: Message) -> None:
@@ -180,6 +195,15 @@ class EventStreamResponse(StreamingResponse):
 
 
 # The rows of a job, after a cursor -----------------------------------------------------------------
+def _too_many_streams(cap: int) -> APIError:
+    return APIError(
+        429,
+        f"This API key already holds {cap} streams (RLOO_MAX_STREAMS_PER_KEY); close one first.",
+        code="too_many_streams",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _final(session: Session, job_seq: int) -> bool:
     from service.jobs.lifecycle import FINAL
 

@@ -231,16 +231,16 @@ class Settings(BaseSettings):
         description="How long an API process trusts a key it has checked; a revocation reaches every "
         "API process within this time. 0 checks the database on every request.",
     )
-    # Per key, per API process (service.api.middleware.RateLimiter). A person, an SDK script, or a poller
+    # Per key, over every API process (service.infra.limits, in Redis). A person, an SDK script, or a poller
     # sends well under 5 requests a second (e2e tests poll at 4/s, the demo at 2/s, a "for f in files:
     # upload" loop is tens of requests, inside the burst); a `while True: get()` loop with no sleep
     # sends 1000+ a second and would take most of one process's ~1700 status reads/s
     # (benchmarks/RESULTS.md). 20/s keeps one such key under ~1/80 of that, and a burst of 100 lets
-    # any honest batch through at once. `rloo api --workers N` gives a key up to N times this.
+    # any honest batch through at once, whatever the number of API processes.
     rate_limit: float = Field(
         default=20.0,
         ge=0,
-        description="Sustained requests a second per API key in each API process; 0 turns the limit off.",
+        description="Sustained requests a second per API key, over every API process; 0 turns the limit off.",
     )
     rate_limit_burst: int = Field(
         default=100, ge=1, description="Requests a key may send at once before the sustained rate applies."

@@ -127,7 +127,10 @@ def test_a_client_that_stops_reading_is_dropped_not_buffered() -> None:
         await asyncio.Event().wait()  # no disconnect: the client is there, it just reads nothing
         return {}
 
-    response = EventStreamResponse(endless(), send_timeout=0.2, on_close=lambda: released.append(True))
+    async def release() -> None:
+        released.append(True)
+
+    response = EventStreamResponse(endless(), send_timeout=0.2, on_close=release)
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
 
     async def run() -> None:

@@ -3,7 +3,7 @@ Redis (service.infra.limits), so two API processes give a key one limit, not two
 each process counts on its own, and /readyz says so.
 
 Two apps built side by side are two processes' worth of state (each its own middleware, local
-counters and Redis connection); ``rloo api --workers 2`` is the real thing."""
+counters and Redis connection); two ``rloo api`` processes asked in turn are the real thing."""
 
 from __future__ import annotations
 
@@ -61,16 +61,14 @@ def test_with_redis_down_each_process_counts_alone_and_readyz_says_so(monkeypatc
         assert ready["limits"]["limits"] == "local" and "each API process" in ready["limits"]["why"]
 
 
-def test_rloo_api_with_two_workers_gives_a_key_one_rate_and_one_set_of_streams(env, tmp_path, client, auth) -> None:
-    """uvicorn's two processes on one port, each request on a new connection (so either process may
-    take it): a burst of 6 lets 6 through in all, where counting in each process let up to 12; a key
-    allowed one stream holds one, whichever process is asked for a second, and gets it back when the
-    first ends."""
+def test_two_rloo_api_processes_give_a_key_one_rate_and_one_set_of_streams(env, tmp_path, client, auth) -> None:
+    """Two `rloo api` processes (as on two hosts) on one database and Redis, asked in turn: a burst of
+    6 lets 6 through in all, where counting in each process let 12; a key allowed one stream holds
+    one, whichever process is asked for a second, and gets it back when the first ends."""
     from tests.helpers.api import create_job, upload_ok
     from tests.helpers.data import job_body
 
     job = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))
-    port = free_port()
     values = {
         **env,
         "RLOO_RATE_LIMIT": "0.2",
@@ -79,38 +77,46 @@ def test_rloo_api_with_two_workers_gives_a_key_one_rate_and_one_set_of_streams(e
         "PYTHONUNBUFFERED": "1",
     }
     rate_key, stream_key = make_key("alpha"), make_key("alpha")
-    with worker_process(values, tmp_path / "api.log", "api", "--port", str(port), "--workers", "2"):
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()[-2000:]
-            time.sleep(0.2)
+    ports = [free_port(), free_port()]
+    with (
+        worker_process(values, tmp_path / "api-1.log", "api", "--port", str(ports[0])),
+        worker_process(values, tmp_path / "api-2.log", "api", "--port", str(ports[1])),
+    ):
+        bases = [f"http://127.0.0.1:{port}" for port in ports]
+        for base in bases:
+            _wait_healthy(base, tmp_path)
 
-        def fresh(key: str) -> httpx.Client:  # a new connection: either process may take it
-            return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        def on(i: int, key: str) -> httpx.Client:
+            return httpx.Client(base_url=bases[i % 2], headers={"Authorization": f"Bearer {key}"}, timeout=10)
 
         codes = []
-        for _ in range(14):
-            with fresh(rate_key) as http:
+        for i in range(12):
+            with on(i, rate_key) as http:
                 codes.append(http.get("/v1/files").status_code)
         assert codes.count(200) <= 7 and codes[:6] == [200] * 6, codes  # 6, and one more if 5 s passed
-        assert codes[-1] == 429, codes
+        assert codes[-2:] == [429, 429], codes  # refused by both processes
 
         url = f"/v1/fine_tuning/jobs/{job['id']}/events?stream=true"
-        with fresh(stream_key) as holder, holder.stream("GET", url) as held:
+        with on(0, stream_key) as holder, holder.stream("GET", url) as held:
             assert held.status_code == 200
-            for _ in range(3):
-                with fresh(stream_key) as http:
-                    refused = http.get(url)
-                assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_streams"
-        for _ in range(2):  # the first one's release reaches Redis as its process sees the close
-            with fresh(stream_key) as http, http.stream("GET", url) as again:
+            with on(1, stream_key) as http:
+                refused = http.get(url)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_streams"
+        for _ in range(3):  # the first one's release reaches Redis as its process sees the close
+            with on(1, stream_key) as http, http.stream("GET", url) as again:
                 if again.status_code == 200:
                     break
             time.sleep(1)
         assert again.status_code == 200
+
+
+def _wait_healthy(base: str, tmp_path: Any) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, [p.read_text()[-2000:] for p in tmp_path.glob("api-*.log")]
+        time.sleep(0.2)

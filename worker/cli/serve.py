@@ -19,8 +19,8 @@ def api(
     workers: Annotated[int, typer.Option(metavar="N", help="API processes.")] = 1,
 ) -> None:
     """Serve the HTTP API (service.main:app) with uvicorn, with limits on headers and connections
-    (service.api.server). The per-key rate limit (RLOO_RATE_LIMIT) is counted in each API process:
-    --workers N lets a key through up to N times the rate.
+    (service.api.server). The per-key limits (RLOO_RATE_LIMIT, RLOO_MAX_STREAMS_PER_KEY) are counted
+    in Redis: --workers N gives a key the same rate as one process.
 
     \b
     Example:

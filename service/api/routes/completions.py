@@ -216,7 +216,7 @@ async def _complete(
             return EventStreamResponse(
                 _closing(_stream(shape, messages, settings), conn, ns, key, rid, tokens),
                 send_timeout=settings.stream_send_timeout_seconds,
-                on_close=lambda: None,
+                on_close=_nothing,
             )
         whole = await _collect(shape, messages, settings)
         answered = True
@@ -390,3 +390,7 @@ async def _let_go(conn: Any, ns: str, key: str, rid: str, tokens: int, *, admitt
 
 def _event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _nothing() -> None:
+    """A completion's stream holds no lease (its admission is the inference bus's)."""

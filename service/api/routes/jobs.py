@@ -241,7 +241,7 @@ async def list_events(
             return job, _event_cursor(session, job, last_event_id or paging.after)
 
         job, after = await run_db(session, cursor)
-        return _stream(request, project, settings, job, streams.event_reader(job.seq, after))
+        return await _stream(request, project, settings, job, streams.event_reader(job.seq, after))
 
     def read() -> tuple[list[JobEvent], bool]:
         job = _job(session, project, job_id)
@@ -261,16 +261,18 @@ def _event_cursor(session: SessionDep, job: Job, event_id: str | None) -> int:
     return int(seq)
 
 
-def _stream(request: Request, project: Caller, settings: SettingsDep, job: Job, read: streams.Reader) -> Response:
+async def _stream(request: Request, project: Caller, settings: SettingsDep, job: Job, read: streams.Reader) -> Response:
     hub = getattr(request.app.state, "hub", None)
     if hub is None:
         hub = request.app.state.hub = streams.Hub(settings.redis_client_url)
-    release = hub.take(project.key_id or project.id, settings.max_streams_per_key)
+    lease = await hub.take(
+        project.key_id or project.id, settings.max_streams_per_key, getattr(request.app.state, "limits", None)
+    )
     limits = streams.Limits(
         keepalive=settings.stream_keepalive_seconds, send_timeout=settings.stream_send_timeout_seconds
     )
     return streams.EventStreamResponse(
-        streams.messages(hub, job.id, read, limits), send_timeout=limits.send_timeout, on_close=release
+        streams.messages(hub, job.id, read, limits, lease), send_timeout=limits.send_timeout, on_close=lease.release
     )
 
 
@@ -301,7 +303,7 @@ async def list_metrics(
     job, data = await run_db(session, read)
     if stream:
         after = _step_cursor(last_event_id) if last_event_id else after_step
-        return _stream(request, project, settings, job, streams.metric_reader(job.seq, after))
+        return await _stream(request, project, settings, job, streams.metric_reader(job.seq, after))
     return JSON({"object": "list", "data": data, "has_more": False})
 
 

@@ -28,7 +28,7 @@ def router(settings: Settings, prometheus: prometheus_module.Metrics) -> APIRout
         return {"status": "ok"}
 
     @router.get("/readyz", tags=["ops"], summary="Database and broker are reachable")
-    def readyz() -> JSONResponse:
+    def readyz(request: Request) -> JSONResponse:
         checks: dict[str, Any] = {}
         try:
             with get_engine().connect() as conn:
@@ -49,6 +49,9 @@ def router(settings: Settings, prometheus: prometheus_module.Metrics) -> APIRout
         # The sandbox python graders are set to run in; each worker's start-up log says whether it
         # runs there (the API runs no grader, and starts no sandbox for an anonymous caller).
         body = {"status": "ok" if ok else "unavailable", "checks": checks, "python_graders": configured(settings)}
+        limits = getattr(request.app.state, "limits", None)
+        if limits is not None:  # counted in Redis over every API process, or in each while it is down
+            body["limits"] = limits.state()
         return JSONResponse(body, 200 if ok else 503)
 
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
