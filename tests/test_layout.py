@@ -241,6 +241,7 @@ def test_the_service_never_imports_the_worker() -> None:
 SERVICE_LAYERS = {
     "service.core": ("service.core",),
     "service.infra": ("service.core", "service.infra"),
+    "service.tenancy": ("service.core", "service.infra", "service.tenancy"),  # keys, quotas, usage, audit
     "service.files": ("service.core", "service.infra", "service.files"),
     "service.graders": ("service.core", "service.infra", "service.graders"),
     "service.tools": ("service.core", "service.infra", "service.graders", "service.tools"),  # the graders' sandbox
@@ -252,9 +253,10 @@ SERVICE_LAYERS = {
         "service.graders",
         "service.registry",
         "service.tools",
+        "service.tenancy",
         "service.jobs",
     ),
-    "service.tinker": ("service.core", "service.infra", "service.registry", "service.tinker"),
+    "service.tinker": ("service.core", "service.infra", "service.registry", "service.tenancy", "service.tinker"),
     "service.evals": (  # OpenAI's Evals: its graders are the jobs' (and checked as a job's are)
         "service.core",
         "service.infra",

@@ -29,6 +29,7 @@ from service.api.routes import (
     projects,
     tinker,
     tinker_runs,
+    usage,
     webhooks,
     workers,
 )
@@ -76,6 +77,7 @@ def create_app() -> FastAPI:
     app.include_router(keys.router)
     app.include_router(projects.router)
     app.include_router(audit.router)
+    app.include_router(usage.router)
     app.include_router(tinker.router)
     app.include_router(tinker_runs.router)
     dashboard.install(app)

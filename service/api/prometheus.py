@@ -3,6 +3,8 @@
 Read from the database at each scrape (the rows are the truth, for every worker at once):
 
 * ``rloo_jobs{status}``: jobs by status; ``rloo_queue_depth`` and ``rloo_oldest_queued_job_age_seconds``;
+* ``rloo_usage_total{project, kind, accelerator}``: metered usage (``service.tenancy.usage``: device
+  seconds, tokens trained, sampled and served) by project, as a counter;
 * ``rloo_steps_total``, ``rloo_completions_total`` (``rate(...[1m])`` gives steps and completions a
   second) and ``rloo_step_seconds`` (a histogram of step times), counted from the metric rows
   written since this process's first scrape: each scrape reads only the rows after the last one
@@ -20,12 +22,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.core.tables import Job, JobMetric
+from service.core.tables import Job, JobMetric, Project, UsageRecord
 from service.jobs.lifecycle import JobStatus
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -95,6 +97,19 @@ class _Jobs(Collector):
         with session_scope() as session:
             counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
             oldest = session.scalar(select(func.min(Job.created_at)).where(Job.status == JobStatus.QUEUED.value))
+            used = session.execute(
+                select(Project.id, UsageRecord.kind, UsageRecord.accelerator, func.sum(UsageRecord.amount))
+                .join(Project, Project.seq == UsageRecord.project_seq)
+                .group_by(Project.id, UsageRecord.kind, UsageRecord.accelerator)
+            ).all()
+        usage = CounterMetricFamily(
+            "rloo_usage",
+            "Metered usage by project and kind (device seconds, tokens).",
+            labels=["project", "kind", "accelerator"],
+        )
+        for project, kind, accelerator, amount in used:
+            usage.add_metric([project, kind, accelerator], float(amount))
+        yield usage
         jobs = GaugeMetricFamily("rloo_jobs", "Jobs by status.", labels=["status"])
         for status in JobStatus:
             jobs.add_metric([status.value], counts.get(status.value, 0))

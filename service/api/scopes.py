@@ -84,11 +84,13 @@ ROUTE_SCOPES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/v1/keys/{key_id}"): KEYS,
     ("DELETE", "/v1/keys/{key_id}"): KEYS,
     ("GET", "/v1/audit"): KEYS,
+    ("GET", "/v1/usage"): JOBS_READ,
     # The operator's, over every project
     ("GET", "/v1/workers"): OPERATOR,
     ("GET", "/v1/projects"): OPERATOR,
     ("POST", "/v1/projects"): OPERATOR,
     ("GET", "/v1/projects/{project_id}"): OPERATOR,
+    ("POST", "/v1/projects/{project_id}"): OPERATOR,
     ("POST", "/v1/projects/{project_id}/archive"): OPERATOR,
     ("POST", "/v1/projects/{project_id}/restore"): OPERATOR,
     ("GET", "/v1/projects/{project_id}/keys"): OPERATOR,

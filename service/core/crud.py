@@ -116,13 +116,16 @@ def list_metrics(*, session: Session, job: Job) -> Sequence[JobMetric]:
 
 
 def add_checkpoint(
-    *, session: Session, job: Job, step: int, path: str, name: str, metrics: dict[str, Any]
+    *, session: Session, job: Job, step: int, path: str, name: str, metrics: dict[str, Any], size: int | None = None
 ) -> Checkpoint:
     existing = session.scalar(select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))
     if existing is not None:  # a replayed step rewrote the same directory
         existing.path, existing.metrics, existing.fine_tuned_model_checkpoint = path, metrics, name
+        existing.bytes = size
         return existing
-    ckpt = Checkpoint(job_seq=job.seq, step_number=step, path=path, fine_tuned_model_checkpoint=name, metrics=metrics)
+    ckpt = Checkpoint(
+        job_seq=job.seq, step_number=step, path=path, fine_tuned_model_checkpoint=name, metrics=metrics, bytes=size
+    )
     session.add(ckpt)
     return ckpt
 

@@ -39,6 +39,8 @@ class Project(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     # Archived by the operator: its objects are kept, its keys refused (403 project_archived).
     archived_at: Mapped[int | None] = mapped_column(BigInteger)
+    # The operator's limits for it (service.tenancy.quotas): name -> number; None: the defaults.
+    quotas: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class ApiKey(Base):
@@ -114,6 +116,8 @@ class Job(Base):
     integrations: Mapped[list[Any] | None] = mapped_column(JSON)
     # {gpus, accelerator} as the job asked (schemas.Resources); null: one device of any kind.
     resources: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The job's own limit ({"device_hours": 2.5}): at it the job is paused (service.tenancy.quotas).
+    budget: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     lane: Mapped[str] = mapped_column(String(64), default="any.1", server_default="any.1")
     """The devices it asks for (``service.infra.task_queue.lane``): a worker's task claims the fairest queued job
     of its own job's lane."""
@@ -190,6 +194,7 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(String(1024))
     fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(1024), index=True)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    bytes: Mapped[int | None] = mapped_column(BigInteger)  # on disk, as saved (a project's stored bytes)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
     __table_args__ = (UniqueConstraint("job_seq", "step_number", name="uq_checkpoints_job_step"),)
@@ -471,3 +476,22 @@ class AuditEvent(Base):
     @staticmethod
     def new_id() -> str:
         return new_id("audit")
+
+
+class UsageRecord(Base):
+    """What a job, a session or a key's inference used in one hour (service.tenancy.usage): one row a
+    subject, kind, accelerator and hour, added to as it runs."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        Index("uq_usage_records_bucket", "subject", "kind", "accelerator", "hour", unique=True),
+        Index("ix_usage_records_project_hour", "project_seq", "hour"),
+    )
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"))
+    subject: Mapped[str] = mapped_column(String(128))  # a job's id, a Tinker model's, "inference:<key id>"
+    kind: Mapped[str] = mapped_column(String(64))  # device_seconds, tokens_trained, tokens_sampled, ...
+    accelerator: Mapped[str] = mapped_column(String(32), default="")  # device_seconds: the kind of device
+    hour: Mapped[int] = mapped_column(BigInteger)  # the hour's start, Unix time
+    amount: Mapped[float] = mapped_column(Float)

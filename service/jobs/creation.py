@@ -27,6 +27,7 @@ from service.jobs.hyperparameters import AnyResolved, RLConfig
 from service.jobs.lifecycle import JobStatus
 from service.jobs.spec import JobCreate, Resources
 from service.registry import finetuned, memory_plan, model_ids
+from service.tenancy import quotas
 from service.tools import MultiTurn
 
 ROUTE = "jobs"
@@ -137,6 +138,7 @@ def _job_row(
         metadata_=body.metadata,
         integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
         resources=resources,
+        budget=body.budget.model_dump() if body.budget else None,
         lane=task_queue.lane(resources),
         method={"type": kind, kind: config},
         hyperparameters=stored_hp,
@@ -263,13 +265,18 @@ def check_memory(settings: Settings, base_model: str, hp: Any, body: JobCreate) 
 
 
 def check_room(session: Session, project: Caller, cap: int) -> None:
-    """The project may queue one more job (``RLOO_MAX_QUEUED_JOBS``), its row locked meanwhile."""
-    waiting = lifecycle.waiting_jobs(session=session, project_seq=project.seq, up_to=cap)
-    if waiting >= cap:
+    """The project may queue one more job (its quota of ``queued_jobs``, else ``RLOO_MAX_QUEUED_JOBS``),
+    its row locked meanwhile, and has device-hours left today (``device_hours_per_day``)."""
+    quota = quotas.limit_of(session, project.seq, "queued_jobs")
+    limit = int(quota) if quota is not None else cap
+    waiting = lifecycle.waiting_jobs(session=session, project_seq=project.seq, up_to=limit)
+    if waiting >= limit:
         session.rollback()
+        which = f"its quota of queued_jobs ({limit})" if quota is not None else f"RLOO_MAX_QUEUED_JOBS={limit}"
         raise LimitReached(
-            f"This project has {waiting} jobs waiting for a worker, the most it may have (RLOO_MAX_QUEUED_JOBS="
-            f"{cap}); create or resume this one when one of them has started, or cancel one.",
+            f"This project has {waiting} jobs waiting for a worker, the most it may have ({which}); create or "
+            "resume this one when one of them has started, or cancel one.",
             code="too_many_queued_jobs",
             retry_after=10,
         )
+    quotas.check_device_hours(session, project.seq)

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from service.core.tables import Job, JobEvent, Project, now
 from service.infra import wakeups
 from service.jobs import webhooks
+from service.tenancy import quotas
 
 
 class JobStatus(str, enum.Enum):
@@ -167,7 +168,7 @@ def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
         .outerjoin(last, last.c.project_seq == Job.project_seq)
         .where(Job.status == S.QUEUED.value, Job.lane == lane)
         .order_by(func.coalesce(running.c.n, 0), func.coalesce(last.c.at, 0), Job.created_at, Job.seq)
-        .limit(4)
+        .limit(16)
     )
     for _ in range(3):  # another worker may claim a candidate first: look again
         candidates = list(session.scalars(turns))
@@ -175,10 +176,37 @@ def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
         if not candidates:
             return None
         for job_id in candidates:
+            if not _room_to_run(session, job_id):
+                continue
             job = claim(session=session, job_id=job_id, worker=worker)
-            if job is not None:
+            if job is not None and not quotas.room_to_run(session, job, claimed=True):
                 return job
+            if job is not None:  # another worker claimed one of its project's jobs at the same instant
+                _unclaim(session, job, worker)
     return None
+
+
+def _room_to_run(session: Session, job_id: str) -> bool:
+    """Whether the queued job's project is under its quotas of running jobs and devices; if not, the
+    job says why in its events, once a wait (it starts when a running one ends: the reconciler sends
+    its task again)."""
+    job = session.scalar(select(Job).where(Job.id == job_id))
+    why = quotas.room_to_run(session, job) if job is not None else None
+    if job is None or why is None:
+        session.rollback()
+        return job is not None
+    note_waiting(session=session, job=job, message=why)
+    return False
+
+
+def _unclaim(session: Session, job: Job, worker: str) -> None:
+    _rows(
+        session,
+        update(Job)
+        .where(Job.seq == job.seq, Job.status == S.RUNNING.value, Job.worker == worker)
+        .values(status=S.QUEUED.value, worker=None, started_at=None, attempts=Job.attempts - 1),
+    )
+    session.commit()
 
 
 def note_waiting(*, session: Session, job: Job, message: str) -> bool:

@@ -57,6 +57,13 @@ class Integration(Strict):
 ACCELERATOR_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
 
 
+class Budget(Strict):
+    """Our extension key ``budget``: the most the job may use; at it, the job is paused (an event and
+    the ``fine_tuning.job.paused`` webhook), never lost, and a resume goes on from its checkpoint."""
+
+    device_hours: float = Field(gt=0, le=1e6, description="Device-hours (devices times hours) the job may use.")
+
+
 class Resources(Strict):
     """Our extension key ``resources``: the devices a job runs on. ``gpus`` ranks, one process a
     device (on a CPU host, ``gpus: 2`` means two processes); ``accelerator`` the kind of device, as
@@ -82,6 +89,7 @@ class JobCreate(Strict):
     hyperparameters: SupervisedHyperparameters | None = None
     integrations: list[Integration] | None = Field(None, max_length=5)
     resources: Resources | None = Field(None, description="Our extension: the devices the job runs on.")
+    budget: Budget | None = Field(None, description="Our extension: the most the job may use before it pauses.")
 
     @model_validator(mode="after")
     def _default_method(self) -> JobCreate:

@@ -52,6 +52,10 @@ def find_project(*, session: Session, id_or_name: str, param: str = "project_id"
     return project
 
 
+def find_by_seq(*, session: Session, seq: int) -> Project:
+    return session.get_one(Project, seq)
+
+
 def list_projects(*, session: Session) -> Sequence[Project]:
     return session.scalars(select(Project).order_by(Project.seq)).all()
 
@@ -82,6 +86,8 @@ def key_counts(*, session: Session) -> dict[int, int]:
 
 
 def project_object(project: Project, *, keys: int | None = None) -> dict[str, Any]:
+    from service.tenancy.quotas import project_quotas
+
     out: dict[str, Any] = {
         "object": "project",
         "id": project.id,
@@ -89,6 +95,7 @@ def project_object(project: Project, *, keys: int | None = None) -> dict[str, An
         "status": "archived" if project.archived_at is not None else "active",
         "created_at": project.created_at,
         "archived_at": project.archived_at,
+        "quotas": project_quotas(project),
     }
     if keys is not None:
         out["active_keys"] = keys

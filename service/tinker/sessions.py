@@ -23,6 +23,7 @@ from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerSession, no
 from service.registry import memory_plan
 from service.registry.inspection import check_policy, context_length, inspect_model
 from service.registry.model_root import list_models, resolve_model
+from service.tenancy import quotas
 
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """A tinker path's segment -> the SDK's checkpoint_type."""
@@ -122,6 +123,7 @@ def create_model(
     models root) whose state fits a declared accelerator (``check_memory``); a model id the session
     used already is a 400."""
     owner = get_session(session, project=project, session_id=session_id)
+    quotas.check_session_room(session, project)
     path = resolve_model(models_dir, base_model, hub_offline=True, param="base_model")
     check_policy(path, base_model, "base_model")
     if isinstance(path, Path):  # (hub_offline: always a directory)

@@ -98,6 +98,26 @@ def test_a_running_jobs_latest_checkpoint_is_sampled_while_it_trains(stack: Live
     stack.shared_job = job["id"]  # type: ignore[attr-defined]  # the kill test checks it goes on
 
 
+def test_completions_are_metered(stack: LiveStack) -> None:
+    """A new project's chats (whole and streamed) count their prompt and completion tokens as the
+    answers report them (a job's steps are metered by its worker: the soak checks every job's)."""
+    key = stack.cli("keys", "create", "--project", "metered").stdout.strip().splitlines()[-1]
+    sdk = openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
+    ask = {"model": "tiny-policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    whole = sdk.chat.completions.create(**ask)
+    chunks = list(sdk.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert whole.usage is not None and chunks[-1].usage is not None
+    served = whole.usage.total_tokens + chunks[-1].usage.total_tokens
+    headers = {"Authorization": f"Bearer {key}"}
+    deadline = time.monotonic() + 10  # the stream's tokens are written as it closes
+    while True:
+        used = httpx.get(stack.url + "/v1/usage", headers=headers).json()["data"]
+        if [u["amount"] for u in used if u["kind"] == "inference_tokens"] == [served]:
+            break
+        assert time.monotonic() < deadline, (used, served)
+        time.sleep(0.2)
+
+
 def test_an_inference_worker_killed_mid_request_fails_it_and_a_new_one_serves_the_next(stack: LiveStack) -> None:
     victim = _serving_process(stack)
     results: list[httpx.Response] = []

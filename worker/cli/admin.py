@@ -232,3 +232,48 @@ def projects_restore(project: Annotated[str, typer.Argument(metavar="PROJECT", h
         _audit(session, row, "rloo projects restore", row.id)
         session.commit()
         typer.echo(f"project {row.name} ({row.id}) restored")
+
+
+@projects_app.command("quota")
+def projects_quota(
+    project: Annotated[str, typer.Argument(metavar="PROJECT", help="Its name or id.")],
+    settings: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[NAME=VALUE]...",
+            help="running_jobs, gpus, queued_jobs, stored_bytes, inference_tokens_per_minute, device_hours_per_day; "
+            "NAME= unsets one.",
+        ),
+    ] = None,
+) -> None:
+    """Show a project's quotas, or set them (a number each; NAME= unsets one and the default holds).
+
+    \b
+    Example:
+      rloo projects quota tenant-a running_jobs=2 gpus=4 device_hours_per_day=24 stored_bytes=50000000000
+      rloo projects quota tenant-a gpus=
+    """
+    from service.core.errors import bad_request
+    from service.tenancy import projects, quotas
+
+    with _admin_session() as session:
+        row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
+        if settings:
+            asked: dict[str, Any] = {}
+            for item in settings:
+                name, sep, value = item.partition("=")
+                if not sep:
+                    raise bad_request(f"Write NAME=VALUE (or NAME= to unset); got {item!r}.", "NAME=VALUE")
+                asked[name.strip()] = _number(value.strip()) if value.strip() else None
+            quotas.apply(row, quotas.parse(asked, param="quota"))
+            _audit(session, row, "rloo projects quota", row.id)
+            session.commit()
+        for name, value in quotas.project_quotas(row).items():
+            typer.echo(f"{name}\t{'(default)' if value is None else f'{value:g}'}")
+
+
+def _number(text: str) -> Any:
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        return text  # quotas.parse names it

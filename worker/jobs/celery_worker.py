@@ -13,6 +13,7 @@ from collections.abc import Callable
 from service.core.settings import get_settings
 from service.infra import embedded_redis
 from worker.jobs import preload, reconciler
+from worker.jobs.devices import ACCELERATOR_VARIABLE
 
 
 def run(
@@ -46,6 +47,7 @@ def run(
         me = reconciler.registration(node, gpus, accelerator)
         queues = me.queues
         os.environ[WORKER_QUEUES_VARIABLE] = ",".join(queues)  # (a Tinker holder yields to jobs waiting there)
+        os.environ[ACCELERATOR_VARIABLE] = me.accelerator  # a job's device-seconds are metered by kind
         say(f"devices: {me.devices} x {me.accelerator}; queues: {','.join(queues)}")
         reconciler.start(metrics_port, me)
     else:

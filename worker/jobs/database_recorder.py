@@ -5,7 +5,9 @@ a long step runs. Each write is one transaction, tried again while the database 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,10 @@ from service.core.tables import Job
 from service.infra.artifacts import open_store
 from service.jobs import lifecycle, webhooks
 from service.registry import export_dirs, finetuned, model_ids
+from service.tenancy import quotas, usage
 from worker.engine.checkpoints import job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
 from worker.engine.recorders import json_safe, step_message
+from worker.jobs.devices import ACCELERATOR_VARIABLE
 
 log = logging.getLogger("rloo.worker")
 
@@ -45,6 +49,7 @@ class DatabaseRecorder:
         self.store = open_store(settings)
         self.retry_seconds = settings.db_retry_seconds
         self.model_id: str | None = None
+        self.meter = Meter(job)
 
     def _write(self, what: str, fn: Any) -> Any:
         return write(fn, seconds=self.retry_seconds, what=f"{self.job.id}: {what}")
@@ -60,7 +65,10 @@ class DatabaseRecorder:
         """The step's metrics; None to go on, else why to stop (``cancelled``, ``paused``, ``lost``)."""
         clean = json_safe(metrics)
 
+        used = self.meter.step(metrics)
+
         def record(session: Any) -> str:
+            self.meter.write(session, used)
             crud.upsert_metrics(session=session, job=self.job, step=step, data=clean)
             lifecycle.add_event(
                 session=session,
@@ -78,7 +86,25 @@ class DatabaseRecorder:
             )
 
         status = self._write(f"step {step}", record)
+        if status == lifecycle.JobStatus.RUNNING and self.meter.budget_due():
+            status = self._write(f"step {step}: budget", self._pause_over_budget)
         return None if status == lifecycle.JobStatus.RUNNING else status
+
+    def _pause_over_budget(self, session: Any) -> str:
+        """Pause the job (an event, the paused webhook) once it reached its device-hour budget or its
+        project's day; it saves a checkpoint as for any pause, and a resume goes on from it."""
+        why = quotas.over_budget(session, self.job)
+        session.rollback()
+        if why is None:
+            return str(lifecycle.JobStatus.RUNNING)
+        moved = lifecycle.move(
+            session=session,
+            job=self.job,
+            to=lifecycle.JobStatus.PAUSED,
+            from_=(lifecycle.JobStatus.RUNNING,),
+            event=why,
+        )
+        return str(lifecycle.JobStatus.PAUSED) if moved else str(self.job.status)
 
     def _model_id(self, session: Any) -> str:
         """The job's fine-tuned model id (``service.registry.finetuned``), read once."""
@@ -92,12 +118,13 @@ class DatabaseRecorder:
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         """The saved checkpoint's row, once it is whole in the artifacts store (``publish_checkpoint``)."""
         rel = publish_checkpoint(self.store, path)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # what the project stores
 
         def saved(session: Any) -> None:
             model = self._model_id(session)
             name = model_ids.checkpoint_id(model, step)
             crud.add_checkpoint(
-                session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics)
+                session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics), size=size
             )
             lifecycle.checkpoint_saved(session=session, job=self.job, final_name=model if final else None)
             lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
@@ -127,6 +154,49 @@ class DatabaseRecorder:
             export_dirs.remove_export(self.store, self.artifacts, export_dirs.export_key(self.job.id, step))
         except Exception:  # the store away: training goes on; the copy outlives its checkpoint
             log.exception("the merged model of step %d was not removed", step)
+
+
+class Meter:
+    """What a job uses between its steps (``service.tenancy.usage``): the devices it holds times the
+    wall time since its last step (or its start), the tokens it trained, the tokens it sampled."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.last, self.checked = job, time.monotonic(), float("-inf")
+        self.devices = int((job.resources or {}).get("gpus") or 1)
+        self.accelerator = os.environ.get(ACCELERATOR_VARIABLE) or str((job.resources or {}).get("accelerator") or "")
+        self.trained = int(job.trained_tokens or 0)
+        hp = job.hyperparameters or {}
+        reinforcement = (job.method or {}).get("type") == "reinforcement"
+        self.completions = int(hp.get("batch_size") or 0) * int(hp.get("rloo_k") or 1) if reinforcement else 0
+
+    BUDGET_EVERY = 10.0
+    """Seconds between checks of the job's budget and its project's day (a job overshoots by at most this)."""
+
+    def budget_due(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < self.BUDGET_EVERY:
+            return False
+        self.checked = now
+        return True
+
+    def step(self, metrics: dict[str, Any]) -> dict[str, float]:
+        now = time.monotonic()
+        used = {"device_seconds": (now - self.last) * self.devices}
+        self.last = now
+        trained = int(metrics.get("trained_tokens", 0) or 0)
+        used["tokens_trained"] = max(0, trained - self.trained)  # a replayed step trains again: counted again
+        self.trained = trained
+        if self.completions and isinstance(metrics.get("completion_length_mean"), (int, float)):
+            used["tokens_sampled"] = float(metrics["completion_length_mean"]) * self.completions
+        return used
+
+    def write(self, session: Any, used: dict[str, float]) -> None:
+        for kind, amount in used.items():
+            accelerator = self.accelerator if kind == "device_seconds" else ""
+            usage.add(
+                session, project_seq=self.job.project_seq, subject=self.job.id, kind=kind, amount=amount,
+                accelerator=accelerator,
+            )  # fmt: skip
 
 
 class Heartbeat(threading.Thread):

@@ -44,6 +44,10 @@ class Devices:
     memory_per_device_gib: float | None
 
 
+ACCELERATOR_VARIABLE = "RLOO_WORKER_ACCELERATOR"
+"""Set by a training worker for its pool processes: the kind of its devices, which a job's usage is metered in."""
+
+
 def kind_of(name: str) -> str:
     """The accelerator kind of a device named ``name``: its chip, lower case (``NVIDIA H100 80GB HBM3``:
     ``h100``; ``NVIDIA A100-SXM4-80GB``: ``a100``; ``NVIDIA GeForce RTX 4090``: ``rtx4090``; ``AMD

@@ -15,7 +15,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -31,11 +31,12 @@ from service.api.routing import StrictJSONRoute
 from service.api.schemas.completions import ChatCompletionCreate, CompletionCreate, Sampling
 from service.api.streams import EventStreamResponse
 from service.core.crud import Caller
-from service.core.db import run_db
-from service.core.errors import DomainError, no_inference_worker
+from service.core.db import run_db, session_scope
+from service.core.errors import DomainError, LimitReached, bad_request, no_inference_worker
 from service.core.settings import Settings
 from service.infra import inference_bus
 from service.registry import weights
+from service.tenancy import quotas, usage
 
 router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["inference"])
 log = logging.getLogger("rloo.api")
@@ -73,6 +74,7 @@ class Shape:
         self.body = body
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
+        self.usage: dict[str, int] | None = None  # the worker's count, once it answered whole (metered)
 
     def head(self) -> dict[str, Any]:
         return {"id": self.id, "created": self.created, "model": self.body.model, "system_fingerprint": FINGERPRINT}
@@ -186,6 +188,7 @@ async def _complete(
     ns = inference_bus.namespace(inference_bus.serve_queue())
     rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings)
     deadline = time.time() + settings.inference_timeout_seconds
+    await _within_token_quota(request, session, project, tokens)
     conn = inference_bus.connect_async()
     admitted = answered = handed = False
     try:
@@ -214,12 +217,13 @@ async def _complete(
         if body.stream:
             handed = True  # the stream lets it go when it ends
             return EventStreamResponse(
-                _closing(_stream(shape, messages, settings), conn, ns, key, rid, tokens),
+                _closing(_stream(shape, messages, settings), conn, ns, key, rid, tokens, _meter(project, shape)),
                 send_timeout=settings.stream_send_timeout_seconds,
                 on_close=_nothing,
             )
         whole = await _collect(shape, messages, settings)
         answered = True
+        await _meter(project, shape)()
         return JSON(whole)
     except inference_bus.ClientGone:
         return Response(status_code=499)  # nobody reads it; the finally lets the request go
@@ -309,6 +313,7 @@ async def _collect(shape: Shape, messages: AsyncIterator[dict[str, Any]], settin
         elif kind == "error":
             raise _error(message)
         elif kind == "done":
+            shape.usage = message["usage"]
             return shape.whole(texts, reasons, message["usage"])
 
 
@@ -352,6 +357,7 @@ async def _stream(shape: Shape, messages: AsyncIterator[dict[str, Any]], setting
             yield _event(error_body(int(message["status"]), message["message"], message.get("param"), message["code"]))
             return
         elif kind == "done":
+            shape.usage = message["usage"]
             if shape.body.stream_options is not None and shape.body.stream_options.include_usage:
                 yield _event(shape.chunk([], message["usage"]))
             yield b"data: [DONE]\n\n"
@@ -359,10 +365,10 @@ async def _stream(shape: Shape, messages: AsyncIterator[dict[str, Any]], setting
 
 
 async def _closing(
-    stream: AsyncIterator[bytes], conn: Any, ns: str, key: str, rid: str, tokens: int
+    stream: AsyncIterator[bytes], conn: Any, ns: str, key: str, rid: str, tokens: int, meter: Callable[[], Any]
 ) -> AsyncIterator[bytes]:
     """``stream``, then the request let go: the worker told to drop it if it did not end (the client
-    went away), the key's place given back, in every case."""
+    went away), the key's place given back, in every case; what it used metered."""
     ended = False
     try:
         async for item in stream:
@@ -370,6 +376,57 @@ async def _closing(
         ended = True
     finally:
         await _let_go(conn, ns, key, rid, tokens, admitted=True, cancel=not ended)
+        with anyio.CancelScope(shield=True):
+            await meter()
+
+
+async def _within_token_quota(request: Request, session: SessionDep, project: Caller, tokens: int) -> None:
+    """The project's quota of inference tokens a minute (``inference_tokens_per_minute``), counted in
+    Redis over every API process with what a request may use at most (its prompt and max_tokens times n):
+    past it a 429 naming the quota and when it frees up."""
+    cap = await run_db(session, lambda: quotas.limit_of(session, project.seq, "inference_tokens_per_minute"))
+    shared = getattr(request.app.state, "limits", None)
+    if cap is None or shared is None:
+        return
+    if tokens > cap:
+        raise bad_request(
+            f"This request may use up to {tokens} tokens (its prompt and max_tokens times n), more than the "
+            f"project's quota of inference_tokens_per_minute ({int(cap)}); ask for fewer.",
+            "max_tokens",
+        )
+    answer = await shared.rate(
+        "inference_tokens", project.id, rate=cap / 60, burst=int(cap), cost=tokens, now=time.time()
+    )
+    if answer is not None and not answer[0]:
+        raise LimitReached(
+            f"This project is at its quota of inference_tokens_per_minute ({int(cap)}); this request may use "
+            f"up to {tokens} tokens, which free up in {answer[2]:.1f} s.",
+            code="quota_exceeded",
+            retry_after=max(1.0, answer[2]),
+        )
+
+
+def _meter(project: Caller, shape: Shape) -> Callable[[], Any]:
+    """What writes the completion's tokens (once the worker counted them) into the project's usage."""
+
+    async def meter() -> None:
+        used = shape.usage
+        if not used:
+            return
+        total = int(used.get("prompt_tokens", 0)) + int(used.get("completion_tokens", 0))
+
+        def write() -> None:
+            with session_scope() as session:
+                subject = f"inference:{project.key_id or project.id}"
+                usage.add(session, project_seq=project.seq, subject=subject, kind="inference_tokens", amount=total)
+                session.commit()
+
+        try:
+            await anyio.to_thread.run_sync(write)
+        except Exception as exc:  # the answer stands; a lost meter reading is logged
+            logging.getLogger("rloo.usage").warning("inference usage of %s not written: %s", project.id, exc)
+
+    return meter
 
 
 async def _let_go(conn: Any, ns: str, key: str, rid: str, tokens: int, *, admitted: bool, cancel: bool) -> None:

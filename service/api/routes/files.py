@@ -26,6 +26,7 @@ from service.files.datasets import PURPOSES, UploadSummary, copy_jsonl, store_js
 from service.files.upload_sweep import confined, staged_path
 from service.infra.artifacts import S3Store, open_store
 from service.jobs import idempotency, lifecycle
+from service.tenancy import quotas
 
 router = APIRouter(prefix="/v1/files", route_class=StrictJSONRoute, tags=["files"])
 
@@ -61,6 +62,8 @@ def create_file(
         raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")
     # No path separators; no NUL either (PostgreSQL refuses NUL in text: a 500 there).
     filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_").replace("\x00", "_")[:255]
+    quotas.check_storage(session, project.seq, 1)  # a project at its quota: refused before the body is read
+    session.rollback()
     file_id = new_id("file")
     rel = f"files/{project.id}/{file_id}.jsonl"
     store = open_store(settings)
@@ -90,6 +93,7 @@ def create_file(
                 staged.discard()  # the first upload's file is the one
                 return replayed(stored)
         with write_lock(session):
+            quotas.check_storage(session, project.seq, summary.bytes)
             session.add(row)
             if key is not None:  # the answer, in the same transaction as the row
                 session.flush()  # its created_at

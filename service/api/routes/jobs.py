@@ -62,6 +62,7 @@ def job_object(job: Job, project: Caller) -> dict[str, Any]:
         "error": job.error,
         "integrations": job.integrations or [],
         "resources": resources_answer(job.resources),
+        "budget": job.budget,
         "progress": {"step": job.step, "total_steps": job.total_steps},
     }
 

@@ -9,10 +9,10 @@ from service.api.deps import OperatorDep, PagingDep, SessionDep
 from service.api.responses import JSON, page
 from service.api.routes.keys import create_key
 from service.api.routing import StrictJSONRoute
-from service.api.schemas.tenancy import KeyCreate, ProjectCreate
+from service.api.schemas.tenancy import KeyCreate, ProjectCreate, ProjectUpdate
 from service.core.db import ends_session
 from service.core.tables import ApiKey, Project
-from service.tenancy import projects
+from service.tenancy import projects, quotas
 from service.tenancy.keys import key_object
 from service.tenancy.projects import project_object
 
@@ -22,7 +22,9 @@ router = APIRouter(prefix="/v1/projects", route_class=StrictJSONRoute, tags=["pr
 @router.post("", summary="Create a project (operator keys only)", status_code=201)
 @ends_session
 def create(session: SessionDep, operator: OperatorDep, body: ProjectCreate) -> JSON:
+    changes = quotas.parse(body.quotas or {})
     project = projects.create_project(session=session, name=body.name)
+    quotas.apply(project, changes)
     session.commit()
     return JSON(project_object(project, keys=0), status_code=201)
 
@@ -39,6 +41,18 @@ def list_all(session: SessionDep, operator: OperatorDep, paging: PagingDep) -> J
 @ends_session
 def retrieve(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON:
     project = projects.find_project(session=session, id_or_name=project_id)
+    return JSON(project_object(project, keys=projects.key_counts(session=session).get(project.seq, 0)))
+
+
+@router.post("/{project_id}", summary="Set a project's quotas (operator keys only)")
+@ends_session
+def update(session: SessionDep, operator: OperatorDep, project_id: str, body: ProjectUpdate) -> JSON:
+    """Each quota named is set (a number) or unset (null); the others stay. They hold from the next
+    request (a running job is not stopped by a lower running_jobs; it counts until it ends)."""
+    changes = quotas.parse(body.quotas)
+    project = projects.find_project(session=session, id_or_name=project_id)
+    quotas.apply(project, changes)
+    session.commit()
     return JSON(project_object(project, keys=projects.key_counts(session=session).get(project.seq, 0)))
 
 

@@ -14,9 +14,16 @@ class KeyCreate(Strict):
 
     name: str = Field("", max_length=200)
     scopes: list[str] | None = Field(None, max_length=32)
-    expires_in: int | None = None
+    expires_in: int | None = Field(None, strict=True, description="Seconds the key lives (none: for ever).")
     tinker: bool = False
 
 
 class ProjectCreate(Strict):
     name: str = Field(min_length=1, max_length=200)
+    quotas: dict[str, float | None] | None = Field(None, max_length=16, description="service.tenancy.quotas.QUOTAS")
+
+
+class ProjectUpdate(Strict):
+    """The operator's change to a project: its quotas (a number each; null unsets one)."""
+
+    quotas: dict[str, float | None] = Field(max_length=16, description="service.tenancy.quotas.QUOTAS")

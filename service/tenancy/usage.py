@@ -1,0 +1,131 @@
+"""Metered usage: what each job, Tinker model and key's inference used, by hour
+(``usage_records``: one row a subject, kind, accelerator and hour, added to as it runs), read back
+per project by ``GET /v1/usage`` and the quotas; and what a project stores now.
+
+Kinds: ``device_seconds`` (by accelerator kind: the devices a job held, times the wall time between
+its steps), ``tokens_trained``, ``tokens_sampled`` (rollout completions), ``inference_tokens``
+(prompt and completion tokens of chat and text completions)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from service.core.tables import Checkpoint, File, Job, Project, UsageRecord
+
+KINDS = ("device_seconds", "tokens_trained", "tokens_sampled", "inference_tokens")
+GROUPS = ("project", "kind", "subject", "day", "accelerator")
+
+
+def hour_of(t: float) -> int:
+    return int(t // 3600 * 3600)
+
+
+def add(
+    session: Session,
+    *,
+    project_seq: int,
+    subject: str,
+    kind: str,
+    amount: float,
+    accelerator: str = "",
+    at: float | None = None,
+) -> None:
+    """Add ``amount`` of ``kind`` to ``subject``'s hour (in the caller's transaction)."""
+    if amount <= 0:
+        return
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    values = {
+        "project_seq": project_seq,
+        "subject": subject[:128],
+        "kind": kind,
+        "accelerator": accelerator[:32],
+        "hour": hour_of(time.time() if at is None else at),
+        "amount": float(amount),
+    }
+    stmt = insert(UsageRecord).values(**values)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["subject", "kind", "accelerator", "hour"],
+        set_={"amount": UsageRecord.amount + stmt.excluded.amount},
+    )
+    session.execute(stmt)
+
+
+def device_hours(session: Session, project_seq: int, *, since: float) -> float:
+    """The project's device-hours from ``since`` on (whole hours: an hour that began before ``since``
+    counts in full when it ends after it, so a day's use is never under-counted)."""
+    seconds = session.scalar(
+        select(func.sum(UsageRecord.amount)).where(
+            UsageRecord.project_seq == project_seq,
+            UsageRecord.kind == "device_seconds",
+            UsageRecord.hour > since - 3600,
+        )
+    )
+    return float(seconds or 0.0) / 3600
+
+
+def window_frees_at(session: Session, project_seq: int, *, since: float) -> float:
+    """When the oldest hour of use counted from ``since`` leaves a 24-hour window."""
+    oldest = session.scalar(
+        select(func.min(UsageRecord.hour)).where(
+            UsageRecord.project_seq == project_seq,
+            UsageRecord.kind == "device_seconds",
+            UsageRecord.hour > since - 3600,
+        )
+    )
+    return float((oldest or hour_of(time.time())) + 3600 + 86400)
+
+
+def device_hours_of(session: Session, subject: str) -> float:
+    seconds = session.scalar(
+        select(func.sum(UsageRecord.amount)).where(UsageRecord.subject == subject, UsageRecord.kind == "device_seconds")
+    )
+    return float(seconds or 0.0) / 3600
+
+
+def stored_bytes(session: Session, project_seq: int) -> int:
+    """What the project stores now: its files' bytes, and its checkpoints' (as recorded at save)."""
+    files = session.scalar(select(func.sum(File.bytes)).where(File.project_seq == project_seq)) or 0
+    checkpoints = session.scalar(
+        select(func.sum(Checkpoint.bytes))
+        .join(Job, Job.seq == Checkpoint.job_seq)
+        .where(Job.project_seq == project_seq)
+    )
+    return int(files) + int(checkpoints or 0)
+
+
+def summary(
+    session: Session, *, project_seq: int | None, start: float, end: float, group_by: list[str]
+) -> list[dict[str, Any]]:
+    """Usage between ``start`` and ``end`` (whole hours), summed by ``group_by`` (always by kind)."""
+    groups = list(dict.fromkeys([*group_by, "kind"]))
+    columns: dict[str, Any] = {
+        "project": Project.id,
+        "kind": UsageRecord.kind,
+        "subject": UsageRecord.subject,
+        "accelerator": UsageRecord.accelerator,
+        "day": (UsageRecord.hour - UsageRecord.hour % 86400),
+    }
+    chosen = [columns[g].label(g) for g in groups]
+    stmt = (
+        select(*chosen, func.sum(UsageRecord.amount).label("amount"))
+        .join(Project, Project.seq == UsageRecord.project_seq)
+        .where(UsageRecord.hour >= hour_of(start), UsageRecord.hour < end)
+        .group_by(*chosen)
+        .order_by(*chosen)
+    )
+    if project_seq is not None:
+        stmt = stmt.where(UsageRecord.project_seq == project_seq)
+    out = []
+    for row in session.execute(stmt):
+        item = {g: getattr(row, g) for g in groups}
+        item["amount"] = float(row.amount)
+        if item["kind"] == "device_seconds":
+            item["device_hours"] = round(item["amount"] / 3600, 6)
+        out.append(item)
+    return out
