@@ -87,13 +87,13 @@ def create_app() -> FastAPI:
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> prometheus_module.Metrics:
+    """The middleware, innermost first (each added runs before those added earlier): the body
+    limits, the key check and rate limits, the audit, the database's 503, the request timer, CORS.
+    Returns the metrics the timer counts into."""
     from service.infra.limits import SharedLimits
 
     # The rate limits and stream caps every API process sharing this Redis counts together.
     app.state.limits = SharedLimits(settings.redis_client_url, settings.queue)
-    """The middleware, innermost first (each added runs before those added earlier): the body
-    limits, the key check and rate limits, the database's 503, the request timer, CORS. Returns the
-    metrics the timer counts into."""
     # Uploads are bounded while they stream, not after: a 50 GB body is refused at the first byte over.
     app.add_middleware(
         BodyLimitMiddleware, max_upload_bytes=settings.max_upload_bytes + 64 * 1024, max_json_bytes=8 * 1024 * 1024

@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.middleware import TINKER_LOOP_PATHS, app_path
 from service.tenancy.audit import AuditContext, finish
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -24,22 +25,8 @@ UNAUDITED = frozenset(
         "/v1/completions",
         "/v1/fine_tuning/jobs/estimate",
         "/v1/fine_tuning/alpha/graders/validate",
-        *(
-            f"/api/v1/{name}"
-            for name in (
-                "asample",
-                "retrieve_future",
-                "cancel_future",
-                "forward_backward",
-                "optim_step",
-                "session_heartbeat",
-                "telemetry",
-                "client/config",
-                "client/dynamic_config",
-                "get_info",
-                "weights_info",
-            )
-        ),
+        *TINKER_LOOP_PATHS,  # a loop's steps, samples, polls and beats
+        *(f"/api/v1/{name}" for name in ("client/config", "get_info", "weights_info")),
     }
 )
 """Mutating-method paths that are not audited: each is a read, or a step of a loop metered instead."""
@@ -55,7 +42,7 @@ class AuditMiddleware:
         self._limiter: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path = app_path(scope) if scope["type"] == "http" else ""
         if (
             scope["type"] != "http"
             or scope["method"] not in MUTATING
@@ -83,10 +70,11 @@ class AuditMiddleware:
         if context.caller is None or answer.status in (None, 401, 429):
             return
         if not context.action:  # refused before routing (a scope, an expiry): the table's template
-            from service.api import scopes
+            from service.api import route_scopes as scopes
 
-            found = scopes.needed(scope["method"], scope.get("path", ""))
-            context.action = f"{scope['method']} {found[0] if found else scope.get('path', '')}"
+            path = app_path(scope)
+            found = scopes.needed(scope["method"], path)
+            context.action = f"{scope['method']} {found[0] if found else path}"
         if self._limiter is None:
             self._limiter = CapacityLimiter(WRITERS)
         try:

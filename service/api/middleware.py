@@ -78,6 +78,13 @@ async def _too_large(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def app_path(scope: Scope) -> str:
+    """The request's path as the app's routes read it: behind a proxy prefix (uvicorn --root-path),
+    without it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return str(path[len(root) :] if root and path.startswith(root) else path)
+
+
 def clock() -> float:
     """The rate limits' clock: wall time, which hosts share, as the counts in Redis need (a test
     holds it still, so that a burst is one instant whatever the machine's speed)."""
@@ -184,10 +191,7 @@ class AuthMiddleware:
         self._check_limiter: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):  # behind a proxy prefix (uvicorn --root-path)
-            path = path[len(root) :]
+        path = app_path(scope)
         tinker = path.startswith("/api/v1/")  # the Tinker protocol (service.api.routes.tinker)
         open_tinker = path in OPEN_TINKER_PATHS or path.startswith(OPEN_TINKER_PREFIXES)
         if scope["type"] != "http" or not (path.startswith("/v1/") or (tinker and not open_tinker)):
@@ -232,8 +236,7 @@ class AuthMiddleware:
         """Seconds until the key's body bytes allow this request's body (None: they allow it now)."""
         if self.bytes_limiter is None or scope["method"] not in ("POST", "PUT", "PATCH"):
             return None
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if (path[len(root) :] if root and path.startswith(root) else path).rstrip("/") in UPLOADS:
+        if app_path(scope).rstrip("/") in UPLOADS:
             return None
         declared = dict(scope.get("headers") or []).get(b"content-length")
         size = int(declared) if declared is not None and declared.isdigit() else UNDECLARED_BODY
@@ -263,7 +266,7 @@ class AuthMiddleware:
         for one of their requests) and room for its body's bytes, with the x-ratelimit headers on
         the answer, else a 429 that says when to retry (the openai SDK waits that long itself; the
         Tinker SDK backs off); and if the key is still usable and holds the route's scope
-        (``service.api.scopes``), else its 401 or 403."""
+        (``service.api.route_scopes``), else its 401 or 403."""
         scope.setdefault("state", {})["caller"] = caller
         tinker = path in TINKER_LOOP_PATHS
         key = caller.key_id or caller.id  # by the key's id (two keys of one project count apart)
@@ -307,7 +310,7 @@ class AuthMiddleware:
 def check_access(caller: Any, method: str, path: str) -> None:
     """Raise the 401 of an expired key, the 403 of an archived project's key, or the 403 of a key
     without the scope this route needs."""
-    from service.api import scopes
+    from service.api import route_scopes as scopes
     from service.core.errors import insufficient_scope, operator_only
     from service.tenancy.keys import check_usable
 

@@ -145,7 +145,7 @@ def queue_unreachable(exc: BaseException) -> Unavailable:
 
 
 def insufficient_scope(route: str, needed: tuple[str, ...]) -> Forbidden:
-    """For a key that lacks the scope a route needs (``service.api.scopes``)."""
+    """For a key that lacks the scope a route needs (``service.api.route_scopes``)."""
     which = " or ".join(f"'{s}'" for s in needed)
     return Forbidden(
         f"This API key lacks the scope {which} that {route} needs: ask your project's admin for a key "

@@ -370,6 +370,12 @@ class Settings(BaseSettings):
         description='The accelerator kinds the fleet has, GiB a device (JSON, e.g. {"h100": 80, "l4": 24}): a job '
         "whose memory plan fits none is refused at creation (insufficient_memory). Empty: no check.",
     )
+    accelerator_prices: dict[str, float] = Field(
+        default_factory=dict,
+        description="The price of a device-hour by accelerator kind, in the operator's currency (JSON, e.g. "
+        '{"h100": 2.5, "cpu": 0.02}): usage answers a cost beside device-hours, and budgets and the '
+        "cost_per_day quota may be set in money. Empty: no prices.",
+    )
     hub_offline: bool = Field(
         default=True, description="Refuse hub model ids (no hub reachable); set false where one is."
     )

@@ -479,8 +479,8 @@ class AuditEvent(Base):
 
 
 class UsageRecord(Base):
-    """What a job, a session or a key's inference used in one hour (service.tenancy.usage): one row a
-    subject, kind, accelerator and hour, added to as it runs."""
+    """What a job or a key's inference used in one hour (service.tenancy.usage): one row a subject,
+    kind, accelerator and hour, added to as it runs."""
 
     __tablename__ = "usage_records"
     __table_args__ = (
@@ -490,7 +490,7 @@ class UsageRecord(Base):
 
     seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
     project_seq: Mapped[int] = mapped_column(ForeignKey("projects.seq", ondelete="CASCADE"))
-    subject: Mapped[str] = mapped_column(String(128))  # a job's id, a Tinker model's, "inference:<key id>"
+    subject: Mapped[str] = mapped_column(String(128))  # a job's id, or "inference:<key id>"
     kind: Mapped[str] = mapped_column(String(64))  # device_seconds, tokens_trained, tokens_sampled, ...
     accelerator: Mapped[str] = mapped_column(String(32), default="")  # device_seconds: the kind of device
     hour: Mapped[int] = mapped_column(BigInteger)  # the hour's start, Unix time

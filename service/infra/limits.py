@@ -82,6 +82,7 @@ class SharedLimits:
         self.down_since: float | None = None
         self._conn: Any = None
         self._loop: Any = None
+        self._scripts: dict[str, Any] = {}
 
     def state(self) -> dict[str, Any]:
         """Which counts hold now: ``shared`` (Redis), or ``local`` since when and why."""
@@ -120,7 +121,8 @@ class SharedLimits:
             return False
 
         async def renew() -> None:
-            await self._call_quietly("zadd", zset, {lease_id: clock() + ttl}, xx=True)
+            # Added again if it lapsed meanwhile (Redis restarted, a long stall): the stream holds its place.
+            await self._call_quietly("zadd", zset, {lease_id: clock() + ttl})
 
         async def release() -> None:
             await self._call_quietly("zrem", zset, lease_id)
@@ -139,14 +141,17 @@ class SharedLimits:
                 self.redis_url, socket_timeout=self.TIMEOUT, socket_connect_timeout=self.TIMEOUT
             )
             self._loop = loop
+            # EVALSHA, the script sent again only when Redis lost it (a restart)
+            self._scripts = {s: self._conn.register_script(s) for s in (_GCRA, _LEASE)}
         return self._conn
 
     async def _call(self, script: str, nkeys: int, *args: Any) -> Any:
         if time.monotonic() < self.down_until:
             return None
         try:
-            conn = await self._connection()
-            answer = await asyncio.wait_for(conn.eval(script, nkeys, *args), timeout=2 * self.TIMEOUT)
+            await self._connection()
+            keys, argv = list(args[:nkeys]), list(args[nkeys:])
+            answer = await asyncio.wait_for(self._scripts[script](keys=keys, args=argv), timeout=2 * self.TIMEOUT)
         except Exception as exc:  # down, refused, timed out, or lost mid-call: count locally for a while
             self._went_down(exc)
             return None

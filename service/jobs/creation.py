@@ -138,7 +138,7 @@ def _job_row(
         metadata_=body.metadata,
         integrations=[i.model_dump() for i in body.integrations] if body.integrations else None,
         resources=resources,
-        budget=body.budget.model_dump() if body.budget else None,
+        budget=quotas.checked_budget(body.budget.model_dump(exclude_none=True)) if body.budget else None,
         lane=task_queue.lane(resources),
         method={"type": kind, kind: config},
         hyperparameters=stored_hp,

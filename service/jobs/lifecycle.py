@@ -162,12 +162,20 @@ def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
         .subquery()
     )
     last = select(Job.project_seq, func.max(Job.started_at).label("at")).group_by(Job.project_seq).subquery()
-    turns = (
-        select(Job.id)
-        .outerjoin(running, running.c.project_seq == Job.project_seq)
-        .outerjoin(last, last.c.project_seq == Job.project_seq)
+    # Each project's oldest queued job of the lane: one candidate a project, so that projects held at
+    # their quotas never fill the list and keep the others waiting.
+    oldest = func.row_number().over(partition_by=Job.project_seq, order_by=(Job.created_at, Job.seq))
+    queued = (
+        select(Job.id, Job.project_seq, Job.created_at, Job.seq, oldest.label("rank"))
         .where(Job.status == S.QUEUED.value, Job.lane == lane)
-        .order_by(func.coalesce(running.c.n, 0), func.coalesce(last.c.at, 0), Job.created_at, Job.seq)
+        .subquery()
+    )
+    turns = (
+        select(queued.c.id)
+        .outerjoin(running, running.c.project_seq == queued.c.project_seq)
+        .outerjoin(last, last.c.project_seq == queued.c.project_seq)
+        .where(queued.c.rank == 1)
+        .order_by(func.coalesce(running.c.n, 0), func.coalesce(last.c.at, 0), queued.c.created_at, queued.c.seq)
         .limit(16)
     )
     for _ in range(3):  # another worker may claim a candidate first: look again
@@ -176,37 +184,27 @@ def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
         if not candidates:
             return None
         for job_id in candidates:
-            if not _room_to_run(session, job_id):
-                continue
-            job = claim(session=session, job_id=job_id, worker=worker)
-            if job is not None and not quotas.room_to_run(session, job, claimed=True):
+            job = _claim_within_quotas(session, job_id, worker)
+            if job is not None:
                 return job
-            if job is not None:  # another worker claimed one of its project's jobs at the same instant
-                _unclaim(session, job, worker)
     return None
 
 
-def _room_to_run(session: Session, job_id: str) -> bool:
-    """Whether the queued job's project is under its quotas of running jobs and devices; if not, the
-    job says why in its events, once a wait (it starts when a running one ends: the reconciler sends
+def _claim_within_quotas(session: Session, job_id: str, worker: str) -> Job | None:
+    """``job_id`` claimed if its project is under its quotas of running jobs and devices, its project's
+    row locked meanwhile (PostgreSQL: two workers never both take a project's last place); else the
+    job says why in its events, once a wait, and starts when a running one ends (the reconciler sends
     its task again)."""
     job = session.scalar(select(Job).where(Job.id == job_id))
-    why = quotas.room_to_run(session, job) if job is not None else None
-    if job is None or why is None:
+    if job is None:
         session.rollback()
-        return job is not None
-    note_waiting(session=session, job=job, message=why)
-    return False
-
-
-def _unclaim(session: Session, job: Job, worker: str) -> None:
-    _rows(
-        session,
-        update(Job)
-        .where(Job.seq == job.seq, Job.status == S.RUNNING.value, Job.worker == worker)
-        .values(status=S.QUEUED.value, worker=None, started_at=None, attempts=Job.attempts - 1),
-    )
-    session.commit()
+        return None
+    session.execute(select(Project.seq).where(Project.seq == job.project_seq).with_for_update())
+    why = quotas.why_waiting(session, job)
+    if why is not None:
+        note_waiting(session=session, job=job, message=why)
+        return None
+    return claim(session=session, job_id=job_id, worker=worker)
 
 
 def note_waiting(*, session: Session, job: Job, message: str) -> bool:

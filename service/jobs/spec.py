@@ -61,7 +61,13 @@ class Budget(Strict):
     """Our extension key ``budget``: the most the job may use; at it, the job is paused (an event and
     the ``fine_tuning.job.paused`` webhook), never lost, and a resume goes on from its checkpoint."""
 
-    device_hours: float = Field(gt=0, le=1e6, description="Device-hours (devices times hours) the job may use.")
+    device_hours: float | None = Field(None, gt=0, le=1e6, description="Device-hours (devices times hours) it may use.")
+    cost: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="What its device time may cost at the operator's prices (RLOO_ACCELERATOR_PRICES).",
+    )
 
 
 class Resources(Strict):

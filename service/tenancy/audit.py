@@ -44,12 +44,21 @@ class AuditContext:
     action: str = ""
     object_id: str | None = None
     created: str | None = None  # the first object the request's session flushed into being
+    project_seq: int | None = None  # the project acted on, where not the caller's (an operator's action)
     written: str | None = None  # the id of the row written in the request's transaction
 
 
 def attach(session: Session, context: AuditContext) -> None:
     """Make ``session`` (a request's) write the request's row in its first commit."""
     session.info["audit"] = context
+
+
+def concerns(session: Session, project_seq: int) -> None:
+    """The request acts on this project (an operator's on a tenant's): its row goes in that project's
+    log, where the tenant's admin reads it."""
+    context: AuditContext | None = session.info.get("audit")
+    if context is not None:
+        context.project_seq = project_seq
 
 
 @event.listens_for(Session, "before_commit")
@@ -82,7 +91,7 @@ def _row(context: AuditContext, *, object_id: str | None, outcome: str, status: 
     caller = context.caller
     assert caller is not None
     row = AuditEvent(
-        project_seq=caller.seq,
+        project_seq=context.project_seq or caller.seq,
         key_id=caller.key_id,
         operator=caller.operator,
         action=context.action[:256],

@@ -106,8 +106,11 @@ def authenticate(*, session: Session, secret: str) -> Caller | None:
     check_usable(caller)
     t = now()
     if row.last_used_at is None or row.last_used_at <= t - LAST_USED_EVERY:
-        session.execute(update(ApiKey).where(ApiKey.id == row.key_id).values(last_used_at=t))
-        session.commit()
+        from service.core.db import write_lock
+
+        with write_lock(session):  # SQLite's one writer at a time, as every write of the API takes it
+            session.execute(update(ApiKey).where(ApiKey.id == row.key_id).values(last_used_at=t))
+            session.commit()
     return caller
 
 
@@ -139,6 +142,22 @@ def grant(*, caller: Caller, asked: frozenset[str]) -> frozenset[str]:
     return asked
 
 
+def lifetime(*, caller: Caller, asked: int | None) -> int | None:
+    """The seconds a new key may live: no longer than the key that makes it (its remaining time by
+    default), so an expiring key cannot make one that outlives it."""
+    if caller.expires_at is None:
+        return asked
+    left = max(1, caller.expires_at - now())
+    if asked is None:
+        return left
+    if asked > left:
+        raise Forbidden(
+            f"A key may not outlive the key that makes it: this one expires in {left} s; ask for expires_in <= {left}.",
+            code="insufficient_scope",
+        )
+    return asked
+
+
 def find_key(*, session: Session, project_seq: int, key_id: str) -> ApiKey:
     row = session.scalar(select(ApiKey).where(ApiKey.id == key_id, ApiKey.project_seq == project_seq))
     if row is None:
@@ -151,6 +170,12 @@ def revoke_key(*, row: ApiKey, caller: Caller) -> None:
     only by an operator."""
     if row.operator and not caller.operator:
         raise Forbidden("Only an operator's key may revoke an operator's key.", code="insufficient_scope")
+    stronger = scope_names.ordered(held_scopes(row) - caller.scopes)
+    if stronger:
+        raise Forbidden(
+            f"A key may revoke only keys holding no scope it lacks; that key holds {', '.join(stronger)}.",
+            code="insufficient_scope",
+        )
     row.revoked_at = row.revoked_at or now()
 
 

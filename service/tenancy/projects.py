@@ -29,6 +29,8 @@ def check_name(name: str) -> str:
     name = name.strip()
     if not name or len(name) > NAME_LIMIT or any(ord(c) < 32 for c in name):
         raise bad_request(f"A project's name is 1 to {NAME_LIMIT} printable characters; got {name!r}.", "name")
+    if name.startswith("proj-"):  # ids are proj-…: a name may never be read as another project's id
+        raise bad_request(f"A project's name may not start with 'proj-' (project ids do); got {name!r}.", "name")
     return name
 
 
@@ -36,13 +38,15 @@ def create_project(*, session: Session, name: str) -> Project:
     """A new project; a name in use is a 409 (names are how the CLI finds a project)."""
     name = check_name(name)
     if session.scalar(select(Project.seq).where(Project.name == name)) is not None:
-        raise Conflict(
-            f"A project named {name!r} exists already; choose another name.", param="name", code="name_taken"
-        )
+        raise name_taken(name)
     project = Project(name=name)
     session.add(project)
     session.flush()
     return project
+
+
+def name_taken(name: str) -> Conflict:
+    return Conflict(f"A project named {name!r} exists already; choose another name.", param="name", code="name_taken")
 
 
 def find_project(*, session: Session, id_or_name: str, param: str = "project_id") -> Project:

@@ -34,6 +34,7 @@ QUOTAS: dict[str, Quota] = {
     "stored_bytes": Quota("bytes stored (files and checkpoints)", "bytes"),
     "inference_tokens_per_minute": Quota("inference tokens a minute (prompt and completion)", "tokens"),
     "device_hours_per_day": Quota("device-hours in any 24 hours", "device-hours", integer=False),
+    "cost_per_day": Quota("spend in any 24 hours at the operator's prices (RLOO_ACCELERATOR_PRICES)", "money", False),
 }
 RUNNING = "running"
 
@@ -55,7 +56,26 @@ def parse(values: dict[str, Any], *, param: str = "quotas") -> dict[str, float |
         if QUOTAS[name].integer and value != int(value):
             raise bad_request(f"Quota {name!r} counts whole {QUOTAS[name].unit}; got {value!r}.", f"{param}.{name}")
         out[name] = int(value) if QUOTAS[name].integer else float(value)
+    if out.get("cost_per_day") is not None:
+        from service.core.settings import get_settings
+
+        if not get_settings().accelerator_prices:
+            raise bad_request(_NO_PRICES.format(what="The quota cost_per_day"), f"{param}.cost_per_day")
     return out
+
+
+def checked_budget(budget: dict[str, float]) -> dict[str, float]:
+    """A job's budget: at least one limit, and one in money only where the operator set prices."""
+    from service.core.settings import get_settings
+
+    if not budget:
+        raise bad_request("A budget names device_hours, cost or both.", "budget")
+    if "cost" in budget and not get_settings().accelerator_prices:
+        raise bad_request(_NO_PRICES.format(what="A budget in money"), "budget.cost")
+    return budget
+
+
+_NO_PRICES = "{what} needs the operator's prices of a device-hour (RLOO_ACCELERATOR_PRICES), and none are set."
 
 
 def apply(project: Project, changes: dict[str, float | None]) -> None:
@@ -92,43 +112,40 @@ def running_use(session: Session, project_seq: int) -> tuple[int, int]:
     return len(rows) + models, sum(int((r.resources or {}).get("gpus") or 1) for r in rows) + models
 
 
+def why_waiting(session: Session, job: Job) -> str | None:
+    """Why ``job`` may not start now (its project at its quota of running jobs or of devices), or None."""
+    quotas = session.scalar(select(Project.quotas).where(Project.seq == job.project_seq)) or {}
+    past = _past(session, job.project_seq, quotas, wanted=int((job.resources or {}).get("gpus") or 1))
+    return None if past is None else f"Waiting: {past}; it starts when one of them ends."
+
+
 def check_session_room(session: Session, project_seq: int) -> None:
     """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}
-    if quotas.get("running_jobs") is None and quotas.get("gpus") is None:
-        return
-    jobs, devices = running_use(session, project_seq)
-    for name, use in (("running_jobs", jobs), ("gpus", devices)):
-        if quotas.get(name) is not None and use + 1 > quotas[name]:
-            raise LimitReached(
-                f"This project runs {jobs} jobs and Tinker training models on {devices} devices, and one more "
-                f"would pass its quota of {name} ({quotas[name]}); it frees up as one ends (a training model "
-                f"idle for {SESSION_ACTIVE_SECONDS // 60} minutes stops counting).",
-                code="quota_exceeded",
-                retry_after=30,
-            )
+    past = _past(session, project_seq, quotas, wanted=1)
+    if past is not None:
+        raise LimitReached(
+            f"{past[0].upper()}{past[1:]}; it frees up as one ends (a Tinker training model idle for "
+            f"{SESSION_ACTIVE_SECONDS // 60} minutes stops counting).",
+            code="quota_exceeded",
+            retry_after=30,
+        )
 
 
-def room_to_run(session: Session, job: Job, *, claimed: bool = False) -> str | None:
-    """Why ``job`` may not start now (its project at its running-jobs or devices quota), or None;
-    ``claimed``: the job is running already, and counted."""
-    quotas = session.scalar(select(Project.quotas).where(Project.seq == job.project_seq)) or {}
+def _past(session: Session, project_seq: int, quotas: dict[str, Any], *, wanted: int) -> str | None:
+    """What one more run holding ``wanted`` devices would pass, in words; None: nothing."""
     if quotas.get("running_jobs") is None and quotas.get("gpus") is None:
         return None
-    jobs, devices = running_use(session, job.project_seq)
-    if claimed:
-        wanted = int((job.resources or {}).get("gpus") or 1)
-        jobs, devices = jobs - 1, devices - wanted
-    if quotas.get("running_jobs") is not None and jobs >= quotas["running_jobs"]:
+    jobs, devices = running_use(session, project_seq)
+    if quotas.get("running_jobs") is not None and jobs + 1 > quotas["running_jobs"]:
         return (
-            f"Waiting: the project runs {jobs} jobs, its quota of running_jobs ({quotas['running_jobs']}); "
-            "it starts when one of them ends."
+            f"the project runs {jobs} jobs and Tinker training models, its quota of running_jobs "
+            f"({quotas['running_jobs']})"
         )
-    wanted = int((job.resources or {}).get("gpus") or 1)
     if quotas.get("gpus") is not None and devices + wanted > quotas["gpus"]:
         return (
-            f"Waiting: the project's running jobs hold {devices} devices and this one needs {wanted}, past its "
-            f"quota of gpus ({quotas['gpus']}); it starts when devices free up."
+            f"the project's runs hold {devices} devices and this one needs {wanted}, past its quota of gpus "
+            f"({quotas['gpus']})"
         )
     return None
 
@@ -140,6 +157,8 @@ def check_storage(session: Session, project_seq: int, adding: int) -> None:
     cap = limit_of(session, project_seq, "stored_bytes")
     if cap is None:
         return
+    # The project's row locked until the caller's commit (PostgreSQL): two uploads never both fit the last room.
+    session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update())
     stored = usage.stored_bytes(session, project_seq)
     if stored + adding > cap:
         raise Forbidden(
@@ -150,49 +169,66 @@ def check_storage(session: Session, project_seq: int, adding: int) -> None:
         )
 
 
-def check_device_hours(session: Session, project_seq: int) -> None:
-    """429 when the project used its ``device_hours_per_day`` in the last 24 hours, saying when the
-    oldest of that use leaves the window."""
+DAY_QUOTAS = {"device_hours_per_day": "device-hours", "cost_per_day": "spent"}
+
+
+def _day_use(session: Session, project_seq: int, name: str) -> float:
+    """The project's use in the last 24 hours, in ``name``'s unit: device-hours, or their cost."""
+    from service.core.settings import get_settings
     from service.tenancy import usage
 
-    cap = limit_of(session, project_seq, "device_hours_per_day")
-    if cap is None:
-        return
-    now = time.time()
-    used = usage.device_hours(session, project_seq, since=now - 86400)
-    if used >= cap:
+    since = time.time() - 86400
+    if name == "cost_per_day":
+        return usage.cost(session, get_settings().accelerator_prices, project_seq=project_seq, since=since)
+    return usage.device_hours(session, project_seq, since=since)
+
+
+def check_device_hours(session: Session, project_seq: int) -> None:
+    """429 when the project used its ``device_hours_per_day`` (or spent its ``cost_per_day``) in the last
+    24 hours, saying when the oldest of that use leaves the window."""
+    from service.tenancy import usage
+
+    for name, unit in DAY_QUOTAS.items():
+        cap = limit_of(session, project_seq, name)
+        if cap is None or (used := _day_use(session, project_seq, name)) < cap:
+            continue
+        now = time.time()
         frees = usage.window_frees_at(session, project_seq, since=now - 86400)
         raise LimitReached(
-            f"This project used {used:.2f} device-hours in the last 24 hours, its quota of device_hours_per_day "
-            f"({cap:g}); it frees up from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(frees))}.",
+            f"This project used {used:.2f} {unit} in the last 24 hours, its quota of {name} ({cap:g}); it frees up "
+            f"from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(frees))}.",
             code="quota_exceeded",
             retry_after=max(1.0, frees - now),
         )
 
 
 def over_budget(session: Session, job: Job) -> str | None:
-    """Why a running ``job`` must pause now (its own device-hour budget, or its project's day), or None."""
+    """Why a running ``job`` must pause now (its own budget in device-hours or money, or its project's
+    day), or None."""
+    from service.core.settings import get_settings
     from service.tenancy import usage
 
-    budget = (job.budget or {}).get("device_hours")
-    if budget is not None:
+    budget = job.budget or {}
+    if budget.get("device_hours") is not None:
         spent = usage.device_hours_of(session, job.id)
-        if spent >= budget:
-            return f"Paused: the job used {spent:.3f} device-hours, its budget ({budget:g}); resume it to go on."
-    cap = limit_of(session, job.project_seq, "device_hours_per_day")
-    if cap is not None:
-        used = usage.device_hours(session, job.project_seq, since=time.time() - 86400)
-        if used >= cap:
+        if spent >= budget["device_hours"]:
+            limit = budget["device_hours"]
+            return f"Paused: the job used {spent:.3f} device-hours, its budget ({limit:g}); resume it to go on."
+    if budget.get("cost") is not None:
+        spent = usage.cost(session, get_settings().accelerator_prices, subject=job.id)
+        if spent >= budget["cost"]:
             return (
-                f"Paused: the project used {used:.3f} device-hours in the last 24 hours, its quota of "
-                f"device_hours_per_day ({cap:g}); resume it once that frees up."
+                f"Paused: the job's device time cost {spent:.3f}, its budget ({budget['cost']:g}); resume it to go on."
+            )
+    for name, unit in DAY_QUOTAS.items():
+        cap = limit_of(session, job.project_seq, name)
+        if cap is not None and (used := _day_use(session, job.project_seq, name)) >= cap:
+            return (
+                f"Paused: the project used {used:.3f} {unit} in the last 24 hours, its quota of {name} ({cap:g}); "
+                "resume it once that frees up."
             )
     return None
 
 
 def project_quotas(project: Project) -> dict[str, Any]:
     return {name: (project.quotas or {}).get(name) for name in QUOTAS}
-
-
-def count(session: Session, statement: Any) -> int:
-    return int(session.scalar(select(func.count()).select_from(statement.subquery())) or 0)

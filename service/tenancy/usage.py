@@ -1,4 +1,4 @@
-"""Metered usage: what each job, Tinker model and key's inference used, by hour
+"""Metered usage: what each job and each key's inference used, by hour
 (``usage_records``: one row a subject, kind, accelerator and hour, added to as it runs), read back
 per project by ``GET /v1/usage`` and the quotas; and what a project stores now.
 
@@ -88,6 +88,21 @@ def device_hours_of(session: Session, subject: str) -> float:
     return float(seconds or 0.0) / 3600
 
 
+def cost(session: Session, prices: dict[str, float], *, subject: str | None = None, project_seq: int | None = None,
+         since: float | None = None) -> float:  # fmt: skip
+    """What device-hours cost at the operator's ``prices`` (a kind without a price costs nothing), of one
+    subject or of a project from ``since`` on (whole hours, as ``device_hours``)."""
+    stmt = select(UsageRecord.accelerator, func.sum(UsageRecord.amount)).where(UsageRecord.kind == "device_seconds")
+    if subject is not None:
+        stmt = stmt.where(UsageRecord.subject == subject)
+    if project_seq is not None:
+        stmt = stmt.where(UsageRecord.project_seq == project_seq)
+    if since is not None:
+        stmt = stmt.where(UsageRecord.hour > since - 3600)
+    rows = session.execute(stmt.group_by(UsageRecord.accelerator)).all()
+    return sum(float(seconds) / 3600 * prices.get(kind, 0.0) for kind, seconds in rows)
+
+
 def stored_bytes(session: Session, project_seq: int) -> int:
     """What the project stores now: its files' bytes, and its checkpoints' (as recorded at save)."""
     files = session.scalar(select(func.sum(File.bytes)).where(File.project_seq == project_seq)) or 0
@@ -100,10 +115,18 @@ def stored_bytes(session: Session, project_seq: int) -> int:
 
 
 def summary(
-    session: Session, *, project_seq: int | None, start: float, end: float, group_by: list[str]
+    session: Session,
+    *,
+    project_seq: int | None,
+    start: float,
+    end: float,
+    group_by: list[str],
+    prices: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """Usage between ``start`` and ``end`` (whole hours), summed by ``group_by`` (always by kind)."""
-    groups = list(dict.fromkeys([*group_by, "kind"]))
+    """Usage between ``start`` and ``end`` (whole hours), summed by ``group_by`` (always by kind);
+    device-seconds with their device-hours and, at the operator's ``prices``, their cost."""
+    wanted = list(dict.fromkeys([*group_by, "kind"]))
+    groups = list(dict.fromkeys([*wanted, "accelerator"]))  # device time is priced by its kind
     columns: dict[str, Any] = {
         "project": Project.id,
         "kind": UsageRecord.kind,
@@ -121,11 +144,16 @@ def summary(
     )
     if project_seq is not None:
         stmt = stmt.where(UsageRecord.project_seq == project_seq)
-    out = []
+    summed: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in session.execute(stmt):
-        item = {g: getattr(row, g) for g in groups}
-        item["amount"] = float(row.amount)
+        key = tuple(getattr(row, g) for g in wanted)
+        item = summed.setdefault(key, {**dict(zip(wanted, key, strict=True)), "amount": 0.0})
+        item["amount"] += float(row.amount)
+        if row.kind == "device_seconds" and prices:
+            item["cost"] = item.get("cost", 0.0) + float(row.amount) / 3600 * prices.get(row.accelerator, 0.0)
+    for item in summed.values():
         if item["kind"] == "device_seconds":
             item["device_hours"] = round(item["amount"] / 3600, 6)
-        out.append(item)
-    return out
+        if "cost" in item:
+            item["cost"] = round(item["cost"], 6)
+    return list(summed.values())

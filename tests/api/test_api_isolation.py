@@ -409,7 +409,7 @@ def test_the_matrix_covers_every_route(app) -> None:
     there: tests/api/test_api_keys.py), so they are not in it."""
     from fastapi import routing
 
-    from service.api import scopes
+    from service.api import route_scopes as scopes
 
     def query_params(dependant: Any) -> set[str]:  # the route's own and its dependencies', recursively
         names = {p.alias for p in dependant.query_params}

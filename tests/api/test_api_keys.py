@@ -1,6 +1,6 @@
 """Scoped keys, project admins and the operator's projects.
 
-Every route needs a scope (``service.api.scopes``): a key holding only one scope is refused every
+Every route needs a scope (``service.api.route_scopes``): a key holding only one scope is refused every
 route that needs another, with 403 ``insufficient_scope`` naming it, before its body is read, and
 let through every route its scope opens. A project's admin (``keys``) makes, lists and revokes its
 project's keys over HTTP, never a stronger key than its own; an expired key is a 401 ``key_expired``;
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from service.api import scopes as route_scopes
+from service.api import route_scopes
 from service.tenancy import scopes as scope_names
 from tests.helpers.api import assert_error, each, make_key
 from tests.helpers.live import run_cli
@@ -64,7 +64,7 @@ def concrete(path: str) -> str:
 def test_every_route_needs_a_named_scope(app) -> None:
     """The table and the app hold the same routes; each template's own paths find it (a fixed path
     is not read as an id of its templated neighbour); each scope is a known one."""
-    assert app_routes(app) == set(route_scopes.ROUTE_SCOPES), "add the route to service.api.scopes.ROUTE_SCOPES"
+    assert app_routes(app) == set(route_scopes.ROUTE_SCOPES), "add the route to service.api.route_scopes.ROUTE_SCOPES"
     known = set(scope_names.PROJECT_SCOPES) | {scope_names.OPERATOR}
     for (method, template), needed in route_scopes.ROUTE_SCOPES.items():
         assert set(needed) <= known, (method, template, needed)
@@ -132,8 +132,10 @@ def test_an_admin_gives_only_scopes_it_holds(client) -> None:
     admin = bearer(make_key("alpha", scopes=["keys", "files:read"]))
     ok = client.post("/v1/keys", headers=admin, json={"scopes": ["files:read"]})
     assert ok.status_code == 201, ok.text
-    err = assert_error(client.post("/v1/keys", headers=admin, json={}), 403, code="insufficient_scope")
-    assert "files:write" in err["message"]  # all scopes asked (the default): names what it lacks
+    asked_all = client.post("/v1/keys", headers=admin, json={"scopes": ["all"]})
+    err = assert_error(asked_all, 403, code="insufficient_scope")
+    assert "files:write" in err["message"]  # names what it lacks
+    assert client.post("/v1/keys", headers=admin, json={}).json()["scopes"] == ["files:read", "keys"]  # its own
     operator_key = make_key("alpha", operator=True)
     op_id = client.get("/v1/me", headers=bearer(operator_key)).json()["key"]["id"]
     assert_error(client.delete(f"/v1/keys/{op_id}", headers=admin), 403, code="insufficient_scope")
@@ -249,7 +251,7 @@ def test_the_cli_makes_scoped_expiring_keys_and_projects(client, env) -> None:
 
 
 def test_the_docs_table_is_the_code_table() -> None:
-    """docs/api.md lists each route with the scopes it takes, exactly as service.api.scopes has them."""
+    """docs/api.md lists each route with the scopes it takes, exactly as service.api.route_scopes has them."""
     from tests.helpers.data import ROOT
 
     text = (ROOT / "docs" / "api.md").read_text()
@@ -260,3 +262,32 @@ def test_the_docs_table_is_the_code_table() -> None:
     assert documented == route_scopes.ROUTE_SCOPES
     for scope in scope_names.PROJECT_SCOPES:
         assert f"| `{scope}` | {scope_names.PROJECT_SCOPES[scope]} |" in text
+
+
+def test_a_key_makes_no_key_that_outlives_it_or_revokes_a_stronger_one(client, auth) -> None:
+    made = client.post("/v1/keys", headers=auth, json={"scopes": ["keys", "files:read"], "expires_in": 600}).json()
+    admin = bearer(made["value"])
+    child = client.post("/v1/keys", headers=admin, json={}).json()  # its own scopes and time by default
+    assert child["scopes"] == ["files:read", "keys"] and child["expires_at"] <= made["expires_at"]
+    err = assert_error(client.post("/v1/keys", headers=admin, json={"expires_in": 3600}), 403)
+    assert "outlive" in err["message"]
+    full = client.get("/v1/me", headers=auth).json()["key"]["id"]
+    assert_error(client.delete(f"/v1/keys/{full}", headers=admin), 403, code="insufficient_scope")
+    assert client.delete(f"/v1/keys/{child['id']}", headers=admin).status_code == 200  # no stronger than it
+
+
+def test_an_empty_path_rest_is_still_checked(client) -> None:
+    """``{model_id:path}`` may match an empty rest, as Starlette's router lets it: the scope is checked there too."""
+    reader = bearer(make_key("alpha", scopes=["files:read"]))
+    assert_error(client.delete("/v1/models/", headers=reader), 403, code="insufficient_scope")
+
+
+def test_project_names_are_never_ids_and_operator_actions_reach_the_tenants_log(client, auth) -> None:
+    operator = bearer(make_key("ops", operator=True))
+    assert_error(client.post("/v1/projects", headers=operator, json={"name": "proj-abc"}), 400, param="name")
+    alpha = client.get("/v1/me", headers=auth).json()["project"]["id"]
+    changed = client.post(f"/v1/projects/{alpha}", headers=operator, json={"quotas": {"gpus": 2}})
+    assert changed.status_code == 200, changed.text
+    rows = client.get("/v1/audit", headers=auth).json()["data"]
+    assert rows[0]["action"] == "POST /v1/projects/{project_id}" and rows[0]["operator"], rows[0]
+    assert rows[0]["project_id"] == alpha

@@ -221,3 +221,55 @@ def test_tinker_training_models_count_as_running(client, auth, operator) -> None
     assert new_model(0).status_code == 200
     refused = new_model(0)
     assert refused.status_code == 429 and "quota of running_jobs (1)" in refused.json()["error"]["message"]
+
+
+def test_times_past_any_clock_are_400s(client, auth) -> None:
+    assert_error(client.get("/v1/usage?end_time=100000000000000000000", headers=auth), 400, param="end_time")
+    assert_error(client.get("/v1/audit?since=100000000000000000000", headers=auth), 400, param="since")
+
+
+def test_prices_give_costs_and_budgets_in_money(client, auth, operator, monkeypatch) -> None:
+    """With the operator's prices, usage answers what device time cost; a job's budget and the
+    project's day may be set in money; without prices either is a 400 that says why."""
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.jobs import lifecycle
+    from service.tenancy import projects, usage
+    from worker.jobs.database_recorder import DatabaseRecorder
+
+    training = upload_ok(client, auth)
+    no_prices = client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(training["id"], budget={"cost": 1}))
+    assert_error(no_prices, 400, param="budget.cost", contains="RLOO_ACCELERATOR_PRICES")
+    resp = client.post("/v1/projects/alpha", headers=operator, json={"quotas": {"cost_per_day": 5}})
+    assert_error(resp, 400, param="quotas.cost_per_day")
+
+    monkeypatch.setenv("RLOO_ACCELERATOR_PRICES", '{"h100": 3.0, "cpu": 0.5}')
+    get_settings.cache_clear()
+    with session_scope() as session:
+        project = projects.get_or_create_project(session=session, name="alpha")
+        usage.add(session, project_seq=project.seq, subject="ftjob-a", kind="device_seconds", amount=7200.0,
+                  accelerator="h100")  # fmt: skip
+        usage.add(session, project_seq=project.seq, subject="ftjob-b", kind="device_seconds", amount=3600.0,
+                  accelerator="cpu")  # fmt: skip
+        session.commit()
+    (row,) = client.get("/v1/usage", headers=auth).json()["data"]
+    assert row["device_hours"] == 3.0 and row["cost"] == pytest.approx(2 * 3.0 + 1 * 0.5)
+    by_kind = {
+        r["accelerator"]: r["cost"] for r in client.get("/v1/usage?group_by=accelerator", headers=auth).json()["data"]
+    }
+    assert by_kind == {"h100": 6.0, "cpu": 0.5}
+
+    set_quotas(client, operator, "alpha", cost_per_day=6)  # 6.5 spent: new work waits
+    err = assert_error(client.post("/v1/fine_tuning/jobs", headers=auth, json=job_body(training["id"])), 429)
+    assert "quota of cost_per_day (6)" in err["message"]
+    set_quotas(client, operator, "alpha", cost_per_day=None)
+
+    job = create_job(client, auth, job_body(training["id"], budget={"cost": 0.0001}))  # 0.72 cpu-seconds at 0.5
+    with session_scope() as session:
+        claimed = lifecycle.claim(session=session, job_id=job["id"], worker="w1")
+    monkeypatch.setenv("RLOO_WORKER_ACCELERATOR", "cpu")
+    recorder = DatabaseRecorder(claimed, holder="w1")
+    recorder.meter.last -= 2.0
+    assert recorder.step(1, {"total_steps": 10, "trained_tokens": 10}) == "paused"
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=auth).json()["data"]
+    assert "cost" in events[0]["message"] and "its budget (0.0001)" in events[0]["message"]

@@ -216,6 +216,18 @@ def test_the_dashboard_shows_the_fleet_to_an_operator_key(tmp_path: Path, models
         assert "may read evaluations, not start them" in page.text_content("#eval-note")
         hidden = {a: page.is_hidden(f"nav a[href='#/{a}']") for a in ("jobs", "evals", "files", "graders", "fleet")}
         assert hidden == {"jobs": False, "evals": False, "files": True, "graders": True, "fleet": True}, hidden
+
+        # The usage page: a row a day, as GET /v1/usage answers it.
+        page.click("nav a[href='#/usage']")
+        page.wait_for_selector("#usage")
+        usage = stack.http.get("/usage?group_by=day").json()
+        shown = page.eval_on_selector_all(
+            "#usage tr[data-day] td.hours", "cells => cells.map(c => Number(c.textContent))"
+        )
+        days = sorted({u["day"] for u in usage["data"]})
+        wanted = [next((u["device_hours"] for u in usage["data"] if u["day"] == d and u["kind"] == "device_seconds"), 0)
+                  for d in days]  # fmt: skip
+        assert shown == pytest.approx(wanted, abs=1e-4) and str(usage["stored_bytes"]) in page.text_content("#stored")
         page.context.browser.close()
         # The one error the console saw: the API's 403 itself.
         assert problems == [

@@ -125,6 +125,11 @@ def _each_step_is_recorded_and_drawn(
     assert all(s["loss_fn"] == "cross_entropy" and s["metrics"]["learning_rate"] == 0.02 for s in steps)
     assert all(s["metrics"]["grad_norm"] > 0 and s["datums"] == len(data) for s in steps)
     assert api.get(f"/training_runs/{model_id}/steps", params={"after": 6}).json()["data"][0]["step"] == 7
+    # Metered with each step: the device time its requests took, on the worker's kind, and the tokens trained.
+    used = httpx.get(f"{stack.url}/v1/usage?group_by=subject,accelerator", headers={"Authorization": f"Bearer {key}"})
+    mine = {(u["kind"], u["accelerator"]): u["amount"] for u in used.json()["data"] if u["subject"] == model_id}
+    assert mine[("device_seconds", "cpu")] > 0, mine
+    assert mine[("tokens_trained", "")] == 8 * sum(len(d.model_input.to_ints()) for d in data), mine
     if not browser or CHROMIUM is None:
         return
     from playwright.sync_api import sync_playwright

@@ -28,7 +28,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from service.api import scopes
+from service.api import route_scopes as scopes
 from service.api.openapi import INFERENCE
 from tests.helpers.api import ERROR_TYPES, assert_error, create_job, each, make_key, upload_ok
 from tests.helpers.data import JOB_JSON, TRAIN_JSONL, job_body

@@ -241,8 +241,8 @@ def projects_quota(
         list[str] | None,
         typer.Argument(
             metavar="[NAME=VALUE]...",
-            help="running_jobs, gpus, queued_jobs, stored_bytes, inference_tokens_per_minute, device_hours_per_day; "
-            "NAME= unsets one.",
+            help="running_jobs, gpus, queued_jobs, stored_bytes, inference_tokens_per_minute, "
+            "device_hours_per_day, cost_per_day; NAME= unsets one.",
         ),
     ] = None,
 ) -> None:

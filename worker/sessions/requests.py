@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +20,12 @@ from service.core.db import session_scope
 from service.core.errors import DomainError
 from service.core.settings import get_settings
 from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerStep, now
+from service.tenancy import usage
 from service.tinker import sampling, wire
 from worker.engine.modeling import pick_device
 from worker.engine.tinker import losses
 from worker.engine.tinker.model import AdamStep, Datum, LoraSettings, TrainingModel
+from worker.jobs.devices import ACCELERATOR_VARIABLE
 from worker.jobs.failures import classify
 
 JSON = "application/json"
@@ -121,6 +125,9 @@ class Holder:
         self.unsaved = False
         """Weights changed (a step, a load) since the state it resumes from was saved."""
         self.tally = StepTally()
+        self.project_seq = row.project_seq
+        self.device_seconds = 0.0
+        """Time this model's requests held the device since it was last metered (``_note``)."""
 
     @classmethod
     def start(cls, model_id: str) -> Holder:
@@ -150,6 +157,14 @@ class Holder:
         )
 
     def run(self, envelope: dict[str, Any], payload: bytes | None) -> tuple[str, bytes]:
+        """One request, its time on the device metered (written with the model's next step or load)."""
+        started = time.monotonic()
+        try:
+            return self._run(envelope, payload)
+        finally:
+            self.device_seconds += time.monotonic() - started
+
+    def _run(self, envelope: dict[str, Any], payload: bytes | None) -> tuple[str, bytes]:
         kind = envelope["kind"]
         if kind == "create_model":
             return _json({"model_id": self.model_id, "type": "create_model"})
@@ -288,9 +303,8 @@ class Holder:
 
     def _note(self, *, steps: int, state_path: str | None = None, step: TinkerStep | None = None) -> None:
         """The model's row: its steps, when it was last used, its newest state; and a step's row,
-        after those of a step it was loaded back before (they belonged to a history it left)."""
-        import time
-
+        after those of a step it was loaded back before (they belonged to a history it left); and what
+        its requests used since the last note (``service.tenancy.usage``), in the same transaction."""
         from sqlalchemy import delete
 
         with session_scope() as session:
@@ -305,7 +319,16 @@ class Holder:
                     delete(TinkerStep).where(TinkerStep.model_seq == self.row_seq, TinkerStep.step >= step.step)
                 )
                 session.add(step)
+            self._meter(session, trained=step.tokens if step is not None else 0)
             session.commit()
+        self.device_seconds = 0.0
+
+    def _meter(self, session: Any, *, trained: int) -> None:
+        accelerator = os.environ.get(ACCELERATOR_VARIABLE, "")
+        for kind, amount, on in (("device_seconds", self.device_seconds, accelerator), ("tokens_trained", trained, "")):
+            usage.add(
+                session, project_seq=self.project_seq, subject=self.model_id, kind=kind, amount=amount, accelerator=on
+            )
 
 
 def _json(answer: dict[str, Any]) -> tuple[str, bytes]:

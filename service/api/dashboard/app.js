@@ -1,6 +1,6 @@
 // The dashboard: the service's own API, read with the key typed once (kept in this tab's
 // sessionStorage, sent as a Bearer header, never in a URL). Pages by the URL's hash:
-// #/jobs, #/jobs/<id>, #/evals, #/evals/<id>, #/tinker, #/tinker/<run>, #/files, #/graders, #/fleet (an operator key's). Live data comes from the
+// #/jobs, #/jobs/<id>, #/evals, #/evals/<id>, #/tinker, #/tinker/<run>, #/files, #/usage, #/graders, #/fleet (an operator key's). Live data comes from the
 // API's event streams, read with fetch (EventSource cannot send a header), resumed after the last id
 // when a connection drops.
 "use strict";
@@ -556,6 +556,32 @@ async function filesPage() {
       el("td", { text: f.bytes }), el("td", { text: f.line_count ?? "" }), el("td", { text: time(f.created_at) })))));
 }
 
+// Usage ---------------------------------------------------------------------------------------------
+// What the project used the last 7 days (GET /v1/usage?group_by=day), a row a day, device-hours drawn
+// as bars; what it stores now, and its quotas.
+async function usagePage() {
+  const usage = await api("/usage?group_by=day");
+  const days = [...new Set(usage.data.map(u => u.day))].sort();
+  const kinds = ["device_seconds", "tokens_trained", "tokens_sampled", "inference_tokens"];
+  const of = (day, kind) => usage.data.find(u => u.day === day && u.kind === kind);
+  const widest = Math.max(1e-9, ...days.map(d => (of(d, "device_seconds") || {}).device_hours || 0));
+  const priced = usage.data.some(u => u.cost !== undefined);
+  const head = ["day", "device-hours", "", ...(priced ? ["cost"] : []), "tokens trained", "tokens sampled", "inference tokens"];
+  const quotas = Object.entries(usage.quotas || {}).filter(([, v]) => v !== null);
+  main().replaceChildren(el("h1", { text: "Usage" }),
+    el("p", { id: "stored", text: `Stored now: ${usage.stored_bytes} bytes (files and checkpoints).` }),
+    el("p", { id: "quotas", text: quotas.length ? "Quotas: " + quotas.map(([k, v]) => `${k} ${v}`).join(", ") : "No quotas set." }),
+    el("table", { id: "usage" }, el("tr", {}, ...head.map(h => el("th", { text: h }))),
+      ...days.map(d => {
+        const hours = (of(d, "device_seconds") || {}).device_hours || 0;
+        const bar = el("div", { class: "bar", style: `width: ${Math.round(200 * hours / widest)}px` });
+        return el("tr", { "data-day": d },
+          el("td", { text: new Date(d * 1000).toISOString().slice(0, 10) }), el("td", { class: "hours", text: hours.toFixed(4) }),
+          el("td", {}, bar), ...(priced ? [el("td", { text: ((of(d, "device_seconds") || {}).cost || 0).toFixed(2) })] : []),
+          ...kinds.slice(1).map(k => el("td", { text: Math.round((of(d, k) || {}).amount || 0) })));
+      })));
+}
+
 // Fleet ---------------------------------------------------------------------------------------------
 // The training workers (GET /v1/workers), for an operator's key; any other key sees the API's 403,
 // which says how to get one.
@@ -623,6 +649,7 @@ async function route() {
     else if (section === "evals" && id) await evalPage(id, page.signal);
     else if (section === "evals") await evalsPage();
     else if (section === "files") await filesPage();
+    else if (section === "usage") await usagePage();
     else if (section === "graders") gradersPage();
     else if (section === "fleet") await fleetPage(page.signal);
     else if (section === "tinker" && id) await tinkerRunPage(decodeURIComponent(id), page.signal);

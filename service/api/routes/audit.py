@@ -30,7 +30,7 @@ def list_events(
     project_id: Annotated[str | None, Query(max_length=200, description="An operator's: one project's.")] = None,
     key_id: Annotated[str | None, Query(max_length=64, description="Only this key's.")] = None,
     outcome: Annotated[str | None, Query(description="succeeded, refused or failed.")] = None,
-    since: Annotated[int | None, Query(description="Only events at or after this Unix time.")] = None,
+    since: Annotated[int | None, Query(ge=0, le=2**40, description="Only events at or after this Unix time.")] = None,
 ) -> JSON:
     where = []
     if project_id is not None:

@@ -36,13 +36,13 @@ def me(session: SessionDep, caller: ProjectDep) -> JSON:
 def create_key(session: SessionDep, caller: ProjectDep, project: Project, body: KeyCreate) -> JSON:
     """A key of ``project`` with the scopes ``body`` asks for, of those ``caller`` holds; its secret
     is answered once, in ``value``."""
-    asked = keys.grant(caller=caller, asked=scopes.parse(body.scopes))
+    asked = scopes.parse(body.scopes) if body.scopes is not None else caller.scopes & scopes.ALL
     row, secret = keys.create_api_key(
         session=session,
         project=project,
         name=body.name,
-        scopes=asked,
-        expires_in=body.expires_in,
+        scopes=keys.grant(caller=caller, asked=asked),
+        expires_in=keys.lifetime(caller=caller, asked=body.expires_in),
         prefix=keys.TINKER_KEY_PREFIX if body.tinker else None,
     )
     session.commit()

@@ -12,7 +12,7 @@ from service.api.routing import StrictJSONRoute
 from service.api.schemas.tenancy import KeyCreate, ProjectCreate, ProjectUpdate
 from service.core.db import ends_session
 from service.core.tables import ApiKey, Project
-from service.tenancy import projects, quotas
+from service.tenancy import audit, projects, quotas
 from service.tenancy.keys import key_object
 from service.tenancy.projects import project_object
 
@@ -22,10 +22,18 @@ router = APIRouter(prefix="/v1/projects", route_class=StrictJSONRoute, tags=["pr
 @router.post("", summary="Create a project (operator keys only)", status_code=201)
 @ends_session
 def create(session: SessionDep, operator: OperatorDep, body: ProjectCreate) -> JSON:
+    from sqlalchemy.exc import IntegrityError
+
     changes = quotas.parse(body.quotas or {})
     project = projects.create_project(session=session, name=body.name)
     quotas.apply(project, changes)
-    session.commit()
+    session.flush()
+    audit.concerns(session, project.seq)
+    try:
+        session.commit()
+    except IntegrityError:  # made by another request meanwhile
+        session.rollback()
+        raise projects.name_taken(body.name) from None
     return JSON(project_object(project, keys=0), status_code=201)
 
 
@@ -51,6 +59,7 @@ def update(session: SessionDep, operator: OperatorDep, project_id: str, body: Pr
     request (a running job is not stopped by a lower running_jobs; it counts until it ends)."""
     changes = quotas.parse(body.quotas)
     project = projects.find_project(session=session, id_or_name=project_id)
+    audit.concerns(session, project.seq)
     quotas.apply(project, changes)
     session.commit()
     return JSON(project_object(project, keys=projects.key_counts(session=session).get(project.seq, 0)))
@@ -60,6 +69,7 @@ def update(session: SessionDep, operator: OperatorDep, project_id: str, body: Pr
 @ends_session
 def archive(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON:
     project = projects.find_project(session=session, id_or_name=project_id)
+    audit.concerns(session, project.seq)
     projects.archive(project=project, by_project_seq=operator.seq)
     session.commit()
     return JSON(project_object(project))
@@ -69,6 +79,7 @@ def archive(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON
 @ends_session
 def restore(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON:
     project = projects.find_project(session=session, id_or_name=project_id)
+    audit.concerns(session, project.seq)
     projects.restore(project=project)
     session.commit()
     return JSON(project_object(project))
@@ -77,7 +88,9 @@ def restore(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON
 @router.post("/{project_id}/keys", summary="Create a key of a project (its secret is answered once)", status_code=201)
 @ends_session
 def create_project_key(session: SessionDep, operator: OperatorDep, project_id: str, body: KeyCreate) -> JSON:
-    return create_key(session, operator, projects.find_project(session=session, id_or_name=project_id), body)
+    project = projects.find_project(session=session, id_or_name=project_id)
+    audit.concerns(session, project.seq)
+    return create_key(session, operator, project, body)
 
 
 @router.get("/{project_id}/keys", summary="List a project's keys (never a secret)")

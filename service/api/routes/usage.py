@@ -13,6 +13,7 @@ from service.api.responses import JSON
 from service.api.routing import StrictJSONRoute
 from service.core.db import ends_session
 from service.core.errors import bad_request, operator_only
+from service.core.settings import get_settings
 from service.tenancy import projects, quotas, usage
 
 router = APIRouter(prefix="/v1/usage", route_class=StrictJSONRoute, tags=["usage"])
@@ -23,8 +24,8 @@ router = APIRouter(prefix="/v1/usage", route_class=StrictJSONRoute, tags=["usage
 def read_usage(
     session: SessionDep,
     caller: ProjectDep,
-    start_time: Annotated[int | None, Query(ge=0, description="Unix time (default: 7 days ago).")] = None,
-    end_time: Annotated[int | None, Query(ge=0, description="Unix time (default: now).")] = None,
+    start_time: Annotated[int | None, Query(ge=0, le=2**40, description="Unix time (default: 7 days ago).")] = None,
+    end_time: Annotated[int | None, Query(ge=0, le=2**40, description="Unix time (default: now).")] = None,
     group_by: Annotated[
         str, Query(max_length=200, description="Comma-separated: project, kind, subject, day, accelerator.")
     ] = "kind",
@@ -46,7 +47,8 @@ def read_usage(
         project_seq = projects.find_project(session=session, id_or_name=project_id).seq
     elif caller.operator:
         project_seq = None
-    rows = usage.summary(session, project_seq=project_seq, start=start, end=end, group_by=groups)
+    prices = get_settings().accelerator_prices
+    rows = usage.summary(session, project_seq=project_seq, start=start, end=end, group_by=groups, prices=prices)
     out = {"object": "usage", "start_time": start, "end_time": end, "group_by": groups, "data": rows}
     if project_seq is not None:
         out["stored_bytes"] = usage.stored_bytes(session, project_seq)

@@ -131,9 +131,10 @@ ROUTE_SCOPES: dict[tuple[str, str], tuple[str, ...]] = {
 
 
 def _pattern(template: str) -> re.Pattern[str]:
-    """A template's regex: ``{name}`` one path segment, ``{name:path}`` one or more."""
+    """A template's regex, as Starlette's router reads it: ``{name}`` one path segment, ``{name:path}``
+    the rest of the path (an empty rest too)."""
     parts = re.split(r"(\{[^}]+\})", template)
-    pieces = [(".+" if p.endswith(":path}") else "[^/]+") if p.startswith("{") else re.escape(p) for p in parts]
+    pieces = [(".*" if p.endswith(":path}") else "[^/]+") if p.startswith("{") else re.escape(p) for p in parts]
     return re.compile("^" + "".join(pieces) + "/?$")
 
 
