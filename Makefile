@@ -8,7 +8,7 @@ PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 
-.PHONY: install system-packages demo up test test-fast bench bench-learning gpu-check tinker-venv tinker-examples lint clean
+.PHONY: install system-packages demo up test test-fast bench bench-learning soak gpu-check tinker-venv tinker-examples lint clean
 
 install: $(STAMP) system-packages
 
@@ -58,6 +58,17 @@ bench: $(BENCH_STAMP)
 # 90 minutes on 2 cores; finished runs are kept in var/bench-learning, so a rerun goes on from there).
 bench-learning: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.learning
+
+# The chaos soak: two API processes, two training workers, a graders and an inference worker,
+# PostgreSQL (through a proxy it cuts) and a Redis of its own (killed and started again), three
+# projects' clients, a seeded fault every 6-15 s for SOAK_MINUTES; then its checks (every job ended,
+# each step once, checkpoints load, one worker at a time, nothing orphaned, one job per
+# Idempotency-Key, usage metered, every request answered). Figures on stdout; exit 1 on a problem.
+# Needs PostgreSQL (TEST_DATABASE_URL, or postgres@127.0.0.1:5432). Loopback only.
+SOAK_MINUTES ?= 5
+SOAK_SEED ?= 1
+soak: install
+	$(BIN)/python -m benchmarks.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
 
 # A GPU host's figures, unattended in under 10 minutes: a random-weight model of Qwen2.5-0.5B's shape
 # trains RLOO a few steps on 1 GPU (transformers, then vLLM where it is installed) and on all GPUs;
