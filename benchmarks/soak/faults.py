@@ -54,12 +54,7 @@ class Injector:
 
     # Each fault -----------------------------------------------------------------------------------
     def kill_training_worker(self, rng: random.Random) -> Fault:
-        name = rng.choice(["train-1", "train-2"])
-        fault = Fault("kill_training_worker", name, time.time())
-        self.stack.kill(name)
-        time.sleep(rng.uniform(0.5, 3.0))
-        self.stack.start(name)
-        return fault
+        return self._kill_and_start("kill_training_worker", rng.choice(["train-1", "train-2"]), rng.uniform(0.5, 3.0))
 
     def kill_pool_process(self, rng: random.Random) -> Fault:
         name = rng.choice(["train-1", "train-2"])
@@ -74,23 +69,20 @@ class Injector:
         return fault
 
     def kill_api(self, rng: random.Random) -> Fault:
-        name = rng.choice(["api-1", "api-2"])
-        fault = Fault("kill_api", name, time.time())
-        self.stack.kill(name)
-        time.sleep(rng.uniform(0.2, 2.0))
-        self.stack.start(name)
-        return fault
+        return self._kill_and_start("kill_api", rng.choice(["api-1", "api-2"]), rng.uniform(0.2, 2.0))
 
     def kill_inference_worker(self, rng: random.Random) -> Fault:
-        fault = Fault("kill_inference_worker", "serve", time.time())
-        self.stack.kill("serve")
-        self.stack.start("serve")
-        return fault
+        return self._kill_and_start("kill_inference_worker", "serve", 0.0)
 
     def kill_graders_worker(self, rng: random.Random) -> Fault:
-        fault = Fault("kill_graders_worker", "graders", time.time())
-        self.stack.kill("graders")
-        self.stack.start("graders")
+        return self._kill_and_start("kill_graders_worker", "graders", 0.0)
+
+    def _kill_and_start(self, kind: str, name: str, pause: float) -> Fault:
+        """SIGKILL to the process and its children, ``pause`` seconds down, then started again."""
+        fault = Fault(kind, name, time.time())
+        self.stack.kill(name)
+        time.sleep(pause)
+        self.stack.start(name)
         return fault
 
     def restart_redis(self, rng: random.Random) -> Fault:

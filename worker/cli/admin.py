@@ -213,12 +213,7 @@ def projects_archive(project: Annotated[str, typer.Argument(metavar="PROJECT", h
     project_archived) within RLOO_AUTH_CACHE_SECONDS. Undo with rloo projects restore."""
     from service.tenancy import projects
 
-    with _admin_session() as session:
-        row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
-        projects.archive(project=row)
-        _audit(session, row, "rloo projects archive", row.id)
-        session.commit()
-        typer.echo(f"project {row.name} ({row.id}) archived")
+    _change_project(project, "archive", lambda row: projects.archive(project=row))
 
 
 @projects_app.command("restore")
@@ -226,12 +221,19 @@ def projects_restore(project: Annotated[str, typer.Argument(metavar="PROJECT", h
     """Restore an archived project: its keys work again."""
     from service.tenancy import projects
 
+    _change_project(project, "restore", lambda row: projects.restore(project=row))
+
+
+def _change_project(project: str, verb: str, change: Any) -> None:
+    """``change`` a project (by name or id), audited, committed, said."""
+    from service.tenancy import projects
+
     with _admin_session() as session:
         row = projects.find_project(session=session, id_or_name=project, param="PROJECT")
-        projects.restore(project=row)
-        _audit(session, row, "rloo projects restore", row.id)
+        change(row)
+        _audit(session, row, f"rloo projects {verb}", row.id)
         session.commit()
-        typer.echo(f"project {row.name} ({row.id}) restored")
+        typer.echo(f"project {row.name} ({row.id}) {verb}d")
 
 
 @projects_app.command("quota")
