@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--database-url")
     ap.add_argument("--redis-url")
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument(
+        "--count-limits",
+        action="store_true",
+        help="Count every request against a per-key rate limit too high to refuse any (in Redis, as the "
+        "default limit is counted): what counting costs.",
+    )
     args = ap.parse_args(argv)
 
     home = Path(tempfile.mkdtemp(prefix="rloo-bench-api-"))
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ["RLOO_HOME"] = str(home)
     # The `rloo api` started below inherits this: throughput with one key is the figure here, and the
     # per-key rate limit (20/s by default) would measure itself instead.
-    os.environ["RLOO_RATE_LIMIT"] = "0"
+    os.environ["RLOO_RATE_LIMIT"] = "1000000" if args.count_limits else "0"
+    os.environ["RLOO_RATE_LIMIT_BURST"] = "1000000000"
     os.environ["RLOO_MAX_QUEUED_JOBS"] = "100000000"  # the creation case makes thousands of waiting jobs
     if args.database_url:
         os.environ["RLOO_DATABASE_URL"] = args.database_url
