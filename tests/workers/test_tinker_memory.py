@@ -37,7 +37,9 @@ def test_an_out_of_memory_batch_fails_as_the_user_s_and_drops_the_accumulated_gr
     model = TrainingModel(
         models_dir / "tiny-policy", lora=LoraSettings(rank=4), device=torch.device("cpu"), name="tiny-policy"
     )
-    row = SimpleNamespace(id="s:train:0", seq=1, project_seq=1, base_model="tiny-policy", state_path=None, state_steps=0)
+    row = SimpleNamespace(
+        id="s:train:0", seq=1, project_seq=1, base_model="tiny-policy", state_path=None, state_steps=0
+    )
     holder = Holder(row, model)  # type: ignore[arg-type]
     holder.forward_backward(_payload(6), None)  # one batch's gradients wait for optim_step
     grads = [p.grad for p in model.model.parameters() if p.requires_grad]
