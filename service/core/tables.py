@@ -195,6 +195,8 @@ class Checkpoint(Base):
     fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(1024), index=True)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     bytes: Mapped[int | None] = mapped_column(BigInteger)  # on disk, as saved (a project's stored bytes)
+    export_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """Its merged export's bytes while it has one (``service.registry.exports``), also stored bytes."""
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
     __table_args__ = (UniqueConstraint("job_seq", "step_number", name="uq_checkpoints_job_step"),)

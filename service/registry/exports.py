@@ -6,7 +6,8 @@ waits for none: an inference worker merges (``worker.serving.between_batches.exp
 there). Until it is there, a download is answered at once with 503 ``export_in_progress`` and
 ``Retry-After``; the merge was asked for once (a marker in Redis, ``export:<key>``, while it is queued
 or a worker holds it), at most ``MERGES_PER_PROJECT`` at once a project, and a failed merge is the
-next download's answer, after which it may be asked again.
+next download's answer, after which it may be asked again. The worker records the export's bytes on
+its checkpoint's row (``export_bytes``, counted in the project's stored bytes) until it is removed.
 
 Where exports live, and their removal with what they were made from, is ``service.registry.export_dirs``."""
 
@@ -48,7 +49,8 @@ def merged(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     servable = {"base": str(settings.models_dir / source.base_model), "chain": [str(p) for p in chain]}
-    _ask_once(settings, key, {"kind": "export", "servable": servable, "target": str(target)}, project_id)
+    envelope = {"kind": "export", "servable": servable, "target": str(target), "checkpoint": checkpoint.id}
+    _ask_once(settings, key, envelope, project_id)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -70,7 +72,8 @@ def merged_in_store(
     if store.manifest(key) is not None:
         return key
     servable = {"base": str(settings.models_dir / source.base_model), "chain": list(source.chain)}
-    _ask_once(settings, key, {"kind": "export", "servable": servable, "target": key}, project_id)  # relative
+    envelope = {"kind": "export", "servable": servable, "target": key, "checkpoint": checkpoint.id}  # relative
+    _ask_once(settings, key, envelope, project_id)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -3,22 +3,26 @@
 per project by ``GET /v1/usage`` and the quotas; and what a project stores now.
 
 Kinds: ``device_seconds`` (by accelerator kind: the devices a job held, times the wall time between
-its steps), ``tokens_trained``, ``tokens_sampled`` (rollout completions), ``inference_tokens``
-(prompt and completion tokens of chat and text completions)."""
+its steps), ``tokens_trained``, ``tokens_sampled`` (rollout completions), ``reward_model_tokens``
+(what a job's reward models and embedding models read, beside the policy or on the inference
+workers), ``judge_tokens`` (what its judges read and wrote), ``inference_tokens`` (prompt and
+completion tokens of chat and text completions)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from service.core.tables import Checkpoint, File, Job, Project, UsageRecord
+from service.core.tables import Checkpoint, File, Job, Project, TinkerCheckpoint, TinkerModel, UsageRecord
 
-KINDS = ("device_seconds", "tokens_trained", "tokens_sampled", "inference_tokens")
+KINDS = (
+    "device_seconds", "tokens_trained", "tokens_sampled", "reward_model_tokens", "judge_tokens", "inference_tokens",
+)  # fmt: skip
 GROUPS = ("project", "kind", "subject", "day", "accelerator")
 
 
@@ -104,14 +108,30 @@ def cost(session: Session, prices: dict[str, float], *, subject: str | None = No
 
 
 def stored_bytes(session: Session, project_seq: int) -> int:
-    """What the project stores now: its files' bytes, and its checkpoints' (as recorded at save)."""
-    files = session.scalar(select(func.sum(File.bytes)).where(File.project_seq == project_seq)) or 0
-    checkpoints = session.scalar(
-        select(func.sum(Checkpoint.bytes))
+    """What the project stores now: its files' bytes, its jobs' checkpoints' (as recorded at save)
+    and their merged exports' (as merged), and its Tinker training models' saved checkpoints'."""
+    files = session.scalar(select(func.sum(File.bytes)).where(File.project_seq == project_seq))
+    checkpoints = session.execute(
+        select(func.sum(Checkpoint.bytes), func.sum(Checkpoint.export_bytes))
         .join(Job, Job.seq == Checkpoint.job_seq)
         .where(Job.project_seq == project_seq)
+    ).one()
+    tinker = session.scalar(
+        select(func.sum(TinkerCheckpoint.size_bytes))
+        .join(TinkerModel, TinkerModel.seq == TinkerCheckpoint.model_seq)
+        .where(TinkerModel.project_seq == project_seq)
     )
-    return int(files) + int(checkpoints or 0)
+    return sum(int(n or 0) for n in (files, *checkpoints, tinker))
+
+
+def note_export(session: Session, checkpoint_id: str, size: int) -> None:
+    """The bytes of ``checkpoint_id``'s merged export, as merged (in the caller's transaction)."""
+    session.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(export_bytes=size))
+
+
+def exports_removed(session: Session, *, job_seq: int) -> None:
+    """A job's merged exports are no longer stored (its model was deleted; in the caller's transaction)."""
+    session.execute(update(Checkpoint).where(Checkpoint.job_seq == job_seq).values(export_bytes=None))
 
 
 def summary(

@@ -116,12 +116,14 @@ def test_steps_are_metered_and_a_budget_pauses_the_job(client, auth, operator) -
         assert row is not None
     recorder = DatabaseRecorder(row, holder="w1")
     recorder.meter.last -= 2.0  # two seconds since the job started, on its one device
-    assert recorder.step(1, {"total_steps": 10, "trained_tokens": 100, "completion_length_mean": 5.0}) is None
+    first = {"total_steps": 10, "trained_tokens": 100, "completion_length_mean": 5.0, "judge_tokens": 900}
+    assert recorder.step(1, {**first, "reward_model_tokens": 0}) is None
     used = client.get("/v1/usage?group_by=subject", headers=auth).json()["data"]
     mine = {u["kind"]: u["amount"] for u in used if u["subject"] == job["id"]}
     hp = job["method"]["reinforcement"]["hyperparameters"]
     assert 2.0 <= mine["device_seconds"] < 2.0 + 30  # the 2 s held back, and the machine's own time since
     assert mine["tokens_trained"] == 100 and mine["tokens_sampled"] == 5.0 * hp["batch_size"] * hp["rloo_k"]
+    assert mine["judge_tokens"] == 900 and "reward_model_tokens" not in mine  # a step's own (no zero rows)
 
     recorder.meter.last -= 3.0
     recorder.meter.checked = float("-inf")  # the budget is looked at every 10 s; now
@@ -132,6 +134,7 @@ def test_steps_are_metered_and_a_budget_pauses_the_job(client, auth, operator) -
     assert "its budget (0.001)" in events[0]["message"]
     by_kind = {u["kind"]: u for u in client.get("/v1/usage", headers=auth).json()["data"]}
     assert by_kind["tokens_trained"]["amount"] == 250  # deltas: 100, then 150
+    assert by_kind["judge_tokens"]["amount"] == 900  # the second step's judge read nothing
     assert 5.0 / 3600 <= by_kind["device_seconds"]["device_hours"] < 35.0 / 3600
 
 

@@ -225,11 +225,14 @@ def test_the_rest_client_lists_describes_downloads_expires_and_deletes_checkpoin
 
     mine, theirs = _headers("alpha"), _headers("beta")
     model_id = _model(client, mine).json()["model_id"]
+    bearer = {"Authorization": f"Bearer {mine['X-API-Key']}"}
+    stored = client.get("/v1/usage", headers=bearer).json()["stored_bytes"]
     sampler = _checkpoint(
         model_id, "sampler_weights", "s1", {"adapter_model.safetensors": b"weights", "x/a.json": b"{}"}
     )
     state = _checkpoint(model_id, "weights", "w1", {"model.pt": b"state"})
     base = f"/api/v1/training_runs/{model_id}"
+    assert client.get("/v1/usage", headers=bearer).json()["stored_bytes"] == stored + 2 * 7  # its project's bytes
 
     runs = client.get("/api/v1/training_runs", headers=mine).json()
     assert runs["cursor"] == {"offset": 0, "limit": 20, "total_count": 1}
@@ -283,6 +286,7 @@ def test_the_rest_client_lists_describes_downloads_expires_and_deletes_checkpoin
     assert client.delete(f"{base}/checkpoints/weights/w1", headers=mine).status_code == 200
     assert client.get(f"{base}/checkpoints", headers=mine).json()["checkpoints"] == []
     assert not (directory.parent.parent / "weights" / "w1").exists()
+    assert client.get("/v1/usage", headers=bearer).json()["stored_bytes"] == stored
 
     sessions_list = client.get("/api/v1/sessions", headers=mine).json()["sessions"]
     assert client.get(f"/api/v1/sessions/{sessions_list[0]}", headers=mine).json()["training_run_ids"] == [model_id]

@@ -322,6 +322,41 @@ def test_a_lora_checkpoint_downloads_merged_as_one_model_that_from_pretrained_lo
     assert client.get(url, params={"merged": "true"}, headers=auth).content == client.get(url, headers=auth).content
 
 
+def test_an_export_s_bytes_count_in_its_project_s_stored_bytes_until_its_model_is_deleted(
+    client: Any, auth: dict[str, str], env: dict[str, str], models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge the API asks for names its checkpoint; the worker that made it records its bytes
+    there (in process here: this module's worker keeps a database of its own); deleting the model
+    removes the export and its bytes."""
+    from service.core.settings import get_settings
+    from service.registry import exports
+    from worker.serving.between_batches import exported
+
+    artifacts = Path(env["RLOO_HOME"]) / "artifacts"
+    name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
+    asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(exports, "_ask_once", lambda settings, key, envelope, project: asked.append(envelope))
+    stored = client.get("/v1/usage", headers=auth).json()["stored_bytes"]
+    with session_scope() as session:
+        ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()
+        job = session.get(Job, ckpt.job_seq)
+        seq = job.project_seq
+        with pytest.raises(AssertionError, match="unreachable"):  # (the real one raises export_in_progress)
+            exports.merged(session, get_settings(), project_seq=seq, project_id="alpha", checkpoint=ckpt)
+    assert asked[0]["checkpoint"] == ckpt.id
+    assert exported(asked[0]) == {"t": "done", "usage": None}
+    made = sum(f.stat().st_size for f in (artifacts / "exports").rglob("*") if f.is_file())
+    assert made > 0 and client.get("/v1/usage", headers=auth).json()["stored_bytes"] == stored + made
+    with session_scope() as session:
+        job = session.get(Job, ckpt.job_seq)
+        model = model_ids.model_id(base="tiny-policy", project="alpha", suffix=None, job_id=job.id)
+        job.fine_tuned_model = model
+        session.commit()
+    assert client.delete(f"/v1/models/{model}", headers=auth).status_code == 200
+    assert client.get("/v1/usage", headers=auth).json()["stored_bytes"] == stored
+    assert not list((artifacts / "exports").rglob("*.safetensors"))
+
+
 def _merged_when_ready(client: Any, url: str, auth: dict[str, str], timeout: float = 60) -> Any:
     deadline = time.monotonic() + timeout
     while True:

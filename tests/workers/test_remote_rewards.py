@@ -105,12 +105,14 @@ def test_a_remote_reward_model_scores_what_it_scores_beside_the_policy(
 ) -> None:
     serving(None)
     samples, items, prompts, sampled = _batch(models_dir)
-    local = RewardModels(models_dir=models_dir, device=torch.device("cpu")).score(
-        parse_grader(RM), samples, items, prompts, sampled
-    )
+    beside = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
+    local = beside.score(parse_grader(RM), samples, items, prompts, sampled)
     here = RewardModels(models_dir=models_dir, device=torch.device("cpu"))
     remote = here.score(parse_grader({**RM, "remote": True}), samples, items, prompts, sampled)
     assert remote == pytest.approx(local, abs=1e-6)
+    # The tokens it read there come back with the scores, to be metered as the job's.
+    read = beside.tokens.take()["reward_model_tokens"]
+    assert read > 0 and here.tokens.take() == {"reward_model_tokens": read, "judge_tokens": 0}
     assert len({round(s, 4) for s in local}) > 5  # the rows really differ
     assert not here._loaded  # the trainer never loaded the remote one
     # A NaN (an input template that misses a key) travels as null and comes back NaN.

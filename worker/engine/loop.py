@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from worker.engine.recorders import Recorder
 from worker.engine.resume import save
 from worker.engine.state import Run
@@ -72,6 +74,7 @@ def end_of_step(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder
     """Record the step, then checkpoint where the run stops (pause, cancel) or at the interval."""
     if run.counters.first is None:
         run.counters.first = metrics.get(headline)
+    metrics.update(scoring_tokens(run))
     stopped = run.ranks.agree(recorder.step(step, metrics))  # rank 0 records; every rank stops with it
     if stopped == "paused" and step == run.total_steps:
         stopped = None  # nothing is left to pause: finish
@@ -83,6 +86,19 @@ def end_of_step(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder
     if interval and step % interval == 0 and step < run.total_steps:
         save(run, step, metrics, recorder, final=False)
     return Stop(step, metrics)
+
+
+def scoring_tokens(run: Run) -> dict[str, int]:
+    """The tokens the run's reward models, embedding models and judges read since the last step
+    (its validation pass's too), every rank's: the step's ``reward_model_tokens`` and ``judge_tokens``,
+    which the worker meters (``worker.jobs.database_recorder.Meter``); none for a run without them."""
+    if run.reward_models is None:
+        return {}
+    counts = run.reward_models.tokens.take()
+    if run.ranks.distributed:
+        summed = run.ranks.sum(torch.tensor(list(counts.values()), dtype=torch.long, device=run.device))
+        counts = dict(zip(counts, (int(n) for n in summed.tolist()), strict=True))
+    return counts
 
 
 def finish(run: Run, stop: Stop, recorder: Recorder, *, headline: str) -> TrainResult:

@@ -158,7 +158,8 @@ class DatabaseRecorder:
 
 class Meter:
     """What a job uses between its steps (``service.tenancy.usage``): the devices it holds times the
-    wall time since its last step (or its start), the tokens it trained, the tokens it sampled."""
+    wall time since its last step (or its start), the tokens it trained, the tokens it sampled, the
+    tokens its reward models and judges read."""
 
     def __init__(self, job: Job) -> None:
         self.job, self.last, self.checked = job, time.monotonic(), float("-inf")
@@ -188,6 +189,9 @@ class Meter:
         self.trained = trained
         if self.completions and isinstance(metrics.get("completion_length_mean"), (int, float)):
             used["tokens_sampled"] = float(metrics["completion_length_mean"]) * self.completions
+        for kind in ("reward_model_tokens", "judge_tokens"):  # worker.engine.loop.scoring_tokens
+            if isinstance(metrics.get(kind), (int, float)):
+                used[kind] = float(metrics[kind])
         return used
 
     def write(self, session: Any, used: dict[str, float]) -> None:

@@ -120,29 +120,48 @@ class BetweenBatches:
 def exported(envelope: dict[str, Any]) -> dict[str, Any]:
     """An export request's answer, once its merge is done (or failed)."""
     try:
-        export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
+        made = export_to(Servable.from_wire(envelope["servable"]), envelope["target"])
     except JobError as exc:
         return inference_bus.error_message(500, exc.code, exc.message)
     except Exception as exc:  # a disk that is full, a checkpoint half gone: this export's answer
         log.exception("export failed")
         return inference_bus.error_message(500, "export_failed", f"The export failed: {type(exc).__name__}: {exc}")
+    if envelope.get("checkpoint"):
+        note_export_bytes(str(envelope["checkpoint"]), made)
     return {"t": "done", "usage": None}
 
 
-def export_to(servable: Servable, target: str) -> None:
+def export_to(servable: Servable, target: str) -> Path:
     """``export`` to the API's ``target``: a directory, or (relative) a key of the object store,
-    made in this host's cache and published there whole, marker last (``service.infra.artifacts``)."""
+    made in this host's cache and published there whole, marker last (``service.infra.artifacts``);
+    the directory it made."""
     from service.core.settings import get_settings
     from service.infra.artifacts import open_store
 
     if Path(target).is_absolute():
         export(servable, Path(target))
-        return
+        return Path(target)
     store = open_store(get_settings())
     local = store.local(target)
     local.parent.mkdir(parents=True, exist_ok=True)
     export(servable, local)
     store.publish_checkpoint(target, local)
+    return local
+
+
+def note_export_bytes(checkpoint_id: str, made: Path) -> None:
+    """The export's bytes on its checkpoint's row: its project's stored bytes count them
+    (``service.tenancy.usage.stored_bytes``). The database away: the export is served all the same."""
+    from service.core.db import session_scope
+    from service.tenancy import usage
+
+    size = sum(f.stat().st_size for f in made.rglob("*") if f.is_file())
+    try:
+        with session_scope() as session:
+            usage.note_export(session, checkpoint_id, size)
+            session.commit()
+    except Exception:
+        log.exception("the bytes of the export of %s were not recorded", checkpoint_id)
 
 
 def export(servable: Servable, target: Path) -> None:

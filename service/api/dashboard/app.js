@@ -562,14 +562,14 @@ async function filesPage() {
 async function usagePage() {
   const usage = await api("/usage?group_by=day");
   const days = [...new Set(usage.data.map(u => u.day))].sort();
-  const kinds = ["device_seconds", "tokens_trained", "tokens_sampled", "inference_tokens"];
+  const kinds = ["device_seconds", "tokens_trained", "tokens_sampled", "reward_model_tokens", "judge_tokens", "inference_tokens"];
   const of = (day, kind) => usage.data.find(u => u.day === day && u.kind === kind);
   const widest = Math.max(1e-9, ...days.map(d => (of(d, "device_seconds") || {}).device_hours || 0));
   const priced = usage.data.some(u => u.cost !== undefined);
-  const head = ["day", "device-hours", "", ...(priced ? ["cost"] : []), "tokens trained", "tokens sampled", "inference tokens"];
+  const head = ["day", "device-hours", "", ...(priced ? ["cost"] : []), "tokens trained", "tokens sampled", "reward-model tokens", "judge tokens", "inference tokens"];
   const quotas = Object.entries(usage.quotas || {}).filter(([, v]) => v !== null);
   main().replaceChildren(el("h1", { text: "Usage" }),
-    el("p", { id: "stored", text: `Stored now: ${usage.stored_bytes} bytes (files and checkpoints).` }),
+    el("p", { id: "stored", text: `Stored now: ${usage.stored_bytes} bytes (files, checkpoints and their merged exports).` }),
     el("p", { id: "quotas", text: quotas.length ? "Quotas: " + quotas.map(([k, v]) => `${k} ${v}`).join(", ") : "No quotas set." }),
     el("table", { id: "usage" }, el("tr", {}, ...head.map(h => el("th", { text: h }))),
       ...days.map(d => {

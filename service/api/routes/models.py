@@ -31,6 +31,7 @@ from service.infra.artifacts import open_store
 from service.jobs.lifecycle import JobStatus
 from service.registry import export_dirs, finetuned, inspection, model_ids
 from service.registry.model_root import list_models
+from service.tenancy import usage
 
 log = logging.getLogger("rloo.api")
 router = APIRouter(prefix="/v1/models", route_class=StrictJSONRoute, tags=["models"])
@@ -126,6 +127,7 @@ def delete(session: SessionDep, project: ProjectDep, settings: SettingsDep, mode
         session, Evaluation.job_seq == job.seq, code="model_deleted", message=f"The model {model_id} was deleted."
     )
     evaluations.cancel_for_model(session, project.seq, model_id)
+    usage.exports_removed(session, job_seq=job.seq)
     session.commit()
     try:  # its merged copies (made again if asked, while the checkpoints remain)
         export_dirs.remove_job_exports(open_store(settings), settings.artifacts_dir, job.id)

@@ -99,10 +99,18 @@ def test_each_prompt_read_once_scores_what_the_whole_texts_score(
     model, tok = rm._load(name)
     shared = rm._shared_prefix_scores(leaf, model, tok, samples, items, prompts)
     assert shared is not None  # the rows shared their prompts' part: it was read once
+    read_shared = rm.tokens.take()["reward_model_tokens"]
     rm._shared_prefix_scores = lambda *args: None  # type: ignore[method-assign]
     whole = rm.score(leaf, samples, items, prompts)
     assert shared == pytest.approx(whole, abs=1e-5)
     assert len({round(s, 4) for s in whole}) > 6  # the rows really differ
+    # What is metered is what the model read: every whole text's tokens, or each prompt's part once.
+    from worker.engine.rewards.scoring import reward_model_texts
+
+    texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
+    read_whole = sum(len(tok(t, add_special_tokens=not templated)["input_ids"]) for t in texts if t is not None)
+    assert rm.tokens.take()["reward_model_tokens"] == read_whole
+    assert 0 < read_shared < read_whole
 
 
 def test_rows_read_whole_where_the_prompt_cannot_be_cut_off(models_dir: Path, tmp_path: Path) -> None:

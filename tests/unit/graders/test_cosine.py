@@ -42,6 +42,7 @@ def test_cosine_of_sentence_embeddings(models: RewardModels) -> None:
         Sample("anything"),
     ]
     items: list[dict[str, object]] = [{"answer": "The cat sat on the mat."}] * 3 + [{}]  # the last lacks answer
+    models.tokens.take()  # (the shared models' earlier reads)
     result = score_batch(
         parse_grader(COSINE),
         prompts=[""] * 4,
@@ -53,6 +54,10 @@ def test_cosine_of_sentence_embeddings(models: RewardModels) -> None:
     assert same == pytest.approx(1.0, abs=1e-5)
     assert paraphrase > 0.8 and unrelated < 0.3  # all-MiniLM-L6-v2: 0.94 and 0.04
     assert math.isnan(missing) and result.errors == {"cos": 1}
+    # Metered: the embedding model read the three scored samples and their reference, each whole.
+    texts = [t for s in samples[:3] for t in (s.output_text, "The cat sat on the mat.")]
+    read = sum(len(ids) for ids in models._embedder().tokenizer(texts)["input_ids"])
+    assert models.tokens.take()["reward_model_tokens"] == read > 0
 
 
 def test_cosine_inside_a_multi_with_per_grader_scores(models: RewardModels) -> None:

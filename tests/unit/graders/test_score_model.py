@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.graders import GraderError, Sample, grader_to_dict, parse_grader, parse_judge_score
+from service.graders import GraderError, Sample, grader_to_dict, parse_grader, parse_judge_score, render_judge_messages
 from worker.engine.rewards.scoring import RewardModels, score_batch
 
 JUDGE = {
@@ -121,6 +121,16 @@ def test_the_judge_scores_each_sample(judge_models: Path) -> None:
         parse_grader(JUDGE), prompts=[""] * 3, texts=["blue", "green", "x"], items=items, reward_models=models
     )
     assert result.rewards[:2] == [7.0, 7.0] and math.isnan(result.rewards[2])
+    # What it read (the two rendered prompts; the third misses its key) and wrote ("7", at least).
+    from worker.engine.rewards.scoring import _judge_prompts
+
+    tok = models._load_judge(JUDGE["model"])[1]
+    chats = render_judge_messages(parse_grader(JUDGE), [Sample("blue"), Sample("green")], items[:2])
+    prompts, special = _judge_prompts(parse_grader(JUDGE), tok, [c for c in chats if c is not None])
+    read = sum(len(tok(p, add_special_tokens=special)["input_ids"]) for p in prompts)
+    used = models.tokens.take()
+    assert read + 2 <= used["judge_tokens"] <= read + 2 * parse_grader(JUDGE).max_tokens, (read, used)
+    assert used["reward_model_tokens"] == 0 and models.tokens.take()["judge_tokens"] == 0  # taken: from 0 again
     narrow = parse_grader({**JUDGE, "range": [0, 5]})
     assert score_batch(narrow, prompts=[""], texts=["blue"], items=items[:1], reward_models=models).rewards == [5.0]
 
@@ -159,9 +169,13 @@ def test_a_job_trains_on_a_judge(judge_models: Path, tmp_path: Path) -> None:
     if not (judge_models / "tiny-policy").exists():  # the policy, beside the judge in this models root
         build_tiny_causal_lm(judge_models / "tiny-policy", seed=0)
     spec = {**JUDGE, "input": [{"role": "user", "content": "{{ item.answer }} / {{ sample.output_text }}"}]}
-    rec = ListRecorder()
-    train(config(tmp_path, judge_models, spec, max_steps=1), rec)
+    rec, cfg = ListRecorder(), config(tmp_path, judge_models, spec, max_steps=1)
+    train(cfg, rec)
     assert rec.steps[0]["train_reward_mean"] == 7.0 and rec.steps[0]["graders.judge.mean"] == 7.0
+    # What the judge read and wrote is the step's, to be metered: each completion's judging (a prompt
+    # of more than one token, an answer of one at least).
+    completions = cfg.hyperparameters.batch_size * cfg.hyperparameters.rloo_k
+    assert rec.steps[0]["judge_tokens"] >= 3 * completions and rec.steps[0]["reward_model_tokens"] == 0
 
 
 LABELS = {
@@ -247,8 +261,26 @@ def test_a_labels_log_prob_is_the_sum_of_its_tokens_after_the_prompt(judge_model
         models = RewardModels(models_dir=judge_models, device=torch.device("cpu"), batch_size=batch_size)
         got = models.label_logprobs(grader, samples, items)
         assert got[3] is None  # the template's item.question is missing
+        heads = sum(len(tok(h, add_special_tokens=False)["input_ids"]) for h in _label_heads(tok, questions))
+        label_ids = sum(len(tok(label, add_special_tokens=False)["input_ids"]) for label in labels)
+        assert models.tokens.take()["judge_tokens"] == heads * len(labels) + label_ids * len(questions)
         for row, want in zip(got[:3], expected, strict=True):
             assert row == pytest.approx(want, abs=1e-4)
     # A sample passes where its likeliest label is the passing one.
     passing = [float(labels[max(range(4), key=sums.__getitem__)] == "what") for sums in expected]
     assert models.label(grader, samples, items)[:3] == passing
+
+
+def _label_heads(tok: object, questions: list[str]) -> list[str]:
+    """The texts the label judge of ``test_a_labels_log_prob_is_the_sum_of_its_tokens_after_the_prompt`` continues."""
+    return [
+        tok.apply_chat_template(  # type: ignore[attr-defined]
+            [
+                {"role": "system", "content": "Rate the answer from 0 to 10."},
+                {"role": "user", "content": f"Question: {q}\nAnswer: yes"},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for q in questions
+    ]

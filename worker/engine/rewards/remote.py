@@ -10,7 +10,8 @@ Redis as the API sends exports (``service.infra.inference_bus.ask``). A dedicate
 A request carries what the local scorer reads: the grader, the completions' texts, their items and
 prompts (once a group), and the policy's sampled tokens with its tokenizer's digest
 (``worker.engine.rewards.scoring.SampledTokens``), so a remote reward model scores what the same model would
-score beside the policy. Its answer is the scores (``null`` for NaN). A worker that dies mid-batch
+score beside the policy. Its answer is the scores (``null`` for NaN) and the tokens the model read
+(metered as the job's reward-model tokens). A worker that dies mid-batch
 is asked once more; no worker, a time-out or a worker's error make the grader unavailable (the job
 fails, saying what to start or change).
 """
@@ -37,8 +38,9 @@ def score_remotely(
     items: Sequence[Mapping[str, Any]],
     prompts: Sequence[str],
     sampled: SampledTokens | None,
-) -> list[float]:
-    """The scores of ``samples`` from the inference workers; raises ``GraderUnavailable``."""
+) -> tuple[list[float], dict[str, Any]]:
+    """The scores of ``samples`` from the inference workers, and the tokens the model read there
+    (``worker.engine.rewards.scoring.TokensRead``'s counts); raises ``GraderUnavailable``."""
     settings = get_settings()
     queue = settings.reward_model_queue or inference_bus.serve_queue()
     body = request_body(leaf, samples, items, prompts, sampled)
@@ -67,7 +69,8 @@ def score_remotely(
             ) from None
         if answer.get("t") == "error":
             raise graders.GraderUnavailable(f"{where}: the inference worker answered: {answer.get('message')}")
-        return [math.nan if s is None else float(s) for s in answer["scores"]]
+        read = answer.get("tokens")
+        return [math.nan if s is None else float(s) for s in answer["scores"]], read if isinstance(read, dict) else {}
     raise graders.GraderUnavailable(f"{where}: the inference worker scoring it stopped {ATTEMPTS} times")
 
 
@@ -106,7 +109,9 @@ def answer(reward_models: Any, envelope: Mapping[str, Any]) -> dict[str, Any]:
         group_of = envelope["group_of"]
         items = [envelope["items"][g] for g in group_of]
         prompts = [envelope["prompts"][g] for g in group_of]
+        reward_models.tokens.take()  # (what an evaluation's graders read before: not this batch's)
         scores = reward_models.score(leaf, samples, items, prompts, sampled)
     except (graders.GraderError, KeyError, IndexError, TypeError, ValueError, OSError) as exc:
         return inference_bus.error_message(400, "invalid_score_request", f"{type(exc).__name__}: {exc}")
-    return {"t": "done", "scores": [s if math.isfinite(s) else None for s in scores]}
+    scored = [s if math.isfinite(s) else None for s in scores]
+    return {"t": "done", "scores": scored, "tokens": reward_models.tokens.take()}

