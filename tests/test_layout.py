@@ -245,7 +245,7 @@ SERVICE_LAYERS = {
     "service.files": ("service.core", "service.infra", "service.files"),
     "service.graders": ("service.core", "service.infra", "service.graders"),
     "service.tools": ("service.core", "service.infra", "service.graders", "service.tools"),  # the graders' sandbox
-    "service.registry": ("service.core", "service.infra", "service.files", "service.registry"),
+    "service.registry": ("service.core", "service.infra", "service.files", "service.tenancy", "service.registry"),
     "service.jobs": (
         "service.core",
         "service.infra",

@@ -28,6 +28,7 @@ from service.infra import inference_bus
 from service.infra.artifacts import S3Store
 from service.registry import finetuned
 from service.registry.export_dirs import export_key
+from service.tenancy import quotas
 
 
 def merged(
@@ -48,6 +49,7 @@ def merged(
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    quotas.check_storage(session, project_seq, 1)  # a project at its quota: no new merged copy
     servable = {"base": str(settings.models_dir / source.base_model), "chain": [str(p) for p in chain]}
     envelope = {"kind": "export", "servable": servable, "target": str(target), "checkpoint": checkpoint.id}
     _ask_once(settings, key, envelope, project_id)
@@ -71,6 +73,7 @@ def merged_in_store(
     key = export_key(Path(checkpoint.path).parent.name, checkpoint.step_number)
     if store.manifest(key) is not None:
         return key
+    quotas.check_storage(session, project_seq, 1)
     servable = {"base": str(settings.models_dir / source.base_model), "chain": list(source.chain)}
     envelope = {"kind": "export", "servable": servable, "target": key, "checkpoint": checkpoint.id}  # relative
     _ask_once(settings, key, envelope, project_id)

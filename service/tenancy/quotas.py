@@ -31,7 +31,7 @@ QUOTAS: dict[str, Quota] = {
     "running_jobs": Quota("jobs running at once", "jobs"),
     "gpus": Quota("devices held by its running jobs at once", "devices"),
     "queued_jobs": Quota("jobs waiting for a worker", "jobs"),
-    "stored_bytes": Quota("bytes stored (files and checkpoints)", "bytes"),
+    "stored_bytes": Quota("bytes stored (files, checkpoints, merged exports, Tinker checkpoints)", "bytes"),
     "inference_tokens_per_minute": Quota("inference tokens a minute (prompt and completion)", "tokens"),
     "device_hours_per_day": Quota("device-hours in any 24 hours", "device-hours", integer=False),
     "cost_per_day": Quota("spend in any 24 hours at the operator's prices (RLOO_ACCELERATOR_PRICES)", "money", False),
@@ -163,8 +163,8 @@ def check_storage(session: Session, project_seq: int, adding: int) -> None:
     if stored + adding > cap:
         raise Forbidden(
             f"This project stores {stored} bytes and this would add {adding}, past its quota of stored_bytes "
-            f"({int(cap)}): delete files (DELETE /v1/files/{{id}}) or fine-tuned models, or ask the operator for "
-            "more.",
+            f"({int(cap)}): delete files (DELETE /v1/files/{{id}}), fine-tuned models (their merged exports) or "
+            "Tinker checkpoints, or ask the operator for more.",
             code="quota_exceeded",
         )
 

@@ -226,13 +226,24 @@ def test_the_rest_client_lists_describes_downloads_expires_and_deletes_checkpoin
     mine, theirs = _headers("alpha"), _headers("beta")
     model_id = _model(client, mine).json()["model_id"]
     bearer = {"Authorization": f"Bearer {mine['X-API-Key']}"}
-    stored = client.get("/v1/usage", headers=bearer).json()["stored_bytes"]
+    other = {"Authorization": f"Bearer {theirs['X-API-Key']}"}
+    stored, others = (client.get("/v1/usage", headers=h).json()["stored_bytes"] for h in (bearer, other))
     sampler = _checkpoint(
         model_id, "sampler_weights", "s1", {"adapter_model.safetensors": b"weights", "x/a.json": b"{}"}
     )
     state = _checkpoint(model_id, "weights", "w1", {"model.pt": b"state"})
     base = f"/api/v1/training_runs/{model_id}"
     assert client.get("/v1/usage", headers=bearer).json()["stored_bytes"] == stored + 2 * 7  # its project's bytes
+    assert client.get("/v1/usage", headers=other).json()["stored_bytes"] == others
+    # At its quota of stored bytes, a project saves nothing more (403 quota_exceeded, naming the quota).
+    operator = {"Authorization": f"Bearer {make_key('ops', operator=True)}"}
+    full = {"quotas": {"stored_bytes": stored + 14}}
+    assert client.post("/v1/projects/alpha", headers=operator, json=full).is_success
+    for path in ("save_weights", "save_weights_for_sampler", "save_weights_external"):
+        r = client.post(f"/api/v1/{path}", json={"model_id": model_id, "path": "more"}, headers=mine)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "quota_exceeded", (path, r.text)
+        assert "stored_bytes" in r.json()["error"]["message"]
+    assert client.post("/v1/projects/alpha", headers=operator, json={"quotas": {"stored_bytes": None}}).is_success
 
     runs = client.get("/api/v1/training_runs", headers=mine).json()
     assert runs["cursor"] == {"offset": 0, "limit": 20, "total_count": 1}

@@ -347,6 +347,22 @@ def test_an_export_s_bytes_count_in_its_project_s_stored_bytes_until_its_model_i
     assert exported(asked[0]) == {"t": "done", "usage": None}
     made = sum(f.stat().st_size for f in (artifacts / "exports").rglob("*") if f.is_file())
     assert made > 0 and client.get("/v1/usage", headers=auth).json()["stored_bytes"] == stored + made
+    # A project at its quota of stored bytes gets no new merged copy (the one made is still served).
+    from service.core.errors import Forbidden
+    from tests.helpers.api import make_key
+
+    operator = {"Authorization": f"Bearer {make_key('ops', operator=True)}"}
+    quota = {"quotas": {"stored_bytes": stored + made}}
+    assert client.post("/v1/projects/alpha", headers=operator, json=quota).status_code == 200
+    another = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
+    with session_scope() as session:
+        assert exports.merged(session, get_settings(), project_seq=seq, project_id="alpha", checkpoint=ckpt)
+        second = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=another).one()
+        with pytest.raises(Forbidden, match="stored_bytes"):
+            exports.merged(session, get_settings(), project_seq=seq, project_id="alpha", checkpoint=second)
+    assert len(asked) == 1
+    quota = {"quotas": {"stored_bytes": None}}
+    assert client.post("/v1/projects/alpha", headers=operator, json=quota).status_code == 200
     with session_scope() as session:
         job = session.get(Job, ckpt.job_seq)
         model = model_ids.model_id(base="tiny-policy", project="alpha", suffix=None, job_id=job.id)

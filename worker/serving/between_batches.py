@@ -151,12 +151,13 @@ def export_to(servable: Servable, target: str) -> Path:
 
 def note_export_bytes(checkpoint_id: str, made: Path) -> None:
     """The export's bytes on its checkpoint's row: its project's stored bytes count them
-    (``service.tenancy.usage.stored_bytes``). The database away: the export is served all the same."""
+    (``service.tenancy.usage.stored_bytes``). Never raises: the database away, or the export removed
+    meanwhile (its model deleted), the export's answer goes out all the same."""
     from service.core.db import session_scope
     from service.tenancy import usage
 
-    size = sum(f.stat().st_size for f in made.rglob("*") if f.is_file())
     try:
+        size = sum(f.stat().st_size for f in made.rglob("*") if f.is_file())
         with session_scope() as session:
             usage.note_export(session, checkpoint_id, size)
             session.commit()

@@ -569,7 +569,7 @@ async function usagePage() {
   const head = ["day", "device-hours", "", ...(priced ? ["cost"] : []), "tokens trained", "tokens sampled", "reward-model tokens", "judge tokens", "inference tokens"];
   const quotas = Object.entries(usage.quotas || {}).filter(([, v]) => v !== null);
   main().replaceChildren(el("h1", { text: "Usage" }),
-    el("p", { id: "stored", text: `Stored now: ${usage.stored_bytes} bytes (files, checkpoints and their merged exports).` }),
+    el("p", { id: "stored", text: `Stored now: ${usage.stored_bytes} bytes (files, checkpoints, merged exports, Tinker checkpoints).` }),
     el("p", { id: "quotas", text: quotas.length ? "Quotas: " + quotas.map(([k, v]) => `${k} ${v}`).join(", ") : "No quotas set." }),
     el("table", { id: "usage" }, el("tr", {}, ...head.map(h => el("th", { text: h }))),
       ...days.map(d => {

@@ -29,6 +29,7 @@ from service.core.db import ends_session, run_db, session_scope, write_lock
 from service.core.errors import Invalid, NotFound, TooLarge, no_inference_worker
 from service.core.settings import Settings, get_settings
 from service.infra import inference_bus, task_queue
+from service.tenancy import quotas
 from service.tinker import bus, loss_specs, sampling, sessions, wire
 
 log = logging.getLogger("rloo.api")
@@ -235,6 +236,7 @@ def save_weights_for_sampler(body: schemas.SaveWeights, project: ProjectDep, ses
 
 def _save(body: schemas.SaveWeights, project: Caller, session: SessionDep, *, sampler: bool) -> JSON:
     sessions.get_model(session, project=project.seq, model_id=body.model_id)
+    quotas.check_storage(session, project.seq, 1)  # a project at its quota saves nothing more
     name = sessions.checked_name(body.path, "") or None
     if name == "resume":
         raise Invalid(
@@ -262,6 +264,7 @@ def save_weights_external(body: schemas.SaveWeightsExternal, project: ProjectDep
             param="age_encryption_recipients",
         )
     sessions.get_model(session, project=project.seq, model_id=body.model_id)
+    quotas.check_storage(session, project.seq, 1)
     fields = {"name": sessions.checked_name(body.path, ""), "ttl_seconds": body.ttl_seconds, "seq_id": body.seq_id}
     return _future(_queue(project.seq, body.model_id, "save_weights_external", fields), body.model_id)
 

@@ -58,6 +58,12 @@ def test_cosine_of_sentence_embeddings(models: RewardModels) -> None:
     texts = [t for s in samples[:3] for t in (s.output_text, "The cat sat on the mat.")]
     read = sum(len(ids) for ids in models._embedder().tokenizer(texts)["input_ids"])
     assert models.tokens.take()["reward_model_tokens"] == read > 0
+    # ...and of a text longer than the model reads, what it read: its first max_seq_length tokens.
+    embedder, long = models._embedder(), "the cat sat on the mat " * 200
+    assert len(embedder.tokenizer(long, verbose=False)["input_ids"]) > embedder.max_seq_length
+    models.cosine(parse_grader(COSINE), [Sample(long)], [{"answer": "x"}])  # type: ignore[arg-type]
+    short = len(embedder.tokenizer("x")["input_ids"])
+    assert models.tokens.take()["reward_model_tokens"] == embedder.max_seq_length + short
 
 
 def test_cosine_inside_a_multi_with_per_grader_scores(models: RewardModels) -> None:

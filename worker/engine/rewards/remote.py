@@ -18,6 +18,7 @@ fails, saying what to start or change).
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,8 @@ from service import graders
 from service.core.settings import get_settings
 from service.infra import inference_bus
 from worker.engine.rewards.shared_prefix import SampledTokens, first_rows, groups
+
+log = logging.getLogger(__name__)
 
 ATTEMPTS = 2
 """A batch is sent again once when the worker that held it died."""
@@ -70,7 +73,10 @@ def score_remotely(
         if answer.get("t") == "error":
             raise graders.GraderUnavailable(f"{where}: the inference worker answered: {answer.get('message')}")
         read = answer.get("tokens")
-        return [math.nan if s is None else float(s) for s in answer["scores"]], read if isinstance(read, dict) else {}
+        if not isinstance(read, dict):  # a worker of an older release: its batches are not metered
+            log.warning("%s: the inference worker answered no token count; upgrade it to meter its tokens", where)
+            read = {}
+        return [math.nan if s is None else float(s) for s in answer["scores"]], read
     raise graders.GraderUnavailable(f"{where}: the inference worker scoring it stopped {ATTEMPTS} times")
 
 

@@ -97,7 +97,7 @@ class RewardModels:
         out = [float("nan")] * len(pairs)  # NaN where a template missed a key
         if texts:
             embedder = self._embedder()
-            self.tokens.add(REWARD_MODEL_TOKENS, sum(len(ids) for ids in embedder.tokenizer(texts)["input_ids"]))
+            self.tokens.add(REWARD_MODEL_TOKENS, int(embedder.tokenize(texts)["attention_mask"].sum()))  # as cut
             vectors = embedder.encode(
                 texts, batch_size=self.batch_size, convert_to_tensor=True, normalize_embeddings=True
             )
@@ -130,7 +130,7 @@ class RewardModels:
                 **enc, max_new_tokens=leaf.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
             )
             written = generated[:, enc["input_ids"].shape[1] :]
-            self.tokens.add(JUDGE_TOKENS, int(enc["attention_mask"].sum()) + int((written != tok.pad_token_id).sum()))
+            self.tokens.add(JUDGE_TOKENS, int(enc["attention_mask"].sum()) + _written_tokens(written, tok))
             answers = tok.batch_decode(written, skip_special_tokens=True)
             for (i, _), answer in zip(chunk, answers, strict=True):
                 out[i] = graders.parse_judge_score(answer, *leaf.range)
@@ -372,6 +372,15 @@ def _judge_prompts(
             f"{leaf.type} grader '{leaf.name}': the chat template of '{leaf.model}' refused the messages "
             f"({type(exc).__name__}: {exc}); change the roles in input"
         ) from None
+
+
+def _written_tokens(written: Tensor, tok: Any) -> int:
+    """The tokens a judge wrote: each row's up to its first end-of-sequence, that one included (what
+    follows is padding, which may be the same token)."""
+    if tok.eos_token_id is None:
+        return int((written != tok.pad_token_id).sum())
+    ends = written == tok.eos_token_id
+    return int(torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, written.shape[1]).sum())
 
 
 def _context(tok: Any) -> int:
