@@ -41,7 +41,7 @@ log = logging.getLogger("rloo.api")
 
 
 @asynccontextmanager
-async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
     settings = get_settings()
     settings.artifacts_dir.mkdir(parents=True, exist_ok=True)
     try:  # what an API process killed mid-upload left behind (workers sweep too, periodically)
@@ -52,6 +52,7 @@ async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
     except Exception as exc:  # the database is not up yet: the workers' sweep will do it
         log.warning("sweeping interrupted uploads failed: %s", exc)
     yield
+    await app.state.limits.close()  # its Redis connection (service.infra.limits)
 
 
 def create_app() -> FastAPI:

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import TrackedSend, error_body, headers_of, status_of
 from service.core.errors import DomainError
+from service.infra import limits
 from service.infra.limits import SharedLimits
 
 
@@ -85,12 +86,6 @@ def app_path(scope: Scope) -> str:
     return str(path[len(root) :] if root and path.startswith(root) else path)
 
 
-def clock() -> float:
-    """The rate limits' clock: wall time, which hosts share, as the counts in Redis need (a test
-    holds it still, so that a burst is one instant whatever the machine's speed)."""
-    return time.time()
-
-
 class RateLimiter:
     """Request rate per key: GCRA (the token bucket's equal, one float per key, no refill loop).
 
@@ -120,7 +115,7 @@ class RateLimiter:
         left, seconds until this one would be allowed (0 when allowed), seconds until the bucket is
         full again)."""
         if now is None:
-            now = clock()
+            now = limits.clock()
         tat = self.tat.get(key)
         if tat is None or tat < now:
             if tat is None and len(self.tat) >= self.max_keys:
@@ -249,7 +244,7 @@ class AuthMiddleware:
         self, limiter: RateLimiter, name: str, key: str, cost: float = 1.0
     ) -> tuple[bool, int, float, float]:
         """``limiter``'s answer for ``key``, counted in Redis where it answers, else in this process."""
-        now = clock()
+        now = limits.clock()
         if self.shared is not None:
             answer = await self.shared.rate(name, key, rate=limiter.rate, burst=limiter.burst, cost=cost, now=now)
             if answer is not None:

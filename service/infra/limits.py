@@ -11,6 +11,7 @@ says which counts hold (``/readyz`` shows it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -48,7 +49,8 @@ return 1
 
 
 def clock() -> float:
-    """The limits' clock: wall time, which hosts share (a test holds it still)."""
+    """The limits' clock, the API's rate limits' too: wall time, which hosts share, as the counts in
+    Redis need (a test holds it still, so that a burst is one instant whatever the machine's speed)."""
     return time.time()
 
 
@@ -131,6 +133,13 @@ class SharedLimits:
 
     def _key(self, kind: str, name: str, key: str) -> str:
         return f"{self.namespace}:limits:{kind}:{name}:{key}"
+
+    async def close(self) -> None:
+        """Let the connection go (the app's shutdown); a later call connects again."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._loop is asyncio.get_running_loop():
+            with contextlib.suppress(Exception):  # Redis gone meanwhile: nothing to let go
+                await conn.aclose()
 
     async def _connection(self) -> Any:
         loop = asyncio.get_running_loop()

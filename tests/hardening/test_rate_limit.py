@@ -58,10 +58,10 @@ def assert_rate_limited(r: Any) -> float:
 def test_the_request_after_the_burst_is_429_for_that_key_only(monkeypatch, env, auth_cache: str) -> None:
     """The limits' clock stands still but where the test moves it: at 0.5 requests a second, a slow
     machine's requests would otherwise see the bucket refill between them."""
-    from service.api import middleware
+    from service.infra import limits as shared_limits
 
     now = [time.monotonic()]
-    monkeypatch.setattr(middleware, "clock", lambda: now[0])
+    monkeypatch.setattr(shared_limits, "clock", lambda: now[0])
     alpha, alpha2, beta = _auth("alpha"), _auth("alpha"), _auth("beta")
     with _client(
         monkeypatch, RLOO_RATE_LIMIT="0.5", RLOO_RATE_LIMIT_BURST="3", RLOO_AUTH_CACHE_SECONDS=auth_cache
@@ -252,10 +252,10 @@ def test_a_tinker_loop_s_requests_count_against_a_limit_of_their_own(monkeypatch
     neither spend the key's other requests nor are held to their limit, and their own limit answers
     a 429 the Tinker SDK backs off; the protocol's other requests (runs, sessions, saves) count
     against the general limit, as the rest of the API's do."""
-    from service.api import middleware
+    from service.infra import limits as shared_limits
 
     now = [time.monotonic()]
-    monkeypatch.setattr(middleware, "clock", lambda: now[0])
+    monkeypatch.setattr(shared_limits, "clock", lambda: now[0])
     auth = _auth("alpha")
     limits = {"RLOO_RATE_LIMIT": "0.5", "RLOO_RATE_LIMIT_BURST": "2"}
 

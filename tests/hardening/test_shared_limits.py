@@ -33,10 +33,7 @@ def test_two_api_processes_give_a_key_one_rate(monkeypatch, env) -> None:
     from service.infra import limits
 
     now = [time.time()]
-    monkeypatch.setattr(limits, "clock", lambda: now[0])
-    from service.api import middleware
-
-    monkeypatch.setattr(middleware, "clock", lambda: now[0])
+    monkeypatch.setattr(limits, "clock", lambda: now[0])  # the API's limits' clock, and Redis' counts'
     auth = {"Authorization": f"Bearer {make_key('alpha')}"}
     slow = {"RLOO_RATE_LIMIT": "0.5", "RLOO_RATE_LIMIT_BURST": "4"}
     with _app_client(monkeypatch, **slow) as one, _app_client(monkeypatch, **slow) as two:
@@ -50,6 +47,8 @@ def test_two_api_processes_give_a_key_one_rate(monkeypatch, env) -> None:
             429,
         ]
         assert one.get("/readyz").json()["limits"] == {"limits": "shared"}
+        assert one.app.state.limits._conn is not None
+    assert one.app.state.limits._conn is None  # let go at shutdown
 
 
 def test_with_redis_down_each_process_counts_alone_and_readyz_says_so(monkeypatch, env) -> None:
