@@ -96,6 +96,39 @@ def test_running_jobs_quota_keeps_the_next_job_waiting(client, auth, operator) -
         assert claimed is not None and claimed.id == second["id"]
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_on_sqlite_a_claim_waits_for_another_claims_commit_and_sees_its_running_job(client, auth, operator) -> None:
+    """SQLite has no row locks: a claim takes the database's write lock before it reads the project's
+    running jobs, so a claim on another worker that took the project's last place is seen, not raced."""
+    import threading
+
+    from sqlalchemy import update
+
+    from service.core.db import session_scope
+    from service.core.tables import Job
+    from service.jobs import lifecycle
+
+    training = upload_ok(client, auth)
+    first, second = (create_job(client, auth, job_body(training["id"])) for _ in range(2))
+    set_quotas(client, operator, "alpha", running_jobs=1)
+
+    def claim() -> None:
+        with session_scope() as session:
+            got.append(lifecycle.claim_fairest(session=session, lane=first_lane(first), worker="w2"))
+
+    got: list[Any] = []
+    with session_scope() as other:  # another worker's claim (as of another lane's), not yet committed
+        other.execute(update(Job).where(Job.id == second["id"]).values(status="running", worker="w1"))
+        waiting = threading.Thread(target=claim)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # its turn comes after the other's commit
+        other.commit()
+    waiting.join(30)
+    assert got == [None]  # it saw the running job: the project is at its quota, the first job waits
+    assert client.get(f"/v1/fine_tuning/jobs/{first['id']}", headers=auth).json()["status"] == "queued"
+
+
 def first_lane(job: dict[str, Any]) -> str:
     from service.infra.task_queue import lane
 
