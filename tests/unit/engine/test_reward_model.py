@@ -244,3 +244,29 @@ def test_a_training_run_reads_the_sampled_tokens_and_ids_past_the_vocabulary_are
         vocab=vocab,
     )
     assert split is not None and split.rows == [ok, ok]  # the second row re-encoded from its text
+
+
+def test_a_step_meters_every_ranks_scoring_tokens_and_takes_them() -> None:
+    """``scoring_tokens`` (what end_of_step adds to a step's metrics): the counts since the last step,
+    summed over the ranks (each scored its own completions), and from zero again after."""
+    from types import SimpleNamespace
+
+    from worker.engine.loop import scoring_tokens
+    from worker.engine.rewards.scoring import TokensRead
+
+    class TwoRanks:  # two ranks that read the same: the all-reduce doubles each count
+        distributed = True
+
+        def sum(self, value: torch.Tensor) -> torch.Tensor:
+            return value * 2
+
+    tokens = TokensRead()
+    run = SimpleNamespace(reward_models=SimpleNamespace(tokens=tokens), ranks=TwoRanks(), device=torch.device("cpu"))
+    tokens.add("reward_model_tokens", 30)
+    tokens.add("judge_tokens", 7)
+    tokens.add("reward_model_tokens", 5)
+    assert scoring_tokens(run) == {"reward_model_tokens": 70, "judge_tokens": 14}  # type: ignore[arg-type]
+    assert scoring_tokens(run) == {"reward_model_tokens": 0, "judge_tokens": 0}  # type: ignore[arg-type]
+    assert scoring_tokens(SimpleNamespace(reward_models=None)) == {}  # type: ignore[arg-type]
+    tokens.add_all({"reward_model_tokens": 4, "judge_tokens": True, "other": 9})  # a remote answer's counts
+    assert tokens.take() == {"reward_model_tokens": 4, "judge_tokens": 0}
