@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,11 @@ def merged(
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    quotas.check_storage(session, project_seq, 1)  # a project at its quota: no new merged copy
     servable = {"base": str(settings.models_dir / source.base_model), "chain": [str(p) for p in chain]}
     envelope = {"kind": "export", "servable": servable, "target": str(target), "checkpoint": checkpoint.id}
-    _ask_once(settings, key, envelope, project_id)
+    _ask_once(
+        settings, key, envelope, project_id, room=lambda: quotas.check_storage(session, project_seq, 1, lock=False)
+    )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -73,10 +75,11 @@ def merged_in_store(
     key = export_key(Path(checkpoint.path).parent.name, checkpoint.step_number)
     if store.manifest(key) is not None:
         return key
-    quotas.check_storage(session, project_seq, 1)
     servable = {"base": str(settings.models_dir / source.base_model), "chain": list(source.chain)}
     envelope = {"kind": "export", "servable": servable, "target": key, "checkpoint": checkpoint.id}  # relative
-    _ask_once(settings, key, envelope, project_id)
+    _ask_once(
+        settings, key, envelope, project_id, room=lambda: quotas.check_storage(session, project_seq, 1, lock=False)
+    )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -91,9 +94,13 @@ MERGE_SECONDS = 3600.0
 """How long an ask counts against its project's merges when nobody comes back for its answer."""
 
 
-def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id: str) -> None:
+def _ask_once(
+    settings: Settings, key: str, envelope: dict[str, Any], project_id: str, *, room: Callable[[], None]
+) -> None:
     """Ask an inference worker for the export ``key`` (in the project's lane) unless it was asked
-    already; raise what the download answers now: the merge's error, or 503 ``export_in_progress``."""
+    already; raise what the download answers now: the merge's error, or 503 ``export_in_progress``.
+    ``room()`` raises where the project may store no more (its quota), checked only before a new ask:
+    a merge under way or failed is still answered as such."""
     import redis
 
     ns = inference_bus.namespace(inference_bus.serve_queue())
@@ -105,6 +112,7 @@ def _ask_once(settings: Settings, key: str, envelope: dict[str, Any], project_id
             _answer_of(conn, ns, marker, asks, key, json.loads(asked))
         if not inference_bus.live_workers(conn, ns):
             raise no_inference_worker("Merging an adapter needs an inference worker")
+        room()
         conn.zremrangebyscore(asks, "-inf", time.time())
         if conn.zcard(asks) >= MERGES_PER_PROJECT and conn.zscore(asks, key) is None:
             raise LimitReached(

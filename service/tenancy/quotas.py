@@ -150,15 +150,18 @@ def _past(session: Session, project_seq: int, quotas: dict[str, Any], *, wanted:
     return None
 
 
-def check_storage(session: Session, project_seq: int, adding: int) -> None:
-    """403 ``quota_exceeded`` when ``adding`` bytes would take the project past ``stored_bytes``."""
+def check_storage(session: Session, project_seq: int, adding: int, *, lock: bool = True) -> None:
+    """403 ``quota_exceeded`` when ``adding`` bytes would take the project past ``stored_bytes``.
+    ``lock``: the project's row locked until the caller's commit (PostgreSQL), for a caller that then
+    writes what it adds (two uploads never both fit the last room); a caller that only asks for work
+    (a merge, a Tinker save) checks without it, holding no lock over its calls to Redis."""
     from service.tenancy import usage
 
     cap = limit_of(session, project_seq, "stored_bytes")
     if cap is None:
         return
-    # The project's row locked until the caller's commit (PostgreSQL): two uploads never both fit the last room.
-    session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update())
+    if lock:
+        session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update())
     stored = usage.stored_bytes(session, project_seq)
     if stored + adding > cap:
         raise Forbidden(

@@ -125,11 +125,10 @@ def stored_bytes(session: Session, project_seq: int) -> int:
 
 
 def note_export(session: Session, checkpoint_id: str, size: int) -> None:
-    """The bytes of ``checkpoint_id``'s merged export, as merged (in the caller's transaction); none
-    once its job's model is deleted (that removed its exports, and a merge finishing after it, or
-    one asked for a deleted model's checkpoint, is not the project's to pay for)."""
-    live = select(Job.seq).where(Job.seq == Checkpoint.job_seq, Job.model_deleted_at.is_(None)).exists()
-    session.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, live).values(export_bytes=size))
+    """The bytes of ``checkpoint_id``'s merged export, as merged (in the caller's transaction). What is
+    on disk is counted: a deleted model's checkpoints stay (a model trained from one needs them), and
+    an export made of one after the deletion is stored as theirs are."""
+    session.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(export_bytes=size))
 
 
 def exports_removed(session: Session, *, job_seq: int) -> None:

@@ -47,8 +47,11 @@ def test_two_api_processes_give_a_key_one_rate(monkeypatch, env) -> None:
             429,
         ]
         assert one.get("/readyz").json()["limits"] == {"limits": "shared"}
-        assert one.app.state.limits._conn is not None
-    assert one.app.state.limits._conn is None  # let go at shutdown
+        conn, closed = one.app.state.limits._conn, []
+        assert conn is not None
+        let_go = conn.aclose
+        conn.aclose = lambda: closed.append(True) or let_go()
+    assert closed == [True] and one.app.state.limits._conn is None  # let go at shutdown
 
 
 def test_with_redis_down_each_process_counts_alone_and_readyz_says_so(monkeypatch, env) -> None:

@@ -335,7 +335,12 @@ def test_an_export_s_bytes_count_in_its_project_s_stored_bytes_until_its_model_i
     artifacts = Path(env["RLOO_HOME"]) / "artifacts"
     name = _checkpoint_job(artifacts, models_dir, "alpha", lora=True)
     asked: list[dict[str, Any]] = []
-    monkeypatch.setattr(exports, "_ask_once", lambda settings, key, envelope, project: asked.append(envelope))
+
+    def ask_once(settings: Any, key: str, envelope: dict[str, Any], project: str, *, room: Any) -> None:
+        room()  # (checked before a new ask only)
+        asked.append(envelope)
+
+    monkeypatch.setattr(exports, "_ask_once", ask_once)
     stored = client.get("/v1/usage", headers=auth).json()["stored_bytes"]
     with session_scope() as session:
         ckpt = session.query(Checkpoint).filter_by(fine_tuned_model_checkpoint=name).one()

@@ -236,12 +236,12 @@ def save_weights_for_sampler(body: schemas.SaveWeights, project: ProjectDep, ses
 
 def _save(body: schemas.SaveWeights, project: Caller, session: SessionDep, *, sampler: bool) -> JSON:
     sessions.get_model(session, project=project.seq, model_id=body.model_id)
-    quotas.check_storage(session, project.seq, 1)  # a project at its quota saves nothing more
     name = sessions.checked_name(body.path, "") or None
     if name == "resume":
         raise Invalid(
             "'resume' is the name the server saves a model under when it lets it go: choose another", param="path"
         )
+    quotas.check_storage(session, project.seq, 1, lock=False)  # a project at its quota saves nothing more
     fields = {
         "name": name,
         "ttl_seconds": body.ttl_seconds if name or not sampler else body.ttl_seconds or 86400,
@@ -264,8 +264,9 @@ def save_weights_external(body: schemas.SaveWeightsExternal, project: ProjectDep
             param="age_encryption_recipients",
         )
     sessions.get_model(session, project=project.seq, model_id=body.model_id)
-    quotas.check_storage(session, project.seq, 1)
-    fields = {"name": sessions.checked_name(body.path, ""), "ttl_seconds": body.ttl_seconds, "seq_id": body.seq_id}
+    name = sessions.checked_name(body.path, "")
+    quotas.check_storage(session, project.seq, 1, lock=False)
+    fields = {"name": name, "ttl_seconds": body.ttl_seconds, "seq_id": body.seq_id}
     return _future(_queue(project.seq, body.model_id, "save_weights_external", fields), body.model_id)
 
 

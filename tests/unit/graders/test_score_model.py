@@ -284,3 +284,15 @@ def _label_heads(tok: object, questions: list[str]) -> list[str]:
         )
         for q in questions
     ]
+
+
+def test_a_judges_answer_counts_to_its_first_end_token() -> None:
+    """Each row up to its first end token, that one included (padding after it may be an end token
+    too); a row cut at max_tokens counts whole; any of the model's end tokens ends a row."""
+    from worker.engine.rewards.scoring import written_tokens
+
+    eos, eot, pad = 2, 9, 2  # a tokenizer that pads with its end-of-sequence token; a chat model's end of turn
+    written = torch.tensor([[5, 6, eos, pad], [5, eos, pad, pad], [5, 6, 7, 8], [eot, pad, pad, pad]])
+    assert written_tokens(written, {eos, eot}, pad) == 3 + 2 + 4 + 1
+    assert written_tokens(written, {eos}, pad) == 3 + 2 + 4 + 2  # eot not an end: the row ends at the eos after it
+    assert written_tokens(torch.tensor([[5, 0, 0]]), set(), 0) == 1  # no end token known: what is not padding

@@ -74,10 +74,20 @@ def score_remotely(
             raise graders.GraderUnavailable(f"{where}: the inference worker answered: {answer.get('message')}")
         read = answer.get("tokens")
         if not isinstance(read, dict):  # a worker of an older release: its batches are not metered
-            log.warning("%s: the inference worker answered no token count; upgrade it to meter its tokens", where)
+            _warn_once(f"{where}: an inference worker answered no token count; upgrade it to meter its tokens")
             read = {}
         return [math.nan if s is None else float(s) for s in answer["scores"]], read
     raise graders.GraderUnavailable(f"{where}: the inference worker scoring it stopped {ATTEMPTS} times")
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """``message`` logged once a process (a step's every batch would repeat it)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
 
 
 def request_body(

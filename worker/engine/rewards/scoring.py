@@ -130,7 +130,8 @@ class RewardModels:
                 **enc, max_new_tokens=leaf.max_tokens, do_sample=False, pad_token_id=tok.pad_token_id
             )
             written = generated[:, enc["input_ids"].shape[1] :]
-            self.tokens.add(JUDGE_TOKENS, int(enc["attention_mask"].sum()) + _written_tokens(written, tok))
+            wrote = written_tokens(written, _end_ids(model, tok), tok.pad_token_id)
+            self.tokens.add(JUDGE_TOKENS, int(enc["attention_mask"].sum()) + wrote)
             answers = tok.batch_decode(written, skip_special_tokens=True)
             for (i, _), answer in zip(chunk, answers, strict=True):
                 out[i] = graders.parse_judge_score(answer, *leaf.range)
@@ -374,13 +375,21 @@ def _judge_prompts(
         ) from None
 
 
-def _written_tokens(written: Tensor, tok: Any) -> int:
-    """The tokens a judge wrote: each row's up to its first end-of-sequence, that one included (what
-    follows is padding, which may be the same token)."""
-    if tok.eos_token_id is None:
-        return int((written != tok.pad_token_id).sum())
-    ends = written == tok.eos_token_id
-    return int(torch.where(ends.any(dim=1), ends.int().argmax(dim=1) + 1, written.shape[1]).sum())
+def written_tokens(written: Tensor, ends: set[int], pad: int | None) -> int:
+    """The tokens a judge wrote: each row's up to its first end token (``ends``: the model's
+    end-of-sequence ids), that one included; what follows is padding, which may be an end token too.
+    A row without one was cut at ``max_tokens`` (its padding, if any, left out)."""
+    if not ends:
+        return int((written != pad).sum()) if pad is not None else written.numel()
+    ended = torch.isin(written, torch.tensor(sorted(ends), device=written.device))
+    return int(torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, written.shape[1]).sum())
+
+
+def _end_ids(model: Any, tok: Any) -> set[int]:
+    """The ids a model's generation stops at: its generation config's (one or a list), and the tokenizer's."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    return {int(i) for i in [*ids, tok.eos_token_id] if i is not None}
 
 
 def _context(tok: Any) -> int:
