@@ -192,10 +192,10 @@ def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
 
 def _claim_within_quotas(session: Session, job_id: str, worker: str) -> Job | None:
     """``job_id`` claimed if its project is under its quotas of running jobs and devices, its project
-    locked meanwhile (``_lock_project``: two workers never both take a project's last place); else the
+    locked meanwhile (``quotas.lock_project``: two workers never both take a project's last place); else the
     job says why in its events, once a wait, and starts when a running one ends (the reconciler sends
     its task again)."""
-    _lock_project(session, job_id)
+    quotas.lock_project(session, select(Job.project_seq).where(Job.id == job_id).scalar_subquery())
     job = session.scalar(select(Job).where(Job.id == job_id))
     if job is None:
         session.rollback()
@@ -205,18 +205,6 @@ def _claim_within_quotas(session: Session, job_id: str, worker: str) -> Job | No
         note_waiting(session=session, job=job, message=why)
         return None
     return claim(session=session, job_id=job_id, worker=worker)
-
-
-def _lock_project(session: Session, job_id: str) -> None:
-    """The project of ``job_id`` locked until the caller's commit, before anything is read: PostgreSQL
-    locks its row; SQLite has no row locks, so the transaction takes the database's write lock first
-    (a no-op UPDATE), and what it reads after is current until it commits (a claim on another worker
-    waits its turn)."""
-    project = select(Job.project_seq).where(Job.id == job_id).scalar_subquery()
-    if session.get_bind().dialect.name == "sqlite":
-        session.execute(update(Project).where(Project.seq == project).values(created_at=Project.created_at))
-    else:
-        session.execute(select(Project.seq).where(Project.seq == project).with_for_update())
 
 
 def note_waiting(*, session: Session, job: Job, message: str) -> bool:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from service.core.errors import Forbidden, LimitReached, bad_request
@@ -119,9 +119,24 @@ def why_waiting(session: Session, job: Job) -> str | None:
     return None if past is None else f"Waiting: {past}; it starts when one of them ends."
 
 
+def lock_project(session: Session, project: Any) -> None:
+    """``project`` (its seq, or a scalar subquery of it) locked until the caller's commit, before
+    what the caller reads: PostgreSQL locks its row; SQLite has no row locks, so the transaction takes
+    the database's write lock first (a no-op UPDATE), and what it reads after is current until it
+    commits (another writer waits its turn)."""
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(update(Project).where(Project.seq == project).values(created_at=Project.created_at))
+    else:
+        session.execute(select(Project.seq).where(Project.seq == project).with_for_update())
+
+
 def check_session_room(session: Session, project_seq: int) -> None:
-    """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``."""
+    """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``;
+    where it has either quota, the project is locked until the caller commits the model's row (a job's
+    claim, or another model, never takes the same last place)."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}
+    if quotas.get("running_jobs") is not None or quotas.get("gpus") is not None:
+        lock_project(session, project_seq)
     past = _past(session, project_seq, quotas, wanted=1)
     if past is not None:
         raise LimitReached(
@@ -161,7 +176,7 @@ def check_storage(session: Session, project_seq: int, adding: int, *, lock: bool
     if cap is None:
         return
     if lock:
-        session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update())
+        lock_project(session, project_seq)
     stored = usage.stored_bytes(session, project_seq)
     if stored + adding > cap:
         raise Forbidden(

@@ -259,6 +259,38 @@ def test_tinker_training_models_count_as_running(client, auth, operator) -> None
     assert refused.status_code == 429 and "quota of running_jobs (1)" in refused.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_on_sqlite_a_training_model_waits_for_a_claims_commit_and_sees_its_job(client, auth, operator) -> None:
+    """A Tinker training model takes the project's lock before it counts the running jobs, as a claim
+    does: a job claimed meanwhile on a worker is seen, and the model refused, not both let run."""
+    import threading
+
+    from sqlalchemy import update
+
+    from service.core.db import session_scope
+    from service.core.tables import Job
+
+    headers = {"X-API-Key": make_key("alpha")}
+    job = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))
+    set_quotas(client, operator, "alpha", running_jobs=1)
+    made = client.post(
+        "/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}, headers=headers
+    )
+    body = {"session_id": made.json()["session_id"], "model_seq_id": 0, "base_model": "tiny-policy"}
+    answers: list[Any] = []
+    with session_scope() as worker:  # a worker's claim of the job, not yet committed
+        worker.execute(update(Job).where(Job.id == job["id"]).values(status="running", worker="w1"))
+        asking = threading.Thread(
+            target=lambda: answers.append(client.post("/api/v1/create_model", json=body, headers=headers))
+        )
+        asking.start()
+        asking.join(0.5)
+        assert asking.is_alive()
+        worker.commit()
+    asking.join(30)
+    assert answers[0].status_code == 429, answers[0].text
+
+
 def test_times_past_any_clock_are_400s(client, auth) -> None:
     assert_error(client.get("/v1/usage?end_time=100000000000000000000", headers=auth), 400, param="end_time")
     assert_error(client.get("/v1/audit?since=100000000000000000000", headers=auth), 400, param="since")

@@ -62,7 +62,7 @@ def create_file(
         raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}; got '{purpose}'.", "purpose")
     # No path separators; no NUL either (PostgreSQL refuses NUL in text: a 500 there).
     filename = (file.filename or "upload.jsonl").replace("/", "_").replace("\\", "_").replace("\x00", "_")[:255]
-    quotas.check_storage(session, project.seq, 1)  # a project at its quota: refused before the file is staged
+    quotas.check_storage(session, project.seq, 1, lock=False)  # a project at its quota: refused before staging
     session.rollback()
     file_id = new_id("file")
     rel = f"files/{project.id}/{file_id}.jsonl"
