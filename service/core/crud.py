@@ -119,9 +119,9 @@ def add_checkpoint(
     *, session: Session, job: Job, step: int, path: str, name: str, metrics: dict[str, Any], size: int | None = None
 ) -> Checkpoint:
     existing = session.scalar(select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))
-    if existing is not None:  # a replayed step rewrote the same directory
+    if existing is not None:  # a replayed step rewrote the same directory: a merged copy of the old one is stale
         existing.path, existing.metrics, existing.fine_tuned_model_checkpoint = path, metrics, name
-        existing.bytes = size
+        existing.bytes, existing.export_bytes = size, None
         return existing
     ckpt = Checkpoint(
         job_seq=job.seq, step_number=step, path=path, fine_tuned_model_checkpoint=name, metrics=metrics, bytes=size

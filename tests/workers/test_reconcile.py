@@ -164,6 +164,38 @@ def test_a_saved_checkpoint_clears_the_crash_count(client, auth, env) -> None:
     assert _row(job_id).crashes == 0
 
 
+def test_a_replayed_steps_checkpoint_removes_the_merged_copy_of_the_one_it_replaces(client, auth, env) -> None:
+    """A step replayed after a crash saves its checkpoint again: a merged export of the first save is
+    of other weights, so it goes (with its bytes), to be made again from the new one if asked for."""
+    from pathlib import Path
+
+    from sqlalchemy import select, update
+
+    from service.core.tables import Checkpoint
+    from worker.jobs.database_recorder import DatabaseRecorder
+
+    job_id = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))["id"]
+    _running(job_id, "host:1")
+    artifacts = Path(env["RLOO_HOME"]) / "artifacts"
+    step_dir = artifacts / "checkpoints" / job_id / "step-4"
+    step_dir.mkdir(parents=True)
+    (step_dir / "weights.bin").write_bytes(b"first")
+    recorder = DatabaseRecorder(_row(job_id))
+    export = artifacts / "exports" / job_id / "step-4"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    recorder.checkpoint(4, step_dir, {"train_reward_mean": 0.1}, final=False)
+    assert export.is_dir()  # a first save removes nothing
+    with session_scope() as session:
+        session.execute(update(Checkpoint).values(export_bytes=2))
+        session.commit()
+    (step_dir / "weights.bin").write_bytes(b"again")
+    recorder.checkpoint(4, step_dir, {"train_reward_mean": 0.2}, final=False)
+    assert not export.exists()
+    with session_scope() as session:
+        assert session.scalars(select(Checkpoint.export_bytes)).all() == [None]
+
+
 def test_after_its_own_outage_the_reconciler_takes_no_job_from_its_worker(client, auth, monkeypatch) -> None:
 
     monkeypatch.setattr(task_queue, "enqueue_job", lambda job: True)

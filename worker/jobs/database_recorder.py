@@ -120,18 +120,24 @@ class DatabaseRecorder:
         rel = publish_checkpoint(self.store, path)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # what the project stores
 
+        replayed = False
+
         def saved(session: Any) -> None:
+            nonlocal replayed
             model = self._model_id(session)
             name = model_ids.checkpoint_id(model, step)
-            crud.add_checkpoint(
+            row = crud.add_checkpoint(
                 session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics), size=size
             )
+            replayed = row.seq is not None  # the row of a step saved before (a new one has none until flushed)
             lifecycle.checkpoint_saved(session=session, job=self.job, final_name=model if final else None)
             lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
             webhooks.enqueue(session, self.job, "fine_tuning.job.checkpoint.created", checkpoint=name, step_number=step)
             session.commit()
 
         self._write(f"checkpoint {step}", saved)
+        if replayed:  # the merged model of the step's earlier save: made again from this one if asked for
+            self._remove_export(step)
 
     def samples(self, step: int, groups: list[dict[str, Any]]) -> None:
         def record(session: Any) -> None:
@@ -150,7 +156,11 @@ class DatabaseRecorder:
 
         self._write(f"checkpoint {step} removed", removed)
         unpublish_checkpoint(self.store, job_checkpoints_dir(self.artifacts, self.job.id), step)
-        try:  # its merged model, should a download have made one
+        self._remove_export(step)
+
+    def _remove_export(self, step: int) -> None:
+        """The merged model of the checkpoint of ``step``, should a download have made one."""
+        try:
             export_dirs.remove_export(self.store, self.artifacts, export_dirs.export_key(self.job.id, step))
         except Exception:  # the store away: training goes on; the copy outlives its checkpoint
             log.exception("the merged model of step %d was not removed", step)
