@@ -29,11 +29,10 @@ demo: install
 up: install
 	$(BIN)/rloo up --port $(PORT)
 
-# Two processes, each stealing the next test from the other when it runs out: most e2e tests wait on
-# child processes, so two at once use the cores they leave idle. Three were faster (about 14 min
-# against 18) but timed e2e tests failed under the load (two of four clean-clone runs, each a
-# different test): TEST_PROCESSES=3 where speed matters more than a quiet machine.
-TEST_PROCESSES ?= 2
+# Three processes, each stealing the next test from the others when it runs out: most e2e tests wait
+# on child processes, so on two cores two processes left a third of the CPU idle (the suite took
+# 18 min with two, 15 with three; TEST_PROCESSES=2 where a test's time matters more than the suite's).
+TEST_PROCESSES ?= 3
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal $(PYTEST_ARGS)
 

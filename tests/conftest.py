@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     # One intra-op thread in every torch process of the suite (this one, and through the environment
-    # every API, worker, rank and CLI child it starts). make test runs two test processes, and most e2e
+    # every API, worker, rank and CLI child it starts). make test runs three test processes, and most e2e
     # tests add workers beside them: with torch's default of a thread per core, several processes'
     # OpenMP threads fight over the 2 cores, and on tiny models waiting on each other costs more than
     # the work (test_engine's 40-step LoRA run: 2.2 s alone, 29 s beside one other busy torch process,
