@@ -7,7 +7,11 @@ import contextlib
 import socket
 import threading
 
-from tests.helpers.live import free_port
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class TcpProxy:

@@ -18,7 +18,6 @@ from sqlalchemy.orm import Session
 
 from service.core.errors import Forbidden, LimitReached, bad_request
 from service.core.tables import Job, Project, TinkerModel
-from service.infra.task_queue import asked
 
 
 @dataclass(frozen=True)
@@ -110,13 +109,13 @@ def running_use(session: Session, project_seq: int) -> tuple[int, int]:
         )
     )
     models = int(active or 0)
-    return len(rows) + models, sum(asked(r.resources)[0] for r in rows) + models
+    return len(rows) + models, sum(int((r.resources or {}).get("gpus") or 1) for r in rows) + models
 
 
 def why_waiting(session: Session, job: Job) -> str | None:
     """Why ``job`` may not start now (its project at its quota of running jobs or of devices), or None."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == job.project_seq)) or {}
-    past = _past(session, job.project_seq, quotas, wanted=asked(job.resources)[0])
+    past = _past(session, job.project_seq, quotas, wanted=int((job.resources or {}).get("gpus") or 1))
     return None if past is None else f"Waiting: {past}; it starts when one of them ends."
 
 
@@ -127,14 +126,17 @@ def lock_project(session: Session, project: Any) -> None:
     commits (another writer waits its turn)."""
     if session.get_bind().dialect.name == "sqlite":
         session.execute(update(Project).where(Project.seq == project).values(created_at=Project.created_at))
-    else:  # FOR NO KEY UPDATE: it waits for another holder, not for rows that merely point at the project
-        session.execute(select(Project.seq).where(Project.seq == project).with_for_update(key_share=True))
+    else:
+        session.execute(select(Project.seq).where(Project.seq == project).with_for_update())
 
 
 def check_session_room(session: Session, project_seq: int) -> None:
-    """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``
-    (``_past`` locks the project until the caller commits the model's row)."""
+    """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``;
+    where it has either quota, the project is locked until the caller commits the model's row (a job's
+    claim, or another model, never takes the same last place)."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}
+    if quotas.get("running_jobs") is not None or quotas.get("gpus") is not None:
+        lock_project(session, project_seq)
     past = _past(session, project_seq, quotas, wanted=1)
     if past is not None:
         raise LimitReached(
@@ -146,12 +148,9 @@ def check_session_room(session: Session, project_seq: int) -> None:
 
 
 def _past(session: Session, project_seq: int, quotas: dict[str, Any], *, wanted: int) -> str | None:
-    """What one more run holding ``wanted`` devices would pass, in words; None: nothing. Where the
-    project has either quota, it is locked (``lock_project``) before its runs are counted, until the
-    caller commits: a job's claim and a Tinker model never both take its last place."""
+    """What one more run holding ``wanted`` devices would pass, in words; None: nothing."""
     if quotas.get("running_jobs") is None and quotas.get("gpus") is None:
         return None
-    lock_project(session, project_seq)
     jobs, devices = running_use(session, project_seq)
     if quotas.get("running_jobs") is not None and jobs + 1 > quotas["running_jobs"]:
         return (
