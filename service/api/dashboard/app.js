@@ -574,7 +574,7 @@ async function usagePage() {
     el("table", { id: "usage" }, el("tr", {}, ...head.map(h => el("th", { text: h }))),
       ...days.map(d => {
         const hours = (of(d, "device_seconds") || {}).device_hours || 0;
-        const bar = el("div", { class: "bar", style: `width: ${Math.round(200 * hours / widest)}px` });
+        const bar = el("span", { class: "bar" }, el("span", { class: "fill", style: `width:${(100 * hours / widest).toFixed(1)}%` }));
         return el("tr", { "data-day": d },
           el("td", { text: new Date(d * 1000).toISOString().slice(0, 10) }), el("td", { class: "hours", text: hours.toFixed(4) }),
           el("td", {}, bar), ...(priced ? [el("td", { text: ((of(d, "device_seconds") || {}).cost || 0).toFixed(2) })] : []),
