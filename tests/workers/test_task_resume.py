@@ -221,3 +221,40 @@ def test_a_job_cancelled_as_it_finishes_keeps_no_results_file(client, auth, monk
     assert job["status"] == "cancelled" and job["result_files"] == []
     assert client.get(f"/v1/files/{results.results_file_id(job_id)}", headers=auth).status_code == 404
     assert not list((get_settings().artifacts_dir / "files").rglob("*.csv"))
+
+
+def test_a_job_whose_worker_died_before_its_final_checkpoints_row_names_its_model(client, auth) -> None:
+    """The final checkpoint on disk, its row never written (the worker killed between the two, or the
+    database cut then): run again, the job resumes at its last step with nothing to train and writes
+    that checkpoint's row as the final one. It had succeeded with no checkpoint and no model (the soak
+    found it)."""
+    from sqlalchemy import delete
+
+    from service.core.tables import Checkpoint, Job
+    from worker.jobs.tasks import run_job
+
+    job_id = _demo_job(client, auth, max_steps=2)
+    assert run_job(job_id) == "succeeded"
+    before = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
+    (saved,) = [c for c in before if c["step_number"] == 2]
+    with session_scope() as session:  # the rows as the killed worker left them; its successor queued it
+        row = crud.get_job_by_id(session=session, job_id=job_id)
+        assert row is not None
+        session.execute(delete(Checkpoint).where(Checkpoint.job_seq == row.seq, Checkpoint.step_number == 2))
+        session.execute(
+            Job.__table__.update()
+            .where(Job.seq == row.seq)
+            .values(status=JobStatus.QUEUED.value, fine_tuned_model=None, worker=None, finished_at=None)
+        )
+        session.commit()
+
+    assert run_job(job_id) == "succeeded"
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
+    assert (
+        job["status"] == "succeeded"
+        and job["fine_tuned_model"] == saved["fine_tuned_model_checkpoint"].rsplit(":ckpt-step-", 1)[0]
+    )
+    after = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
+    (final,) = [c for c in after if c["step_number"] == 2]
+    assert final["metrics"] == saved["metrics"]  # what the checkpoint carried when it was saved
+    assert client.get(f"/v1/models/{job['fine_tuned_model']}", headers=auth).status_code == 200

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from worker.engine.recorders import Recorder
-from worker.engine.resume import save
+from worker.engine.resume import record_final, save
 from worker.engine.state import Run
 
 
@@ -110,7 +110,7 @@ def finish(run: Run, stop: Stop, recorder: Recorder, *, headline: str) -> TrainR
         if stop.step > run.start:
             checkpoint = save(run, stop.step, stop.metrics, recorder, final=True)
         else:
-            recorder.event(f"Nothing to do: the run already reached its last step ({run.total_steps})")
+            checkpoint = record_final(run, recorder)
     last = stop.metrics.get(headline) if stop.step > run.start else None
     return TrainResult(
         steps=stop.step,

@@ -9,6 +9,7 @@ run's counters. A resumed run must be the same run: same model, seed and hyperpa
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from worker.engine.checkpoints import checkpoint_dir, list_checkpoints, prune_checkpoints, save_checkpoint, staging_dir
+from worker.engine.checkpoints import (
+    TRAINING_INFO,
+    checkpoint_dir,
+    list_checkpoints,
+    prune_checkpoints,
+    save_checkpoint,
+    staging_dir,
+)
 from worker.engine.config import TrainConfig
 from worker.engine.distributed.ranks import SHARDED_STATE, current
 from worker.engine.errors import JobError
@@ -44,6 +52,7 @@ RESUMABLE_CHANGES = frozenset(
 def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, final: bool) -> Path:
     """The checkpoint at ``step``, with what a run needs to continue from it; older ones pruned."""
     cfg, hp, ranks = run.cfg, run.hp, run.ranks
+    carried = checkpoint_metrics(metrics, run.counters)
     state = {
         "scheduler": run.scheduler.state_dict(),
         "rng": rng_state(run.device),
@@ -61,6 +70,7 @@ def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, fi
         "hyperparameters": hp.model_dump(),
         "counters": run.counters.saved(),
         "ranks": ranks.world,
+        "metrics": carried,
     }
     weights = None
     if ranks.distributed:
@@ -85,11 +95,25 @@ def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, fi
             state_dict=weights,
             staged=ranks.distributed,
         )
-        recorder.checkpoint(step, path, checkpoint_metrics(metrics, run.counters), final)
+        recorder.checkpoint(step, path, carried, final)
         if hp.keep_checkpoints:
             for removed in prune_checkpoints(cfg.output_dir, hp.keep_checkpoints):
                 recorder.checkpoint_removed(removed)
     ranks.barrier()  # the checkpoint is whole (and published) before any rank goes on
+    return path
+
+
+def record_final(run: Run, recorder: Recorder) -> Path:
+    """A run resumed at (or past) its last step trains nothing: the checkpoint it resumed from is
+    its final one, recorded again as such. The worker that saved it may have died (or lost the
+    database) before its row was written or the model named; the row is the same if it was."""
+    path = run.cfg.resume_from
+    assert path is not None
+    if run.ranks.is_main:
+        recorder.event(f"Nothing to do: the run already reached its last step ({run.total_steps})")
+        info = json.loads((path / TRAINING_INFO).read_text())
+        recorder.checkpoint(run.start, path, info.get("metrics") or {"step": run.start}, True)
+    run.ranks.barrier()
     return path
 
 
