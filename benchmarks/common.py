@@ -244,7 +244,6 @@ def local_stack(
     Their output goes to ``home/stack.log``."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
@@ -261,9 +260,7 @@ def local_stack(
 
     cli("db", "upgrade")
     key = cli("keys", "create", "--project", "bench", *key_flags).strip().splitlines()[-1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     logs = open(home / "stack.log", "ab")  # noqa: SIM115
     procs = [
         subprocess.Popen(
@@ -303,3 +300,12 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def free_port() -> int:
+    """A loopback port free now (for a benchmark's own servers)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

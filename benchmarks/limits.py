@@ -56,13 +56,13 @@ def main() -> None:
     server: Any = None
     url = args.redis_url
     if url is None:
-        from benchmarks.soak.proxy import free_port
-        from benchmarks.soak.stack import redis_server_binary
+        from benchmarks.common import free_port
+        from service.infra.embedded_redis import redis_executable
 
         port = free_port()
         home = tempfile.mkdtemp(prefix="rloo-bench-limits-")
         server = subprocess.Popen(
-            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", home],
+            [redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", home],
             stdout=subprocess.DEVNULL,
         )
         url = f"redis://127.0.0.1:{port}/0"

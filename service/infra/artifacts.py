@@ -55,6 +55,11 @@ def confined(root: Path, relative: str | Path) -> Path:
     return path
 
 
+def tree_bytes(directory: Path) -> int:
+    """The bytes of the files under ``directory`` (a saved checkpoint or export: what a project stores)."""
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 def relative_key(key: str | Path) -> str:
     """``key`` normalised (``a/b``), or ValueError if it is absolute, empty or climbs out (``..``)."""
     text = str(key).replace("\\", "/")

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from service.core.errors import Forbidden, LimitReached, bad_request
 from service.core.tables import Job, Project, TinkerModel
+from service.infra.task_queue import asked
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,13 @@ def running_use(session: Session, project_seq: int) -> tuple[int, int]:
         )
     )
     models = int(active or 0)
-    return len(rows) + models, sum(int((r.resources or {}).get("gpus") or 1) for r in rows) + models
+    return len(rows) + models, sum(asked(r.resources)[0] for r in rows) + models
 
 
 def why_waiting(session: Session, job: Job) -> str | None:
     """Why ``job`` may not start now (its project at its quota of running jobs or of devices), or None."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == job.project_seq)) or {}
-    past = _past(session, job.project_seq, quotas, wanted=int((job.resources or {}).get("gpus") or 1))
+    past = _past(session, job.project_seq, quotas, wanted=asked(job.resources)[0])
     return None if past is None else f"Waiting: {past}; it starts when one of them ends."
 
 

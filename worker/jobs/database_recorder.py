@@ -16,7 +16,8 @@ from service.core.db import retrying, session_scope
 from service.core.identity import process_name
 from service.core.settings import get_settings
 from service.core.tables import Job
-from service.infra.artifacts import open_store
+from service.infra.artifacts import open_store, tree_bytes
+from service.infra.task_queue import asked
 from service.jobs import lifecycle, webhooks
 from service.registry import export_dirs, finetuned, model_ids
 from service.tenancy import quotas, usage
@@ -118,7 +119,7 @@ class DatabaseRecorder:
     def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
         """The saved checkpoint's row, once it is whole in the artifacts store (``publish_checkpoint``)."""
         rel = publish_checkpoint(self.store, path)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # what the project stores
+        size = tree_bytes(path)  # what the project stores
 
         replayed = False
 
@@ -173,7 +174,7 @@ class Meter:
 
     def __init__(self, job: Job) -> None:
         self.job, self.last, self.checked = job, time.monotonic(), float("-inf")
-        self.devices = int((job.resources or {}).get("gpus") or 1)
+        self.devices = asked(job.resources)[0]
         self.accelerator = os.environ.get(ACCELERATOR_VARIABLE) or str((job.resources or {}).get("accelerator") or "")
         self.trained = int(job.trained_tokens or 0)
         hp = job.hyperparameters or {}

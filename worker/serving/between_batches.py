@@ -154,10 +154,11 @@ def note_export_bytes(checkpoint_id: str, made: Path) -> None:
     (``service.tenancy.usage.stored_bytes``). Never raises: the database away, or the export removed
     meanwhile (its model deleted), the export's answer goes out all the same."""
     from service.core.db import session_scope
+    from service.infra.artifacts import tree_bytes
     from service.tenancy import usage
 
     try:
-        size = sum(f.stat().st_size for f in made.rglob("*") if f.is_file())
+        size = tree_bytes(made)
         with session_scope() as session:
             usage.note_export(session, checkpoint_id, size)
             session.commit()

@@ -20,6 +20,7 @@ from service.core.db import session_scope
 from service.core.errors import DomainError
 from service.core.settings import get_settings
 from service.core.tables import TinkerCheckpoint, TinkerModel, TinkerStep, now
+from service.infra.artifacts import tree_bytes
 from service.tenancy import usage
 from service.tinker import sampling, wire
 from worker.engine.modeling import pick_device
@@ -262,7 +263,7 @@ class Holder:
                 weights.rename(target)
             else:
                 export(Servable(settings.models_dir / self.base_model, (weights,)), target)
-        size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        size = tree_bytes(target)
         self._record("external_weights", name, relative, size, {}, envelope.get("ttl_seconds"))
         path = f"tinker://{self.model_id}/external_weights/{name}"
         return {"path": path, "size_bytes": size, "type": "save_weights_external"}

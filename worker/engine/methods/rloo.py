@@ -119,16 +119,7 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         # Every rank holds the whole batch's rewards from here.
         mine_graded, t_score = scoring.result()
         graded = graders.GradeResult.joined(ranks.whole_objects(mine_graded))
-        rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
-        finite = torch.isfinite(rewards)
-        if not finite.any():
-            raise JobError(
-                "reward_not_finite",
-                f"step {step}: no completion could be scored (all rewards NaN); "
-                "check the grader with POST /v1/fine_tuning/alpha/graders/run",
-            )
-        # On the device from here: advantages and KL never travel back to the host within the step.
-        rewards, finite = rewards.to(run.device), finite.to(run.device)
+        rewards, finite = _reward_matrix(run, step, graded, batch_size, k)
 
         # 4-5. Advantages and the update ------------------------------------------------------------
         t0 = time.perf_counter()
@@ -162,6 +153,20 @@ def train_rloo(cfg: TrainConfig, recorder: Recorder) -> TrainResult:
         if (stop := end_of_step(run, step, metrics, recorder, headline=HEADLINE)).done:
             break
     return finish(run, stop, recorder, headline=HEADLINE)
+
+
+def _reward_matrix(run: Run, step: int, graded: graders.GradeResult, batch_size: int, k: int) -> tuple[Tensor, Tensor]:
+    """The whole batch's rewards ``(batch_size, k)`` and where they are finite, on the device (advantages
+    and KL never travel back to the host within the step); a step with no finite reward fails the job."""
+    rewards = torch.tensor(graded.rewards, dtype=torch.float32).view(batch_size, k)
+    finite = torch.isfinite(rewards)
+    if not finite.any():
+        raise JobError(
+            "reward_not_finite",
+            f"step {step}: no completion could be scored (all rewards NaN); "
+            "check the grader with POST /v1/fine_tuning/alpha/graders/run",
+        )
+    return rewards.to(run.device), finite.to(run.device)
 
 
 def _complete_metrics(

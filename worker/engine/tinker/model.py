@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from service.infra.artifacts import tree_bytes
 from worker.engine.errors import JobError
 from worker.engine.modeling import load_causal_lm, load_tokenizer, without_dropout
 from worker.engine.tinker import losses
@@ -209,7 +210,7 @@ class TrainingModel:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        return tree_bytes(target)
 
     def load(self, source: Path, *, optimizer: bool) -> None:
         """Weights (and with ``optimizer`` the optimizer's moments) saved by ``save``; gradients
