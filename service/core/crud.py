@@ -118,7 +118,7 @@ def list_metrics(*, session: Session, job: Job) -> Sequence[JobMetric]:
 def add_checkpoint(
     *, session: Session, job: Job, step: int, path: str, name: str, metrics: dict[str, Any], size: int | None = None
 ) -> Checkpoint:
-    existing = session.scalar(select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))
+    existing = checkpoint_at(session=session, job=job, step=step)
     if existing is not None:  # a replayed step rewrote the same directory: a merged copy of the old one is stale
         existing.path, existing.metrics, existing.fine_tuned_model_checkpoint = path, metrics, name
         existing.bytes, existing.export_bytes = size, None
@@ -128,6 +128,11 @@ def add_checkpoint(
     )
     session.add(ckpt)
     return ckpt
+
+
+def checkpoint_at(*, session: Session, job: Job, step: int) -> Checkpoint | None:
+    """The job's checkpoint of ``step``, if it has a row."""
+    return session.scalar(select(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == step))
 
 
 def get_checkpoint(*, session: Session, job: Job, checkpoint_id: str) -> Checkpoint | None:

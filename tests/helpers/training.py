@@ -41,7 +41,7 @@ class ListRecorder:
         self.steps.append(metrics)
         return self.stop_as if self.stop_at == step else None
 
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool, written: bool = True) -> None:
         self.checkpoints.append((step, path, final))
         self.checkpoint_metrics[step] = metrics
 

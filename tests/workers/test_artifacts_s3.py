@@ -398,3 +398,49 @@ def test_a_paused_job_resumes_on_a_worker_whose_disk_holds_nothing(
     finally:
         held.set()
         server.close()
+
+
+def test_a_final_checkpoint_recorded_again_after_a_resume_is_not_uploaded_again(
+    s3, client, auth, tmp_path, monkeypatch, models_dir
+) -> None:
+    """Its worker died after publishing step 2 and before its row; the job resumes on another host at
+    its last step and records that checkpoint (``written=False``): the store holds it whole, so nothing
+    is uploaded (a new upload hides it, marker first, for as long as it takes) and its row is back."""
+    from sqlalchemy import delete
+
+    from service.core.db import session_scope
+    from service.core.settings import get_settings
+    from service.core.tables import Checkpoint
+    from service.infra.artifacts import S3Store, open_store
+    from worker.engine.checkpoints import job_checkpoints_dir, resumable_checkpoint
+    from worker.jobs.database_recorder import DatabaseRecorder
+
+    job = _claimed_job(client, auth)
+    _use_artifacts_dir(monkeypatch, tmp_path / "worker-a")
+    DatabaseRecorder(job).checkpoint(
+        2, _save(models_dir, job_checkpoints_dir(get_settings().artifacts_dir, job.id), 2), {}, final=False
+    )
+    with session_scope() as session:
+        session.execute(delete(Checkpoint).where(Checkpoint.job_seq == job.seq))
+        session.commit()
+
+    _use_artifacts_dir(monkeypatch, tmp_path / "worker-b")  # the next worker's host: its disk holds nothing
+    store = open_store(get_settings())
+    assert isinstance(store, S3Store)
+    resumed = resumable_checkpoint(store, job_checkpoints_dir(get_settings().artifacts_dir, job.id))
+    assert resumed is not None and resumed.name == "step-2"
+
+    def never(*args: Any) -> None:
+        raise AssertionError(f"the checkpoint was written to the store again: {args[0]}")
+
+    store.put_file = store.put_bytes = store.delete = never  # type: ignore[method-assign]
+    try:
+        DatabaseRecorder(job).checkpoint(2, resumed, {"train_reward_mean": 0.5}, final=True, written=False)
+    finally:
+        del store.put_file, store.put_bytes, store.delete
+    _use_artifacts_dir(monkeypatch, None)
+    ids = _checkpoint_ids(client, auth, job.id)
+    assert list(ids) == [2]
+    r = client.get(f"/v1/fine_tuning/jobs/{job.id}/checkpoints/{ids[2]}/content", headers=auth)
+    assert r.status_code == 200 and any(n.endswith("model.safetensors") for n in _tar(r.content))
+    assert client.get(f"/v1/fine_tuning/jobs/{job.id}", headers=auth).json()["fine_tuned_model"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from service.core import crud
 from service.core.db import session_scope
 from service.core.settings import get_settings
@@ -223,11 +225,13 @@ def test_a_job_cancelled_as_it_finishes_keeps_no_results_file(client, auth, monk
     assert not list((get_settings().artifacts_dir / "files").rglob("*.csv"))
 
 
-def test_a_job_whose_worker_died_before_its_final_checkpoints_row_names_its_model(client, auth) -> None:
-    """The final checkpoint on disk, its row never written (the worker killed between the two, or the
-    database cut then): run again, the job resumes at its last step with nothing to train and writes
-    that checkpoint's row as the final one. It had succeeded with no checkpoint and no model (the soak
-    found it)."""
+@pytest.mark.parametrize("row", ["lost", "written"])
+def test_a_job_whose_worker_died_after_its_final_checkpoint_names_its_model(client, auth, row) -> None:
+    """The final checkpoint on disk, the job not finished: its worker killed before the checkpoint's row
+    (``lost``, or the database cut then) or after it (``written``). Run again, the job resumes at its last
+    step with nothing to train and names that checkpoint its final one: its row written if lost (it had
+    succeeded with no checkpoint and no model: the soak found it), else left as it was; its merged
+    export kept either way, and no second "saved" event for a row that was written."""
     from sqlalchemy import delete
 
     from service.core.tables import Checkpoint, Job
@@ -237,24 +241,30 @@ def test_a_job_whose_worker_died_before_its_final_checkpoints_row_names_its_mode
     assert run_job(job_id) == "succeeded"
     before = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
     (saved,) = [c for c in before if c["step_number"] == 2]
+    export = get_settings().artifacts_dir / "exports" / job_id / "step-2"
+    export.mkdir(parents=True)  # a download made the merged model
+    (export / "config.json").write_text("{}")
     with session_scope() as session:  # the rows as the killed worker left them; its successor queued it
-        row = crud.get_job_by_id(session=session, job_id=job_id)
-        assert row is not None
-        session.execute(delete(Checkpoint).where(Checkpoint.job_seq == row.seq, Checkpoint.step_number == 2))
+        job = crud.get_job_by_id(session=session, job_id=job_id)
+        assert job is not None
+        if row == "lost":
+            session.execute(delete(Checkpoint).where(Checkpoint.job_seq == job.seq, Checkpoint.step_number == 2))
         session.execute(
             Job.__table__.update()
-            .where(Job.seq == row.seq)
+            .where(Job.seq == job.seq)
             .values(status=JobStatus.QUEUED.value, fine_tuned_model=None, worker=None, finished_at=None)
         )
         session.commit()
 
     assert run_job(job_id) == "succeeded"
     job = client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=auth).json()
-    assert (
-        job["status"] == "succeeded"
-        and job["fine_tuned_model"] == saved["fine_tuned_model_checkpoint"].rsplit(":ckpt-step-", 1)[0]
-    )
+    model = saved["fine_tuned_model_checkpoint"].rsplit(":ckpt-step-", 1)[0]
+    assert job["status"] == "succeeded" and job["fine_tuned_model"] == model
     after = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", headers=auth).json()["data"]
     (final,) = [c for c in after if c["step_number"] == 2]
     assert final["metrics"] == saved["metrics"]  # what the checkpoint carried when it was saved
-    assert client.get(f"/v1/models/{job['fine_tuned_model']}", headers=auth).status_code == 200
+    assert client.get(f"/v1/models/{model}", headers=auth).status_code == 200
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100", headers=auth).json()["data"]
+    assert any("Nothing to do" in e["message"] for e in events)
+    assert sum("Checkpoint saved at step 2" in e["message"] for e in events) == (2 if row == "lost" else 1)
+    assert export.is_dir()  # the merged model of the same weights: still the checkpoint's

@@ -20,7 +20,9 @@ class Recorder(Protocol):
 
     def step(self, step: int, metrics: dict[str, Any]) -> str | None: ...
 
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None: ...
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool, written: bool = True) -> None:
+        """The checkpoint of ``step`` at ``path`` (``final``: the run's last); ``written`` False: one saved
+        before, which a run resumed at its last step names its final one."""
 
     def checkpoint_removed(self, step: int) -> None:
         """``keep_checkpoints`` deleted the checkpoint of ``step`` from disk."""
@@ -39,7 +41,7 @@ class QuietRecorder:
     def step(self, step: int, metrics: dict[str, Any]) -> str | None:
         return None
 
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool, written: bool = True) -> None:
         pass
 
     def checkpoint_removed(self, step: int) -> None:
@@ -76,9 +78,9 @@ class StdoutRecorder:
         print(json.dumps(json_safe(metrics)), file=self.stream, flush=True)
         return None
 
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool, written: bool = True) -> None:
         self.checkpoints.append({"step": step, "path": str(path), "final": final})
-        self.event(f"checkpoint at step {step}: {path}")
+        self.event(f"checkpoint at step {step}: {path}" + ("" if written else " (saved before)"))
 
     def checkpoint_removed(self, step: int) -> None:
         self.checkpoints = [c for c in self.checkpoints if c["step"] != step]

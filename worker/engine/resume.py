@@ -96,23 +96,29 @@ def save(run: Run, step: int, metrics: dict[str, Any], recorder: Recorder, *, fi
             staged=ranks.distributed,
         )
         recorder.checkpoint(step, path, carried, final)
-        if hp.keep_checkpoints:
-            for removed in prune_checkpoints(cfg.output_dir, hp.keep_checkpoints):
-                recorder.checkpoint_removed(removed)
+        _prune(run, recorder)
     ranks.barrier()  # the checkpoint is whole (and published) before any rank goes on
     return path
 
 
+def _prune(run: Run, recorder: Recorder) -> None:
+    """Only the newest ``keep_checkpoints`` kept (main rank)."""
+    if run.hp.keep_checkpoints:
+        for removed in prune_checkpoints(run.cfg.output_dir, run.hp.keep_checkpoints):
+            recorder.checkpoint_removed(removed)
+
+
 def record_final(run: Run, recorder: Recorder) -> Path:
-    """A run resumed at (or past) its last step trains nothing: the checkpoint it resumed from is
-    its final one, recorded again as such. The worker that saved it may have died (or lost the
-    database) before its row was written or the model named; the row is the same if it was."""
+    """A run resumed at its last step trains nothing: the checkpoint it resumed from is its final one,
+    recorded as such (not written again). The worker that saved it may have died (or lost the
+    database) before writing its row, naming the model or pruning the ones before it."""
     path = run.cfg.resume_from
     assert path is not None
     if run.ranks.is_main:
         recorder.event(f"Nothing to do: the run already reached its last step ({run.total_steps})")
         info = json.loads((path / TRAINING_INFO).read_text())
-        recorder.checkpoint(run.start, path, info.get("metrics") or {"step": run.start}, True)
+        recorder.checkpoint(run.start, path, info.get("metrics") or {"step": run.start}, True, written=False)
+        _prune(run, recorder)
     run.ranks.barrier()
     return path
 

@@ -21,7 +21,7 @@ from service.infra.task_queue import asked
 from service.jobs import lifecycle, webhooks
 from service.registry import export_dirs, finetuned, model_ids
 from service.tenancy import quotas, usage
-from worker.engine.checkpoints import job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
+from worker.engine.checkpoints import checkpoint_key, job_checkpoints_dir, publish_checkpoint, unpublish_checkpoint
 from worker.engine.recorders import json_safe, step_message
 from worker.jobs.devices import ACCELERATOR_VARIABLE
 
@@ -116,9 +116,11 @@ class DatabaseRecorder:
             self.model_id = model_ids.model_id(base=base, project=project, suffix=job.suffix, job_id=job.id)
         return self.model_id
 
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
-        """The saved checkpoint's row, once it is whole in the artifacts store (``publish_checkpoint``)."""
-        rel = publish_checkpoint(self.store, path)
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool, written: bool = True) -> None:
+        """The saved checkpoint's row, once it is whole in the artifacts store (``publish_checkpoint``).
+        ``written`` False: saved and published before (a run resumed at its last step names it the final
+        one): its row is written if it has none, else left as it is, with its merged export."""
+        rel = publish_checkpoint(self.store, path) if written else checkpoint_key(self.store, path)
         size = tree_bytes(path)  # what the project stores
 
         replayed = False
@@ -126,14 +128,18 @@ class DatabaseRecorder:
         def saved(session: Any) -> None:
             nonlocal replayed
             model = self._model_id(session)
-            name = model_ids.checkpoint_id(model, step)
-            row = crud.add_checkpoint(
-                session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics), size=size
-            )
-            replayed = row.seq is not None  # the row of a step saved before (a new one has none until flushed)
+            known = crud.checkpoint_at(session=session, job=self.job, step=step) is not None
+            if written or not known:
+                name = model_ids.checkpoint_id(model, step)
+                crud.add_checkpoint(
+                    session=session, job=self.job, step=step, path=rel, name=name, metrics=json_safe(metrics), size=size
+                )
+                lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
+                webhooks.enqueue(
+                    session, self.job, "fine_tuning.job.checkpoint.created", checkpoint=name, step_number=step
+                )
+            replayed = known and written  # the row of a step saved before: its weights rewritten
             lifecycle.checkpoint_saved(session=session, job=self.job, final_name=model if final else None)
-            lifecycle.add_event(session=session, job=self.job, message=f"Checkpoint saved at step {step}: {name}")
-            webhooks.enqueue(session, self.job, "fine_tuning.job.checkpoint.created", checkpoint=name, step_number=step)
             session.commit()
 
         self._write(f"checkpoint {step}", saved)

@@ -41,8 +41,8 @@ class WandbRecorder:
         self._log({k: v for k, v in json_safe(metrics).items() if isinstance(v, (int, float))}, step)
         return self.inner.step(step, metrics)
 
-    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool) -> None:
-        self.inner.checkpoint(step, path, metrics, final)
+    def checkpoint(self, step: int, path: Path, metrics: dict[str, Any], final: bool, written: bool = True) -> None:
+        self.inner.checkpoint(step, path, metrics, final, written)
 
     def checkpoint_removed(self, step: int) -> None:
         self.inner.checkpoint_removed(step)
