@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session
 
-from service.core.tables import Job, JobEvent, Project, now
+from service.core.tables import Job, JobEvent, now
 from service.infra import wakeups
 from service.jobs import webhooks
 from service.tenancy import quotas
@@ -191,11 +191,10 @@ def claim_fairest(*, session: Session, lane: str, worker: str) -> Job | None:
 
 
 def _claim_within_quotas(session: Session, job_id: str, worker: str) -> Job | None:
-    """``job_id`` claimed if its project is under its quotas of running jobs and devices, its project
-    locked meanwhile (``quotas.lock_project``: two workers never both take a project's last place); else the
+    """``job_id`` claimed if its project is under its quotas of running jobs and devices (where it has
+    either, its project locked meanwhile: two workers never both take its last place); else the
     job says why in its events, once a wait, and starts when a running one ends (the reconciler sends
     its task again)."""
-    quotas.lock_project(session, select(Job.project_seq).where(Job.id == job_id).scalar_subquery())
     job = session.scalar(select(Job).where(Job.id == job_id))
     if job is None:
         session.rollback()
@@ -363,8 +362,7 @@ def waiting_jobs(*, session: Session, project_seq: int, up_to: int) -> int:
     """The project's jobs that wait for a worker, counted up to ``up_to`` (the cap is all a caller
     needs to know: the count costs at most that many rows), with the project's row locked
     (PostgreSQL) so that two creations racing for its last place cannot both take it."""
-    # FOR NO KEY UPDATE: it waits for another creation, not for rows that merely point at the project.
-    session.execute(select(Project.seq).where(Project.seq == project_seq).with_for_update(key_share=True))
+    quotas.lock_project(session, project_seq)
     statuses = [s.value for s in WAITING]
     waiting = select(Job.seq).where(Job.project_seq == project_seq, Job.status.in_(statuses)).limit(up_to)
     return session.scalar(select(func.count()).select_from(waiting.subquery())) or 0

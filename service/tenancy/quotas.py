@@ -127,17 +127,14 @@ def lock_project(session: Session, project: Any) -> None:
     commits (another writer waits its turn)."""
     if session.get_bind().dialect.name == "sqlite":
         session.execute(update(Project).where(Project.seq == project).values(created_at=Project.created_at))
-    else:
-        session.execute(select(Project.seq).where(Project.seq == project).with_for_update())
+    else:  # FOR NO KEY UPDATE: it waits for another holder, not for rows that merely point at the project
+        session.execute(select(Project.seq).where(Project.seq == project).with_for_update(key_share=True))
 
 
 def check_session_room(session: Session, project_seq: int) -> None:
-    """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``;
-    where it has either quota, the project is locked until the caller commits the model's row (a job's
-    claim, or another model, never takes the same last place)."""
+    """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``
+    (``_past`` locks the project until the caller commits the model's row)."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}
-    if quotas.get("running_jobs") is not None or quotas.get("gpus") is not None:
-        lock_project(session, project_seq)
     past = _past(session, project_seq, quotas, wanted=1)
     if past is not None:
         raise LimitReached(
@@ -149,9 +146,13 @@ def check_session_room(session: Session, project_seq: int) -> None:
 
 
 def _past(session: Session, project_seq: int, quotas: dict[str, Any], *, wanted: int) -> str | None:
-    """What one more run holding ``wanted`` devices would pass, in words; None: nothing."""
+    """What one more run holding ``wanted`` devices would pass, in words; None: nothing. Where the
+    project has either quota, it is locked (``lock_project``) before its runs are counted, until the
+    caller commits: a job's claim and a Tinker model never both take its last place."""
     if quotas.get("running_jobs") is None and quotas.get("gpus") is None:
         return None
+    lock_project(session, project_seq)
+    quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}  # as of the lock
     jobs, devices = running_use(session, project_seq)
     if quotas.get("running_jobs") is not None and jobs + 1 > quotas["running_jobs"]:
         return (
