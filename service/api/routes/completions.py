@@ -34,7 +34,7 @@ from service.core.crud import Caller
 from service.core.db import run_db, session_scope
 from service.core.errors import DomainError, LimitReached, bad_request, no_inference_worker
 from service.core.settings import Settings
-from service.infra import inference_bus
+from service.infra import inference_bus, limits
 from service.registry import weights
 from service.tenancy import quotas, usage
 
@@ -183,12 +183,18 @@ async def _complete(
     body: Sampling,
     shape: Shape,
 ) -> Response:
-    served = await run_db(session, lambda: weights.resolve(session, settings, project_seq=project.seq, name=body.model))
+    served, cap = await run_db(
+        session,
+        lambda: (
+            weights.resolve(session, settings, project_seq=project.seq, name=body.model),
+            quotas.limit_of(session, project.seq, "inference_tokens_per_minute"),
+        ),
+    )
     body.check_context(await anyio.to_thread.run_sync(_servable_context, served, body.model))
     ns = inference_bus.namespace(inference_bus.serve_queue())
     rid, key, tokens = shape.id, project.key_id or project.id, body.budget(settings)
     deadline = time.time() + settings.inference_timeout_seconds
-    await _within_token_quota(request, session, project, tokens)
+    await _within_token_quota(request, project, cap, tokens)
     conn = inference_bus.connect_async()
     admitted = answered = handed = False
     try:
@@ -380,13 +386,11 @@ async def _closing(
             await meter()
 
 
-async def _within_token_quota(request: Request, session: SessionDep, project: Caller, tokens: int) -> None:
-    """The project's quota of inference tokens a minute (``inference_tokens_per_minute``), counted in
-    Redis over every API process with what a request may use at most (its prompt and max_tokens times n):
-    past it a 429 naming the quota and when it frees up."""
-    cap = await run_db(session, lambda: quotas.limit_of(session, project.seq, "inference_tokens_per_minute"))
-    shared = getattr(request.app.state, "limits", None)
-    if cap is None or shared is None:
+async def _within_token_quota(request: Request, project: Caller, cap: float | None, tokens: int) -> None:
+    """The project's quota of inference tokens a minute (``inference_tokens_per_minute``: ``cap``, None
+    for none), counted in Redis over every API process with what a request may use at most (its prompt
+    and max_tokens times n): past it a 429 naming the quota and when it frees up."""
+    if cap is None:
         return
     if tokens > cap:
         raise bad_request(
@@ -394,8 +398,8 @@ async def _within_token_quota(request: Request, session: SessionDep, project: Ca
             f"project's quota of inference_tokens_per_minute ({int(cap)}); ask for fewer.",
             "max_tokens",
         )
-    answer = await shared.rate(
-        "inference_tokens", project.id, rate=cap / 60, burst=int(cap), cost=tokens, now=time.time()
+    answer = await request.app.state.limits.rate(
+        "inference_tokens", project.id, rate=cap / 60, burst=int(cap), cost=tokens, now=limits.clock()
     )
     if answer is not None and not answer[0]:
         raise LimitReached(
