@@ -145,12 +145,21 @@ def test_cancel_running_job_and_worker_takes_the_next(stack: LiveStack) -> None:
     # Checkpoints are kept on cancel: the model at the step where it stopped.
     assert http.get(f"/fine_tuning/jobs/{long_job['id']}/checkpoints").json()["data"]
 
+    # Its pool process free, the worker drops the churn's tasks. (Waited for before the next job: while
+    # a job waits in their lane, a task is a turn in it and would claim that job instead.)
+    drops = [
+        f"job {job_id} waits for no worker (cancelled, paused or finished); its task is dropped" for job_id in churn
+    ]
+    deadline = time.monotonic() + 60
+    while not all(line in (stack.logs / "worker.log").read_text() for line in drops):
+        assert time.monotonic() < deadline, "the churn's tasks were not dropped\n" + stack.log_tail()
+        time.sleep(0.25)
+
     # The worker survives and takes the next job.
     short = http.post("/fine_tuning/jobs", json=job_body(file_id, hp={"max_steps": 2})).json()
     assert wait_for(http, short["id"], {"succeeded", "failed"}, 180, stack)["status"] == "succeeded"
     log = (stack.logs / "worker.log").read_text()
     for job_id in churn:
-        assert f"job {job_id} waits for no worker (cancelled, paused or finished); its task is dropped" in log
         assert f"job {job_id} not claimed" not in log  # never reached a pool process
 
 
