@@ -249,7 +249,20 @@ def test_the_sdk_samples_a_base_model_and_its_trained_weights(tmp_path: Path, mo
 def _abandoned_samples_are_cancelled(stack: LiveStack, key: str, base: Any, prompt: list[int], tmp_path: Path) -> None:
     """cancel_future: a sample cancelled before it is answered fails as the user's (and the inference
     worker drops its rows); the SDK sends it on its own when a sampling future is abandoned, as the
-    server's dynamic config enables."""
+    server's dynamic config enables. The inference worker is held still (SIGSTOP) meanwhile, so that
+    no sample is answered before its cancel comes (a loaded machine's SDK thread sent it late)."""
+    import os
+    import signal
+
+    worker = stack.procs["serve"].pid
+    os.killpg(worker, signal.SIGSTOP)
+    try:
+        _cancelled_before_answered(stack, key, base, prompt, tmp_path)
+    finally:
+        os.killpg(worker, signal.SIGCONT)
+
+
+def _cancelled_before_answered(stack: LiveStack, key: str, base: Any, prompt: list[int], tmp_path: Path) -> None:
     import time
 
     import httpx

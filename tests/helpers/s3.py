@@ -7,6 +7,7 @@ import contextlib
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,10 +27,13 @@ CREDENTIALS = {
 def moto_server() -> Iterator[str]:
     """The server's endpoint URL while it runs; stopped afterwards."""
     port = free_port()
+    # Its log (a line a request) goes to a file: a pipe nobody reads fills after some hundred
+    # requests, and the server then hangs in its next write (a module's tests reached that).
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed below, after the server)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
@@ -40,12 +44,14 @@ def moto_server() -> Iterator[str]:
                 break
             except httpx.TransportError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's server did not start: {proc.stderr and proc.stderr.read()!r}") from None
+                    log.seek(0)
+                    raise RuntimeError(f"moto's server did not start: {log.read()[-2000:]!r}") from None
                 time.sleep(0.2)
         yield endpoint
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        log.close()
 
 
 def s3_client(endpoint: str) -> Any:
