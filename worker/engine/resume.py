@@ -108,17 +108,18 @@ def _prune(run: Run, recorder: Recorder) -> None:
             recorder.checkpoint_removed(removed)
 
 
-def record_final(run: Run, recorder: Recorder) -> Path:
+def record_final(run: Run, recorder: Recorder) -> Path | None:
     """A run resumed at its last step trains nothing: the checkpoint it resumed from is its final one,
     recorded as such (not written again). The worker that saved it may have died (or lost the
-    database) before writing its row, naming the model or pruning the ones before it."""
+    database) before writing its row, naming the model or pruning the ones before it. (A run with no
+    step to take and none taken has no checkpoint: None.)"""
     path = run.cfg.resume_from
-    assert path is not None
     if run.ranks.is_main:
         recorder.event(f"Nothing to do: the run already reached its last step ({run.total_steps})")
-        info = json.loads((path / TRAINING_INFO).read_text())
-        recorder.checkpoint(run.start, path, info.get("metrics") or {"step": run.start}, True, written=False)
-        _prune(run, recorder)
+        if path is not None:
+            info = json.loads((path / TRAINING_INFO).read_text())
+            recorder.checkpoint(run.start, path, info.get("metrics") or {"step": run.start}, True, written=False)
+            _prune(run, recorder)
     run.ranks.barrier()
     return path
 
