@@ -49,7 +49,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home / "models"
 
 
-def test_the_data_holds_each_problem_once_with_its_answer_and_uploads_as_chat(built: Path) -> None:
+def test_the_data_holds_each_problem_once_with_its_answer_and_uploads_as_chat(tmp_path: Path) -> None:
     from service.files.datasets import store_jsonl
 
     split = _module("build").problems()
@@ -70,7 +70,7 @@ def test_the_data_holds_each_problem_once_with_its_answer_and_uploads_as_chat(bu
             else:
                 assert row["answer"] == answer
     with open(TOOLS / "sft.jsonl", "rb") as src:  # the upload's own checks: OpenAI's chat format with tools
-        summary = store_jsonl(src, dest=built.parent / "sft-check.jsonl", max_bytes=2**28, max_line_bytes=2**20)
+        summary = store_jsonl(src, dest=tmp_path / "sft-check.jsonl", max_bytes=2**28, max_line_bytes=2**20)
     assert summary.formats == {"chat": 2000} and summary.lines == 2000
 
 
