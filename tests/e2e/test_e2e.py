@@ -246,7 +246,7 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
     with live_stack(kind, tmp_path, models_dir, env=env) as stack:
         http = stack.http
         file_id = upload_path(http, EXAMPLES / "demo" / "train.jsonl")
-        body = job_body(file_id, hp={"max_steps": 16, "checkpoint_interval": 2})
+        body = job_body(file_id, hp={"max_steps": 10, "checkpoint_interval": 2})
         job_id = http.post("/fine_tuning/jobs", json=body).json()["id"]
         wait_for(http, job_id, {"running"}, 120, stack, min_step=5)
         stack.stop("worker", signal.SIGKILL)
@@ -255,7 +255,7 @@ def test_a_worker_killed_mid_job_is_replaced_and_the_job_finishes_from_its_check
         job = wait_for(http, job_id, {"succeeded", "failed", "cancelled"}, 240, stack)
         assert job["status"] == "succeeded", (job["error"], stack.log_tail())
         metrics = http.get(f"/fine_tuning/jobs/{job_id}/metrics").json()["data"]
-        assert [m["step"] for m in metrics] == list(range(1, 17))
+        assert [m["step"] for m in metrics] == list(range(1, 11))
         page = http.get(f"/fine_tuning/jobs/{job_id}/events", params={"limit": 100}).json()["data"]
         events = [e["message"] for e in page]
         recovered = ("stopped sending heartbeats", "The worker process running the job was killed")
