@@ -191,6 +191,29 @@ def test_a_project_past_its_device_hours_is_refused_new_jobs_until_it_frees(clie
     assert client.get("/v1/fine_tuning/jobs", headers=auth).json()["data"] == []
 
 
+def test_a_running_job_of_a_project_past_its_device_hours_is_paused_at_its_next_look(client, auth, operator) -> None:
+    from service.core.db import session_scope
+    from service.jobs import lifecycle
+    from service.tenancy import projects, usage
+    from worker.jobs.database_recorder import DatabaseRecorder
+
+    job = create_job(client, auth, job_body(upload_ok(client, auth)["id"]))  # no budget of its own
+    with session_scope() as session:
+        row = lifecycle.claim(session=session, job_id=job["id"], worker="w1")
+        assert row is not None
+        project = projects.find_project(session=session, id_or_name="alpha")
+        usage.add(session, project_seq=project.seq, subject="ftjob-old", kind="device_seconds", amount=7200.0)
+        session.commit()
+    recorder = DatabaseRecorder(row, holder="w1")
+    assert recorder.step(1, {"total_steps": 10, "trained_tokens": 10}) is None  # no quota yet
+    set_quotas(client, operator, "alpha", device_hours_per_day=1.5)
+    recorder.meter.checked = float("-inf")  # the budget is looked at every 10 s; now
+    assert recorder.step(2, {"total_steps": 10, "trained_tokens": 20}) == "paused"
+    events = client.get(f"/v1/fine_tuning/jobs/{job['id']}/events", headers=auth).json()["data"]
+    assert events[0]["message"].startswith("Paused: the project used 2.0"), events[0]
+    assert "its quota of device_hours_per_day (1.5)" in events[0]["message"]
+
+
 def test_inference_tokens_a_minute_are_a_quota_across_processes(client, auth, operator, monkeypatch) -> None:
     """Counted with the request's most (its prompt and max_tokens): no worker runs here, so each
     request that passes the quota gets the 503 after it, and still spent its tokens."""
