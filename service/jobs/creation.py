@@ -268,8 +268,9 @@ def check_room(session: Session, project: Caller, cap: int) -> None:
     """The project may queue one more job (its quota of ``queued_jobs``, else ``RLOO_MAX_QUEUED_JOBS``),
     its row locked meanwhile, and has device-hours left today (``device_hours_per_day``, read first:
     the lock is held for no longer than the count)."""
-    quotas.check_device_hours(session, project.seq)
-    quota = quotas.limit_of(session, project.seq, "queued_jobs")
+    limits = quotas.quotas_of(session, project.seq)
+    quotas.check_device_hours(session, project.seq, limits)
+    quota = limits.get("queued_jobs")
     limit = int(quota) if quota is not None else cap
     waiting = lifecycle.waiting_jobs(session=session, project_seq=project.seq, up_to=limit)
     if waiting >= limit:

@@ -89,10 +89,14 @@ def apply(project: Project, changes: dict[str, float | None]) -> None:
     project.quotas = quotas or None
 
 
-def limit_of(session: Session, project_seq: int, name: str) -> float | None:
+def quotas_of(session: Session, project_seq: int) -> dict[str, float]:
+    """The project's quotas that are set, as numbers: one read of its row for every check a request makes."""
     quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}
-    value = quotas.get(name)
-    return None if value is None else float(value)
+    return {name: float(value) for name, value in quotas.items() if value is not None}
+
+
+def limit_of(session: Session, project_seq: int, name: str) -> float | None:
+    return quotas_of(session, project_seq).get(name)
 
 
 SESSION_ACTIVE_SECONDS = 600
@@ -115,8 +119,7 @@ def running_use(session: Session, project_seq: int) -> tuple[int, int]:
 
 def why_waiting(session: Session, job: Job) -> str | None:
     """Why ``job`` may not start now (its project at its quota of running jobs or of devices), or None."""
-    quotas = session.scalar(select(Project.quotas).where(Project.seq == job.project_seq)) or {}
-    past = _past(session, job.project_seq, quotas, wanted=asked(job.resources)[0])
+    past = _past(session, job.project_seq, quotas_of(session, job.project_seq), wanted=asked(job.resources)[0])
     return None if past is None else f"Waiting: {past}; it starts when one of them ends."
 
 
@@ -134,8 +137,7 @@ def lock_project(session: Session, project: Any) -> None:
 def check_session_room(session: Session, project_seq: int) -> None:
     """429 when a new Tinker training model would take the project past ``running_jobs`` or ``gpus``
     (``_past`` locks the project until the caller commits the model's row)."""
-    quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}
-    past = _past(session, project_seq, quotas, wanted=1)
+    past = _past(session, project_seq, quotas_of(session, project_seq), wanted=1)
     if past is not None:
         raise LimitReached(
             f"{past[0].upper()}{past[1:]}; it frees up as one ends (a Tinker training model idle for "
@@ -145,24 +147,24 @@ def check_session_room(session: Session, project_seq: int) -> None:
         )
 
 
-def _past(session: Session, project_seq: int, quotas: dict[str, Any], *, wanted: int) -> str | None:
+def _past(session: Session, project_seq: int, quotas: dict[str, float], *, wanted: int) -> str | None:
     """What one more run holding ``wanted`` devices would pass, in words; None: nothing. Where the
     project has either quota, it is locked (``lock_project``) before its runs are counted, until the
     caller commits: a job's claim and a Tinker model never both take its last place."""
     if quotas.get("running_jobs") is None and quotas.get("gpus") is None:
         return None
     lock_project(session, project_seq)
-    quotas = session.scalar(select(Project.quotas).where(Project.seq == project_seq)) or {}  # as of the lock
+    quotas = quotas_of(session, project_seq)  # as of the lock
     jobs, devices = running_use(session, project_seq)
     if quotas.get("running_jobs") is not None and jobs + 1 > quotas["running_jobs"]:
         return (
             f"the project runs {jobs} jobs and Tinker training models, its quota of running_jobs "
-            f"({quotas['running_jobs']})"
+            f"({quotas['running_jobs']:g})"
         )
     if quotas.get("gpus") is not None and devices + wanted > quotas["gpus"]:
         return (
             f"the project's runs hold {devices} devices and this one needs {wanted}, past its quota of gpus "
-            f"({quotas['gpus']})"
+            f"({quotas['gpus']:g})"
         )
     return None
 
@@ -203,23 +205,32 @@ def _day_use(session: Session, project_seq: int, name: str) -> float:
     return usage.device_hours(session, project_seq, since=since)
 
 
-def check_device_hours(session: Session, project_seq: int) -> None:
-    """429 when the project used its ``device_hours_per_day`` (or spent its ``cost_per_day``) in the last
-    24 hours, saying when the oldest of that use leaves the window."""
+def _day_spent(session: Session, project_seq: int, limits: dict[str, float]) -> tuple[str, str, float, float] | None:
+    """The first day quota of ``limits`` the project has used up in the last 24 hours, as (name, unit,
+    used, limit), or None."""
+    for name, unit in DAY_QUOTAS.items():
+        cap = limits.get(name)
+        if cap is not None and (used := _day_use(session, project_seq, name)) >= cap:
+            return name, unit, used, cap
+    return None
+
+
+def check_device_hours(session: Session, project_seq: int, limits: dict[str, float]) -> None:
+    """429 when the project (its quotas ``limits``) used its ``device_hours_per_day`` (or spent its
+    ``cost_per_day``) in the last 24 hours, saying when the oldest of that use leaves the window."""
     from service.tenancy import usage
 
-    for name, unit in DAY_QUOTAS.items():
-        cap = limit_of(session, project_seq, name)
-        if cap is None or (used := _day_use(session, project_seq, name)) < cap:
-            continue
-        now = time.time()
-        frees = usage.window_frees_at(session, project_seq, since=now - 86400)
-        raise LimitReached(
-            f"This project used {used:.2f} {unit} in the last 24 hours, its quota of {name} ({cap:g}); it frees up "
-            f"from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(frees))}.",
-            code="quota_exceeded",
-            retry_after=max(1.0, frees - now),
-        )
+    if (spent := _day_spent(session, project_seq, limits)) is None:
+        return
+    name, unit, used, cap = spent
+    now = time.time()
+    frees = usage.window_frees_at(session, project_seq, since=now - 86400)
+    raise LimitReached(
+        f"This project used {used:.2f} {unit} in the last 24 hours, its quota of {name} ({cap:g}); it frees up "
+        f"from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(frees))}.",
+        code="quota_exceeded",
+        retry_after=max(1.0, frees - now),
+    )
 
 
 def over_budget(session: Session, job: Job) -> str | None:
@@ -240,14 +251,13 @@ def over_budget(session: Session, job: Job) -> str | None:
             return (
                 f"Paused: the job's device time cost {spent:.3f}, its budget ({budget['cost']:g}); resume it to go on."
             )
-    for name, unit in DAY_QUOTAS.items():
-        cap = limit_of(session, job.project_seq, name)
-        if cap is not None and (used := _day_use(session, job.project_seq, name)) >= cap:
-            return (
-                f"Paused: the project used {used:.3f} {unit} in the last 24 hours, its quota of {name} ({cap:g}); "
-                "resume it once that frees up."
-            )
-    return None
+    if (day := _day_spent(session, job.project_seq, quotas_of(session, job.project_seq))) is None:
+        return None
+    name, unit, used, cap = day
+    return (
+        f"Paused: the project used {used:.3f} {unit} in the last 24 hours, its quota of {name} ({cap:g}); "
+        "resume it once that frees up."
+    )
 
 
 def project_quotas(project: Project) -> dict[str, Any]:

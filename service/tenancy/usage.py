@@ -60,15 +60,25 @@ def add(
     session.execute(stmt)
 
 
+def _device_time(
+    *, subject: str | None = None, project_seq: int | None = None, since: float | None = None
+) -> list[Any]:
+    """The rows of device time of one subject or of a project, from ``since`` on in whole hours: an hour
+    that began before ``since`` counts in full when it ends after it, so a day's use is never under-counted."""
+    where: list[Any] = [UsageRecord.kind == "device_seconds"]
+    if subject is not None:
+        where.append(UsageRecord.subject == subject)
+    if project_seq is not None:
+        where.append(UsageRecord.project_seq == project_seq)
+    if since is not None:
+        where.append(UsageRecord.hour > since - 3600)
+    return where
+
+
 def device_hours(session: Session, project_seq: int, *, since: float) -> float:
-    """The project's device-hours from ``since`` on (whole hours: an hour that began before ``since``
-    counts in full when it ends after it, so a day's use is never under-counted)."""
+    """The project's device-hours from ``since`` on (whole hours, as ``_device_time``)."""
     seconds = session.scalar(
-        select(func.sum(UsageRecord.amount)).where(
-            UsageRecord.project_seq == project_seq,
-            UsageRecord.kind == "device_seconds",
-            UsageRecord.hour > since - 3600,
-        )
+        select(func.sum(UsageRecord.amount)).where(*_device_time(project_seq=project_seq, since=since))
     )
     return float(seconds or 0.0) / 3600
 
@@ -76,19 +86,13 @@ def device_hours(session: Session, project_seq: int, *, since: float) -> float:
 def window_frees_at(session: Session, project_seq: int, *, since: float) -> float:
     """When the oldest hour of use counted from ``since`` leaves a 24-hour window."""
     oldest = session.scalar(
-        select(func.min(UsageRecord.hour)).where(
-            UsageRecord.project_seq == project_seq,
-            UsageRecord.kind == "device_seconds",
-            UsageRecord.hour > since - 3600,
-        )
+        select(func.min(UsageRecord.hour)).where(*_device_time(project_seq=project_seq, since=since))
     )
     return float((oldest or hour_of(time.time())) + 3600 + 86400)
 
 
 def device_hours_of(session: Session, subject: str) -> float:
-    seconds = session.scalar(
-        select(func.sum(UsageRecord.amount)).where(UsageRecord.subject == subject, UsageRecord.kind == "device_seconds")
-    )
+    seconds = session.scalar(select(func.sum(UsageRecord.amount)).where(*_device_time(subject=subject)))
     return float(seconds or 0.0) / 3600
 
 
@@ -96,13 +100,8 @@ def cost(session: Session, prices: dict[str, float], *, subject: str | None = No
          since: float | None = None) -> float:  # fmt: skip
     """What device-hours cost at the operator's ``prices`` (a kind without a price costs nothing), of one
     subject or of a project from ``since`` on (whole hours, as ``device_hours``)."""
-    stmt = select(UsageRecord.accelerator, func.sum(UsageRecord.amount)).where(UsageRecord.kind == "device_seconds")
-    if subject is not None:
-        stmt = stmt.where(UsageRecord.subject == subject)
-    if project_seq is not None:
-        stmt = stmt.where(UsageRecord.project_seq == project_seq)
-    if since is not None:
-        stmt = stmt.where(UsageRecord.hour > since - 3600)
+    where = _device_time(subject=subject, project_seq=project_seq, since=since)
+    stmt = select(UsageRecord.accelerator, func.sum(UsageRecord.amount)).where(*where)
     rows = session.execute(stmt.group_by(UsageRecord.accelerator)).all()
     return sum(float(seconds) / 3600 * prices.get(kind, 0.0) for kind, seconds in rows)
 

@@ -4,6 +4,7 @@ archive and restore one, and make or list its keys (a new tenant's first key com
 from __future__ import annotations
 
 from fastapi import APIRouter
+from sqlalchemy.orm import Session
 
 from service.api.deps import OperatorDep, PagingDep, SessionDep
 from service.api.responses import JSON, page
@@ -58,8 +59,7 @@ def update(session: SessionDep, operator: OperatorDep, project_id: str, body: Pr
     """Each quota named is set (a number) or unset (null); the others stay. They hold from the next
     request (a running job is not stopped by a lower running_jobs; it counts until it ends)."""
     changes = quotas.parse(body.quotas)
-    project = projects.find_project(session=session, id_or_name=project_id)
-    audit.concerns(session, project.seq)
+    project = _acted_on(session, project_id)
     quotas.apply(project, changes)
     session.commit()
     return JSON(project_object(project, keys=projects.key_counts(session=session).get(project.seq, 0)))
@@ -68,8 +68,7 @@ def update(session: SessionDep, operator: OperatorDep, project_id: str, body: Pr
 @router.post("/{project_id}/archive", summary="Archive a project: its objects kept, its keys refused")
 @ends_session
 def archive(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON:
-    project = projects.find_project(session=session, id_or_name=project_id)
-    audit.concerns(session, project.seq)
+    project = _acted_on(session, project_id)
     projects.archive(project=project, by_project_seq=operator.seq)
     session.commit()
     return JSON(project_object(project))
@@ -78,8 +77,7 @@ def archive(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON
 @router.post("/{project_id}/restore", summary="Restore an archived project: its keys work again")
 @ends_session
 def restore(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON:
-    project = projects.find_project(session=session, id_or_name=project_id)
-    audit.concerns(session, project.seq)
+    project = _acted_on(session, project_id)
     projects.restore(project=project)
     session.commit()
     return JSON(project_object(project))
@@ -88,8 +86,7 @@ def restore(session: SessionDep, operator: OperatorDep, project_id: str) -> JSON
 @router.post("/{project_id}/keys", summary="Create a key of a project (its secret is answered once)", status_code=201)
 @ends_session
 def create_project_key(session: SessionDep, operator: OperatorDep, project_id: str, body: KeyCreate) -> JSON:
-    project = projects.find_project(session=session, id_or_name=project_id)
-    audit.concerns(session, project.seq)
+    project = _acted_on(session, project_id)
     return create_key(session, operator, project, body)
 
 
@@ -99,3 +96,10 @@ def list_project_keys(session: SessionDep, operator: OperatorDep, project_id: st
     project = projects.find_project(session=session, id_or_name=project_id)
     rows, has_more = paging.apply(session, ApiKey, [ApiKey.project_seq == project.seq])
     return page([key_object(r) for r in rows], has_more)
+
+
+def _acted_on(session: Session, project_id: str) -> Project:
+    """The project an operator's action is on, its audit row filed in that project's log."""
+    project = projects.find_project(session=session, id_or_name=project_id)
+    audit.concerns(session, project.seq)
+    return project
