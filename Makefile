@@ -31,7 +31,8 @@ up: install
 
 # Three processes, each stealing the next test from the others when it runs out: most e2e tests wait
 # on child processes, so on two cores two processes left a third of the CPU idle (the suite took
-# 18 min with two, 15 with three; TEST_PROCESSES=2 where a test's time matters more than the suite's).
+# 18 min with two, 15 with three when measured; 20-23 min with three on 2026-12-07's machines, where
+# the CPUs were busy 1.7 of 2 cores throughout: TEST_PROCESSES=2 where a test's time matters more).
 TEST_PROCESSES ?= 3
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist worksteal $(PYTEST_ARGS)
