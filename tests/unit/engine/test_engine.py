@@ -20,7 +20,7 @@ from tests.helpers.training import ANSWER, LORA, TIMING, ListRecorder, config
 from worker.engine import modeling
 from worker.engine.checkpoints import TRAINING_INFO, TRAINING_STATE, latest_resumable
 from worker.engine.errors import JobError
-from worker.engine.methods import rloo as train_mod
+from worker.engine.methods import rloo_update
 from worker.engine.methods.rloo import train
 
 
@@ -219,13 +219,13 @@ def test_lora_on_modules_the_model_lacks_fails_clearly(tmp_path, models_dir):
 # ---------------------------------------------------------------- update options
 def test_one_pass_spends_no_forward_on_old_logprobs_and_its_ratio_is_exactly_one(tmp_path, models_dir, monkeypatch):
     calls: list[bool] = []
-    real = train_mod.completion_logprobs
+    real = rloo_update.completion_logprobs
 
     def spy(model: Any, *a: Any, **kw: Any) -> Any:
         calls.append(model.training)  # the policy runs in train mode, the frozen reference in eval mode
         return real(model, *a, **kw)
 
-    monkeypatch.setattr(train_mod, "completion_logprobs", spy)  # the policy's passes
+    monkeypatch.setattr(rloo_update, "completion_logprobs", spy)  # the policy's passes
     monkeypatch.setattr(modeling, "completion_logprobs", spy)  # the reference's
     _, one = run(tmp_path / "one", models_dir, max_steps=2, clip_epsilon=1e-6)
     assert calls.count(True) == 2 and calls.count(False) == 2  # one policy and one reference forward a step

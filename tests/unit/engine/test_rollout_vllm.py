@@ -227,7 +227,7 @@ def test_mask_leaves_out_the_completions_a_stale_sampler_drew(fake_vllm, monkeyp
 def test_auto_correction_is_tis_only_where_the_sampler_is_not_the_policy_and_there_is_no_nucleus() -> None:
     from types import SimpleNamespace
 
-    from worker.engine.methods.rloo import correction_mode
+    from worker.engine.methods.rloo_update import correction_mode
 
     def mode(correction: str, top_p: float, logprobs: bool) -> str:
         hp = SimpleNamespace(sampler_correction=correction, top_p=top_p)
