@@ -1,4 +1,5 @@
-"""The JSON response of every handler that builds its body as plain data."""
+"""The JSON response of every handler that builds its body as plain data, and the OpenAPI answer of
+the routes that stream on request."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import math
 from typing import Any
 
 from starlette.responses import Response
+
+STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+"""The OpenAPI answer of a route that streams on request: a JSON body, or ``text/event-stream``."""
 
 
 class JSON(Response):

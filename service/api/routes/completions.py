@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from service import tools
 from service.api.deps import ProjectDep, SessionDep, SettingsDep
 from service.api.errors import APIError, error_body, status_of
-from service.api.responses import JSON
+from service.api.responses import JSON, STREAMED
 from service.api.routing import StrictJSONRoute
 from service.api.schemas.completions import ChatCompletionCreate, CompletionCreate, Sampling
 from service.api.streams import EventStreamResponse
@@ -42,8 +42,6 @@ router = APIRouter(prefix="/v1", route_class=StrictJSONRoute, tags=["inference"]
 log = logging.getLogger("rloo.api")
 
 FINGERPRINT = "rloo"
-
-STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
 @router.post("/chat/completions", summary="Create a chat completion", responses=STREAMED)

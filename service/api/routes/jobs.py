@@ -16,7 +16,7 @@ from service import graders, tools
 from service.api import streams
 from service.api.deps import PagingDep, ProjectDep, SessionDep, SettingsDep
 from service.api.errors import APIError
-from service.api.responses import JSON, page, replayed
+from service.api.responses import JSON, STREAMED, page, replayed
 from service.api.routing import StrictJSONRoute
 from service.api.tarstream import TarLayout, tar_response
 from service.core import crud
@@ -219,7 +219,6 @@ STREAM_DOC = (
     "With `stream=true`: `text/event-stream`, each row as `id: <cursor>` and `data: <its JSON>`, oldest "
     "first, from after `Last-Event-ID` (or `after`), live, then `data: [DONE]` once the job is final."
 )
-STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 StreamQuery = Annotated[bool, Query(description="Answer a live text/event-stream instead of a page.")]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)]
 
